@@ -1,0 +1,60 @@
+"""Checkpoint readers: each format yields (ModelArgs, weights by the model's names).
+
+`open_checkpoint(path)` picks the reader from what the path is: a `.gguf`
+file, or a Hugging Face / MLX directory (`config.json` + `*.safetensors`).
+Weights stay lazy: nothing is read until the model evaluates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..model import ModelArgs
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: the message names the file and the problem."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    format: str  # "hf" or "gguf"
+    args: ModelArgs
+    weights: dict[str, mx.array]  # lazy, by the model's parameter names
+    metadata: dict[str, Any] = field(default_factory=dict)  # GGUF metadata (tokenizer)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Read the config and (lazily) the weights of a checkpoint at `path`."""
+    from . import gguf, hf
+
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if p.is_file():
+        return gguf.read(p)
+    if (p / "config.json").is_file():
+        return hf.read(p)
+    raise CheckpointError(
+        f"{p}: not a model: expected a .gguf file or a directory with config.json"
+    )
+
+
+def quantization_of(weights: dict[str, mx.array], path: str, in_dims: int) -> dict[str, int] | None:
+    """Bits and group size of a quantized tensor, read off its shapes.
+
+    MLX's affine quantization packs `in_dims` values into `in_dims * bits / 32`
+    uint32 columns with one scale and bias per `group_size` values, so both
+    numbers follow from the stored shapes (this also covers GGUF Q4_0/Q4_1/Q8_0,
+    which MLX returns in the same form with group size 32).
+    """
+    scales = weights.get(f"{path}.scales")
+    if scales is None:
+        return None
+    packed = weights[f"{path}.weight"].shape[-1]
+    return {"bits": packed * 32 // in_dims, "group_size": in_dims // scales.shape[-1]}

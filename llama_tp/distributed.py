@@ -1,0 +1,73 @@
+"""Everything about ranks outside the sharded layers: the group, printing, sharing.
+
+Under `mlx.launch` every rank runs the same program (SPMD); these helpers keep
+the ranks in step and make only rank 0 talk to the user.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+import mlx.core as mx
+
+
+def world() -> mx.distributed.Group:
+    """The global group: size 1 when not launched by mlx.launch."""
+    return mx.distributed.init()
+
+
+def is_rank0(group: mx.distributed.Group | None = None) -> bool:
+    return (group or world()).rank() == 0
+
+
+def print0(*args: Any, group: mx.distributed.Group | None = None, **kwargs: Any) -> None:
+    """print() on rank 0 only; other ranks stay silent."""
+    if is_rank0(group):
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def eprint0(*args: Any, group: mx.distributed.Group | None = None) -> None:
+    """print() to stderr on rank 0 only."""
+    print0(*args, group=group, file=sys.stderr)
+
+
+def barrier(group: mx.distributed.Group | None = None) -> None:
+    """Return once every rank got here (a one-element all-reduce on the CPU)."""
+    group = group or world()
+    if group.size() > 1:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+
+
+def all_gather_bytes(data: bytes, group: mx.distributed.Group | None = None) -> list[bytes]:
+    """Every rank's `data`, in rank order, on every rank (two small collectives)."""
+    group = group or world()
+    if group.size() == 1:
+        return [data]
+    n = mx.distributed.all_gather(mx.array([len(data)]), group=group, stream=mx.cpu).tolist()
+    buf = mx.zeros((max(n),), dtype=mx.uint8)
+    if data:
+        buf[: len(data)] = mx.array(list(data), dtype=mx.uint8)
+    rows = mx.distributed.all_gather(buf[None], group=group, stream=mx.cpu)
+    return [bytes(rows[i, : n[i]].tolist()) for i in range(group.size())]
+
+
+def all_gather_object(obj: Any, group: mx.distributed.Group | None = None) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order, on every rank."""
+    return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj), group)]
+
+
+def broadcast_object(obj: Any, group: mx.distributed.Group | None = None) -> Any:
+    """Rank 0's `obj` on every rank (the others pass anything, e.g. None)."""
+    group = group or world()
+    if group.size() == 1:
+        return obj
+    data = pickle.dumps(obj) if group.rank() == 0 else b""
+    return pickle.loads(all_gather_bytes(data, group)[0])
+
+
+def broadcast_text(text: str | None, group: mx.distributed.Group | None = None) -> str | None:
+    """Rank 0's string (or None) on every rank."""
+    return broadcast_object(text, group)

@@ -1,0 +1,206 @@
+"""The generation loop and `python -m llama_tp.generate`.
+
+    python -m llama_tp.generate --prompt "What is the capital of France?"
+    mlx.launch -n 2 python -m llama_tp.generate --model path/to/model --prompt hi
+
+Every rank runs the same loop on the same tokens; the sharded layers' all-reduces
+keep their logits identical, and a shared seed keeps their samples identical.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .distributed import all_gather_object, broadcast_object, eprint0, print0, world
+
+
+def agree_seed(seed: int | None, group: mx.distributed.Group | None = None) -> int:
+    """Seed every rank's RNG with the same value (rank 0's choice when `seed` is None).
+
+    Ranks that sampled differently would feed different tokens into their
+    caches and silently compute garbage from then on.
+    """
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    seed = broadcast_object(seed, group)
+    mx.random.seed(seed)
+    return seed
+
+
+def generate_step(
+    model: nn.Module,
+    prompt: list[int],
+    sampler: Callable[[mx.array], mx.array],
+    max_tokens: int,
+    cache: list[Any] | None = None,
+    prefill_step_size: int = 512,
+) -> Iterator[int]:
+    """Yield up to `max_tokens` token ids after `prompt` (a generator, as in mlx-lm).
+
+    The prompt is prefilled in chunks; then each step builds the next token's
+    graph before waiting for the current one (`mx.async_eval`), so Python work
+    overlaps computation.
+    """
+    cache = cache if cache is not None else make_prompt_cache(model)
+    tokens = mx.array(prompt, dtype=mx.int32)
+
+    def step(x: mx.array) -> mx.array:
+        logits = model(x[None], cache=cache)[:, -1, :]  # (1, vocab)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return sampler(logprobs).reshape(-1)  # (1,)
+
+    while tokens.size > prefill_step_size:
+        model(tokens[None, :prefill_step_size], cache=cache)
+        mx.eval([c.state for c in cache])
+        tokens = tokens[prefill_step_size:]
+    y = step(tokens)
+    mx.async_eval(y)
+    for n in range(max_tokens):
+        next_y = step(y) if n + 1 < max_tokens else None
+        if next_y is not None:
+            mx.async_eval(next_y)
+        yield y.item()
+        y = next_y
+
+
+@dataclass
+class Response:
+    text: str  # the new piece of text (may be empty while a character is incomplete)
+    token: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    finish_reason: str | None  # "stop", "length" or None
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    prompt: list[int],
+    *,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    group: mx.distributed.Group | None = None,
+) -> Iterator[Response]:
+    """Generate from token ids `prompt`, yielding text pieces as they are decoded."""
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    agree_seed(seed, group)
+    sampler = make_sampler(temp=temp, top_p=top_p)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    eos = set(tokenizer.eos_token_ids)
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    n = 0
+    for n, token in enumerate(generate_step(model, prompt, sampler, max_tokens), start=1):
+        if n == 1:
+            prompt_time = time.perf_counter() - tic
+            prompt_tps = len(prompt) / prompt_time
+            tic = time.perf_counter()
+        gen_tps = (n - 1) / (time.perf_counter() - tic) if n > 1 else 0.0
+        if token in eos:
+            detok.finalize()
+            yield Response(detok.last_segment, token, len(prompt), prompt_tps, n, gen_tps, "stop")
+            return
+        detok.add_token(token)
+        finish = "length" if n == max_tokens else None
+        if finish:
+            detok.finalize()
+        yield Response(detok.last_segment, token, len(prompt), prompt_tps, n, gen_tps, finish)
+
+
+def _parser():
+    from .cli import ArgumentParser
+
+    p = ArgumentParser(
+        prog="python -m llama_tp.generate",
+        description="Generate text with a Llama-family model, on one process or across "
+        "the ranks started by mlx.launch.",
+    )
+    p.add_argument(
+        "--model",
+        help="GGUF file, Hugging Face/MLX directory or hub repo id "
+        "(default: the built-in SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--prompt", "-p", default="hello", help="the prompt ('-' reads stdin)")
+    p.add_argument("--max-tokens", "-m", type=int, default=100)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument(
+        "--verbose", action="store_true", help="print speed and every rank's peak memory on stderr"
+    )
+    return p
+
+
+def read_prompt(prompt: str, group: mx.distributed.Group) -> str:
+    """The prompt text; `-` means rank 0's stdin, shared with every rank."""
+    if prompt != "-":
+        return prompt
+    text = None
+    if group.rank() == 0:
+        text = sys.stdin.buffer.read().decode("utf-8", errors="strict")
+    return broadcast_object(text, group)
+
+
+def main() -> int:
+    from .cli import UsageError
+    from .loader import default_model, load
+    from .tokenizer import encode_prompt
+
+    group = world()
+    args = _parser().parse_args()
+    if args.max_tokens <= 0:
+        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.temp < 0:
+        raise UsageError(f"--temp must be >= 0, got {args.temp}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    prompt = read_prompt(args.prompt, group)
+    if not prompt:
+        raise UsageError("the prompt is empty")
+    model, tokenizer = load(args.model or default_model(), group)
+    ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
+    r = None
+    for r in stream_generate(
+        model,
+        tokenizer,
+        ids,
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        top_p=args.top_p,
+        seed=args.seed,
+        group=group,
+    ):
+        print0(r.text, end="")
+    print0()
+    peaks = all_gather_object(mx.get_peak_memory(), group)
+    if args.verbose and r is not None:
+        eprint0(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
+        eprint0(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
+        per_rank = ", ".join(f"rank {i} {p / 1e9:.3f} GB" for i, p in enumerate(peaks))
+        eprint0(f"Peak memory: {per_rank} ({group.size()} rank{'s' * (group.size() > 1)})")
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import run
+
+    run(main)

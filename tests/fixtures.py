@@ -1,0 +1,204 @@
+"""Tiny random-weight models in real checkpoint formats, for tests and examples.
+
+`write_hf_model(path, ...)` writes a Hugging Face directory (config.json,
+model.safetensors, and a sentencepiece tokenizer trained here) that both
+llama_tp and mlx-lm load. Run as a script to write one:
+    python tests/fixtures.py OUT_DIR [--heads 8 --kv-heads 2 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Tensor parallel inference runs on many Macs at once.",
+    "Ranks share the heads of attention and the columns of the feed-forward block.",
+    "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 .,;:!?'\"()-",
+    "Où est la gare? Überall schöne Grüße. 東京 and 🙂 go through byte fallback.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def train_sentencepiece(out: Path, vocab_size: int = 384) -> None:
+    """Train a tiny BPE sentencepiece model with byte fallback into out/tokenizer.model."""
+    import sentencepiece as spm
+
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = out / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 4))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(out / "tokenizer"),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    corpus.unlink()
+    (out / "tokenizer.vocab").unlink()
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "legacy": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def hf_config(
+    dim: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 8,
+    n_kv_heads: int = 2,
+    hidden_dim: int = 96,
+    vocab_size: int = 384,
+    head_dim: int | None = None,
+    model_type: str = "llama",
+    tie: bool = False,
+    rope_scaling: dict | None = None,
+    rope_traditional: bool = False,
+) -> dict:
+    config = {
+        "model_type": model_type,
+        "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
+        "hidden_size": dim,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "intermediate_size": hidden_dim,
+        "vocab_size": vocab_size,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": tie,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if head_dim:
+        config["head_dim"] = head_dim
+    if rope_scaling:
+        config["rope_scaling"] = rope_scaling
+    if rope_traditional:
+        config["rope_traditional"] = True
+    return config
+
+
+def random_weights(config: dict, seed: int = 0, dtype=mx.float32) -> dict[str, mx.array]:
+    """Hugging Face-named random weights for `config` (scaled so activations stay O(1))."""
+    mx.random.seed(seed)
+    d, h = config["hidden_size"], config["intermediate_size"]
+    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config.get("head_dim") or d // nh
+    bias = config["model_type"] == "qwen2"
+
+    def w(*shape):
+        return (mx.random.normal(shape) * shape[-1] ** -0.5).astype(dtype)
+
+    out = {"model.embed_tokens.weight": w(config["vocab_size"], d)}
+    out["model.norm.weight"] = (1 + 0.1 * mx.random.normal((d,))).astype(dtype)
+    if not config["tie_word_embeddings"]:
+        out["lm_head.weight"] = w(config["vocab_size"], d)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = w(nh * hd, d)
+        out[p + "self_attn.k_proj.weight"] = w(nkv * hd, d)
+        out[p + "self_attn.v_proj.weight"] = w(nkv * hd, d)
+        out[p + "self_attn.o_proj.weight"] = w(d, nh * hd)
+        if bias:
+            for n, size in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
+                out[p + f"self_attn.{n}_proj.bias"] = (0.1 * mx.random.normal((size,))).astype(
+                    dtype
+                )
+        out[p + "mlp.gate_proj.weight"] = w(h, d)
+        out[p + "mlp.up_proj.weight"] = w(h, d)
+        out[p + "mlp.down_proj.weight"] = w(d, h)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[p + f"{n}.weight"] = (1 + 0.1 * mx.random.normal((d,))).astype(dtype)
+    return out
+
+
+def quantize_weights(
+    weights: dict[str, mx.array], bits: int, group_size: int
+) -> dict[str, mx.array]:
+    """MLX affine quantization of every 2-D projection and the embedding, as mlx_lm.convert does."""
+    out = {}
+    for name, value in weights.items():
+        if value.ndim == 2 and value.shape[-1] % group_size == 0:
+            base = name[: -len(".weight")]
+            wq, scales, biases = mx.quantize(value, group_size=group_size, bits=bits)
+            out[name], out[base + ".scales"], out[base + ".biases"] = wq, scales, biases
+        else:
+            out[name] = value
+    return out
+
+
+def write_hf_model(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    dtype=mx.float32,
+    quantize: tuple[int, int] | None = None,
+    tokenizer: bool = True,
+    **config_kwargs,
+) -> Path:
+    """Write a random-weight Hugging Face directory; returns its path.
+
+    `quantize=(bits, group_size)` writes an MLX-quantized checkpoint instead.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = hf_config(**config_kwargs)
+    weights = random_weights(config, seed, dtype)
+    if quantize:
+        bits, group_size = quantize
+        weights = quantize_weights(weights, bits, group_size)
+        config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer:
+        train_sentencepiece(path, config["vocab_size"])
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--hidden-dim", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    write_hf_model(
+        args.out,
+        seed=args.seed,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        hidden_dim=args.hidden_dim,
+    )
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
