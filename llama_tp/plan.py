@@ -252,3 +252,36 @@ def format_plan(plan: Plan, bytes_per_rank: list[int] | None = None) -> str:
         counts = [len(p.q_heads) for p in plan.parts]
         lines.append(f"imbalance: {_imbalance(counts):.1f}% of query heads")
     return "\n".join(lines)
+
+
+def main() -> int:
+    """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
+    from .cli import ArgumentParser
+
+    p = ArgumentParser(
+        prog="python -m llama_tp.plan",
+        description="Show how a model's heads, feed-forward columns and weight bytes "
+        "split over N ranks.",
+    )
+    p.add_argument("--model", help="GGUF file or Hugging Face/MLX directory (default: built-in)")
+    p.add_argument("-n", type=int, required=True, help="number of ranks")
+    args = p.parse_args()
+    if args.n < 1:
+        p.error(f"-n must be at least 1, got {args.n}")
+
+    # Reading shapes is lazy: no weight is loaded to print the plan.
+    from .checkpoints import open_checkpoint
+    from .loader import build_model, default_model, plan_for
+
+    ckpt = open_checkpoint(args.model or default_model())
+    plan = plan_for(build_model(ckpt), args.n)
+    tensors = {k: (tuple(v.shape), v.nbytes) for k, v in ckpt.weights.items()}
+    print(f"{ckpt.path.name}:")
+    print(format_plan(plan, weight_bytes(plan, tensors)))
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import run
+
+    run(main)
