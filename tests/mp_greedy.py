@@ -1,0 +1,43 @@
+"""Run under mlx.launch (or alone): greedy tokens and first-step logits of a chat prompt.
+
+    mlx.launch -n 2 -- python tests/mp_greedy.py --model M --prompt P --tokens 16 --out F.npz
+
+Ignores end-of-sequence so that every run yields exactly --tokens ids. Rank 0
+writes the token ids and the last-position logits of the prompt to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from llama_tp import load
+from llama_tp.tokenizer import encode_prompt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    world = mx.distributed.init()
+    model, tokenizer = load(args.model, world)
+    ids = encode_prompt(tokenizer, args.prompt)
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([ids]), cache=cache)[0, -1].astype(mx.float32)
+    tokens = [int(mx.argmax(logits).item())]
+    first = np.array(logits)
+    for _ in range(args.tokens - 1):
+        step = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
+        tokens.append(int(mx.argmax(step).item()))
+    if world.rank() == 0:
+        np.savez(args.out, tokens=np.array(tokens), logits=first, prompt=np.array(ids))
+
+
+if __name__ == "__main__":
+    main()
