@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(LAUNCH) -n 2 --starting-port 32323 $(PY) -m llama_tp.generate --prompt "$(PROMPT)" --verbose
+	$(LAUNCH) -n 2 --starting-port 32323 -- $(PY) -m llama_tp.generate --prompt "$(PROMPT)" --verbose
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -47,6 +47,9 @@ def bad_models(tmp_path_factory, tiny_dir):
     """name -> (path, expected text of the error line)."""
     root = tmp_path_factory.mktemp("bad")
     out = {"missing": (root / "nope", "no such file or directory")}
+    # Looks like a hub repo id: this machine (and CI) has no hub, and a real hub
+    # would answer that the repo does not exist; either way one line.
+    out["repo_id"] = ("no-such-org/no-such-model", "fetching it from the Hugging Face hub failed")
     (root / "empty").mkdir()
     out["no_config"] = (root / "empty", "not a model: expected a .gguf file or a directory")
 
@@ -72,7 +75,9 @@ def bad_models(tmp_path_factory, tiny_dir):
     return out
 
 
-@pytest.mark.parametrize("name", ["missing", "no_config", "unknown_type", "mismatch", "bad_json"])
+@pytest.mark.parametrize(
+    "name", ["missing", "repo_id", "no_config", "unknown_type", "mismatch", "bad_json"]
+)
 def test_bad_model_single_process(bad_models, name):
     path, expected = bad_models[name]
     assert_one_error(run_python(generate_args(path)), expected)

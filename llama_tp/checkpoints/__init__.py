@@ -7,6 +7,7 @@ Weights stay lazy: nothing is read until the model evaluates them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     from . import gguf, hf
 
     p = Path(path)
+    if not p.exists() and _REPO_ID.match(str(path)):
+        p = _download(str(path))
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if p.is_file():
@@ -43,6 +46,22 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     raise CheckpointError(
         f"{p}: not a model: expected a .gguf file or a directory with config.json"
     )
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _download(repo: str) -> Path:
+    """A Hugging Face hub repo id, fetched (or found in the cache) as mlx-lm does."""
+    from mlx_lm.utils import _download as mlx_lm_download
+
+    try:
+        return Path(mlx_lm_download(repo))
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{repo}: not a local path, and fetching it from the Hugging Face hub failed ({first})"
+        ) from None
 
 
 def quantization_of(weights: dict[str, mx.array], path: str, in_dims: int) -> dict[str, int] | None:
