@@ -96,11 +96,20 @@ def stream_generate(
     temp: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
+    cache: list[Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
     group: mx.distributed.Group | None = None,
 ) -> Iterator[Response]:
-    """Generate from token ids `prompt`, yielding text pieces as they are decoded."""
+    """Generate from token ids `prompt`, yielding text pieces as they are decoded.
+
+    `cache` (from `make_prompt_cache`) already holding earlier tokens continues
+    from them: `prompt` is then only the new tokens. `should_stop` is asked on
+    every rank after every token; when any rank answers True, all ranks stop at
+    the same token (finish_reason "interrupted"), so their caches stay alike.
+    """
     if not prompt:
         raise ValueError("the prompt is empty")
+    group = group or world()
     agree_seed(seed, group)
     sampler = make_sampler(temp=temp, top_p=top_p)
     detok = tokenizer.detokenizer
@@ -108,22 +117,33 @@ def stream_generate(
     eos = set(tokenizer.eos_token_ids)
     tic = time.perf_counter()
     prompt_tps = 0.0
-    n = 0
-    for n, token in enumerate(generate_step(model, prompt, sampler, max_tokens), start=1):
+    steps = generate_step(model, prompt, sampler, max_tokens, cache)
+    for n, token in enumerate(steps, start=1):
         if n == 1:
-            prompt_time = time.perf_counter() - tic
-            prompt_tps = len(prompt) / prompt_time
+            prompt_tps = len(prompt) / (time.perf_counter() - tic)
             tic = time.perf_counter()
         gen_tps = (n - 1) / (time.perf_counter() - tic) if n > 1 else 0.0
+        finish = None
         if token in eos:
-            detok.finalize()
-            yield Response(detok.last_segment, token, len(prompt), prompt_tps, n, gen_tps, "stop")
-            return
-        detok.add_token(token)
-        finish = "length" if n == max_tokens else None
+            finish = "stop"
+        else:
+            detok.add_token(token)
+            if n == max_tokens:
+                finish = "length"
+            elif should_stop is not None and _any_rank(should_stop(), group):
+                finish = "interrupted"
         if finish:
             detok.finalize()
         yield Response(detok.last_segment, token, len(prompt), prompt_tps, n, gen_tps, finish)
+        if finish:
+            return
+
+
+def _any_rank(flag: bool, group: mx.distributed.Group) -> bool:
+    """True on every rank when `flag` is True on any rank (one tiny all-reduce)."""
+    if group.size() == 1:
+        return flag
+    return mx.distributed.all_sum(mx.array(int(flag)), group=group, stream=mx.cpu).item() > 0
 
 
 def _parser():
