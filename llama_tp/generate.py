@@ -21,10 +21,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .distributed import all_gather_object, broadcast_object, eprint0, print0, world
+from .sampling import make_sampler, token_logprobs, vocab_shard
 
 
 def agree_seed(seed: int | None, group: mx.distributed.Group | None = None) -> int:
@@ -47,39 +47,42 @@ def generate_step(
     max_tokens: int,
     cache: list[Any] | None = None,
     prefill_step_size: int = 512,
-) -> Iterator[int]:
-    """Yield up to `max_tokens` token ids after `prompt` (a generator, as in mlx-lm).
+) -> Iterator[tuple[int, mx.array]]:
+    """Yield up to `max_tokens` (token id, logits) after `prompt` (a generator, as in mlx-lm).
 
-    The prompt is prefilled in chunks; then each step builds the next token's
-    graph before waiting for the current one (`mx.async_eval`), so Python work
-    overlaps computation.
+    `sampler` maps logits (1, V) to a token (1,); with a vocabulary-parallel head
+    the logits are this rank's (1, V_local). The prompt is prefilled in chunks;
+    then each step builds the next token's graph before waiting for the current
+    one (`mx.async_eval`), so Python work overlaps computation.
     """
     cache = cache if cache is not None else make_prompt_cache(model)
     tokens = mx.array(prompt, dtype=mx.int32)
 
-    def step(x: mx.array) -> mx.array:
-        logits = model(x[None], cache=cache)[:, -1, :]  # (1, vocab)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return sampler(logprobs).reshape(-1)  # (1,)
+    def step(x: mx.array) -> tuple[mx.array, mx.array]:
+        logits = model(x[None], cache=cache)[:, -1, :]  # (1, V) or (1, V_local)
+        return sampler(logits).reshape(-1), logits  # (1,)
 
     while tokens.size > prefill_step_size:
         model(tokens[None, :prefill_step_size], cache=cache)
         mx.eval([c.state for c in cache])
         tokens = tokens[prefill_step_size:]
-    y = step(tokens)
+    y, logits = step(tokens)
     mx.async_eval(y)
     for n in range(max_tokens):
-        next_y = step(y) if n + 1 < max_tokens else None
-        if next_y is not None:
-            mx.async_eval(next_y)
-        yield y.item()
-        y = next_y
+        nxt = step(y) if n + 1 < max_tokens else None
+        if nxt is not None:
+            mx.async_eval(nxt[0])
+        yield y.item(), logits
+        if nxt is not None:
+            y, logits = nxt
 
 
 @dataclass
 class Response:
     text: str  # the new piece of text (may be empty while a character is incomplete)
     token: int
+    logprob: float | None  # with stream_generate(logprobs=...): of `token`
+    top_logprobs: list[tuple[int, float]] | None  # the `logprobs` most likely (id, logprob)
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int
@@ -98,6 +101,7 @@ def stream_generate(
     seed: int | None = None,
     cache: list[Any] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    logprobs: int | None = None,
     group: mx.distributed.Group | None = None,
 ) -> Iterator[Response]:
     """Generate from token ids `prompt`, yielding text pieces as they are decoded.
@@ -106,19 +110,22 @@ def stream_generate(
     from them: `prompt` is then only the new tokens. `should_stop` is asked on
     every rank after every token; when any rank answers True, all ranks stop at
     the same token (finish_reason "interrupted"), so their caches stay alike.
+    `logprobs=k` adds each token's log-probability and the k most likely
+    alternatives (0: the token's only), exact also with a sharded vocabulary.
     """
     if not prompt:
         raise ValueError("the prompt is empty")
     group = group or world()
-    agree_seed(seed, group)
-    sampler = make_sampler(temp=temp, top_p=top_p)
+    seed = agree_seed(seed, group)
+    shard = vocab_shard(model)
+    sampler = make_sampler(temp=temp, top_p=top_p, shard=shard, seed=seed)
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)
     tic = time.perf_counter()
     prompt_tps = 0.0
     steps = generate_step(model, prompt, sampler, max_tokens, cache)
-    for n, token in enumerate(steps, start=1):
+    for n, (token, logits) in enumerate(steps, start=1):
         if n == 1:
             prompt_tps = len(prompt) / (time.perf_counter() - tic)
             tic = time.perf_counter()
@@ -134,7 +141,15 @@ def stream_generate(
                 finish = "interrupted"
         if finish:
             detok.finalize()
-        yield Response(detok.last_segment, token, len(prompt), prompt_tps, n, gen_tps, finish)
+        lp = top = None
+        if logprobs is not None:
+            chosen, ids, vals = token_logprobs(logits, mx.array([token]), shard, logprobs)
+            lp = chosen.item()
+            if ids is not None:
+                top = list(zip(ids[0].tolist(), vals[0].tolist(), strict=True))
+        yield Response(
+            detok.last_segment, token, lp, top, len(prompt), prompt_tps, n, gen_tps, finish
+        )
         if finish:
             return
 
@@ -144,6 +159,14 @@ def _any_rank(flag: bool, group: mx.distributed.Group) -> bool:
     if group.size() == 1:
         return flag
     return mx.distributed.all_sum(mx.array(int(flag)), group=group, stream=mx.cpu).item() > 0
+
+
+def vocab_bytes(model: nn.Module) -> int:
+    """Bytes of the embedding and output head this rank holds (shared once when tied)."""
+    from mlx.utils import tree_flatten
+
+    parts = [model.tok_embeddings] + ([model.output] if "output" in model else [])
+    return sum(v.nbytes for m in parts for _, v in tree_flatten(m.parameters()))
 
 
 def _parser():
@@ -166,6 +189,11 @@ def _parser():
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument(
+        "--no-vocab-parallel",
+        action="store_true",
+        help="keep the embedding and output head whole on every rank",
+    )
     p.add_argument(
         "--verbose", action="store_true", help="print speed and every rank's peak memory on stderr"
     )
@@ -221,7 +249,7 @@ def main() -> int:
     prompt = read_prompt(args.prompt, group)
     if not prompt:
         raise UsageError("the prompt is empty")
-    model, tokenizer = load(args.model or default_model(), group)
+    model, tokenizer = load(args.model or default_model(), group, not args.no_vocab_parallel)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     r = None
     for r in stream_generate(
@@ -236,12 +264,14 @@ def main() -> int:
     ):
         print0(r.text, end="")
     print0()
-    peaks = all_gather_object(mx.get_peak_memory(), group)
     if args.verbose and r is not None:
+        peaks = all_gather_object((mx.get_peak_memory(), vocab_bytes(model)), group)
         eprint0(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
         eprint0(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
-        per_rank = ", ".join(f"rank {i} {p / 1e9:.3f} GB" for i, p in enumerate(peaks))
+        per_rank = ", ".join(f"rank {i} {p / 1e9:.3f} GB" for i, (p, _) in enumerate(peaks))
         eprint0(f"Peak memory: {per_rank} ({group.size()} rank{'s' * (group.size() > 1)})")
+        emb = ", ".join(f"rank {i} {b / 1e6:.1f} MB" for i, (_, b) in enumerate(peaks))
+        eprint0(f"Embedding and head: {emb}")
     return 0
 
 

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from .checkpoints import Checkpoint, CheckpointError, open_checkpoint, quantization_of
 from .distributed import barrier, world
 from .model import Transformer
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, vocab_ranges
 
 
 def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
@@ -68,10 +68,12 @@ def build_model(ckpt: Checkpoint) -> Transformer:
 
 
 def load_model(
-    path: str | Path, group: mx.distributed.Group | None = None
+    path: str | Path, group: mx.distributed.Group | None = None, vocab_parallel: bool = True
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
 
+    With `vocab_parallel` (the default) the embedding and output head are split
+    by vocabulary rows too, and the model returns each rank's slice of the logits.
     Returns the model, evaluated, and the checkpoint it came from (config,
     GGUF metadata). Every rank returns only after all ranks have loaded.
     """
@@ -80,16 +82,19 @@ def load_model(
     model = build_model(ckpt)
     if group.size() > 1:
         shard_model(model, group)
+        if vocab_parallel:
+            rows = vocab_ranges(model.args.vocab_size, group.size())[group.rank()]
+            model.shard_vocab(group, rows.start, rows.stop)
     mx.eval(model.parameters())
     barrier(group)
     return model, ckpt
 
 
-def load(path: str | Path, group: mx.distributed.Group | None = None):
+def load(path: str | Path, group: mx.distributed.Group | None = None, vocab_parallel: bool = True):
     """(model, tokenizer) for the checkpoint at `path`; see `load_model`."""
     from .tokenizer import load_tokenizer
 
-    model, ckpt = load_model(path, group)
+    model, ckpt = load_model(path, group, vocab_parallel)
     return model, load_tokenizer(ckpt)
 
 

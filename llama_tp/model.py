@@ -21,6 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .layers import shard_linear_range
 from .plan import RankPart
+from .vocab_parallel import VocabParallelEmbedding
 
 
 @dataclass
@@ -185,8 +186,18 @@ class Transformer(nn.Module):
         if not args.tie_word_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
+    def shard_vocab(self, group: mx.distributed.Group, start: int, stop: int) -> None:
+        """Keep vocabulary rows [start, stop) of the embedding and the output head.
+
+        The embedding then completes its vectors with one all-reduce, and the
+        model returns this rank's logits only: (B, L, stop - start).
+        """
+        self.tok_embeddings = VocabParallelEmbedding(self.tok_embeddings, start, stop, group)
+        if not self.args.tie_word_embeddings:
+            self.output = shard_linear_range(self.output, "all-to-sharded", start, stop, group)
+
     def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """tokens: (B, L) int -> logits (B, L, vocab_size)."""
+        """tokens: (B, L) int -> logits (B, L, vocab_size), or (B, L, V_local) after shard_vocab."""
         h = self.tok_embeddings(tokens)  # (B, L, dim)
         if cache is None:
             cache = [None] * len(self.layers)

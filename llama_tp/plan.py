@@ -57,6 +57,14 @@ def _balanced(total: int, n: int) -> list[range]:
     return out
 
 
+def vocab_ranges(vocab_size: int, n: int) -> list[range]:
+    """The vocabulary rows of each rank's embedding and output head shard: as even as
+    possible (sizes differ by at most one). Rows of quantized tables split anywhere."""
+    if not 1 <= n <= vocab_size:
+        raise ValueError(f"cannot split a vocabulary of {vocab_size} over {n} ranks")
+    return _balanced(vocab_size, n)
+
+
 def _kv_map(q: range, kv: range, g: int) -> tuple[int, ...] | None:
     """Local KV index of each local query head, or None if it is regular GQA
     (each local KV head serves the same number of consecutive local query heads)."""

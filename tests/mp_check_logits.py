@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.loader import build_model, load_model
+from llama_tp.sampling import vocab_shard
 
 
 def logits_of(model, x: mx.array) -> np.ndarray:
@@ -28,12 +29,18 @@ def logits_of(model, x: mx.array) -> np.ndarray:
     in a different order on ranks whose graphs differ (uneven plans).
     """
     cache = make_prompt_cache(model)
-    out = [model(x[:, :-3], cache=cache)]
+    shard = vocab_shard(model)
+
+    def whole(logits: mx.array) -> mx.array:  # (1, L, V or V_local) -> (L, V)
+        logits = logits[0].astype(mx.float32)
+        return logits if shard is None else shard.full_logits(logits)
+
+    out = [whole(model(x[:, :-3], cache=cache))]
     mx.eval(out)
     for i in range(x.shape[1] - 3, x.shape[1]):
-        out.append(model(x[:, i : i + 1], cache=cache))
+        out.append(whole(model(x[:, i : i + 1], cache=cache)))
         mx.eval(out[-1])
-    return np.array(mx.concatenate(out, axis=1)[0].astype(mx.float32))
+    return np.array(mx.concatenate(out, axis=0))
 
 
 def main() -> int:
@@ -41,12 +48,13 @@ def main() -> int:
     p.add_argument("models", nargs="+")
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--tokens", type=int, default=10)
+    p.add_argument("--no-vocab-parallel", action="store_true")
     args = p.parse_args()
     world = mx.distributed.init()
     failed = 0
     for path in args.models:
         ref = build_model(open_checkpoint(path))
-        sharded, _ = load_model(path, world)
+        sharded, _ = load_model(path, world, vocab_parallel=not args.no_vocab_parallel)
         vocab = ref.args.vocab_size
         x = mx.array(np.random.default_rng(0).integers(0, vocab, (1, args.tokens)), mx.int32)
         a, b = logits_of(ref, x), logits_of(sharded, x)

@@ -15,6 +15,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from llama_tp import load
+from llama_tp.sampling import make_sampler, vocab_shard
 from llama_tp.tokenizer import encode_prompt
 
 
@@ -24,17 +25,23 @@ def main() -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--out", required=True)
+    p.add_argument("--no-vocab-parallel", action="store_true")
     args = p.parse_args()
     world = mx.distributed.init()
-    model, tokenizer = load(args.model, world)
+    model, tokenizer = load(args.model, world, vocab_parallel=not args.no_vocab_parallel)
     ids = encode_prompt(tokenizer, args.prompt)
     cache = make_prompt_cache(model)
-    logits = model(mx.array([ids]), cache=cache)[0, -1].astype(mx.float32)
-    tokens = [int(mx.argmax(logits).item())]
-    first = np.array(logits)
+    shard = vocab_shard(model)
+    sampler = make_sampler(shard=shard)  # greedy: a local maximum and one exchange
+
+    def last(logits: mx.array) -> mx.array:  # (1, L, V or V_local) -> (1, V or V_local)
+        return logits[:, -1].astype(mx.float32)
+
+    logits = last(model(mx.array([ids]), cache=cache))
+    first = np.array(logits[0] if shard is None else shard.full_logits(logits)[0])
+    tokens = [int(sampler(logits).item())]
     for _ in range(args.tokens - 1):
-        step = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
-        tokens.append(int(mx.argmax(step).item()))
+        tokens.append(int(sampler(last(model(mx.array([[tokens[-1]]]), cache=cache))).item()))
     if world.rank() == 0:
         np.savez(args.out, tokens=np.array(tokens), logits=first, prompt=np.array(ids))
 

@@ -1,0 +1,114 @@
+"""Perplexity with vocabulary-sharded logits, and `python -m llama_tp.perplexity`.
+
+    python -m llama_tp.perplexity --text-file tests/data/paris.txt
+    mlx.launch -n 2 -- python -m llama_tp.perplexity --text-file tests/data/paris.txt
+
+With a vocabulary-parallel head no rank holds the full logits: the cross-entropy
+of each position is a distributed log-sum-exp (all-max, all-sum) minus the
+target's logit (all-sum from the rank that owns it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .sampling import token_logprobs, vocab_shard
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    tokens: int  # tokens scored
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def windows(n: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """Sliding windows (begin, end, first scored index) over n tokens.
+
+    Each token from index 1 on is scored exactly once, with as much context
+    as its window gives (windows advance by `stride`).
+    """
+    out, scored = [], 1
+    for begin in range(0, max(n - 1, 1), stride):
+        end = min(begin + context_length, n)
+        if end > scored:
+            out.append((begin, end, scored))
+            scored = end
+        if end == n:
+            break
+    return out
+
+
+def perplexity(
+    model: nn.Module, tokens: list[int], context_length: int = 512, stride: int = 256
+) -> PerplexityResult:
+    """exp(mean negative log-likelihood) of `tokens` (every rank gets the same result)."""
+    if len(tokens) < 2:
+        raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
+    if not 0 < stride <= context_length:
+        raise ValueError(f"stride must be in 1..{context_length}, got {stride}")
+    shard = vocab_shard(model)
+    ids = mx.array(tokens, dtype=mx.int32)
+    nll, count = 0.0, 0
+    tic = time.perf_counter()
+    for begin, end, first in windows(len(tokens), context_length, stride):
+        logits = model(ids[None, begin : end - 1])[0]  # (L-1, V or V_local)
+        logits = logits[first - 1 - begin :].astype(mx.float32)  # predicting first..end-1
+        logprobs, _, _ = token_logprobs(logits, ids[first:end], shard)
+        nll -= mx.sum(logprobs).item()  # evaluated per window: collectives stay in order
+        count += end - first
+    return PerplexityResult(math.exp(nll / count), count, time.perf_counter() - tic)
+
+
+def main() -> int:
+    from .cli import ArgumentParser, UsageError
+    from .distributed import print0, world
+    from .loader import default_model, load
+
+    p = ArgumentParser(
+        prog="python -m llama_tp.perplexity",
+        description="Perplexity of a model on a text file, on one process or across ranks.",
+    )
+    p.add_argument("--model", help="GGUF file or Hugging Face/MLX directory (default: built-in)")
+    p.add_argument("--text-file", required=True, help="UTF-8 text to score")
+    p.add_argument("--context-length", type=int, default=512, help="tokens per window")
+    p.add_argument("--stride", type=int, default=None, help="window step (default: half)")
+    p.add_argument(
+        "--no-vocab-parallel",
+        action="store_true",
+        help="keep the embedding and output head whole on every rank",
+    )
+    args = p.parse_args()
+    stride = args.stride or max(args.context_length // 2, 1)
+    if args.context_length < 2:
+        raise UsageError(f"--context-length must be at least 2, got {args.context_length}")
+    try:
+        with open(args.text_file, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--text-file {args.text_file}: {e}") from None
+    group = world()
+    model, tokenizer = load(args.model or default_model(), group, not args.no_vocab_parallel)
+    result = perplexity(model, tokenizer.encode(text), args.context_length, stride)
+    print0(f"Perplexity: {result.perplexity:.6f}")
+    print0(f"Tokens evaluated: {result.tokens}")
+    print0(
+        f"Tokens per second: {result.tokens_per_second:.1f} ({group.size()} "
+        f"rank{'s' * (group.size() > 1)})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import run
+
+    run(main)

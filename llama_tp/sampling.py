@@ -1,0 +1,208 @@
+"""Samplers and log-probabilities over vocabulary-sharded logits.
+
+With a vocabulary-parallel head each rank holds the logits of its own
+vocabulary range only, (B, V_local). These functions pick tokens and compute
+log-probabilities without gathering the full logits wherever that is exact,
+and every rank ends with the same result:
+
+- greedy: local maximum, then one tiny exchange of (value, index);
+- temperature: Gumbel-max, the noise drawn for the whole vocabulary from a key
+  all ranks share (so the draw does not depend on the rank count);
+- top-k / top-p / min-p: each rank sends its best candidates; the filters run
+  on the union with the exact normalizer (a distributed log-sum-exp); when the
+  candidates cannot decide the filter, the full logits are gathered instead.
+
+Without vocabulary parallelism the samplers are mlx-lm's own (`make_sampler`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+Sampler = Callable[[mx.array], mx.array]
+CANDIDATES = 64  # per rank, for top-p / min-p; more than enough for peaked distributions
+
+
+class VocabShard:
+    """Where this rank's logits sit in the vocabulary: columns [start, stop) of `size`."""
+
+    def __init__(self, start: int, stop: int, size: int, group: mx.distributed.Group):
+        self.start, self.stop, self.size, self.group = start, stop, size, group
+
+    def gather_rows(self, x: mx.array) -> mx.array:
+        """(B, k) from every rank -> (B, N * k), rank-major."""
+        n = self.group.size()
+        g = mx.distributed.all_gather(x, group=self.group)  # (N * B, k)
+        return g.reshape(n, x.shape[0], -1).transpose(1, 0, 2).reshape(x.shape[0], -1)
+
+    def full_logits(self, logits: mx.array) -> mx.array:
+        """Every rank's logits concatenated: (B, V). The fallback; costs V floats per row."""
+        width = -(-self.size // self.group.size()) + 1  # ranges differ by at most one
+        pad = mx.full((logits.shape[0], width - logits.shape[1]), -math.inf, logits.dtype)
+        rows = self.gather_rows(mx.concatenate([logits, pad], axis=1))  # (B, N * width)
+        parts = _ranges(self.size, self.group.size())
+        return mx.concatenate(
+            [rows[:, i * width : i * width + len(r)] for i, r in enumerate(parts)], axis=1
+        )
+
+    def logsumexp(self, logits: mx.array) -> mx.array:
+        """Exact log-sum-exp over the whole vocabulary: all-max, then all-sum. (B, 1)."""
+        m = mx.distributed.all_max(mx.max(logits, axis=-1, keepdims=True), group=self.group)
+        s = mx.distributed.all_sum(mx.exp(logits - m).sum(axis=-1, keepdims=True), group=self.group)
+        return m + mx.log(s)
+
+    def argmax(self, scores: mx.array) -> mx.array:
+        """Global argmax of (B, V_local) scores: one exchange of (value, index). (B,)."""
+        local = mx.argmax(scores, axis=-1)
+        value = mx.take_along_axis(scores, local[:, None], axis=-1)[:, 0]
+        # Indices travel as float32: exact below 2**24, far above any vocabulary.
+        pair = mx.stack([value.astype(mx.float32), (local + self.start).astype(mx.float32)])
+        g = mx.distributed.all_gather(pair, group=self.group).reshape(-1, 2, scores.shape[0])
+        best = mx.argmax(g[:, 0, :], axis=0)  # first maximum: the lowest index, as argmax
+        return mx.take_along_axis(g[:, 1, :], best[None], axis=0)[0].astype(mx.int32)
+
+    def local_gumbel(self, key: mx.array, rows: int) -> mx.array:
+        """This rank's columns of Gumbel noise drawn for the whole vocabulary."""
+        return mx.random.gumbel(shape=(rows, self.size), key=key)[:, self.start : self.stop]
+
+
+def _ranges(size: int, n: int) -> list[range]:
+    from .plan import vocab_ranges
+
+    return vocab_ranges(size, n)
+
+
+def make_sampler(
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    shard: VocabShard | None = None,
+    seed: int = 0,
+) -> Sampler:
+    """A sampler from logits (B, V) — or (B, V_local) with `shard` — to tokens (B,).
+
+    Args:
+        temp: temperature; 0 is greedy.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        min_p: keep tokens with probability >= min_p * the largest; 0 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        shard: where this rank's logits sit when the vocabulary is sharded.
+        seed: the key of the distributed sampler's noise (every rank must pass the same).
+    """
+    if shard is None:
+        mlx_sampler = mlx_lm_make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        return lambda logits: mlx_sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    if temp == 0:
+        return shard.argmax
+    key = [mx.random.key(seed)]
+
+    def next_key() -> mx.array:
+        key[0], sub = mx.random.split(key[0])
+        return sub
+
+    if top_p >= 1.0 and min_p == 0.0 and top_k == 0:
+        return lambda logits: shard.argmax(
+            logits / temp + shard.local_gumbel(next_key(), logits.shape[0])
+        )
+    filters = dict(top_p=top_p, min_p=min_p, top_k=top_k)
+    return lambda logits: _filtered_sample(logits, shard, temp, next_key(), **filters)
+
+
+def _filtered_sample(logits, shard, temp, key, top_p, min_p, top_k) -> mx.array:
+    """top-p -> min-p -> top-k (mlx-lm's order), then a temperature draw, on candidates."""
+    B, local = logits.shape
+    m = min(local, max(CANDIDATES, top_k))
+    lse = shard.logsumexp(logits)  # (B, 1)
+    idx = mx.argpartition(-logits, kth=m - 1, axis=-1)[:, :m] if m < local else None
+    vals = mx.take_along_axis(logits, idx, axis=-1) if idx is not None else logits
+    ids = (idx if idx is not None else mx.broadcast_to(mx.arange(local), (B, local))) + shard.start
+    cand = shard.gather_rows(vals.astype(mx.float32)) - lse  # (B, C) exact log-probabilities
+    cand_ids = shard.gather_rows(ids.astype(mx.int32))
+    # The best log-probability a token that was not sent could have (per rank: its m-th value).
+    unsent = mx.min(vals, axis=-1) if idx is not None else mx.full((B,), -math.inf)
+    bound = mx.max(shard.gather_rows(unsent[:, None].astype(mx.float32)), axis=-1) - lse[:, 0]
+    kept = cand
+    if top_p < 1.0:
+        kept = _top_p(kept, top_p)
+    if min_p > 0.0:
+        kept = apply_min_p(kept, min_p)
+    if top_k > 0 and top_k < kept.shape[-1]:
+        kept = apply_top_k(kept, top_k)
+    survivors = mx.where(kept > -math.inf, kept, math.inf).min(axis=-1)
+    decided = bound < survivors
+    if top_p < 1.0:  # the candidates must also hold the nucleus mass themselves
+        decided = decided & (mx.exp(kept).sum(axis=-1) >= top_p - 1e-6)
+    if not (top_p < 1.0 or min_p > 0.0) or mx.all(decided).item():
+        g = mx.random.gumbel(shape=kept.shape, key=key)
+        pick = mx.argmax(kept / temp + g, axis=-1)
+        return mx.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
+    # Undecidable from the candidates: gather everything and filter as mlx-lm does.
+    full = shard.full_logits(logits) - lse
+    if top_p < 1.0:
+        full = apply_top_p(full, top_p)
+    if min_p > 0.0:
+        full = apply_min_p(full, min_p)
+    if top_k > 0:
+        full = apply_top_k(full, top_k)
+    g = mx.random.gumbel(shape=full.shape, key=key)
+    return mx.argmax(full / temp + g, axis=-1).astype(mx.int32)
+
+
+def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
+    """mlx-lm's nucleus rule on exact log-probabilities of a subset of the vocabulary:
+    the mass is measured against the true total (1), not the subset's."""
+    s = mx.sort(logprobs, axis=-1)
+    mass_above = mx.cumsum(mx.exp(s), axis=-1, reverse=True, inclusive=False)
+    dropped = (mass_above >= top_p).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(s, dropped, axis=-1)
+    return mx.where(logprobs < threshold, -math.inf, logprobs)
+
+
+def token_logprobs(
+    logits: mx.array, tokens: mx.array, shard: VocabShard | None, top: int = 0
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Log-probabilities of `tokens` (B,) under logits (B, V or V_local), exactly.
+
+    Returns (logprob (B,), top_ids (B, top), top_logprobs (B, top)); the last two
+    are None when `top` is 0. With `shard`, no rank ever holds the full logits.
+    """
+    if shard is None:
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        if not top:
+            return chosen, None, None
+        ids = mx.argsort(-lp, axis=-1)[:, :top]
+        return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
+    lse = shard.logsumexp(logits)
+    local = tokens - shard.start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    picked = mx.take_along_axis(logits, mx.where(mine, local, 0)[:, None], axis=-1)[:, 0]
+    chosen = mx.distributed.all_sum(mx.where(mine, picked, 0.0), group=shard.group) - lse[:, 0]
+    if not top:
+        return chosen, None, None
+    k = min(top, logits.shape[-1])
+    idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
+    vals = shard.gather_rows(mx.take_along_axis(logits, idx, axis=-1).astype(mx.float32))
+    ids = shard.gather_rows((idx + shard.start).astype(mx.int32))
+    order = mx.argsort(-vals, axis=-1)[:, :top]
+    return (
+        chosen,
+        mx.take_along_axis(ids, order, axis=-1),
+        mx.take_along_axis(vals, order, axis=-1) - lse,
+    )
+
+
+def vocab_shard(model) -> VocabShard | None:
+    """The vocabulary range of `model`'s logits on this rank; None when they are whole."""
+    from .vocab_parallel import VocabParallelEmbedding
+
+    emb = model.tok_embeddings
+    if not isinstance(emb, VocabParallelEmbedding):
+        return None
+    return VocabShard(emb.start, emb.stop, emb.vocab_size, emb.group)

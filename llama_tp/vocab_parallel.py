@@ -1,0 +1,70 @@
+"""Vocabulary-parallel embedding and output head.
+
+Each rank keeps the rows [start, stop) of the vocabulary:
+- the embedding looks up the ids in its range (zeros elsewhere) and one
+  all-reduce completes every vector;
+- as a head (`as_linear`, tied or not) it computes the logits of its range only,
+  (..., stop - start); `sampling.VocabShard` turns those into tokens and
+  log-probabilities without gathering them.
+Plain and affine-quantized tables (GGUF Q8_0/Q4_x, MLX 4/8-bit) alike.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def _rows(a: mx.array, start: int, stop: int) -> mx.array:
+    # contiguous: a plain slice would keep the whole table alive once evaluated
+    return mx.contiguous(a[start:stop])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, stop) of a (vocab_size, dim) embedding table (plain or quantized)."""
+
+    def __init__(self, table: nn.Module, start: int, stop: int, group: mx.distributed.Group):
+        super().__init__()
+        self.start, self.stop, self.group = start, stop, group
+        self.vocab_size = table.weight.shape[0]
+        self.weight = _rows(table.weight, start, stop)
+        self.quantized = isinstance(table, nn.QuantizedEmbedding)
+        if self.quantized:
+            self.scales = _rows(table.scales, start, stop)
+            self.biases = _rows(table.biases, start, stop)
+            self.group_size, self.bits, self.mode = table.group_size, table.bits, table.mode
+            self.freeze()
+
+    def _local_rows(self, ids: mx.array) -> mx.array:
+        if not self.quantized:
+            return self.weight[ids]
+        return mx.dequantize(
+            self.weight[ids],
+            self.scales[ids],
+            self.biases[ids],
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        """ids (B, L) -> embeddings (B, L, dim), identical on every rank."""
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.stop - self.start)
+        rows = self._local_rows(mx.where(mine, local, 0))
+        return mx.distributed.all_sum(rows * mine[..., None].astype(rows.dtype), group=self.group)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """x (..., dim) -> this rank's logits (..., stop - start)."""
+        if not self.quantized:
+            return x @ self.weight.T
+        return mx.quantized_matmul(
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
