@@ -15,7 +15,6 @@ already hold (`chat.last_stats`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -129,7 +128,6 @@ class Chat:
         self.history: list[dict[str, str]] = []
         self.last_stats: TurnStats | None = None
         self._template = None if tokenizer.has_chat_template else FALLBACK_TEMPLATE
-        self._stops = stop + ([FALLBACK_STOP] if self._template else [])
         self._tokenizer = _EndOfTurn(tokenizer, self._end_of_turn_ids())
         self._cache = make_prompt_cache(model)
         self._held: list[int] = []  # the tokens in the cache, exactly
@@ -160,7 +158,7 @@ class Chat:
         """Forget the conversation (the system message stays). The KV cache is kept:
         the next turn reuses whatever prefix still matches (e.g. the system prompt)."""
         system = self.system
-        self.history = []
+        self.history.clear()
         self.system = system
         self._tokens_of.clear()
         self._turn = 0
@@ -176,9 +174,7 @@ class Chat:
         """The whole reply to `text` (see `stream`)."""
         return "".join(self.stream(text, should_stop=should_stop))
 
-    def stream(
-        self, text: str, *, should_stop: Callable[[], bool] | None = None
-    ) -> Iterator[str]:
+    def stream(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
         """Add the user message `text` and yield the reply in pieces as it is decoded.
 
         The reply joins the history when it ends: at an end-of-turn token, a
@@ -194,7 +190,10 @@ class Chat:
         new = tokens[reused:]
         seed = None if self.seed is None else self.seed + self._turn
         self._turn += 1
-        self.history = messages
+        self.history[:] = messages
+        live = {id(m) for m in messages}
+        self._tokens_of = {k: v for k, v in self._tokens_of.items() if k in live}
+        stops = self._stops()
         steps = stream_generate(
             self.model,
             self._tokenizer,
@@ -210,17 +209,17 @@ class Chat:
         generated: list[int] = []
         shown: list[str] = []
         pending = ""  # text held back: it may be the start of a stop string
-        last, finish, stop_hit, ok = None, "interrupted", None, False
+        last, finish, stop_hit, state = None, "interrupted", None, "failed"
         try:
             for r in steps:
                 last = r
                 generated.append(r.token)
                 pending += r.text
-                at, stop_hit = _find_stop(pending, self._stops)
+                at, stop_hit = _find_stop(pending, stops)
                 if stop_hit is not None:
                     piece, pending, finish = pending[:at], "", "stop"
                 else:
-                    keep = _partial_stop(pending, self._stops)
+                    keep = _partial_stop(pending, stops)
                     piece, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
                     if r.finish_reason:
                         piece, pending, finish = piece + pending, "", r.finish_reason
@@ -229,11 +228,19 @@ class Chat:
                     yield piece
                 if stop_hit is not None or r.finish_reason:
                     break
-            ok = True
+            state = "complete"
+        except GeneratorExit:  # the caller stopped iterating: keep the reply so far
+            state = "closed"
+            raise
         finally:
             steps.close()
-            if ok or sys.exc_info()[0] is GeneratorExit:
-                self._end_turn(reused, new, generated, "".join(shown), finish, stop_hit, ok)
+            if state == "failed":  # an error mid-turn: the cache may be half-written
+                self.history[:] = before
+                self._cache = make_prompt_cache(self.model)
+                self._held = []
+            else:
+                reply = "".join(shown)
+                self._end_turn(reused, new, generated, reply, finish, stop_hit, state)
                 self.last_stats = TurnStats(
                     len(tokens),
                     reused,
@@ -246,20 +253,21 @@ class Chat:
                     dropped,
                     len(self._held),
                 )
-            else:  # an error mid-turn: the cache may be half-written, start it over
-                self.history = before
-                self._cache = make_prompt_cache(self.model)
-                self._held = []
+
+    def _stops(self) -> list[str]:
+        return list(self.stop) + ([FALLBACK_STOP] if self._template else [])
 
     def _reuse(self, tokens: list[int]) -> int:
         """Trim the cache to its longest prefix shared with `tokens`; return its length.
 
         At least one token is always left to prefill (it yields the first logits)."""
         common = 0
-        for a, b in zip(tokens, self._held):
+        for a, b in zip(tokens, self._held, strict=False):
             if a != b:
                 break
             common += 1
+        if not tokens:
+            raise ValueError("the chat template rendered an empty prompt")
         common = min(common, len(tokens) - 1)
         extra = len(self._held) - common
         if extra > 0:
@@ -270,7 +278,7 @@ class Chat:
         self._held = self._held[:common]
         return common
 
-    def _end_turn(self, reused, new, generated, reply, finish, stop_hit, complete) -> None:
+    def _end_turn(self, reused, new, generated, reply, finish, stop_hit, state) -> None:
         # Generation may have fed one token fewer than it sampled (at max_tokens),
         # so the cache's own offset says which tokens it holds.
         offset = self._cache[0].offset if self._cache else 0
@@ -280,7 +288,7 @@ class Chat:
         tokens = generated
         if tokens and finish == "stop" and stop_hit is None:
             tokens = tokens[:-1]  # the end-of-turn token: the template writes its own
-        if not complete or stop_hit is not None:
+        if state != "complete" or stop_hit is not None:
             tokens = self._tokens_for(tokens, reply)
         if tokens is not None:
             self._tokens_of[id(message)] = (message, reply, tokens)
@@ -309,8 +317,6 @@ class Chat:
 
         Replies keep the tokens they were generated as (the text of a reply does
         not always tokenize back to them), so the cache of earlier turns matches."""
-        live = {id(m) for m in messages}
-        self._tokens_of = {k: v for k, v in self._tokens_of.items() if k in live}
         marked, parts = [], []
         for m in messages:
             known = self._tokens_of.get(id(m))
@@ -424,7 +430,10 @@ def _parser():
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument(
-        "--max-context", type=int, default=None, help="context limit in tokens (default: the model's)"
+        "--max-context",
+        type=int,
+        default=None,
+        help="context limit in tokens (default: the model's)",
     )
     p.add_argument(
         "--drop-oldest",
@@ -432,7 +441,9 @@ def _parser():
         help="when the conversation outgrows the context, drop its oldest turns "
         "(default: say so and keep it)",
     )
-    p.add_argument("--verbose", action="store_true", help="per-turn token counts and speed on stderr")
+    p.add_argument(
+        "--verbose", action="store_true", help="per-turn token counts and speed on stderr"
+    )
     return p
 
 

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_sentencepiece(out: Path, vocab_size: int = 384) -> None:
+def train_sentencepiece(out: Path, vocab_size: int = 389) -> None:
     """Train a tiny BPE sentencepiece model with byte fallback into out/tokenizer.model."""
     import sentencepiece as spm
 
@@ -69,7 +69,7 @@ def hf_config(
     n_heads: int = 8,
     n_kv_heads: int = 2,
     hidden_dim: int = 96,
-    vocab_size: int = 384,
+    vocab_size: int = 389,
     head_dim: int | None = None,
     model_type: str = "llama",
     tie: bool = False,

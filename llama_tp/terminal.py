@@ -1,0 +1,463 @@
+"""Reading the user's input for `python -m llama_tp.chat`, on one process or across ranks.
+
+Only rank 0 reads; each line (or the decision to quit) reaches every other rank
+through `broadcast_object`, so all ranks run the same turns. How rank 0 reads
+depends on what it is attached to (`LLAMA_TP_TERMINAL=raw|lines|readline`
+overrides the choice):
+
+- "readline": one process on a terminal. `input()` with readline's line editing
+  and history; Ctrl-C (SIGINT) during a reply stops it, at the prompt clears
+  the line; Ctrl-D quits.
+- "raw": a rank of an mlx.launch that runs at a terminal. mlx.launch forwards
+  its stdin to every rank's stdin pipe but never its end, and a Ctrl-C there
+  signals the launcher and every rank alike (killing the launcher). So rank 0
+  switches the terminal (through /dev/tty) to a mode without signals, line
+  buffering or echo: Ctrl-C and Ctrl-D then arrive as bytes 0x03 and 0x04
+  through the launcher, and a small line editor here echoes, edits and keeps a
+  history. The terminal's mode is restored on every way out, SIGTERM and
+  SIGHUP included.
+- "lines": anything else (a pipe, a file, a remote pty). Lines are read as
+  they come; the end of the input or a line holding only ^D quits; a ^C byte
+  during a reply stops it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import os
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+
+from .distributed import broadcast_object, world
+
+MODES = ("readline", "raw", "lines")
+EOF = object()  # the user quit
+
+CONTROLS = {
+    "\r": "enter",
+    "\n": "enter",
+    "\x7f": "backspace",
+    "\x08": "backspace",
+    "\x03": "ctrl-c",
+    "\x04": "ctrl-d",
+    "\x01": "home",
+    "\x05": "end",
+    "\x02": "left",
+    "\x06": "right",
+    "\x10": "up",
+    "\x0e": "down",
+    "\x15": "kill-start",
+    "\x0b": "kill-end",
+    "\x17": "kill-word",
+    "\x0c": "redraw",
+    "\t": " ",
+}
+ESCAPES = {
+    "[A": "up",
+    "[B": "down",
+    "[C": "right",
+    "[D": "left",
+    "[H": "home",
+    "[F": "end",
+    "OA": "up",
+    "OB": "down",
+    "OC": "right",
+    "OD": "left",
+    "OH": "home",
+    "OF": "end",
+    "[1~": "home",
+    "[7~": "home",
+    "[4~": "end",
+    "[8~": "end",
+    "[3~": "delete",
+}
+
+
+class KeyDecoder:
+    """Bytes typed at a terminal in raw mode -> keys: single characters, or names
+    such as "enter", "ctrl-c", "up" (escape sequences of unknown keys are dropped)."""
+
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._esc: str | None = None
+        self._cr = False
+
+    def feed(self, data: bytes) -> list[str]:
+        keys = []
+        for ch in self._utf8.decode(data):
+            cr, self._cr = self._cr, ch == "\r"
+            if self._esc is not None:
+                self._esc += ch
+                seq = self._esc[1:]
+                if seq in ("[", "O") or (seq[0] == "[" and not "\x40" <= ch <= "\x7e"):
+                    continue  # more to come
+                self._esc = None
+                if seq in ESCAPES:
+                    keys.append(ESCAPES[seq])
+            elif ch == "\x1b":
+                self._esc = ch
+            elif ch == "\n" and cr:
+                continue  # "\r\n" is one Enter
+            elif ch in CONTROLS:
+                keys.append(CONTROLS[ch])
+            elif ch >= " ":
+                keys.append(ch)
+        return keys
+
+
+class LineEditor:
+    """A one-line editor drawn with plain ANSI sequences through `write`.
+
+    `start(prompt)`, then `key(k)` for each key until it returns the line (a
+    str) or EOF (Ctrl-D on an empty line). Ctrl-C abandons the line."""
+
+    def __init__(self, write: Callable[[str], None], history_size: int = 1000):
+        self.write = write
+        self.history: list[str] = []
+        self.history_size = history_size
+        self.prompt, self.buf, self.pos = "", "", 0
+        self._browse, self._draft = 0, ""
+
+    def start(self, prompt: str) -> None:
+        self.prompt, self.buf, self.pos = prompt, "", 0
+        self._browse, self._draft = len(self.history), ""
+        self.write(prompt)
+
+    def _redraw(self) -> None:
+        back = len(self.buf) - self.pos
+        self.write(f"\r{self.prompt}{self.buf}\x1b[K" + (f"\x1b[{back}D" if back else ""))
+
+    def _set(self, buf: str, pos: int) -> None:
+        self.buf, self.pos = buf, pos
+        self._redraw()
+
+    def key(self, k: str):
+        buf, pos = self.buf, self.pos
+        if len(k) == 1:  # a character
+            if pos == len(buf):
+                self.buf, self.pos = buf + k, pos + 1
+                self.write(k)
+            else:
+                self._set(buf[:pos] + k + buf[pos:], pos + 1)
+        elif k == "enter":
+            self.write("\n")
+            if buf.strip() and (not self.history or self.history[-1] != buf):
+                self.history = [*self.history, buf][-self.history_size :]
+            return buf
+        elif k == "ctrl-c":
+            self.write("^C\n")
+            self.start(self.prompt)
+        elif k == "ctrl-d" and not buf:
+            self.write("\n")
+            return EOF
+        elif k == "backspace" and pos > 0:
+            if pos == len(buf):
+                self.buf, self.pos = buf[:-1], pos - 1
+                self.write("\b \b")
+            else:
+                self._set(buf[: pos - 1] + buf[pos:], pos - 1)
+        elif k in ("delete", "ctrl-d") and pos < len(buf):
+            self._set(buf[:pos] + buf[pos + 1 :], pos)
+        elif k == "left" and pos > 0:
+            self._set(buf, pos - 1)
+        elif k == "right" and pos < len(buf):
+            self._set(buf, pos + 1)
+        elif k == "home":
+            self._set(buf, 0)
+        elif k == "end":
+            self._set(buf, len(buf))
+        elif k == "kill-start":
+            self._set(buf[pos:], 0)
+        elif k == "kill-end":
+            self._set(buf[:pos], pos)
+        elif k == "kill-word":
+            start = len(buf[:pos].rstrip())
+            start = len(buf[:start]) - len(buf[:start].split(" ")[-1]) if start else 0
+            self._set(buf[:start] + buf[pos:], start)
+        elif k == "redraw":
+            self._redraw()
+        elif k in ("up", "down"):
+            i = self._browse + (-1 if k == "up" else 1)
+            if 0 <= i <= len(self.history):
+                if self._browse == len(self.history):
+                    self._draft = buf
+                self._browse = i
+                line = self.history[i] if i < len(self.history) else self._draft
+                self._set(line, len(line))
+        return None
+
+
+class RawTerminal:
+    """The terminal at `fd` without signals, line buffering or echo, until `restore()`."""
+
+    def __init__(self, fd: int):
+        import termios
+
+        self.fd = fd
+        self.saved = termios.tcgetattr(fd)
+        self._lock = threading.Lock()
+        self._restored = False
+        mode = termios.tcgetattr(fd)
+        mode[0] &= ~termios.IXON  # Ctrl-S / Ctrl-Q are keys, not flow control
+        mode[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG | termios.IEXTEN)
+        mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
+        termios.tcsetattr(fd, termios.TCSANOW, mode)
+
+    def restore(self) -> None:
+        import termios
+
+        with self._lock:
+            if self._restored:
+                return
+            self._restored = True
+            with contextlib.suppress(OSError, termios.error):
+                termios.tcsetattr(self.fd, termios.TCSANOW, self.saved)
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+
+
+def _on_fatal_signals(action: Callable[[], None]) -> Callable[[], None]:
+    """Run `action` and exit on SIGTERM or SIGHUP, even while the main thread is stuck
+    in a collective (where Python's signal handlers cannot run): the signal's byte
+    arrives through `signal.set_wakeup_fd` in a watcher thread. Returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    fatal = (signal.SIGTERM, signal.SIGHUP)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+
+    def die(signum: int) -> None:
+        action()
+        os._exit(128 + signum)
+
+    old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    old = {s: signal.signal(s, lambda signum, frame: die(signum)) for s in fatal}
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while data := os.read(r, 64):
+                for signum in data:
+                    if signum in fatal:
+                        die(signum)
+        os.close(r)
+
+    threading.Thread(target=watch, name="llama_tp-signals", daemon=True).start()
+
+    def undo() -> None:
+        signal.set_wakeup_fd(old_fd)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        os.close(w)  # the watcher sees the end of its pipe and stops
+
+    return undo
+
+
+def _controlling_terminal() -> int | None:
+    """A descriptor of this process's terminal when it looks like the user is typing
+    into it for us: it exists, our process group is its foreground job, and
+    mlx.launch found its own output on a terminal (it then passes COLUMNS on)."""
+    if "COLUMNS" not in os.environ:
+        return None
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        if os.tcgetpgrp(fd) == os.getpgrp():
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def input_mode(group: mx.distributed.Group) -> tuple[str, int | None]:
+    """How rank 0 reads ("readline", "raw" or "lines") and, for "raw", the terminal."""
+    forced = os.environ.get("LLAMA_TP_TERMINAL", "")
+    launched = group.size() > 1 or "MLX_RANK" in os.environ
+    stdin_tty = os.isatty(0)
+    if forced == "readline" or (not forced and not launched and stdin_tty):
+        return "readline", None
+    if forced in ("", "raw") and not stdin_tty:
+        fd = _controlling_terminal() if not forced else _open_tty()
+        if fd is not None:
+            return "raw", fd
+    return "lines", None
+
+
+def _open_tty() -> int | None:
+    try:
+        return os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:
+        return None
+
+
+class Console:
+    """The chat command's input and output, on every rank (use it as a context manager).
+
+    `read_line(prompt)` is collective: rank 0 reads a line, every rank returns
+    it (None: quit). Inside `with console.replying():`, `console.interrupted`
+    turns True on rank 0 when the user presses Ctrl-C; pass it as the reply's
+    `should_stop` so that every rank stops at the same token. Output goes to
+    rank 0's stdout only.
+    """
+
+    def __init__(self, group: mx.distributed.Group | None = None):
+        self.group = group or world()
+        self.rank0 = self.group.rank() == 0
+        self.mode, self._tty = input_mode(self.group) if self.rank0 else ("none", None)
+        self.interactive = self.mode in ("readline", "raw") or (self.rank0 and os.isatty(0))
+        self._queue: queue.Queue = queue.Queue()
+        self._interrupt = threading.Event()
+        self._lock = threading.Lock()
+        self._replying = False
+        self._terminal: RawTerminal | None = None
+        self._undo_signals: Callable[[], None] | None = None
+        self._editor = LineEditor(self.write)
+        self._keys = KeyDecoder()
+        self._pending = b""
+
+    def __enter__(self) -> Console:
+        if not self.rank0:
+            # Nobody reads these, but mlx.launch keeps writing every rank's stdin.
+            self._thread(self._drain)
+        elif self.mode == "readline":
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401  (input() edits lines and keeps history)
+        elif self.mode == "raw":
+            self._terminal = RawTerminal(self._tty)
+            self._undo_signals = _on_fatal_signals(self._terminal.restore)
+            self._thread(self._read, self._on_keys)
+        else:
+            self._thread(self._read, self._on_lines)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._terminal is not None:
+            self._terminal.restore()
+        if self._undo_signals is not None:
+            self._undo_signals()
+            self._undo_signals = None
+
+    # -- output (rank 0) ------------------------------------------------------
+
+    def write(self, text: str) -> None:
+        if self.rank0:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def info(self, text: str) -> None:
+        """A message for the user: on stdout at a terminal, on stderr otherwise."""
+        if self.rank0:
+            stream = sys.stdout if self.interactive else sys.stderr
+            stream.write(text + "\n")
+            stream.flush()
+
+    def error(self, text: str) -> None:
+        self.info(f"error: {text}")
+
+    # -- input ------------------------------------------------------------------
+
+    def read_line(self, prompt: str = ">> ") -> str | None:
+        """The next line the user typed, on every rank; None when the user quits."""
+        line = self._read_line(prompt) if self.rank0 else None
+        return broadcast_object(line, self.group)
+
+    def interrupted(self) -> bool:
+        return self._interrupt.is_set()
+
+    @contextlib.contextmanager
+    def replying(self) -> Iterator[None]:
+        """While a reply streams: Ctrl-C interrupts it instead of editing the line."""
+        with self._lock:
+            self._replying = True
+            self._interrupt.clear()
+        old = None
+        if self.mode == "readline":
+            old = signal.signal(signal.SIGINT, lambda signum, frame: self._interrupt.set())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._replying = False
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+
+    def _read_line(self, prompt: str) -> str | None:
+        if self.mode == "readline":
+            while True:
+                try:
+                    return input(prompt)
+                except KeyboardInterrupt:
+                    self.write("\n")
+                except EOFError:
+                    self.write("\n")
+                    return None
+        if self.mode == "raw":
+            self._editor.start(prompt)
+            while True:
+                key = self._queue.get()
+                result = EOF if key is EOF else self._editor.key(key)
+                if result is EOF:
+                    return None
+                if result is not None:
+                    return result
+        if self.interactive:
+            self.write(prompt)
+        line = self._queue.get()
+        return None if line is EOF else line
+
+    # -- stdin threads ----------------------------------------------------------
+
+    def _thread(self, target: Callable, *args) -> None:
+        threading.Thread(target=target, args=args, name="llama_tp-stdin", daemon=True).start()
+
+    @staticmethod
+    def _drain() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while os.read(0, 1 << 16):
+                pass
+
+    def _read(self, on_bytes: Callable[[bytes], None]) -> None:
+        data = b""
+        with contextlib.suppress(OSError, ValueError):
+            while data := os.read(0, 1 << 12):
+                on_bytes(data)
+        on_bytes(b"")  # the end of the input
+
+    def _on_keys(self, data: bytes) -> None:
+        if not data:
+            self._queue.put(EOF)
+            return
+        for key in self._keys.feed(data):
+            with self._lock:
+                if key == "ctrl-c" and self._replying:
+                    self._interrupt.set()
+                    continue
+            self._queue.put(key)
+
+    def _on_lines(self, data: bytes) -> None:
+        with self._lock:
+            if b"\x03" in data and self._replying:
+                self._interrupt.set()
+        self._pending += data.replace(b"\x03", b"")
+        *lines, self._pending = self._pending.split(b"\n")
+        if not data and self._pending:
+            lines, self._pending = [*lines, self._pending], b""
+        for raw in lines:
+            line = raw.decode("utf-8", "replace").removesuffix("\r")
+            if line == "\x04":
+                self._queue.put(EOF)
+                return
+            self._queue.put(line)
+        if not data or self._pending == b"\x04":
+            self._queue.put(EOF)
