@@ -77,3 +77,24 @@ def test_quantized_checkpoint_matches_mlx_lm(tmp_path):
     ref, _ = mlx_lm_load_model(path)
     x = tokens(9)
     np.testing.assert_allclose(np.array(ours(x)), np.array(ref(x)), atol=1e-4, rtol=1e-4)
+
+
+def test_stream_generate_logprobs(tmp_path):
+    """The Python API's log-probabilities are those of the model's own logits."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from llama_tp.generate import stream_generate
+
+    path = write_hf_model(tmp_path)
+    model = build_model(open_checkpoint(path))
+    tokenizer = load_tokenizer(path)
+    prompt = tokenizer.encode("Hello world")
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens=4, logprobs=3))
+    tokens = prompt + [r.token for r in out]
+    logits = model(mx.array([tokens]))[0].astype(mx.float32)
+    lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    for i, r in enumerate(out):
+        row = lp[len(prompt) - 1 + i]
+        assert abs(r.logprob - row[r.token]) < 1e-4
+        assert [t for t, _ in r.top_logprobs] == list(np.argsort(-row)[:3])
+        assert r.top_logprobs[0][0] == r.token  # greedy picks the most likely token
