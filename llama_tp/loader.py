@@ -44,9 +44,25 @@ def plan_for(model: Transformer, n: int) -> Plan:
     )
 
 
+def _check_quantized_heads(model: Transformer, plan: Plan) -> None:
+    """A quantized wo splits by columns at query-head boundaries: those must be group bounds."""
+    group_size = getattr(model.layers[0].attention.wo, "group_size", None)
+    if group_size is None:
+        return
+    for p in plan.parts:
+        start = p.q_heads.start * plan.head_dim
+        if start % group_size:
+            raise ValueError(
+                f"cannot split {plan.n_heads} query heads of {plan.head_dim} quantized columns "
+                f"over {plan.n} ranks: rank {p.rank} would start at column {start}, not a "
+                f"multiple of the group size {group_size}"
+            )
+
+
 def shard_model(model: Transformer, group: mx.distributed.Group) -> Plan:
     """Apply the plan: the design's even split where N divides, explicit ranges elsewhere."""
     plan = plan_for(model, group.size())
+    _check_quantized_heads(model, plan)
     part = plan.parts[group.rank()]
     for layer in model.layers:
         layer.attention.shard(group, None if plan.even_attention else part)

@@ -138,3 +138,15 @@ def test_invalid_utf8_on_stdin(tiny_dir):
     )
     assert r.returncode == 2
     assert r.stderr.decode().strip() == "error: stdin is not valid UTF-8 (byte 0xff at 0)"
+
+
+def test_quantized_heads_off_group_boundaries(tmp_path):
+    path = write_hf_model(tmp_path, quantize=(8, 32))  # 8 heads of 8 columns, groups of 32
+    r = launch(3, generate_args(path), timeout=120)
+    assert_one_error(
+        r,
+        "cannot split 8 query heads of 8 quantized columns over 3 ranks: rank 1 would start "
+        "at column 24, not a multiple of the group size 32",
+        code=0,
+    )
+    assert_every_rank_failed(r, 3)
