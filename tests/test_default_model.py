@@ -14,22 +14,24 @@ PROMPT = "What is the capital of France?"
 LOGITS_ATOL = 1e-3
 
 
+def greedy_args(model, out) -> list[str]:
+    return [
+        "tests/mp_greedy.py",
+        "--model",
+        str(model),
+        "--prompt",
+        PROMPT,
+        "--tokens",
+        "16",
+        "--out",
+        str(out),
+    ]
+
+
 @pytest.fixture(scope="module")
 def reference(default_gguf, tmp_path_factory):
     out = tmp_path_factory.mktemp("greedy") / "n1.npz"
-    r = run_python(
-        [
-            "tests/mp_greedy.py",
-            "--model",
-            str(default_gguf),
-            "--prompt",
-            PROMPT,
-            "--tokens",
-            "16",
-            "--out",
-            str(out),
-        ]
-    )
+    r = run_python(greedy_args(default_gguf, out))
     assert r.returncode == 0, r.stderr
     return np.load(out)
 
@@ -44,20 +46,7 @@ def test_single_process_answers_paris(reference, default_gguf):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ranks_match_single_process(reference, default_gguf, tmp_path, n):
     out = tmp_path / f"n{n}.npz"
-    r = launch(
-        n,
-        [
-            "tests/mp_greedy.py",
-            "--model",
-            str(default_gguf),
-            "--prompt",
-            PROMPT,
-            "--tokens",
-            "16",
-            "--out",
-            str(out),
-        ],
-    )
+    r = launch(n, greedy_args(default_gguf, out))
     assert out.exists(), r.stderr[-3000:]
     got = np.load(out)
     assert got["prompt"].tolist() == reference["prompt"].tolist()

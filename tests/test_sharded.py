@@ -77,9 +77,10 @@ def test_greedy_generation_identical_across_ranks(tiny_dir):
     assert single.returncode == 0, single.stderr
     assert single.stdout.strip()
     for n in (2, 3):
-        r = launch(n, args)
-        # Byte for byte: the same tokens, printed once (by rank 0 only).
-        assert r.stdout == single.stdout, f"n={n}\n{r.stderr[-2000:]}"
+        for flags in ([], ["--no-vocab-parallel"]):
+            r = launch(n, args + flags)
+            # Byte for byte: the same tokens, printed once (by rank 0 only).
+            assert r.stdout == single.stdout, f"n={n} {flags}\n{r.stderr[-2000:]}"
 
 
 def test_verbose_reports_every_rank(tiny_dir):

@@ -40,25 +40,6 @@ def test_logits_with_and_without_vocab_parallel(vocab_models):
         assert len(ok) == len(vocab_models), r.stdout + r.stderr[-3000:]
 
 
-def test_greedy_generation_same_with_and_without_vocab_parallel(tiny_dir):
-    args = [
-        "-m",
-        "llama_tp.generate",
-        "--model",
-        str(tiny_dir),
-        "--prompt",
-        "Hello",
-        "--max-tokens",
-        "24",
-    ]
-    single = run_python(args)
-    assert single.returncode == 0 and single.stdout.strip(), single.stderr
-    for n in (2, 3):
-        for flags in ([], ["--no-vocab-parallel"]):
-            r = launch(n, args + flags)
-            assert r.stdout == single.stdout, (n, flags, r.stderr[-2000:])
-
-
 def test_sampled_generation_same_on_every_rank_count(tiny_dir):
     """Temperature sampling with a seed: the distributed Gumbel-max draws the noise for the
     whole vocabulary from the shared seed, so 2 and 3 ranks produce the same text."""
