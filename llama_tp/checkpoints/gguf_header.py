@@ -39,6 +39,8 @@ GGML_TYPES = {
 }
 # Types MLX keeps as they are (floats) or maps onto its affine quantization.
 NATIVE_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+# Types MLX's reader converts to float16 (as of mlx 0.32); it fails on the others.
+CONVERTED_TYPES = {"Q2_K", "Q4_K", "Q6_K"}
 
 # Metadata value type id -> struct format of a scalar (8: string, 9: array).
 _SCALARS = {
