@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +28,31 @@ def launch(
     """
     cmd = [str(BIN / "mlx.launch"), "-n", str(n), "--starting-port", str(next(_PORTS))]
     cmd += ["--", sys.executable, *args]
-    return subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, input=input or ""
-    )
+    # mlx.launch polls its stdin and spins on a CPU core once it reaches end of file:
+    # give it a pipe that stays open (after `input`, if any) until the ranks are done.
+    read_end, write_end = os.pipe()
+    if input:
+        os.write(write_end, input.encode())
+    try:
+        p = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdin=read_end,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        os.close(read_end)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # the launcher and every rank it started
+            out, err = p.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    finally:
+        os.close(write_end)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def run_python(args: list[str], timeout: float = 300, input: str | None = None):
