@@ -52,7 +52,7 @@ def mlx_lm_tokens(converted, prompt_ids) -> list[int]:
 
 
 def llama_tp_tokens(model, prompt_ids: list[int]) -> list[int]:
-    return list(generate_step(model, prompt_ids, greedy, N_TOKENS))
+    return [token for token, _ in generate_step(model, prompt_ids, greedy, N_TOKENS)]
 
 
 def test_mlx_lm_generates_paris(mlx_lm_tokens, gguf_model):
