@@ -99,3 +99,13 @@ def test_verbose_shows_embedding_share(default_gguf):
     assert len(parts) == 2
     for part in parts:
         assert abs(part - whole / 2) / (whole / 2) < 0.01, (parts, whole)
+
+
+def test_perplexity_windows_score_every_token_once():
+    from llama_tp.perplexity import windows
+
+    for n, ctx, stride in [(75, 40, 40), (75, 48, 24), (10, 4, 1), (2, 8, 4), (100, 100, 50)]:
+        scored = [i for _, end, first in windows(n, ctx, stride) for i in range(first, end)]
+        assert scored == list(range(1, n)), (n, ctx, stride)
+        for begin, end, first in windows(n, ctx, stride):
+            assert 0 <= begin < first < end <= n and end - begin <= ctx
