@@ -34,11 +34,13 @@ class PerplexityResult:
 def windows(n: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
     """Sliding windows (begin, end, first scored index) over n tokens.
 
-    Each token from index 1 on is scored exactly once, with as much context
-    as its window gives (windows advance by `stride`).
+    Windows of `context_length` tokens start every `stride` tokens; each scores
+    the tokens not scored yet, so every token from index 1 on is scored exactly
+    once. stride < context_length keeps a token of overlap: the first token of a
+    window has no context inside it and cannot be scored there.
     """
     out, scored = [], 1
-    for begin in range(0, max(n - 1, 1), stride):
+    for begin in range(0, n - 1, stride):
         end = min(begin + context_length, n)
         if end > scored:
             out.append((begin, end, scored))
@@ -54,8 +56,8 @@ def perplexity(
     """exp(mean negative log-likelihood) of `tokens` (every rank gets the same result)."""
     if len(tokens) < 2:
         raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
-    if not 0 < stride <= context_length:
-        raise ValueError(f"stride must be in 1..{context_length}, got {stride}")
+    if not 0 < stride < context_length:
+        raise ValueError(f"stride must be in 1..{context_length - 1}, got {stride}")
     shard = vocab_shard(model)
     ids = mx.array(tokens, dtype=mx.int32)
     nll, count = 0.0, 0
@@ -81,16 +83,23 @@ def main() -> int:
     p.add_argument("--model", help="GGUF file or Hugging Face/MLX directory (default: built-in)")
     p.add_argument("--text-file", required=True, help="UTF-8 text to score")
     p.add_argument("--context-length", type=int, default=512, help="tokens per window")
-    p.add_argument("--stride", type=int, default=None, help="window step (default: half)")
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="window step, below --context-length (default: half of it)",
+    )
     p.add_argument(
         "--no-vocab-parallel",
         action="store_true",
         help="keep the embedding and output head whole on every rank",
     )
     args = p.parse_args()
-    stride = args.stride or max(args.context_length // 2, 1)
     if args.context_length < 2:
         raise UsageError(f"--context-length must be at least 2, got {args.context_length}")
+    stride = args.stride or args.context_length // 2
+    if not 0 < stride < args.context_length:
+        raise UsageError(f"--stride must be in 1..{args.context_length - 1}, got {stride}")
     try:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()

@@ -104,7 +104,14 @@ def test_verbose_shows_embedding_share(default_gguf):
 def test_perplexity_windows_score_every_token_once():
     from llama_tp.perplexity import windows
 
-    for n, ctx, stride in [(75, 40, 40), (75, 48, 24), (10, 4, 1), (2, 8, 4), (100, 100, 50)]:
+    for n, ctx, stride in [
+        (75, 40, 39),
+        (75, 48, 24),
+        (10, 4, 1),
+        (2, 8, 4),
+        (100, 100, 50),
+        (7, 2, 1),
+    ]:
         scored = [i for _, end, first in windows(n, ctx, stride) for i in range(first, end)]
         assert scored == list(range(1, n)), (n, ctx, stride)
         for begin, end, first in windows(n, ctx, stride):
