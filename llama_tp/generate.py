@@ -98,6 +98,8 @@ def stream_generate(
     max_tokens: int = 256,
     temp: float = 0.0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
     seed: int | None = None,
     cache: list[Any] | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -118,7 +120,7 @@ def stream_generate(
     group = group or world()
     seed = agree_seed(seed, group)
     shard = vocab_shard(model)
-    sampler = make_sampler(temp=temp, top_p=top_p, shard=shard, seed=seed)
+    sampler = make_sampler(temp, top_p, min_p, top_k, shard=shard, seed=seed)
     detok = tokenizer.detokenizer
     detok.reset()
     eos = set(tokenizer.eos_token_ids)
@@ -185,7 +187,9 @@ def _parser():
     p.add_argument("--prompt", "-p", default="hello", help="the prompt ('-' reads stdin)")
     p.add_argument("--max-tokens", "-m", type=int, default=100)
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens >= min-p * the best")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
@@ -246,6 +250,10 @@ def main() -> int:
         raise UsageError(f"--temp must be >= 0, got {args.temp}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
     prompt = read_prompt(args.prompt, group)
     if not prompt:
         raise UsageError("the prompt is empty")
@@ -259,6 +267,8 @@ def main() -> int:
         max_tokens=args.max_tokens,
         temp=args.temp,
         top_p=args.top_p,
+        min_p=args.min_p,
+        top_k=args.top_k,
         seed=args.seed,
         group=group,
     ):
