@@ -14,3 +14,15 @@ mlx.launch --hostfile hostfiles/ring-2-macs.json -- python -m llama_tp.generate 
 
 # MPI (needs Open MPI; on Linux: apt-get install openmpi-bin libopenmpi-dev):
 mlx.launch --backend mpi -n 2 -- python -m llama_tp.generate --prompt "hi"
+
+# Chat at this terminal on two ranks (Ctrl-C stops a reply, Ctrl-D or /quit leaves):
+mlx.launch -n 2 -- python -m llama_tp.chat
+
+# The Python chat API and the two-layer tensor-parallel demonstration, two ranks:
+mlx.launch -n 2 -- python examples/chat_api.py
+mlx.launch -n 2 -- python examples/tp_mlp.py
+
+# Four Macs over Ethernet; MPI and JACCL from hostfiles that name their backend:
+mlx.launch --hostfile hostfiles/ring-4-macs.json -- python -m llama_tp.chat
+mlx.launch --hostfile hostfiles/mpi-2-macs.json -- python -m llama_tp.generate --prompt "hi"
+mlx.launch --hostfile hostfiles/jaccl-2-macs.json -- python -m llama_tp.chat

@@ -1,13 +1,14 @@
 """llama_tp: tensor-parallel inference for Llama-family models on MLX.
 
-from llama_tp import load
+from llama_tp import Chat, load
 model, tokenizer = load("model.gguf")   # sharded when run under mlx.launch
+chat = Chat(model, tokenizer)           # multi-turn chat; see llama_tp.chat
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["load", "load_model"]
+__all__ = ["Chat", "load", "load_model"]
 
 
 def __getattr__(name: str):
@@ -17,4 +18,8 @@ def __getattr__(name: str):
         from . import loader
 
         return getattr(loader, name)
+    if name == "Chat":
+        from .chat import Chat
+
+        return Chat
     raise AttributeError(f"module 'llama_tp' has no attribute {name!r}")

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from .distributed import eprint0, world
+from .distributed import world
 from .generate import stream_generate
 
 OVERFLOW_MODES = ("error", "drop_oldest")
@@ -45,6 +45,10 @@ def _mark(i: int) -> str:
 
 class ContextOverflowError(ValueError):
     """The conversation does not fit into the model's context."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the conversation (e.g. a system message it does not allow)."""
 
 
 @dataclass
@@ -98,6 +102,8 @@ class Chat:
         max_tokens: int = 256,
         temp: float = 0.0,
         top_p: float = 1.0,
+        min_p: float = 0.0,
+        top_k: int = 0,
         seed: int | None = None,
         stop: list[str] | tuple[str, ...] | str | None = None,
         max_context: int | None = None,
@@ -111,6 +117,10 @@ class Chat:
             raise ValueError(f"temp must be >= 0, got {temp}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
@@ -123,6 +133,7 @@ class Chat:
         self.model, self.tokenizer = model, tokenizer
         self.group = group or world()
         self.max_tokens, self.temp, self.top_p, self.seed = max_tokens, temp, top_p, seed
+        self.min_p, self.top_k = min_p, top_k
         self.stop, self.max_context, self.overflow = stop, max_context, overflow
         self.should_stop = should_stop
         self.history: list[dict[str, str]] = []
@@ -201,6 +212,8 @@ class Chat:
             max_tokens=self.max_tokens,
             temp=self.temp,
             top_p=self.top_p,
+            min_p=self.min_p,
+            top_k=self.top_k,
             seed=seed,
             cache=self._cache,
             should_stop=should_stop or self.should_stop,
@@ -304,9 +317,12 @@ class Chat:
 
     def _apply(self, messages: list[dict], tokenize: bool, generation_prompt: bool = True):
         kwargs = {"chat_template": self._template} if self._template else {}
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=tokenize, **kwargs
-        )
+        try:
+            out = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tokenize=tokenize, **kwargs
+            )
+        except Exception as e:  # jinja2's errors, or the template's own raise_exception
+            raise ChatTemplateError(f"the chat template failed: {e}") from e
         return list(out) if tokenize else out
 
     def _encode(self, text: str) -> list[int]:
@@ -427,6 +443,8 @@ def _parser():
     p.add_argument("--max-tokens", "-m", type=int, default=256, help="per reply (default 256)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens >= min-p * the best")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument(
@@ -459,6 +477,10 @@ def main() -> int:
         raise UsageError(f"--temp must be >= 0, got {args.temp}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
     if args.max_context is not None and args.max_context <= 0:
         raise UsageError(f"--max-context must be positive, got {args.max_context}")
     if any(not s for s in args.stop):
@@ -472,6 +494,8 @@ def main() -> int:
         max_tokens=args.max_tokens,
         temp=args.temp,
         top_p=args.top_p,
+        min_p=args.min_p,
+        top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
         max_context=args.max_context,
@@ -509,13 +533,14 @@ def main() -> int:
                 with console.replying():
                     for piece in chat.stream(line, should_stop=console.interrupted):
                         console.write(piece)
-            except ContextOverflowError as e:
+            except (ContextOverflowError, ChatTemplateError) as e:
+                # Raised alike on every rank, before the turn's first collective.
                 console.error(str(e))
                 continue
             stats = chat.last_stats
             console.write("\n[interrupted]\n" if stats.finish_reason == "interrupted" else "\n")
-            if args.verbose:
-                eprint0(
+            if args.verbose:  # after the reply, in order with it when at a terminal
+                console.info(
                     f"[prompt {stats.prompt_tokens} tokens ({stats.prefilled_tokens} prefilled, "
                     f"{stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} "
                     f"({stats.generation_tps:.1f} tok/s), {stats.finish_reason}, "

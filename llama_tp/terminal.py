@@ -201,7 +201,7 @@ class RawTerminal:
 
         self.fd = fd
         self.saved = termios.tcgetattr(fd)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a signal handler may restore from within restore
         self._restored = False
         mode = termios.tcgetattr(fd)
         mode[0] &= ~termios.IXON  # Ctrl-S / Ctrl-Q are keys, not flow control
@@ -215,11 +215,12 @@ class RawTerminal:
         with self._lock:
             if self._restored:
                 return
-            self._restored = True
             with contextlib.suppress(OSError, termios.error):
                 termios.tcsetattr(self.fd, termios.TCSANOW, self.saved)
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
+            if not self._restored:
+                self._restored = True
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
 
 
 def _on_fatal_signals(action: Callable[[], None]) -> Callable[[], None]:
@@ -302,10 +303,10 @@ class Console:
     """The chat command's input and output, on every rank (use it as a context manager).
 
     `read_line(prompt)` is collective: rank 0 reads a line, every rank returns
-    it (None: quit). Inside `with console.replying():`, `console.interrupted`
-    turns True on rank 0 when the user presses Ctrl-C; pass it as the reply's
-    `should_stop` so that every rank stops at the same token. Output goes to
-    rank 0's stdout only.
+    it (None: quit). `console.interrupted` turns True on rank 0 when the user
+    presses Ctrl-C after sending a line and before the next prompt (during its
+    reply, or while it is on its way); pass it as the reply's `should_stop`, so
+    that every rank stops at the same token. Output goes to rank 0's stdout only.
     """
 
     def __init__(self, group: mx.distributed.Group | None = None):
@@ -314,11 +315,19 @@ class Console:
         self.mode, self._tty = input_mode(self.group) if self.rank0 else ("none", None)
         self.interactive = self.mode in ("readline", "raw") or (self.rank0 and os.isatty(0))
         self._queue: queue.Queue = queue.Queue()
-        self._interrupt = threading.Event()
         self._lock = threading.Lock()
         self._replying = False
+        # Lines are numbered from 1 in the order they are typed. Ctrl-C stops the reply
+        # to the first line whose turn has not ended (the line being answered, or the
+        # next one if it was sent and not yet picked up), never a later one.
+        self._queued = 0  # lines queued by the stdin thread
+        self._taken = 0  # lines returned by read_line (the current turn's number)
+        self._done = 0  # lines whose turn has ended
+        self._stop_line = 0  # the line whose reply Ctrl-C stops
+        self._ended = False  # the input ended: ignore the rest
         self._terminal: RawTerminal | None = None
         self._undo_signals: Callable[[], None] | None = None
+        self._old_sigint = None
         self._editor = LineEditor(self.write)
         self._keys = KeyDecoder()
         self._pending = b""
@@ -330,6 +339,8 @@ class Console:
         elif self.mode == "readline":
             with contextlib.suppress(ImportError):
                 import readline  # noqa: F401  (input() edits lines and keeps history)
+            if threading.current_thread() is threading.main_thread():
+                self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         elif self.mode == "raw":
             self._terminal = RawTerminal(self._tty)
             self._undo_signals = _on_fatal_signals(self._terminal.restore)
@@ -342,6 +353,9 @@ class Console:
         self.close()
 
     def close(self) -> None:
+        if self._old_sigint is not None:
+            signal.signal(signal.SIGINT, self._old_sigint)
+            self._old_sigint = None
         if self._terminal is not None:
             self._terminal.restore()
         if self._undo_signals is not None:
@@ -373,26 +387,45 @@ class Console:
         return broadcast_object(line, self.group)
 
     def interrupted(self) -> bool:
-        return self._interrupt.is_set()
+        return self._stop_line == self._taken > self._done
 
     @contextlib.contextmanager
     def replying(self) -> Iterator[None]:
-        """While a reply streams: Ctrl-C interrupts it instead of editing the line."""
+        """Around a reply: Ctrl-C interrupts it."""
         with self._lock:
             self._replying = True
-            self._interrupt.clear()
-        old = None
-        if self.mode == "readline":
-            old = signal.signal(signal.SIGINT, lambda signum, frame: self._interrupt.set())
         try:
             yield
         finally:
             with self._lock:
                 self._replying = False
-            if old is not None:
-                signal.signal(signal.SIGINT, old)
+                self._done = self._taken  # this line's turn is over
+
+    def _on_sigint(self, signum, frame) -> None:
+        # "readline" mode, main thread: after a line was sent, Ctrl-C is for its reply;
+        # at the prompt, input() gets the usual KeyboardInterrupt.
+        if self._replying or self._taken > self._done:
+            self._stop_line = self._taken
+        else:
+            raise KeyboardInterrupt
+
+    def _ctrl_c(self) -> bool:
+        """Called with the lock held: does a Ctrl-C now interrupt a reply?"""
+        if self._replying or self._queued > self._done:
+            self._stop_line = self._done + 1
+            return True
+        return False
 
     def _read_line(self, prompt: str) -> str | None:
+        with self._lock:  # the previous line's turn is over
+            self._done = self._taken
+        line = self._read_local(prompt)
+        if line is not None:
+            with self._lock:
+                self._taken += 1
+        return line
+
+    def _read_local(self, prompt: str) -> str | None:
         if self.mode == "readline":
             while True:
                 try:
@@ -432,32 +465,48 @@ class Console:
         with contextlib.suppress(OSError, ValueError):
             while data := os.read(0, 1 << 12):
                 on_bytes(data)
+                if self._ended:
+                    return
         on_bytes(b"")  # the end of the input
+
+    def _end(self) -> None:
+        self._ended = True
+        self._queue.put(EOF)
 
     def _on_keys(self, data: bytes) -> None:
         if not data:
-            self._queue.put(EOF)
+            self._end()
             return
         for key in self._keys.feed(data):
             with self._lock:
-                if key == "ctrl-c" and self._replying:
-                    self._interrupt.set()
+                if key == "ctrl-c" and self._ctrl_c():
                     continue
-            self._queue.put(key)
+                if key == "enter":
+                    self._queued += 1
+                self._queue.put(key)
 
     def _on_lines(self, data: bytes) -> None:
-        with self._lock:
-            if b"\x03" in data and self._replying:
-                self._interrupt.set()
-        self._pending += data.replace(b"\x03", b"")
-        *lines, self._pending = self._pending.split(b"\n")
-        if not data and self._pending:
-            lines, self._pending = [*lines, self._pending], b""
-        for raw in lines:
-            line = raw.decode("utf-8", "replace").removesuffix("\r")
-            if line == "\x04":
-                self._queue.put(EOF)
+        if self._ended:
+            return
+        for i, part in enumerate(data.split(b"\x03")):
+            if i:  # a ^C byte came before this part
+                with self._lock:
+                    self._ctrl_c()
+            *lines, self._pending = (self._pending + part).split(b"\n")
+            for raw in lines:
+                line = raw.decode("utf-8", "replace").removesuffix("\r")
+                if line == "\x04":
+                    self._end()
+                    return
+                with self._lock:
+                    self._queued += 1
+                    self._queue.put(line)
+            if self._pending == b"\x04":
+                self._end()
                 return
-            self._queue.put(line)
-        if not data or self._pending == b"\x04":
-            self._queue.put(EOF)
+        if not data:  # the end of the input, after its last line
+            if self._pending:
+                with self._lock:
+                    self._queued += 1
+                    self._queue.put(self._pending.decode("utf-8", "replace"))
+            self._end()

@@ -86,47 +86,69 @@ class Pty:
         os.close(self.slave)
 
 
-def expected_reply(model, text: str, max_tokens: int) -> str:
-    from llama_tp import load
-    from llama_tp.chat import Chat
-
-    chat = Chat(*load(model), max_tokens=max_tokens, max_context=100_000)
-    return chat.send(text)
+LONG = 3000  # --max-tokens: a reply that does not end by itself is long on any machine
 
 
-def test_interactive_chat_two_ranks_through_a_terminal(tiny_dir):
-    max_tokens = 400  # long enough to interrupt: tiny's replies never end by themselves
-    hello = expected_reply(tiny_dir, "hello", max_tokens)
+@pytest.fixture(scope="module")
+def turns(tiny_dir):
+    """Two messages whose replies (greedy, one after the other) end by themselves within
+    150 tokens, with those replies; and the start of the (long) reply to 'hello'."""
+    from llama_tp import Chat, load
+
+    model = load(tiny_dir)
+
+    def replies(*messages):  # greedy: as with --max-tokens LONG when they end by themselves
+        chat = Chat(*model, max_tokens=150, max_context=100_000)
+        out = [chat.send(m) for m in messages]
+        return out, chat.last_stats.finish_reason == "stop"
+
+    hello = Chat(*model, max_tokens=200, max_context=100_000)
+    assert hello.send("hello") and hello.last_stats.finish_reason == "length"
+    for first in ("n", "q", "c", "yes"):
+        if replies(first)[1]:
+            for second in ("go on", "no", "why", "and", "yes", "ok"):
+                (r1, r2), short = replies(first, second)
+                if short:
+                    return first, r1, second, r2, hello.history[-1]["content"]
+    pytest.fail("no two messages whose replies end soon")
+
+
+def test_interactive_chat_two_ranks_through_a_terminal(tiny_dir, turns, monkeypatch):
+    monkeypatch.delenv("LLAMA_TP_TERMINAL", raising=False)
+    first, r1, second, r2, hello = turns
     cmd = [str(BIN / "mlx.launch"), "-n", "2", "--starting-port", str(next(_PORTS)), "--"]
     cmd += [sys.executable, "-m", "llama_tp.chat", "--model", str(tiny_dir)]
-    cmd += ["--max-tokens", str(max_tokens), "--max-context", "100000"]
+    cmd += ["--max-tokens", str(LONG), "--max-context", "100000"]
     t = Pty(cmd)
     try:
         at = t.expect(PROMPT, timeout=120)
-        # Turn 1; every key is echoed once, by rank 0's line editor.
-        t.send("hello\r")
-        at = t.expect(PROMPT, at)
-        assert t.text().count(hello) == 1
-        assert t.text().count("hello\n") == 1
-        # Turn 2, edited: backspace and a cursor move before Enter.
-        t.send("hi theer\x7f\x7fre\x1b[D\x1b[C\r")
-        at = t.expect(PROMPT, at)
-        assert "hi there\x1b[K\n" in t.text()  # the line as last drawn, then Enter
+        # Two turns. Rank 0's line editor echoes each key once; the second line is
+        # typed with a typo, a backspace and cursor moves.
+        t.send(first + "\r")
+        at = t.expect(f"{first}\n{r1}\n>> ", at)
+        t.send(f"{second[:-1]}x\x7f{second[-1]}\x1b[D\x1b[C\r")
+        at = t.expect(f"{second}\x1b[K\n{r2}\n>> ", at)
         t.send("/reset\r")
-        at = t.expect(PROMPT, t.expect("[conversation reset]", at))
-        # After /reset the same message gets the same reply as the first time.
+        at = t.expect("[conversation reset]\n>> ", at)
+        # Ctrl-C during a long reply stops it on every rank and returns to the prompt.
         t.send("hello\r")
         started = t.expect("hello\n", at)
         t.expect(hello[:20], started)
-        t.send("\x03")  # Ctrl-C during the reply
-        at = t.expect(PROMPT, t.expect("[interrupted]", started))
-        interrupted = t.text(started).split("[interrupted]")[0].strip()
-        assert interrupted and hello.startswith(interrupted) and interrupted != hello
-        # Ctrl-C at the prompt clears the line; Up recalls the last line for another turn.
+        t.send("\x03")
+        at = t.expect("\n[interrupted]\n>> ", started)
+        part = t.text(started).split("\n[interrupted]")[0]
+        assert part[:200] == hello[: len(part[:200])]  # the same reply as in one process
+        # At the prompt Ctrl-C clears the line; Up recalls 'hello' for another turn,
+        # and a Ctrl-C right after Enter stops that reply too.
         t.send("abc\x03")
         at = t.expect("abc^C\n>> ", at)
-        t.send("\x1b[A\r")
-        at = t.expect(PROMPT, t.expect("hello\x1b[K\n", at))
+        t.send("\x1b[A\r\x03")
+        at = t.expect("[interrupted]\n>> ", t.expect("hello\x1b[K\n", at))
+        assert t.text().count("[interrupted]") == 2
+        # After all that the ranks are still in step: start over, get the first reply again.
+        t.send("/reset\r")
+        t.send(first + "\r")
+        at = t.expect(f"{first}\n{r1}\n>> ", at)
         t.send("\x04")  # Ctrl-D on an empty line: every rank ends
         code = t.wait(60)
         mode_after = termios.tcgetattr(t.slave)
@@ -135,4 +157,204 @@ def test_interactive_chat_two_ranks_through_a_terminal(tiny_dir):
     out = t.text()
     assert code == 0, out
     assert WARN not in out and "Traceback" not in out and "error" not in out, out
+    assert out.count(r1) == 2 and out.count(r2) == 1  # each reply printed once
     assert mode_after == t.mode_before  # rank 0 gave the terminal back as it found it
+
+
+def test_interactive_chat_one_process_with_readline(tiny_dir, turns, monkeypatch):
+    monkeypatch.delenv("LLAMA_TP_TERMINAL", raising=False)
+    first, r1, _, _, hello = turns
+    cmd = [sys.executable, "-m", "llama_tp.chat", "--model", str(tiny_dir)]
+    t = Pty(cmd + ["--max-tokens", str(LONG), "--max-context", "100000"])
+    try:
+        at = t.expect(">> ", timeout=120)
+        t.send(first + "\r")
+        at = t.expect(f"{r1}\n>> ", at)
+        t.send("/reset\rhello\r")
+        t.expect(hello[:20], at)
+        t.send("\x03")  # SIGINT, from the terminal: stops the reply
+        at = t.expect("[interrupted]\n>> ", at)
+        t.send("\x04")  # end of file at the prompt
+        code = t.wait(60)
+    finally:
+        t.close()
+    assert code == 0, t.text()
+    assert t.text().count(r1) == 1 and "Traceback" not in t.text(), t.text()
+
+
+def test_sigterm_during_a_reply_restores_the_terminal(tiny_dir, monkeypatch):
+    """Killing the whole launch (launcher and ranks, as a closing terminal window
+    would) in the middle of a reply still gives the terminal its mode back."""
+    monkeypatch.delenv("LLAMA_TP_TERMINAL", raising=False)
+    cmd = [str(BIN / "mlx.launch"), "-n", "2", "--starting-port", str(next(_PORTS)), "--"]
+    cmd += [sys.executable, "-m", "llama_tp.chat", "--model", str(tiny_dir)]
+    t = Pty(cmd + ["--max-tokens", str(LONG), "--max-context", "100000"])
+    try:
+        at = t.expect(PROMPT, timeout=120)
+        assert termios.tcgetattr(t.slave) != t.mode_before  # rank 0 took the terminal
+        t.send("hello\r")
+        t.expect("hello\n", at)
+        t.read(0.5)
+        os.killpg(t.proc.pid, signal.SIGTERM)
+        t.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until every rank has gone too
+            try:
+                os.killpg(t.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        assert termios.tcgetattr(t.slave) == t.mode_before
+    finally:
+        t.close()
+
+
+class Piped:
+    """A command with pipes for stdin/stdout/stderr, read as they come."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        self.out = {self.proc.stdout.fileno(): b"", self.proc.stderr.fileno(): b""}
+        self.open = set(self.out)
+
+    @property
+    def stdout(self) -> str:
+        return self.out[self.proc.stdout.fileno()].decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.out[self.proc.stderr.fileno()].decode("utf-8", "replace")
+
+    def read(self, timeout: float) -> bool:
+        """Read what is there within `timeout`; False once nothing more will come."""
+        if not self.open:
+            return False
+        ready, _, _ = select.select(list(self.open), [], [], timeout)
+        for fd in ready:
+            data = os.read(fd, 1 << 16)
+            self.out[fd] += data
+            if not data:
+                self.open.discard(fd)
+        return bool(self.open)
+
+    def expect(self, needle: str, start: int = 0, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while (i := self.stdout.find(needle, start)) < 0:
+            if time.monotonic() > deadline or not self.read(0.05):
+                raise AssertionError(
+                    f"no {needle!r} in stdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+                )
+        return i + len(needle)
+
+    def send(self, text: str) -> None:
+        self.proc.stdin.write(text.encode())
+        self.proc.stdin.flush()
+
+    def wait(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self.read(0.05)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            raise AssertionError(f"still running after {timeout}s:\n{self.stdout}")
+        while self.read(0):
+            pass
+        return self.proc.returncode
+
+
+@pytest.mark.parametrize("ending", ["eof", "ctrl-d"])
+def test_chat_through_pipes_single_process(tiny_dir, turns, monkeypatch, ending):
+    monkeypatch.delenv("LLAMA_TP_TERMINAL", raising=False)
+    first, r1, _, _, hello = turns
+    cmd = [sys.executable, "-m", "llama_tp.chat", "--model", str(tiny_dir)]
+    p = Piped(cmd + ["--max-tokens", str(LONG), "--max-context", "100000"])
+    try:
+        p.send(f"{first}\n/reset\nhello\n")
+        at = p.expect(f"{r1}\n", timeout=120)
+        at = p.expect(hello[:20], at)  # the long reply to 'hello': interrupt it
+        p.send("\x03")
+        at = p.expect("\n[interrupted]\n", at)
+        p.send("bye\n\x03")  # a ^C right after a line stops its reply
+        p.expect("[interrupted]\n", at)
+        if ending == "eof":
+            p.proc.stdin.close()
+        else:
+            p.send("\x04\n")
+        code = p.wait()
+    finally:
+        if p.proc.poll() is None:
+            p.proc.kill()
+    assert code == 0, p.stderr
+    assert p.stdout.count(r1) == 1 and p.stdout.count("[interrupted]") == 2, p.stdout
+    assert ">>" not in p.stdout  # no prompts when nobody is at a terminal
+    assert "[conversation reset]" in p.stderr and "error" not in p.stderr, p.stderr
+
+
+# -- the pieces, without a terminal -------------------------------------------------
+
+
+def test_key_decoder():
+    from llama_tp.terminal import KeyDecoder
+
+    d = KeyDecoder()
+    keys = d.feed(b"ab\x1b[A\x1b[3~\r\n\x7f\x03\x04\x1bOH")
+    assert keys == ["a", "b", "up", "delete", "enter", "backspace", "ctrl-c", "ctrl-d", "home"]
+    assert keys + d.feed(b"") == keys
+    assert d.feed(b"\x01\x17\n") == ["home", "kill-word", "enter"]
+    assert d.feed(b"\x1b") == [] and d.feed(b"[B") == ["down"]  # split escape sequence
+    e = "é".encode()
+    assert d.feed(e[:1]) == [] and d.feed(e[1:]) == ["é"]  # split UTF-8 character
+    assert d.feed(b"\x1b[15~x\x1b[200~y") == ["x", "y"]  # unknown keys are dropped
+
+
+def test_line_editor():
+    from llama_tp.terminal import EOF, LineEditor
+
+    out = []
+    ed = LineEditor(out.append)
+
+    def line(keys, prompt=">> "):
+        ed.start(prompt)
+        for k in keys:
+            result = ed.key(k)
+            if result is not None:
+                return result
+        return None
+
+    assert line(["h", "i", "left", "x", "end", "!", "enter"]) == "hxi!"
+    assert out[0] == ">> " and out[-1] == "\n"
+    assert line(["a", "b", "home", "ctrl-d", "enter"]) == "b"  # Ctrl-D deletes at the cursor
+    assert line(["up", "up", "enter"]) == "hxi!"  # history, newest first
+    assert line(["up", "down", "enter"]) == ""
+    assert line(list("one two") + ["kill-word", "enter"]) == "one "
+    assert line(list("abc") + ["ctrl-c"]) is None and out[-2:] == ["^C\n", ">> "]
+    assert line(["x", "backspace", "ctrl-d"]) is EOF  # Ctrl-D on an empty line
+    assert ed.history == ["hxi!", "b", "hxi!", "one "]  # a recalled line goes to the end
+
+
+def test_console_ctrl_c_stops_the_reply_to_the_line_it_follows(monkeypatch):
+    from llama_tp.distributed import world
+    from llama_tp.terminal import Console
+
+    monkeypatch.setenv("LLAMA_TP_TERMINAL", "lines")
+    c = Console(world())  # not entered: no stdin thread, the input is fed by hand
+    assert c.mode == "lines"
+    c._on_lines(b"a\n")
+    assert c.read_line() == "a" and not c.interrupted()
+    with c.replying():
+        c._on_lines(b"\x03")  # during the reply to 'a'
+        assert c.interrupted()
+    c._on_lines(b"b\n\x03")  # right after 'b' was sent, before its turn began
+    assert c.read_line() == "b" and c.interrupted()
+    with c.replying():
+        pass
+    c._on_lines(b"c\n")
+    assert c.read_line() == "c" and not c.interrupted()
+    with c.replying():
+        pass
+    c._on_lines(b"\x03d\n")  # at the prompt: nothing to stop
+    assert c.read_line() == "d" and not c.interrupted()
+    c._on_lines(b"\x04")
+    assert c.read_line() is None
