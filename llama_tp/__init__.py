@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return getattr(loader, name)
     if name == "Chat":
-        from .chat import Chat
+        from .conversation import Chat
 
         return Chat
     raise AttributeError(f"module 'llama_tp' has no attribute {name!r}")

@@ -82,11 +82,11 @@ def test_chat_is_exported_lazily():
     r = run_python(
         [
             "-c",
-            "import sys, llama_tp; assert 'llama_tp.chat' not in sys.modules; "
+            "import sys, llama_tp; assert 'llama_tp.conversation' not in sys.modules; "
             "from llama_tp import Chat; print(Chat.__module__)",
         ]
     )
-    assert r.returncode == 0 and r.stdout.strip() == "llama_tp.chat", r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == "llama_tp.conversation", r.stderr
 
 
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_prefill(tiny):
@@ -155,7 +155,7 @@ def test_stop_strings_end_the_reply_and_are_never_shown(tiny):
 
 
 def test_stop_string_helpers():
-    from llama_tp.chat import _find_stop, _partial_stop
+    from llama_tp.conversation import _find_stop, _partial_stop
 
     assert _find_stop("abc STOP def", ["STOP", "c S"]) == (2, "c S")
     assert _find_stop("abc", ["x"]) == (3, None)

@@ -1,0 +1,419 @@
+"""Multi-turn chat: the `Chat` class (`python -m llama_tp.chat` is in chat.py).
+
+    from llama_tp import Chat, load
+    model, tokenizer = load(path)               # sharded under mlx.launch
+    chat = Chat(model, tokenizer, system="Be brief.", max_tokens=128)
+    print(chat.send("What is the capital of France?"))
+    for piece in chat.stream("And of Germany?"):
+        print(piece, end="", flush=True)
+
+Every rank runs the same turns (SPMD): the replies are identical on every rank,
+and only rank 0 should print them (`llama_tp.distributed.print0`). The KV cache
+is kept between turns; a turn prefills only the tokens the cache does not
+already hold (`chat.last_stats`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from .distributed import world
+from .generate import stream_generate
+
+OVERFLOW_MODES = ("error", "drop_oldest")
+# Used when the tokenizer has no chat template of its own (base models).
+FALLBACK_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% else %}Assistant:{{ m['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+FALLBACK_STOP = "\nUser:"
+
+
+def _mark(i: int) -> str:
+    # Private-use characters: no template escapes or trims them, no user types them.
+    return f"\ue000{i}\ue001"
+
+
+class ContextOverflowError(ValueError):
+    """The conversation does not fit into the model's context."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the conversation (e.g. a system message it does not allow)."""
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost; `Chat.last_stats` after each `send`/`stream`."""
+
+    prompt_tokens: int  # the whole conversation as the model saw it this turn
+    reused_tokens: int  # of those, already in the KV cache from earlier turns
+    prefilled_tokens: int  # computed this turn: prompt_tokens - reused_tokens
+    generated_tokens: int  # sampled this turn (an end-of-turn token included)
+    finish_reason: str  # "stop" (end of turn or stop string), "length" or "interrupted"
+    stop_string: str | None  # the stop string that ended the reply, if one did
+    prompt_tps: float  # prefill speed, tokens per second
+    generation_tps: float
+    dropped_messages: int  # oldest messages dropped to fit (overflow="drop_oldest")
+    context_tokens: int  # tokens held in the KV cache after the turn
+
+
+class _EndOfTurn:
+    """The tokenizer as stream_generate sees it: its EOS ids plus the template's end of turn."""
+
+    def __init__(self, tokenizer: Any, extra: set[int]):
+        self._tokenizer = tokenizer
+        self.eos_token_ids = set(tokenizer.eos_token_ids) | extra
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+class Chat:
+    """A conversation with a (possibly sharded) model, reusing its KV cache between turns.
+
+    `system`: the system message; `stop`: strings that end a reply (never
+    shown, not kept in the history); `max_context`: the context limit in tokens
+    (default: the model's `max_position_embeddings`); `overflow`: what to do when
+    a turn (its prompt plus `max_tokens`) would not fit: "error" raises
+    `ContextOverflowError`, "drop_oldest" drops the oldest user/assistant turns
+    (the system message stays). `seed` makes sampling reproducible (turn k
+    uses `seed + k`); greedy decoding (`temp=0`, the default) needs none.
+    `should_stop()`, asked after every token on every rank, interrupts a reply.
+
+    Under mlx.launch every rank must make the same calls in the same order.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        system: str | None = None,
+        *,
+        max_tokens: int = 256,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] | str | None = None,
+        max_context: int | None = None,
+        overflow: str = "error",
+        should_stop: Callable[[], bool] | None = None,
+        group: mx.distributed.Group | None = None,
+    ):
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if temp < 0:
+            raise ValueError(f"temp must be >= 0, got {temp}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if overflow not in OVERFLOW_MODES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if max_context is None:
+            max_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        if max_context is not None and max_context <= 0:
+            raise ValueError(f"max_context must be positive, got {max_context}")
+        self.model, self.tokenizer = model, tokenizer
+        self.group = group or world()
+        self.max_tokens, self.temp, self.top_p, self.seed = max_tokens, temp, top_p, seed
+        self.min_p, self.top_k = min_p, top_k
+        self.stop, self.max_context, self.overflow = stop, max_context, overflow
+        self.should_stop = should_stop
+        self.history: list[dict[str, str]] = []
+        self.last_stats: TurnStats | None = None
+        self._template = None if tokenizer.has_chat_template else FALLBACK_TEMPLATE
+        self._tokenizer = _EndOfTurn(tokenizer, self._end_of_turn_ids())
+        self._cache = make_prompt_cache(model)
+        self._held: list[int] = []  # the tokens in the cache, exactly
+        self._tokens_of: dict[int, tuple[dict, str, list[int]]] = {}  # id(reply) -> its tokens
+        self._turn = 0
+        self.system = system
+
+    # -- conversation state -------------------------------------------------
+
+    @property
+    def system(self) -> str | None:
+        if self.history and self.history[0].get("role") == "system":
+            return self.history[0]["content"]
+        return None
+
+    @system.setter
+    def system(self, text: str | None) -> None:
+        has = bool(self.history) and self.history[0].get("role") == "system"
+        if text is None:
+            if has:
+                del self.history[0]
+        elif has:
+            self.history[0] = {"role": "system", "content": text}
+        else:
+            self.history.insert(0, {"role": "system", "content": text})
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays). The KV cache is kept:
+        the next turn reuses whatever prefix still matches (e.g. the system prompt)."""
+        system = self.system
+        self.history.clear()
+        self.system = system
+        self._tokens_of.clear()
+        self._turn = 0
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens held in the KV cache."""
+        return len(self._held)
+
+    # -- a turn -------------------------------------------------------------
+
+    def send(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> str:
+        """The whole reply to `text` (see `stream`)."""
+        return "".join(self.stream(text, should_stop=should_stop))
+
+    def stream(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+        """Add the user message `text` and yield the reply in pieces as it is decoded.
+
+        The reply joins the history when it ends: at an end-of-turn token, a
+        stop string, `max_tokens`, `should_stop()` (on any rank), or when the
+        caller stops iterating (then with the text yielded so far; under
+        mlx.launch every rank must stop at the same piece).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"the message must be a str, not {type(text).__name__}")
+        before = list(self.history)
+        messages, tokens, dropped = self._fit([*self.history, {"role": "user", "content": text}])
+        reused = self._reuse(tokens)
+        new = tokens[reused:]
+        seed = None if self.seed is None else self.seed + self._turn
+        self._turn += 1
+        self.history[:] = messages
+        live = {id(m) for m in messages}
+        self._tokens_of = {k: v for k, v in self._tokens_of.items() if k in live}
+        stops = self._stops()
+        steps = stream_generate(
+            self.model,
+            self._tokenizer,
+            new,
+            max_tokens=self.max_tokens,
+            temp=self.temp,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            top_k=self.top_k,
+            seed=seed,
+            cache=self._cache,
+            should_stop=should_stop or self.should_stop,
+            group=self.group,
+        )
+        generated: list[int] = []
+        shown: list[str] = []
+        pending = ""  # text held back: it may be the start of a stop string
+        last, finish, stop_hit, state = None, "interrupted", None, "failed"
+        try:
+            for r in steps:
+                last = r
+                generated.append(r.token)
+                pending += r.text
+                at, stop_hit = _find_stop(pending, stops)
+                if stop_hit is not None:
+                    piece, pending, finish = pending[:at], "", "stop"
+                else:
+                    keep = _partial_stop(pending, stops)
+                    piece, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
+                    if r.finish_reason:
+                        piece, pending, finish = piece + pending, "", r.finish_reason
+                if piece:
+                    shown.append(piece)
+                    yield piece
+                if stop_hit is not None or r.finish_reason:
+                    break
+            state = "complete"
+        except GeneratorExit:  # the caller stopped iterating: keep the reply so far
+            state = "closed"
+            raise
+        finally:
+            steps.close()
+            if state == "failed":  # an error mid-turn: the cache may be half-written
+                self.history[:] = before
+                self._cache = make_prompt_cache(self.model)
+                self._held = []
+            else:
+                reply = "".join(shown)
+                self._end_turn(reused, new, generated, reply, finish, stop_hit, state)
+                self.last_stats = TurnStats(
+                    len(tokens),
+                    reused,
+                    len(new),
+                    len(generated),
+                    finish,
+                    stop_hit,
+                    last.prompt_tps if last else 0.0,
+                    last.generation_tps if last else 0.0,
+                    dropped,
+                    len(self._held),
+                )
+
+    def _stops(self) -> list[str]:
+        return list(self.stop) + ([FALLBACK_STOP] if self._template else [])
+
+    def _reuse(self, tokens: list[int]) -> int:
+        """Trim the cache to its longest prefix shared with `tokens`; return its length.
+
+        At least one token is always left to prefill (it yields the first logits)."""
+        common = 0
+        for a, b in zip(tokens, self._held, strict=False):
+            if a != b:
+                break
+            common += 1
+        if not tokens:
+            raise ValueError("the chat template rendered an empty prompt")
+        common = min(common, len(tokens) - 1)
+        extra = len(self._held) - common
+        if extra > 0:
+            if can_trim_prompt_cache(self._cache):
+                trim_prompt_cache(self._cache, extra)
+            else:
+                self._cache, common = make_prompt_cache(self.model), 0
+        self._held = self._held[:common]
+        return common
+
+    def _end_turn(self, reused, new, generated, reply, finish, stop_hit, state) -> None:
+        # Generation may have fed one token fewer than it sampled (at max_tokens),
+        # so the cache's own offset says which tokens it holds.
+        offset = self._cache[0].offset if self._cache else 0
+        self._held = (self._held[:reused] + new + generated)[:offset]
+        message = {"role": "assistant", "content": reply}
+        self.history.append(message)
+        tokens = generated
+        if tokens and finish == "stop" and stop_hit is None:
+            tokens = tokens[:-1]  # the end-of-turn token: the template writes its own
+        if state != "complete" or stop_hit is not None:
+            tokens = self._tokens_for(tokens, reply)
+        if tokens is not None:
+            self._tokens_of[id(message)] = (message, reply, tokens)
+
+    def _tokens_for(self, tokens: list[int], text: str) -> list[int] | None:
+        """The longest prefix of `tokens` that decodes to `text` (a reply cut short), if any."""
+        for n in range(len(tokens), max(-1, len(tokens) - 24), -1):
+            if self.tokenizer.decode(tokens[:n]) == text:
+                return tokens[:n]
+        return None
+
+    # -- prompt -------------------------------------------------------------
+
+    def _apply(self, messages: list[dict], tokenize: bool, generation_prompt: bool = True):
+        kwargs = {"chat_template": self._template} if self._template else {}
+        try:
+            out = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tokenize=tokenize, **kwargs
+            )
+        except Exception as e:  # jinja2's errors, or the template's own raise_exception
+            raise ChatTemplateError(f"the chat template failed: {e}") from e
+        return list(out) if tokenize else out
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        """The conversation's token ids, ending with the assistant's generation prompt.
+
+        Replies keep the tokens they were generated as (the text of a reply does
+        not always tokenize back to them), so the cache of earlier turns matches."""
+        marked, parts = [], []
+        for m in messages:
+            known = self._tokens_of.get(id(m))
+            if known and known[0] is m and m.get("content") == known[1]:
+                m = {**m, "content": _mark(len(parts))}
+                parts.append(known[2])
+            marked.append(m)
+        if not parts:
+            return self._apply(messages, tokenize=True)
+        text = self._apply(marked, tokenize=False)
+        tokens: list[int] = []
+        for i, part in enumerate(parts):
+            before, found, text = text.partition(_mark(i))
+            if not found or _mark(i) in text:
+                return self._apply(messages, tokenize=True)
+            tokens += self._encode(before) + part
+        return tokens + self._encode(text)
+
+    def _fit(self, messages: list[dict]) -> tuple[list[dict], list[int], int]:
+        """`messages` (less its oldest turns with overflow="drop_oldest") and their tokens."""
+        dropped = 0
+        while True:
+            tokens = self._render(messages)
+            need = len(tokens) + self.max_tokens
+            if self.max_context is None or need <= self.max_context:
+                return messages, tokens, dropped
+            counts = (
+                f"{len(tokens)} prompt tokens + max_tokens {self.max_tokens} = {need} tokens, "
+                f"over the context limit of {self.max_context}"
+            )
+            if self.overflow == "error":
+                raise ContextOverflowError(
+                    f"the conversation needs {counts}; reset() it, lower max_tokens, raise "
+                    "max_context or pass overflow='drop_oldest'"
+                )
+            first = 1 if messages[0].get("role") == "system" else 0
+            nxt = next(
+                (i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"), None
+            )
+            if nxt is None:
+                raise ContextOverflowError(f"the message alone needs {counts}")
+            dropped += nxt - first
+            messages = messages[:first] + messages[nxt:]
+
+    def _end_of_turn_ids(self) -> set[int]:
+        """The special token the chat template closes an assistant turn with, if any."""
+        try:
+            text = self._apply(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _mark(0)}],
+                tokenize=False,
+                generation_prompt=False,
+            )
+        except Exception:  # templates may insist on other conversations; EOS will do
+            return set()
+        after = text.partition(_mark(0))[2]
+        ids = self._encode(after)[:1]
+        special = {
+            i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        return {i for i in ids if i in special}
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
+    """Where the first stop string in `text` begins, and which one it is."""
+    best, hit = len(text), None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and i < best:
+            best, hit = i, s
+    return best, hit
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """The length of the longest end of `text` that begins some stop string."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
+# -- python -m llama_tp.chat ---------------------------------------------------
