@@ -24,25 +24,14 @@ Ctrl-C stops a reply. Start a message with // to send one that begins with /."""
 
 
 def _parser():
-    from .cli import ArgumentParser
+    from .cli import ArgumentParser, add_model_args
 
     p = ArgumentParser(
         prog="python -m llama_tp.chat",
         description="Chat with a Llama-family model at the terminal, on one process or "
         "across the ranks started by mlx.launch.",
     )
-    p.add_argument(
-        "--model",
-        help="GGUF file, Hugging Face/MLX directory or hub repo id "
-        "(default: the built-in SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--system-prompt", default=None)
-    p.add_argument("--max-tokens", "-m", type=int, default=256, help="per reply (default 256)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens >= min-p * the best")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens")
-    p.add_argument("--seed", type=int, default=None)
+    add_model_args(p, max_tokens=256)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument(
         "--max-context",
@@ -63,27 +52,18 @@ def _parser():
 
 
 def main() -> int:
-    from .cli import UsageError
+    from .cli import UsageError, check_model_args
     from .loader import default_model, load
     from .terminal import Console
 
     args = _parser().parse_args()
-    if args.max_tokens <= 0:
-        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
-    if args.temp < 0:
-        raise UsageError(f"--temp must be >= 0, got {args.temp}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.min_p <= 1:
-        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    check_model_args(args)
     if args.max_context is not None and args.max_context <= 0:
         raise UsageError(f"--max-context must be positive, got {args.max_context}")
     if any(not s for s in args.stop):
         raise UsageError("--stop strings must not be empty")
     group = world()
-    model, tokenizer = load(args.model or default_model(), group)
+    model, tokenizer = load(args.model or default_model(), group, not args.no_vocab_parallel)
     chat = Chat(
         model,
         tokenizer,

@@ -28,6 +28,47 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The model and sampling flags that generate and chat share (mlx_lm's names)."""
+    p.add_argument(
+        "--model",
+        help="GGUF file, Hugging Face/MLX directory or hub repo id "
+        "(default: the built-in SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        "-m",
+        type=int,
+        default=max_tokens,
+        help=f"new tokens at most (default {max_tokens})",
+    )
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens >= min-p * the best")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument(
+        "--no-vocab-parallel",
+        action="store_true",
+        help="keep the embedding and output head whole on every rank",
+    )
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Raise UsageError, naming the value, for sampling flags out of range."""
+    if args.max_tokens <= 0:
+        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.temp < 0:
+        raise UsageError(f"--temp must be >= 0, got {args.temp}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+
+
 def run(main: Callable[[], int | None]) -> NoReturn:
     """Run `main` and exit: its return code, or one `error: ...` line from rank 0."""
     try:

@@ -172,32 +172,16 @@ def vocab_bytes(model: nn.Module) -> int:
 
 
 def _parser():
-    from .cli import ArgumentParser
+    from .cli import ArgumentParser, add_model_args
 
     p = ArgumentParser(
         prog="python -m llama_tp.generate",
         description="Generate text with a Llama-family model, on one process or across "
         "the ranks started by mlx.launch.",
     )
-    p.add_argument(
-        "--model",
-        help="GGUF file, Hugging Face/MLX directory or hub repo id "
-        "(default: the built-in SmolLM2-135M-Instruct)",
-    )
+    add_model_args(p, max_tokens=100)
     p.add_argument("--prompt", "-p", default="hello", help="the prompt ('-' reads stdin)")
-    p.add_argument("--max-tokens", "-m", type=int, default=100)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens >= min-p * the best")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--system-prompt", default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
-    p.add_argument(
-        "--no-vocab-parallel",
-        action="store_true",
-        help="keep the embedding and output head whole on every rank",
-    )
     p.add_argument(
         "--verbose", action="store_true", help="print speed and every rank's peak memory on stderr"
     )
@@ -238,22 +222,13 @@ def read_prompt(prompt: str, group: mx.distributed.Group) -> str:
 
 
 def main() -> int:
-    from .cli import UsageError
+    from .cli import UsageError, check_model_args
     from .loader import default_model, load
     from .tokenizer import encode_prompt
 
     group = world()
     args = _parser().parse_args()
-    if args.max_tokens <= 0:
-        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
-    if args.temp < 0:
-        raise UsageError(f"--temp must be >= 0, got {args.temp}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.min_p <= 1:
-        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    check_model_args(args)
     prompt = read_prompt(args.prompt, group)
     if not prompt:
         raise UsageError("the prompt is empty")
