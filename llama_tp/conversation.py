@@ -67,17 +67,6 @@ class TurnStats:
     context_tokens: int  # tokens held in the KV cache after the turn
 
 
-class _EndOfTurn:
-    """The tokenizer as stream_generate sees it: its EOS ids plus the template's end of turn."""
-
-    def __init__(self, tokenizer: Any, extra: set[int]):
-        self._tokenizer = tokenizer
-        self.eos_token_ids = set(tokenizer.eos_token_ids) | extra
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
-
 class Chat:
     """A conversation with a (possibly sharded) model, reusing its KV cache between turns.
 
@@ -139,7 +128,7 @@ class Chat:
         self.history: list[dict[str, str]] = []
         self.last_stats: TurnStats | None = None
         self._template = None if tokenizer.has_chat_template else FALLBACK_TEMPLATE
-        self._tokenizer = _EndOfTurn(tokenizer, self._end_of_turn_ids())
+        self._eos = set(tokenizer.eos_token_ids) | self._end_of_turn_ids()
         self._cache = make_prompt_cache(model)
         self._held: list[int] = []  # the tokens in the cache, exactly
         self._tokens_of: dict[int, tuple[dict, str, list[int]]] = {}  # id(reply) -> its tokens
@@ -207,7 +196,7 @@ class Chat:
         stops = self._stops()
         steps = stream_generate(
             self.model,
-            self._tokenizer,
+            self.tokenizer,
             new,
             max_tokens=self.max_tokens,
             temp=self.temp,
@@ -217,6 +206,7 @@ class Chat:
             seed=seed,
             cache=self._cache,
             should_stop=should_stop or self.should_stop,
+            eos_token_ids=self._eos,
             group=self.group,
         )
         generated: list[int] = []

@@ -104,6 +104,7 @@ def stream_generate(
     cache: list[Any] | None = None,
     should_stop: Callable[[], bool] | None = None,
     logprobs: int | None = None,
+    eos_token_ids: set[int] | None = None,
     group: mx.distributed.Group | None = None,
 ) -> Iterator[Response]:
     """Generate from token ids `prompt`, yielding text pieces as they are decoded.
@@ -114,6 +115,8 @@ def stream_generate(
     the same token (finish_reason "interrupted"), so their caches stay alike.
     `logprobs=k` adds each token's log-probability and the k most likely
     alternatives (0: the token's only), exact also with a sharded vocabulary.
+    `eos_token_ids` replaces the tokenizer's end-of-sequence ids (e.g. a chat
+    template's end-of-turn token as well).
     """
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -123,7 +126,7 @@ def stream_generate(
     sampler = make_sampler(temp, top_p, min_p, top_k, shard=shard, seed=seed)
     detok = tokenizer.detokenizer
     detok.reset()
-    eos = set(tokenizer.eos_token_ids)
+    eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
     tic = time.perf_counter()
     prompt_tps = 0.0
     steps = generate_step(model, prompt, sampler, max_tokens, cache)
