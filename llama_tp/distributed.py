@@ -71,3 +71,32 @@ def broadcast_object(obj: Any, group: mx.distributed.Group | None = None) -> Any
 def broadcast_text(text: str | None, group: mx.distributed.Group | None = None) -> str | None:
     """Rank 0's string (or None) on every rank."""
     return broadcast_object(text, group)
+
+
+class PeerError(RuntimeError):
+    """Another rank failed at a point where all ranks compare their outcome."""
+
+
+def agree_ok(error: BaseException | None, group: mx.distributed.Group | None = None) -> None:
+    """Every rank calls this with its own outcome (None: success) at the same point.
+
+    If any rank failed, every rank raises: a failed rank its own exception, the
+    others a `PeerError` naming the first failed rank and its message, so that
+    rank 0 can print the reason and nobody waits for a rank that gave up.
+    """
+    group = group or world()
+    if group.size() == 1:
+        if error is not None:
+            raise error
+        return
+    text = None if error is None else (str(error).strip().splitlines() or [type(error).__name__])[0]
+    failed = [(r, m) for r, m in enumerate(all_gather_object(text, group)) if m is not None]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    rank, message = failed[0]
+    others = (
+        f" (and {len(failed) - 1} more rank{'s' * (len(failed) > 2)})" if len(failed) > 1 else ""
+    )
+    raise PeerError(f"rank {rank}: {message}{others}")

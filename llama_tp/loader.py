@@ -6,15 +6,18 @@ only then evaluate, so that each rank materializes only its own slices.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .checkpoints import Checkpoint, CheckpointError, open_checkpoint, quantization_of
-from .distributed import barrier, world
+from .checkpoints.safetensors import READ
+from .distributed import agree_ok, barrier, world
 from .model import Transformer
-from .plan import Plan, make_plan, vocab_ranges
+from .plan import Plan, make_plan, tensor_slice, vocab_ranges
+from .vocab_parallel import VocabParallelEmbedding
 
 
 def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
@@ -74,13 +77,70 @@ def build_model(ckpt: Checkpoint) -> Transformer:
     """The model with the checkpoint's (still lazy) weights in place."""
     model = Transformer(ckpt.args)
     _quantize_like(model, ckpt.weights)
+    _load(model, ckpt, list(ckpt.weights.items()))
+    return model
+
+
+def _load(model: nn.Module, ckpt: Checkpoint, weights: list[tuple[str, mx.array]]) -> None:
     try:
-        model.load_weights(list(ckpt.weights.items()), strict=True)
+        model.load_weights(weights, strict=True)
     except ValueError as e:
         # mlx lists every mismatching name; keep the first line, it names the problem.
         first = str(e).strip().splitlines()[0]
         raise CheckpointError(f"{ckpt.path}: weights do not match the config: {first}") from None
+
+
+def _build_split(ckpt: Checkpoint, group: mx.distributed.Group, vocab_parallel: bool):
+    """One rank's folder of a pre-split checkpoint: shard an empty model the same
+    way, then put the stored slices in (their shapes must be what the plan gives)."""
+    split = ckpt.metadata
+    if split["vocab_parallel"] and not vocab_parallel and group.size() > 1:
+        raise CheckpointError(
+            f"{ckpt.path} was split with a vocabulary-parallel embedding and head; "
+            "convert with --no-vocab-parallel to keep them whole on every rank"
+        )
+    model = Transformer(ckpt.args)  # lazily initialized: replaced before evaluation
+
+    def predicate(path: str, module: nn.Module):
+        q = split.get("quantized", {}).get(path)
+        return {"bits": q[0], "group_size": q[1]} if q else False
+
+    nn.quantize(model, class_predicate=predicate)
+    if group.size() > 1:
+        shard_model(model, group)
+        if split["vocab_parallel"]:
+            rows = vocab_ranges(model.args.vocab_size, group.size())[group.rank()]
+            model.shard_vocab(group, rows.start, rows.stop)
+    _load(model, ckpt, list(ckpt.weights.items()))
     return model
+
+
+def _read_own_slices(model: Transformer, ckpt: Checkpoint, plan: Plan | None, rank: int) -> None:
+    """Replace every (lazy, unread) parameter by exactly the bytes this rank keeps,
+    read straight from the file: no rank ever holds a whole split tensor."""
+    from mlx.utils import tree_flatten
+
+    vocab = None
+    if plan is not None and isinstance(model.tok_embeddings, VocabParallelEmbedding):
+        vocab = vocab_ranges(model.args.vocab_size, plan.n)[rank]
+    weights = []
+    for name, _ in tree_flatten(model.parameters()):
+        file, stored = ckpt.sources[name]
+        shape = file.tensors[stored].shape
+        s = None if plan is None else tensor_slice(plan, plan.parts[rank], name, shape, vocab)
+        weights.append((name, file.read(stored) if s is None else file.read(stored, *s)))
+    _load(model, ckpt, weights)
+
+
+def _open(path: str | Path, group: mx.distributed.Group) -> Checkpoint:
+    """open_checkpoint on every rank; if any rank fails, every rank raises."""
+    ckpt, error = None, None
+    try:
+        ckpt = open_checkpoint(path, group.rank(), group.size())
+    except Exception as e:
+        error = e
+    agree_ok(error, group)
+    return ckpt
 
 
 def load_model(
@@ -90,20 +150,54 @@ def load_model(
 
     With `vocab_parallel` (the default) the embedding and output head are split
     by vocabulary rows too, and the model returns each rank's slice of the logits.
-    Returns the model, evaluated, and the checkpoint it came from (config,
-    GGUF metadata). Every rank returns only after all ranks have loaded.
+    Safetensors checkpoints are read in slices: each rank reads only the bytes
+    it keeps. A checkpoint pre-split by `convert --shards N` is read from this
+    rank's folder only. Returns the model, evaluated, and the checkpoint it came
+    from, with `load_stats` (bytes read, peak memory, seconds). Every rank
+    returns only after all ranks have loaded; if one fails, all raise.
     """
     group = group or world()
-    ckpt = open_checkpoint(path)
-    model = build_model(ckpt)
-    if group.size() > 1:
-        shard_model(model, group)
-        if vocab_parallel:
-            rows = vocab_ranges(model.args.vocab_size, group.size())[group.rank()]
-            model.shard_vocab(group, rows.start, rows.stop)
-    mx.eval(model.parameters())
+    tic = time.perf_counter()
+    READ.reset()
+    mx.reset_peak_memory()
+    ckpt = _open(path, group)
+    error = None
+    try:
+        if ckpt.format == "split":
+            model = _build_split(ckpt, group, vocab_parallel)
+        else:
+            model = build_model(ckpt)
+            plan = None
+            if group.size() > 1:
+                plan = shard_model(model, group)
+                if vocab_parallel:
+                    rows = vocab_ranges(model.args.vocab_size, group.size())[group.rank()]
+                    model.shard_vocab(group, rows.start, rows.stop)
+            if ckpt.sources:
+                _read_own_slices(model, ckpt, plan, group.rank())
+        mx.eval(model.parameters())
+    except Exception as e:
+        error = e
+    agree_ok(error, group)
+    sliced = ckpt.format == "hf"
+    ckpt.load_stats = {
+        # Sliced reads are counted as they happen; other formats read whole files.
+        "bytes_read": READ.bytes if sliced else sum(f.stat().st_size for f in ckpt.files),
+        "peak_memory": mx.get_peak_memory(),
+        "max_rss": max_rss(),
+        "seconds": time.perf_counter() - tic,
+    }
     barrier(group)
     return model, ckpt
+
+
+def max_rss() -> int:
+    """The process's resident-memory high-water mark, in bytes."""
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def load(path: str | Path, group: mx.distributed.Group | None = None, vocab_parallel: bool = True):

@@ -153,23 +153,50 @@ _LAYER_TENSOR = re.compile(
 )
 
 
-def _held(plan: Plan, part: RankPart, name: str, nbytes: int) -> int:
-    """Bytes of one tensor that `part` holds."""
+def _split(plan: Plan, part: RankPart, name: str) -> tuple[int, range, int] | None:
+    """(axis, this rank's units, total units) of a layer tensor; None: held whole."""
     m = _LAYER_TENSOR.match(name)
     if m is None:
-        return nbytes  # embeddings, norms, output: whole on every rank
+        return None  # embeddings, norms, output: whole unless vocabulary-parallel
     proj = m.group(1) or m.group(2)
     if proj in ("wo", "w2") and m.group(3) == "bias":
-        return nbytes  # added once after the all_sum: whole on every rank
-    # Every split axis (rows of wq/wk/wv/w1/w3, columns of wo/w2, packed or
-    # not) is proportional to the count of heads or columns; the slice bytes
-    # are the difference of the boundaries so that a partition sums exactly.
+        return None  # added once after the all_sum: whole on every rank
     r, total = {
         "wq": (part.q_heads, plan.n_heads),
         "wk": (part.kv_heads, plan.n_kv_heads),
         "wv": (part.kv_heads, plan.n_kv_heads),
         "wo": (part.q_heads, plan.n_heads),
     }.get(proj, (part.ffn, plan.hidden_dim))
+    return (1 if proj in ("wo", "w2") else 0), r, total
+
+
+def tensor_slice(
+    plan: Plan, part: RankPart, name: str, shape: tuple[int, ...], vocab: range | None = None
+) -> tuple[int, int, int] | None:
+    """The part of checkpoint tensor `name` (stored `shape`) that rank `part` holds:
+    (axis, start, stop) in stored units, or None when it holds the whole tensor.
+
+    Rows of wq/wk/wv/w1/w3 and columns of wo/w2, packed or not (every split axis
+    is proportional to the count of heads or columns; quantized splits fall on
+    group boundaries); the rows `vocab` of the embedding and output head when
+    they are vocabulary-parallel; everything else (norms, wo/w2 bias) whole.
+    """
+    if name.startswith(("tok_embeddings.", "output.")):
+        return None if vocab is None else (0, vocab.start, vocab.stop)
+    split = _split(plan, part, name)
+    if split is None:
+        return None
+    axis, r, total = split
+    return axis, shape[axis] * r.start // total, shape[axis] * r.stop // total
+
+
+def _held(plan: Plan, part: RankPart, name: str, nbytes: int) -> int:
+    """Bytes of one tensor that `part` holds."""
+    split = _split(plan, part, name)
+    if split is None:
+        return nbytes
+    # The difference of the boundaries, so that a partition sums exactly.
+    _, r, total = split
     return nbytes * r.stop // total - nbytes * r.start // total
 
 

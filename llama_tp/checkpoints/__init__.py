@@ -24,27 +24,42 @@ class CheckpointError(ValueError):
 @dataclass
 class Checkpoint:
     path: Path
-    format: str  # "hf" or "gguf"
+    format: str  # "hf", "gguf" or "split" (one rank's folder of a pre-split checkpoint)
     args: ModelArgs
     weights: dict[str, mx.array]  # lazy, by the model's parameter names
-    metadata: dict[str, Any] = field(default_factory=dict)  # GGUF metadata (tokenizer)
+    metadata: dict[str, Any] = field(default_factory=dict)  # GGUF metadata, config.json
+    files: list[Path] = field(default_factory=list)  # the weight files
+    # model name -> (file, stored name) where tensors can be read in slices (safetensors)
+    sources: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    load_stats: dict[str, Any] = field(default_factory=dict)  # filled in by the loader
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Read the config and (lazily) the weights of a checkpoint at `path`."""
-    from . import gguf, hf
+def open_checkpoint(path: str | Path, rank: int = 0, size: int = 1) -> Checkpoint:
+    """Read the config and (lazily) the weights of a checkpoint at `path`.
+
+    A checkpoint pre-split by `convert --shards N` opens as the folder of
+    `rank` (of `size` ranks), which must be the N it was split for.
+    """
+    from . import gguf, hf, split
 
     p = Path(path)
     if not p.exists() and _REPO_ID.match(str(path)):
         p = _download(str(path))
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
+    if split.is_split(p):
+        return split.read(split.rank_dir(p, rank, size), rank, size)
     if p.is_file():
         return gguf.read(p)
     if (p / "config.json").is_file():
         return hf.read(p)
+    if (p / "params.json").is_file():
+        from . import meta  # original Meta checkpoint: params.json + consolidated.*.pth
+
+        return meta.read(p)
     raise CheckpointError(
-        f"{p}: not a model: expected a .gguf file or a directory with config.json"
+        f"{p}: not a model: expected a .gguf file or a directory with config.json "
+        "(or params.json and consolidated.*.pth)"
     )
 
 

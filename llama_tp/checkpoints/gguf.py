@@ -131,4 +131,4 @@ def read(path: Path) -> Checkpoint:
     weights = {to_model_name(k): v for k, v in raw.items()}
     args = args_from_metadata(meta, weights, path)
     weights.pop("rope_freqs.weight", None)
-    return Checkpoint(path=path, format="gguf", args=args, weights=weights, metadata=meta)
+    return Checkpoint(path, "gguf", args, weights, meta, files=[path])

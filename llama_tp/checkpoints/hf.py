@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from ..model import ModelArgs
 from . import Checkpoint, CheckpointError
+from .safetensors import SafetensorsFile
 
 # Architectures that are the Llama block under another name.
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -122,10 +123,14 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(files: list[Path]) -> dict[str, mx.array]:
-    """Lazily load safetensors files into a dict keyed by the model's names."""
-    weights = {}
+def load_weights(
+    files: list[Path],
+) -> tuple[dict[str, mx.array], dict[str, tuple[SafetensorsFile, str]]]:
+    """Lazily load safetensors files, keyed by the model's names; and where each
+    tensor lives, for reading slices of it (headers are checked against the sizes)."""
+    weights, sources = {}, {}
     for f in files:
+        header = SafetensorsFile(f)  # a truncated file fails here, with the numbers
         try:
             tensors = mx.load(str(f))
         except Exception as e:  # mlx raises RuntimeError/ValueError with a terse text
@@ -134,16 +139,18 @@ def load_weights(files: list[Path]) -> dict[str, mx.array]:
             new = to_model_name(name)
             if new is not None:
                 weights[new] = value
-    return weights
+                sources[new] = (header, name)
+    return weights, sources
 
 
 def read(path: Path) -> Checkpoint:
     config = read_config(path)
     args = args_from_config(config, path)
-    weights = load_weights(weight_files(path))
+    files = weight_files(path)
+    weights, sources = load_weights(files)
     if "output.weight" not in weights and not args.tie_word_embeddings:
         # Converters drop lm_head when it equals the embedding.
         args.tie_word_embeddings = True
     if args.tie_word_embeddings:
         weights.pop("output.weight", None)
-    return Checkpoint(path=path, format="hf", args=args, weights=weights, metadata=config)
+    return Checkpoint(path, "hf", args, weights, config, files, sources)

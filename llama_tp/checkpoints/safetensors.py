@@ -1,0 +1,153 @@
+"""Read whole tensors or row/column slices of safetensors files, counting the bytes.
+
+MLX's `mx.load` is lazy per tensor, but it reads a whole tensor even when only
+a slice of it is kept. Here a rank asks for `rows [a, b)` or `columns [a, b)`
+and only those bytes are read (`os.preadv` straight into the MLX array's own
+buffer, so no second copy exists): a row slice is one contiguous range, a
+column slice one range per row.
+
+Format: 8-byte little-endian header length, a JSON header mapping each name to
+{dtype, shape, data_offsets} (relative to the end of the header), then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import CheckpointError
+
+# safetensors dtype -> (MLX dtype the bytes are read as, dtype of the result)
+_DTYPES = {
+    "F32": (mx.float32, mx.float32),
+    "F16": (mx.float16, mx.float16),
+    "BF16": (mx.uint16, mx.bfloat16),  # read as uint16, then viewed (no copy)
+    "U32": (mx.uint32, mx.uint32),
+    "I32": (mx.int32, mx.int32),
+    "U8": (mx.uint8, mx.uint8),
+    "I8": (mx.int8, mx.int8),
+    "I64": (mx.int64, mx.int64),
+}
+_MAX_HEADER = 100 << 20
+_HAVE_PREADV = hasattr(os, "preadv")
+_CHUNK = 16 << 20  # the safetensors reference implementation's limit
+
+
+class ReadCounter:
+    """Bytes this process read from weight files (the loader's own accounting)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def reset(self) -> None:
+        self.bytes = 0
+
+
+READ = ReadCounter()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors name, e.g. "F16"
+    shape: tuple[int, ...]
+    offset: int  # absolute file offset of the first byte
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return _DTYPES[self.dtype][0].size
+
+
+class SafetensorsFile:
+    """The header of one safetensors file, checked against the file size."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise CheckpointError(f"{self.path}: truncated: {size} bytes, no header")
+                (n,) = struct.unpack("<Q", head)
+                if n > min(size - 8, _MAX_HEADER):
+                    raise CheckpointError(
+                        f"{self.path}: damaged header: length {n} in a file of {size} bytes"
+                    )
+                header = json.loads(f.read(n))
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"{self.path}: damaged header: not valid JSON") from None
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.tensors: dict[str, TensorInfo] = {}
+        base = 8 + n
+        for name, t in header.items():
+            try:
+                dtype, shape, (start, stop) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"{self.path}: damaged header entry {name!r}") from None
+            if dtype not in _DTYPES:
+                raise CheckpointError(f"{self.path}: {name}: unsupported dtype {dtype}")
+            nbytes = math.prod(shape) * _DTYPES[dtype][0].size
+            if stop - start != nbytes:
+                raise CheckpointError(
+                    f"{self.path}: {name}: {stop - start} bytes stored for shape {list(shape)} "
+                    f"{dtype} ({nbytes} bytes)"
+                )
+            if base + stop > size:
+                raise CheckpointError(
+                    f"{self.path}: truncated: {name} ends at byte {base + stop}, "
+                    f"the file has {size}"
+                )
+            self.tensors[name] = TensorInfo(dtype, shape, base + start, nbytes)
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
+        """Tensor `name`, whole (`axis` None) or its slice [start, stop) along axis 0 or 1."""
+        t = self.tensors[name]
+        read_as, result = _DTYPES[t.dtype]
+        shape = list(t.shape)
+        if axis is not None:
+            if axis not in (0, 1) or axis >= len(shape) or not 0 <= start < stop <= shape[axis]:
+                raise ValueError(f"{name}: bad slice [{start}, {stop}) of axis {axis} of {shape}")
+            shape[axis] = stop - start
+        # A fresh buffer of the result's size, filled in place by the reads below.
+        out = mx.zeros(shape, dtype=read_as)
+        mx.eval(out)
+        buf = memoryview(out).cast("B")
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if axis == 1:
+                # One range per row: `inner` bytes of every row of `row` bytes.
+                row = t.nbytes // t.shape[0]
+                inner = row // t.shape[1] * (stop - start)
+                skip = row // t.shape[1] * start
+                for i in range(t.shape[0]):
+                    self._pread(fd, buf[i * inner : (i + 1) * inner], t.offset + i * row + skip)
+            else:
+                row = t.nbytes // t.shape[0] if shape else t.nbytes
+                first = t.offset + (row * start if axis == 0 else 0)
+                self._pread(fd, buf, first)
+        finally:
+            os.close(fd)
+        return out.view(result) if result != read_as else out
+
+    def _pread(self, fd: int, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buf):
+            if _HAVE_PREADV:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+            else:  # some macOS Pythons: bounded chunks through a temporary bytes object
+                data = os.pread(fd, min(len(buf) - done, _CHUNK), offset + done)
+                n = len(data)
+                buf[done : done + n] = data
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: truncated at byte {offset + done}")
+            done += n
+        READ.bytes += done
