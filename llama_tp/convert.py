@@ -1,13 +1,18 @@
-"""Convert a GGUF file into a Hugging Face / MLX directory, and `python -m llama_tp.convert`.
+"""Convert a checkpoint into a Hugging Face / MLX directory or a pre-split one.
 
     python -m llama_tp.convert --model SmolLM2-135M-Instruct.Q4_1.gguf --out smollm2-mlx
+    python -m llama_tp.convert --model smollm2-mlx --out smollm2-q8 --quantize 8
+    python -m llama_tp.convert --model smollm2-mlx --out smollm2-tp2 --shards 2
 
-The directory (`config.json`, `model.safetensors`, `tokenizer.json`,
+Sources: GGUF files, Hugging Face / MLX directories, original Meta checkpoints.
+The plain directory (`config.json`, `model.safetensors`, `tokenizer.json`,
 `tokenizer_config.json`) opens with both `llama_tp.load(DIR)` and
 `mlx_lm.load(DIR)`. Quantized tensors are copied as they are (MLX reads GGUF
 Q4_0/Q4_1/Q8_0 as affine group-32 quantization), with per-module overrides in
 `config.json` wherever a tensor's bits or group size differ from the dominant
-setting. The q/k rows keep GGUF's interleaved layout, hence `rope_traditional`.
+setting; `--quantize` re-quantizes (MLX affine). GGUF q/k rows keep their
+interleaved layout, hence `rope_traditional`. `--shards N` writes one folder
+per rank instead (see `checkpoints/split.py`).
 """
 
 from __future__ import annotations
@@ -58,7 +63,12 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _token_ids(meta: dict[str, Any]) -> tuple[int | None, int | list[int] | None]:
+def _token_ids(ckpt: Checkpoint) -> tuple[int | None, int | list[int] | None]:
+    """(bos, eos) ids: GGUF metadata keys, or the source's own config."""
+    if ckpt.format != "gguf":
+        return ckpt.metadata.get("bos_token_id"), ckpt.metadata.get("eos_token_id")
+    meta = ckpt.metadata
+
     def get(key: str) -> int | None:
         value = meta.get(f"tokenizer.ggml.{key}_token_id")
         return None if value is None else int(value.item() if hasattr(value, "item") else value)
@@ -67,34 +77,69 @@ def _token_ids(meta: dict[str, Any]) -> tuple[int | None, int | list[int] | None
     return get("bos"), (eos[0] if len(eos) == 1 else eos or None)
 
 
-def quantization(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """mlx-lm's `quantization` block: the dominant setting plus per-module overrides."""
-    from .loader import build_model
-
-    model = build_model(ckpt)  # also checks that the tensors match the config
-    per_module: dict[str, tuple[int, int]] = {}
-    params: Counter[tuple[int, int]] = Counter()
+def _quantized_modules(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Module path -> (group_size, bits) of every quantized layer."""
+    out = {}
     for path, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             if m.mode != "affine":
-                raise CheckpointError(f"{ckpt.path}: {path}: unsupported mode {m.mode!r}")
-            setting = (m.group_size, m.bits)
-            per_module[hf_name(f"{path}.weight").removesuffix(".weight")] = setting
-            params[setting] += m.weight.size * 32 // m.bits
+                raise CheckpointError(f"{path}: unsupported quantization mode {m.mode!r}")
+            out[path] = (m.group_size, m.bits)
+    return out
+
+
+def quantization(model: nn.Module) -> dict[str, Any] | None:
+    """mlx-lm's `quantization` block: the dominant setting plus per-module overrides."""
+    per_module = _quantized_modules(model)
+    params: Counter[tuple[int, int]] = Counter()
+    for path, m in model.named_modules():
+        if path in per_module:
+            params[per_module[path]] += m.weight.size * 32 // m.bits
     if not params:
         return None
     (group_size, bits), _ = params.most_common(1)[0]
     block: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    for path, (g, b) in sorted(per_module.items()):
+    for path, (g, b) in sorted((hf_name(f"{p}.weight"), s) for p, s in per_module.items()):
         if (g, b) != (group_size, bits):
-            block[path] = {"group_size": g, "bits": b}
+            block[path.removesuffix(".weight")] = {"group_size": g, "bits": b}
     return block
 
 
-def hf_config(ckpt: Checkpoint) -> dict[str, Any]:
+def requantize(ckpt: Checkpoint, bits: int, group_size: int) -> nn.Module:
+    """The checkpoint's model (lazy) with MLX affine `bits`-bit quantization: every
+    Linear and Embedding whose input width is a multiple of `group_size`, as
+    mlx-lm's convert does; layers quantized in the source are dequantized first."""
+    from mlx.utils import tree_unflatten
+
+    from .loader import build_model
+
+    model = build_model(ckpt)
+    floats = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+            if isinstance(m, nn.QuantizedEmbedding):
+                f = nn.Embedding(*w.shape)
+            else:
+                f = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+                if "bias" in m:
+                    f.bias = m.bias
+            f.weight = w
+            floats.append((path, f))
+    if floats:
+        model.update_modules(tree_unflatten(floats))
+
+    def predicate(path: str, m: nn.Module) -> bool:
+        return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+
+    nn.quantize(model, group_size, bits, class_predicate=predicate)
+    return model
+
+
+def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
     """`config.json` for mlx-lm's `llama` model (and llama_tp's HF reader)."""
     a = ckpt.args
-    bos, eos = _token_ids(ckpt.metadata)
+    bos, eos = _token_ids(ckpt)
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -120,14 +165,16 @@ def hf_config(ckpt: Checkpoint) -> dict[str, Any]:
         config["bos_token_id"] = bos
     if eos is not None:
         config["eos_token_id"] = eos
-    if (quant := quantization(ckpt)) is not None:
+    if (quant := quantization(model)) is not None:
         # mlx-lm's save_config writes the block under both names (for HF tooling).
         config["quantization"] = config["quantization_config"] = quant
     return dict(sorted(config.items()))
 
 
-def _write_weights(weights: dict[str, mx.array], out: Path, progress: bool) -> int:
-    """Write `weights` (emptied as it goes) as mlx-lm does; returns the bytes written."""
+def _write_weights(
+    weights: dict[str, mx.array], out: Path, progress: bool
+) -> tuple[int, list[str]]:
+    """Write `weights` (emptied as it goes) as mlx-lm does; returns (bytes, file names)."""
     from mlx_lm.utils import make_shards
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
@@ -160,7 +207,7 @@ def _write_weights(weights: dict[str, mx.array], out: Path, progress: bool) -> i
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-    return total
+    return total, names
 
 
 def _save_tokenizer(ckpt: Checkpoint, out: Path) -> None:
@@ -177,29 +224,123 @@ def _save_tokenizer(ckpt: Checkpoint, out: Path) -> None:
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_gguf(src: Path, out: Path, progress: bool = True) -> Path:
-    """Convert the GGUF file `src` into the directory `out` (created; weight files in it replaced).
+def convert(
+    src: Path,
+    out: Path,
+    *,
+    quantize: int | None = None,
+    group_size: int = 64,
+    shards: int | None = None,
+    vocab_parallel: bool = True,
+    progress: bool = True,
+) -> Path:
+    """Convert the checkpoint `src` into the directory `out` (created; weight files replaced).
 
-    With `progress`, shows a progress bar and a final `wrote ...` line on stderr.
+    `quantize` (4 or 8 bits, `group_size` values per scale) re-quantizes it;
+    `shards` writes one folder per rank of a `shards`-rank run instead of one
+    mlx-lm directory. With `progress`, shows progress and a `wrote ...` line on stderr.
     """
+    from .agreement import weights_fingerprint
+    from .loader import build_model
+
     src, out = Path(src), Path(out)
-    if src.is_dir():
-        raise CheckpointError(f"{src}: is a directory; convert reads a .gguf file")
     ckpt = open_checkpoint(src)
-    if ckpt.format != "gguf":
-        raise CheckpointError(f"{src}: not a GGUF file")
-    config = hf_config(ckpt)
-    weights = {hf_name(k): ckpt.weights.pop(k) for k in sorted(ckpt.weights)}
+    if ckpt.format == "split":
+        raise CheckpointError(f"{src}: already split; convert the original checkpoint")
+    model = build_model(ckpt) if quantize is None else requantize(ckpt, quantize, group_size)
+    from mlx.utils import tree_flatten
+
+    weights = dict(tree_flatten(model.parameters()))
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # a previous conversion's shards would be loaded too
+    if shards is not None:
+        fingerprint = weights_fingerprint(ckpt) + (f"-q{quantize}g{group_size}" if quantize else "")
+        _write_split(
+            ckpt,
+            model,
+            weights,
+            out,
+            shards,
+            vocab_parallel,
+            fingerprint,
+            quantize is None,
+            progress,
+        )
+        if progress:
+            print(f"wrote {out} ({shards} rank folders)", file=sys.stderr)
+        return out
+    config = hf_config(ckpt, model)
+    hf_weights = {hf_name(k): weights.pop(k) for k in sorted(weights)}
     (out / "config.json").write_text(json.dumps(config, indent=4) + "\n")
     _save_tokenizer(ckpt, out)
-    n_tensors = len(weights)
-    nbytes = _write_weights(weights, out, progress)
+    n_tensors = len(hf_weights)
+    nbytes, _ = _write_weights(hf_weights, out, progress)
     if progress:
         print(f"wrote {out} ({n_tensors} tensors, {nbytes / 1e6:.1f} MB)", file=sys.stderr)
     return out
+
+
+def _write_split(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    weights: dict[str, mx.array],
+    out: Path,
+    n: int,
+    vocab_parallel: bool,
+    fingerprint: str,
+    from_file: bool,
+    progress: bool,
+) -> None:
+    """One folder per rank: its slices of every tensor, read as slices from a
+    safetensors source (nothing else held), else sliced from the lazy tensors."""
+    from .checkpoints import split
+    from .loader import _check_quantized_heads, plan_for
+    from .plan import vocab_ranges
+
+    plan = plan_for(model, n)
+    _check_quantized_heads(model, plan)
+    vocab = vocab_ranges(ckpt.args.vocab_size, n) if vocab_parallel and n > 1 else None
+    # The model's tensors are the file's own unless re-quantized: read slices from the file.
+    ranged = from_file and all(k in ckpt.sources for k in weights)
+
+    def get(name: str, s: tuple[int, int, int] | None) -> mx.array:
+        if ranged:
+            file, stored = ckpt.sources[name]
+            return file.read(stored) if s is None else file.read(stored, *s)
+        v = weights[name]
+        if s is None:
+            return v
+        axis, start, stop = s
+        return mx.contiguous(v[start:stop] if axis == 0 else v[:, start:stop])
+
+    bos, eos = _token_ids(ckpt)
+    config = {
+        "quantized": {p: [b, g] for p, (g, b) in _quantized_modules(model).items()},
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "source": ckpt.path.name,
+        "llama_tp": {"fingerprint": fingerprint},
+    }
+    shapes = {k: tuple(v.shape) for k, v in weights.items()}
+    split.write(
+        out,
+        ckpt.args,
+        get,
+        shapes,
+        plan,
+        vocab,
+        config,
+        lambda tensors, folder: _write_weights(tensors, folder, progress),
+        lambda folder: _save_tokenizer(ckpt, folder),
+    )
+
+
+def convert_gguf(src: Path, out: Path, progress: bool = True) -> Path:
+    """Convert the GGUF file `src` into an mlx-lm directory `out` (see `convert`)."""
+    if Path(src).is_dir():
+        raise CheckpointError(f"{src}: is a directory; convert reads a .gguf file")
+    return convert(src, out, progress=progress)
 
 
 def _parser():
@@ -207,12 +348,29 @@ def _parser():
 
     p = ArgumentParser(
         prog="python -m llama_tp.convert",
-        description="Convert a GGUF file into a Hugging Face / MLX directory "
-        "that llama_tp and mlx-lm both load.",
+        description="Convert a GGUF file, Hugging Face/MLX directory or original Meta "
+        "checkpoint into a directory that llama_tp and mlx-lm both load, optionally "
+        "quantized, or pre-split into one folder per rank.",
     )
-    p.add_argument("--model", help="GGUF file (default: the built-in SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", help="checkpoint to convert (default: the built-in SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--out", required=True, help="output directory (must be empty or new)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.add_argument(
+        "--quantize", "-q", type=int, choices=(4, 8), help="quantize to 4 or 8 bits (MLX affine)"
+    )
+    p.add_argument(
+        "--group-size", type=int, choices=(32, 64, 128), default=64, help="values per scale"
+    )
+    p.add_argument(
+        "--shards", type=int, help="write one folder per rank for a run on this many ranks"
+    )
+    p.add_argument(
+        "--no-vocab-parallel",
+        action="store_true",
+        help="with --shards: keep the embedding and output head whole in every folder",
+    )
     return p
 
 
@@ -226,7 +384,18 @@ def main() -> int:
         raise UsageError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not args.force:
         raise UsageError(f"--out {out}: directory is not empty (use --force to write into it)")
-    convert_gguf(Path(args.model) if args.model else default_model(), out)
+    if args.shards is not None and args.shards < 1:
+        raise UsageError(f"--shards must be at least 1, got {args.shards}")
+    if args.no_vocab_parallel and args.shards is None:
+        raise UsageError("--no-vocab-parallel only applies with --shards")
+    convert(
+        Path(args.model) if args.model else default_model(),
+        out,
+        quantize=args.quantize,
+        group_size=args.group_size,
+        shards=args.shards,
+        vocab_parallel=not args.no_vocab_parallel,
+    )
     return 0
 
 

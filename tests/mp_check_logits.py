@@ -1,10 +1,12 @@
 """Run under mlx.launch: sharded logits must equal the unsharded model's.
 
     mlx.launch -n 2 -- python tests/mp_check_logits.py DIR [DIR ...] [--atol 1e-4]
+    mlx.launch -n 2 -- python tests/mp_check_logits.py SPLIT_DIR=DIR
 
 Every rank builds the unsharded model and the model sharded over the world,
 runs both on the same tokens (a prefill, then cached decoding steps), and
-compares. Rank 0 prints one line per model; any mismatch exits 1 on every rank.
+compares. `A=B` loads A sharded (e.g. a pre-split checkpoint) and B unsharded.
+Rank 0 prints one line per model; any mismatch exits 1 on every rank.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def main() -> int:
     args = p.parse_args()
     world = mx.distributed.init()
     failed = 0
-    for path in args.models:
-        ref = build_model(open_checkpoint(path))
+    for spec in args.models:
+        path, _, ref_path = spec.partition("=")
+        ref = build_model(open_checkpoint(ref_path or path))
         sharded, _ = load_model(path, world, vocab_parallel=not args.no_vocab_parallel)
         vocab = ref.args.vocab_size
         x = mx.array(np.random.default_rng(0).integers(0, vocab, (1, args.tokens)), mx.int32)

@@ -296,3 +296,18 @@ def test_params_that_contradict_the_weights(twins, tmp_path):
         CheckpointError, match="feed-forward size of 192, but layers.0.feed_forward.w1 has 96 rows"
     ):
         open_checkpoint(meta)
+
+
+def test_converts_for_mlx_lm(twins, models, tmp_path):
+    """convert turns the Meta checkpoint into a directory mlx-lm generates the same tokens from."""
+    import mlx_lm
+    from mlx_lm.generate import generate_step as mlx_lm_step
+
+    out = tmp_path / "out"
+    r = run_python(["-m", "llama_tp.convert", "--model", str(twins["meta"]), "--out", str(out)])
+    assert r.returncode == 0, r.stderr
+    model, tok = mlx_lm.load(str(out))
+    prompt = encode_prompt(models["meta"][1], PROMPT)
+    assert list(tok.encode(PROMPT)) == prompt
+    tokens = [int(t) for t, _ in mlx_lm_step(mx.array(prompt), model, max_tokens=N_TOKENS)]
+    assert tokens == greedy_tokens(models["hf"][0], prompt)

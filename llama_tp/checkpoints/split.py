@@ -154,7 +154,7 @@ def write(
         "version": 1,
         "shards": plan.n,
         "vocab_parallel": vocab is not None,
-        "fingerprint": config.get("fingerprint"),
+        "fingerprint": (config.get("llama_tp") or {}).get("fingerprint"),
         "ranks": ranks,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
