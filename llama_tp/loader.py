@@ -192,12 +192,21 @@ def load_model(
 
 
 def max_rss() -> int:
-    """The process's resident-memory high-water mark, in bytes."""
+    """The process's resident-memory high-water mark, in bytes.
+
+    Linux: VmHWM (getrusage's ru_maxrss survives exec, so a child would
+    report its parent's peak); elsewhere getrusage (bytes on macOS).
+    """
     import resource
     import sys
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
+    try:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024
 
 
 def load(path: str | Path, group: mx.distributed.Group | None = None, vocab_parallel: bool = True):
