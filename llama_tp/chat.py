@@ -52,8 +52,9 @@ def _parser():
 
 
 def main() -> int:
-    from .cli import UsageError, check_model_args
-    from .loader import default_model, load
+    from . import watchdog
+    from .cli import UsageError, check_model_args, start_watchdog
+    from .generate import load_checked
     from .terminal import Console
 
     args = _parser().parse_args()
@@ -62,8 +63,10 @@ def main() -> int:
         raise UsageError(f"--max-context must be positive, got {args.max_context}")
     if any(not s for s in args.stop):
         raise UsageError("--stop strings must not be empty")
+    start_watchdog(args)  # armed during loading and replies, not while waiting for input
     group = world()
-    model, tokenizer = load(args.model or default_model(), group, not args.no_vocab_parallel)
+    watchdog.set_group_size(group.size())
+    model, tokenizer = load_checked(args, group)
     chat = Chat(
         model,
         tokenizer,
@@ -80,6 +83,8 @@ def main() -> int:
         group=group,
     )
     with Console(group) as console:
+        # A watchdog exit skips the `with`: give the terminal back first.
+        watchdog.on_exit(lambda: console._terminal and console._terminal.restore())
         console.info(
             f"Chat on {group.size()} rank{'s' * (group.size() > 1)}; /help lists the commands, "
             "Ctrl-C stops a reply, Ctrl-D or /quit leaves."

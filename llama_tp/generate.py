@@ -23,7 +23,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .distributed import all_gather_object, broadcast_object, eprint0, print0, world
+from . import watchdog
+from .agreement import TokenCheck
+from .distributed import agree_ok, all_gather_object, broadcast_object, eprint0, print0, world
 from .sampling import make_sampler, token_logprobs, vocab_shard
 
 
@@ -121,42 +123,49 @@ def stream_generate(
     if not prompt:
         raise ValueError("the prompt is empty")
     group = group or world()
-    seed = agree_seed(seed, group)
-    shard = vocab_shard(model)
-    sampler = make_sampler(temp, top_p, min_p, top_k, shard=shard, seed=seed)
-    detok = tokenizer.detokenizer
-    detok.reset()
-    eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    tic = time.perf_counter()
-    prompt_tps = 0.0
-    steps = generate_step(model, prompt, sampler, max_tokens, cache)
-    for n, (token, logits) in enumerate(steps, start=1):
-        if n == 1:
-            prompt_tps = len(prompt) / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        gen_tps = (n - 1) / (time.perf_counter() - tic) if n > 1 else 0.0
-        finish = None
-        if token in eos:
-            finish = "stop"
-        else:
-            detok.add_token(token)
-            if n == max_tokens:
-                finish = "length"
-            elif should_stop is not None and _any_rank(should_stop(), group):
-                finish = "interrupted"
-        if finish:
-            detok.finalize()
-        lp = top = None
-        if logprobs is not None:
-            chosen, ids, vals = token_logprobs(logits, mx.array([token]), shard, logprobs)
-            lp = chosen.item()
-            if ids is not None:
-                top = list(zip(ids[0].tolist(), vals[0].tolist(), strict=True))
-        yield Response(
-            detok.last_segment, token, lp, top, len(prompt), prompt_tps, n, gen_tps, finish
-        )
-        if finish:
-            return
+    # Armed only under the commands (llama_tp.watchdog.install): a peer that stops
+    # would otherwise leave this rank waiting in a collective forever.
+    with watchdog.stage(f"prompt processing ({len(prompt)} tokens)", "load"):
+        seed = agree_seed(seed, group)
+        shard = vocab_shard(model)
+        sampler = make_sampler(temp, top_p, min_p, top_k, shard=shard, seed=seed)
+        detok = tokenizer.detokenizer
+        detok.reset()
+        eos = set(tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        check = TokenCheck(prompt, group, eos)
+        tic = time.perf_counter()
+        prompt_tps = 0.0
+        steps = generate_step(model, prompt, sampler, max_tokens, cache)
+        for n, (token, logits) in enumerate(steps, start=1):
+            if n == 1:
+                prompt_tps = len(prompt) / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            gen_tps = (n - 1) / (time.perf_counter() - tic) if n > 1 else 0.0
+            token = check.fault(n, token)
+            finish = None
+            if token in eos:
+                finish = "stop"
+            else:
+                detok.add_token(token)
+                if n == max_tokens:
+                    finish = "length"
+                elif should_stop is not None and _any_rank(should_stop(), group):
+                    finish = "interrupted"
+            check.add(n, token, final=finish is not None)
+            if finish:
+                detok.finalize()
+            lp = top = None
+            if logprobs is not None:
+                chosen, ids, vals = token_logprobs(logits, mx.array([token]), shard, logprobs)
+                lp = chosen.item()
+                if ids is not None:
+                    top = list(zip(ids[0].tolist(), vals[0].tolist(), strict=True))
+            yield Response(
+                detok.last_segment, token, lp, top, len(prompt), prompt_tps, n, gen_tps, finish
+            )
+            if finish:
+                return
+            watchdog.progress(f"generation step {n + 1}")
 
 
 def _any_rank(flag: bool, group: mx.distributed.Group) -> bool:
@@ -224,25 +233,74 @@ def read_prompt(prompt: str, group: mx.distributed.Group) -> str:
     return text
 
 
+def load_checked(args, group: mx.distributed.Group):
+    """The commands' loading: (model, tokenizer) of `args.model`, after the start-up
+    agreement (llama_tp.agreement); any rank's failure makes every rank raise."""
+    from .agreement import check_agreement
+    from .loader import default_model, load_model
+    from .tokenizer import load_tokenizer
+
+    path = error = None
+    try:
+        path = args.model or default_model()
+    except Exception as e:  # e.g. the built-in model is missing on one host
+        error = e
+    agree_ok(error, group)
+    with watchdog.stage("loading the model", "load"):
+        model, ckpt = load_model(path, group, not args.no_vocab_parallel)
+    with watchdog.stage("start-up checks", "load"):
+        tokenizer = error = None
+        try:
+            tokenizer = load_tokenizer(ckpt)
+        except Exception as e:
+            error = e
+        agree_ok(error, group)
+        check_agreement(model, ckpt, tokenizer, group)
+    return model, tokenizer
+
+
+def fit_context(n_prompt: int, max_tokens: int, context: int, group: mx.distributed.Group) -> int:
+    """`max_tokens`, lowered (with a warning) so that prompt and reply fit the model's
+    context; a prompt that leaves no room at all is a usage error."""
+    from .cli import UsageError
+
+    if n_prompt >= context:
+        raise UsageError(
+            f"the prompt is {n_prompt} tokens, but the model's context is {context} tokens "
+            "(max_position_embeddings): no room to generate"
+        )
+    if n_prompt + max_tokens > context:
+        eprint0(
+            f"warning: --max-tokens lowered from {max_tokens} to {context - n_prompt}: the "
+            f"prompt's {n_prompt} tokens and the reply must fit the model's context of "
+            f"{context} tokens",
+            group=group,
+        )
+        max_tokens = context - n_prompt
+    return max_tokens
+
+
 def main() -> int:
-    from .cli import UsageError, check_model_args
-    from .loader import default_model, load
+    from .cli import UsageError, check_model_args, start_watchdog
     from .tokenizer import encode_prompt
 
-    group = world()
     args = _parser().parse_args()
     check_model_args(args)
+    start_watchdog(args)
+    group = world()
+    watchdog.set_group_size(group.size())
     prompt = read_prompt(args.prompt, group)
     if not prompt:
         raise UsageError("the prompt is empty")
-    model, tokenizer = load(args.model or default_model(), group, not args.no_vocab_parallel)
+    model, tokenizer = load_checked(args, group)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
+    max_tokens = fit_context(len(ids), args.max_tokens, model.args.max_position_embeddings, group)
     r = None
     for r in stream_generate(
         model,
         tokenizer,
         ids,
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens,
         temp=args.temp,
         top_p=args.top_p,
         min_p=args.min_p,
@@ -253,7 +311,8 @@ def main() -> int:
         print0(r.text, end="")
     print0()
     if args.verbose and r is not None:
-        peaks = all_gather_object((mx.get_peak_memory(), vocab_bytes(model)), group)
+        with watchdog.stage("gathering the statistics"):
+            peaks = all_gather_object((mx.get_peak_memory(), vocab_bytes(model)), group)
         eprint0(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
         eprint0(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
         per_rank = ", ".join(f"rank {i} {p / 1e9:.3f} GB" for i, (p, _) in enumerate(peaks))

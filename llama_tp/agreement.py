@@ -1,0 +1,282 @@
+"""The ranks agree: at start-up on what they run, during generation on the tokens.
+
+Ranks that loaded different weights, tokenizers or configs, or run different
+llama_tp/mlx versions, would exchange activations that do not belong together
+and silently produce garbage. `check_agreement` gathers a few facts from every
+rank (one small `all_gather_object`) and raises the same `AgreementError` on
+every rank when they differ, naming the ranks and what differs:
+
+    ranks disagree on the model weights: ranks 0, 2 have 3f2a9c1b7e40, rank 1 has
+    9b0d44e1c2aa (rank 0: /models/a, rank 1: /models/b)
+
+The weights' fingerprint is cheap: the size of every weight file, its first
+64 KiB (the header: tensor names, shapes, offsets) and 64 KiB at eight fixed
+offsets, hashed; a checkpoint that carries its own fingerprint
+(`metadata["llama_tp"]["fingerprint"]`, e.g. per-rank pre-split folders whose
+files differ by design) uses that instead.
+
+During generation `TokenCheck` compares a running hash of the prompt and the
+generated tokens every `CHECK_EVERY` tokens (used by `generate.stream_generate`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .distributed import all_gather_object, world
+
+CHECK_EVERY = 16  # tokens between the ranks' comparisons of what they generated
+SAMPLE = 1 << 16  # bytes read per sample
+SAMPLES = 8  # samples per weight file besides its header
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+# What is compared, in the order mismatches are reported, with the words for it.
+FACTS = {
+    "versions": "the llama_tp / mlx / mlx-lm versions",
+    "world": "the number of ranks",
+    "config": "the model config",
+    "plan": "the partition plan",
+    "weights": "the model weights",
+    "tokenizer": "the tokenizer",
+}
+
+
+class AgreementError(RuntimeError):
+    """The ranks do not run the same model, tokenizer or versions."""
+
+
+def _hash(parts: list[bytes]) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.hexdigest()[:12]
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files holding a checkpoint's weights: the GGUF file or the directory's safetensors."""
+    path = Path(path)
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def file_fingerprint(path: Path) -> list[bytes]:
+    """Size, the first 64 KiB and 64 KiB at SAMPLES evenly spaced offsets of one file."""
+    size = path.stat().st_size
+    parts = [path.name.encode(), str(size).encode()]
+    with open(path, "rb") as f:
+        for i in range(SAMPLES + 1):
+            f.seek(i * size // (SAMPLES + 1))
+            parts.append(f.read(SAMPLE))
+    return parts
+
+
+def weights_fingerprint(ckpt: Any) -> str:
+    """A short hash identifying the checkpoint's weights (see the module docstring)."""
+    given = (ckpt.metadata.get("llama_tp") or {}).get("fingerprint")
+    if ckpt.format == "split":  # one rank's folder: its files differ from the others' by design
+        given = given or ckpt.metadata.get("fingerprint") or "(pre-split, no fingerprint)"
+    if given:
+        return str(given)
+    parts: list[bytes] = []
+    for f in getattr(ckpt, "files", None) or weight_files(ckpt.path):
+        parts += file_fingerprint(Path(f))
+    return _hash(parts)
+
+
+def _metadata_bytes(value: Any) -> bytes:
+    if isinstance(value, mx.array):
+        return str(value.dtype).encode() + bytes(memoryview(value))
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return "\0".join(value).encode("utf-8", "surrogatepass")
+    return repr(value).encode()
+
+
+def tokenizer_fingerprint(ckpt: Any, tokenizer: Any) -> str:
+    """A short hash of the tokenizer's source: its files, or the GGUF's tokenizer metadata,
+    with the end-of-sequence ids in use and the chat template."""
+    parts: list[bytes] = []
+    if ckpt.format == "gguf":
+        for key in sorted(k for k in ckpt.metadata if k.startswith("tokenizer.")):
+            parts += [key.encode(), _metadata_bytes(ckpt.metadata[key])]
+    else:
+        for name in TOKENIZER_FILES:
+            f = Path(ckpt.path) / name
+            if f.is_file():
+                parts += [name.encode(), f.read_bytes()]
+    parts.append(repr(sorted(tokenizer.eos_token_ids)).encode())
+    parts.append((getattr(tokenizer, "chat_template", None) or "").encode())
+    return _hash(parts)
+
+
+def local_facts(
+    model: nn.Module, ckpt: Any, tokenizer: Any, group: mx.distributed.Group
+) -> dict[str, Any]:
+    """What this rank runs: the values compared across ranks (all small)."""
+    import mlx_lm
+
+    from . import __version__
+    from .loader import plan_for
+
+    config = model.args.to_dict()
+    return {
+        "versions": f"llama_tp {__version__}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}",
+        "world": group.size(),
+        "config": config,
+        "plan": _hash([repr(plan_for(model, group.size())).encode()]),
+        "weights": weights_fingerprint(ckpt),
+        "tokenizer": tokenizer_fingerprint(ckpt, tokenizer),
+        "path": str(ckpt.path),
+    }
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} has"
+    return f"ranks {', '.join(map(str, ranks))} have"
+
+
+def _config_difference(configs: list[dict]) -> str:
+    """The first config field that differs, and each rank's value of it."""
+    keys = list(configs[0]) + [k for c in configs[1:] for k in c if k not in configs[0]]
+    for k in keys:
+        values = [c.get(k) for c in configs]
+        if any(v != values[0] for v in values):
+            return f"{k}: {describe([json.dumps(v) for v in values])}"
+    return "?"
+
+
+def describe(values: list[Any]) -> str:
+    """'ranks 0, 2 have A, rank 1 has B' for each rank's value (grouped, in rank order)."""
+    groups: dict[str, list[int]] = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(str(v), []).append(rank)
+    return ", ".join(f"{_ranks(ranks)} {v}" for v, ranks in groups.items())
+
+
+def disagreement(facts: list[dict[str, Any]]) -> str | None:
+    """The message for the first fact the ranks disagree on, or None if they all agree."""
+    for key, words in FACTS.items():
+        values = [f.get(key) for f in facts]
+        if all(v == values[0] for v in values):
+            continue
+        if key == "config":
+            return f"ranks disagree on {words} ({_config_difference(values)})"
+        message = f"ranks disagree on {words}: {describe(values)}"
+        if key in ("weights", "tokenizer", "plan"):
+            paths = [f.get("path") for f in facts]
+            if any(p != paths[0] for p in paths):
+                message += " (" + ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths)) + ")"
+            else:
+                message += f" ({paths[0]})"
+        return message
+    return None
+
+
+def check_agreement(
+    model: nn.Module, ckpt: Any, tokenizer: Any, group: mx.distributed.Group | None = None
+) -> None:
+    """Raise `AgreementError` on every rank unless all ranks run the same model and versions.
+
+    Collective: every rank must call it at the same point (after loading).
+    One `all_gather_object` of a few hundred bytes per rank.
+    """
+    group = group or world()
+    if group.size() == 1:
+        return
+    try:
+        mine: dict[str, Any] = local_facts(model, ckpt, tokenizer, group)
+        error = None
+    except Exception as e:  # e.g. a weight file that cannot be read: tell the others
+        mine, error = {"error": str(e).strip().splitlines()[0] if str(e).strip() else repr(e)}, e
+    facts = all_gather_object(mine, group)
+    if error is not None:
+        raise error
+    failed = [(r, f["error"]) for r, f in enumerate(facts) if "error" in f]
+    if failed:
+        rank, text = failed[0]
+        raise AgreementError(f"rank {rank} could not run the start-up checks: {text}")
+    message = disagreement(facts)
+    if message is not None:
+        raise AgreementError(message)
+
+
+class TokenDivergenceError(RuntimeError):
+    """The ranks generated different tokens (or started from different prompts)."""
+
+
+class TokenCheck:
+    """Cheap proof that every rank generates the same tokens.
+
+    Each rank keeps a running hash of the prompt and of the tokens so far, and
+    after the first token, every `every` tokens and at the last one, the ranks
+    all-gather it (4 int32 per rank, one tiny collective). Diverged ranks raise
+    `TokenDivergenceError` on every rank. The test hook LLAMA_TP_FAULT=diverge:rankR
+    makes rank R see each token from the 20th on as another one (tests only).
+    """
+
+    MOD = (1 << 61) - 1  # a Mersenne prime: the hash stays below 2**61
+
+    def __init__(self, prompt: list[int], group: mx.distributed.Group, eos: set[int]):
+        self.group = group
+        self.every = CHECK_EVERY
+        self.prompt_hash = self._extend(0, prompt)
+        self.hash = 0
+        self.diverge_at = 0
+        fault = os.environ.get("LLAMA_TP_FAULT", "")
+        if fault == f"diverge:rank{group.rank()}":
+            self.diverge_at, self.eos = 20, eos
+
+    @classmethod
+    def _extend(cls, h: int, tokens: list[int]) -> int:
+        for t in tokens:
+            h = (h * 1_000_003 + t + 1) % cls.MOD
+        return h
+
+    def fault(self, n: int, token: int) -> int:
+        if self.diverge_at and n >= self.diverge_at and token not in self.eos:
+            token += 1
+            while token in self.eos:  # diverge, but end where the other ranks end
+                token += 1
+        return token
+
+    def add(self, n: int, token: int, final: bool) -> None:
+        self.hash = (self.hash * 1_000_003 + token + 1) % self.MOD
+        if self.group.size() > 1 and (n == 1 or n % self.every == 0 or final):
+            self.compare(n)
+
+    def compare(self, n: int) -> None:
+        mine = [h >> s & 0x7FFFFFFF for h in (self.prompt_hash, self.hash) for s in (0, 31)]
+        rows = mx.distributed.all_gather(
+            mx.array(mine, dtype=mx.int32), group=self.group, stream=mx.cpu
+        ).tolist()
+        ranks = [tuple(rows[4 * r : 4 * r + 4]) for r in range(self.group.size())]
+        prompts = [r[:2] for r in ranks]
+        if any(p != prompts[0] for p in prompts):
+            raise TokenDivergenceError(
+                f"ranks started from different prompt tokens: {_odd_ones(prompts)}"
+            )
+        if any(r != ranks[0] for r in ranks):
+            when = f"at token {n}" if n == 1 else f"by token {n} (compared every {self.every})"
+            raise TokenDivergenceError(
+                f"ranks produced different tokens {when}: {_odd_ones(ranks)}"
+            )
+
+
+def _odd_ones(values: list) -> str:
+    """'rank 1 differs from rank 0', 'ranks 1, 3 differ from rank 0' (rank 0 is the reference)."""
+    odd = [r for r, v in enumerate(values) if v != values[0]]
+    if len(odd) == 1:
+        return f"rank {odd[0]} differs from rank 0"
+    return f"ranks {', '.join(map(str, odd))} differ from rank 0"
