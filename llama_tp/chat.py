@@ -66,7 +66,7 @@ def main() -> int:
     start_watchdog(args)  # armed during loading and replies, not while waiting for input
     group = world()
     watchdog.set_group_size(group.size())
-    model, tokenizer = load_checked(args, group)
+    model, tokenizer, _ = load_checked(args, group)
     chat = Chat(
         model,
         tokenizer,

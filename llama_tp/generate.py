@@ -256,7 +256,7 @@ def load_checked(args, group: mx.distributed.Group):
             error = e
         agree_ok(error, group)
         check_agreement(model, ckpt, tokenizer, group)
-    return model, tokenizer
+    return model, tokenizer, ckpt
 
 
 def fit_context(n_prompt: int, max_tokens: int, context: int, group: mx.distributed.Group) -> int:
@@ -292,7 +292,7 @@ def main() -> int:
     prompt = read_prompt(args.prompt, group)
     if not prompt:
         raise UsageError("the prompt is empty")
-    model, tokenizer = load_checked(args, group)
+    model, tokenizer, ckpt = load_checked(args, group)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     max_tokens = fit_context(len(ids), args.max_tokens, model.args.max_position_embeddings, group)
     r = None
@@ -312,13 +312,21 @@ def main() -> int:
     print0()
     if args.verbose and r is not None:
         with watchdog.stage("gathering the statistics"):
-            peaks = all_gather_object((mx.get_peak_memory(), vocab_bytes(model)), group)
+            peaks = all_gather_object(
+                (mx.get_peak_memory(), vocab_bytes(model), ckpt.load_stats), group
+            )
         eprint0(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
         eprint0(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
-        per_rank = ", ".join(f"rank {i} {p / 1e9:.3f} GB" for i, (p, _) in enumerate(peaks))
+        per_rank = ", ".join(f"rank {i} {p / 1e9:.3f} GB" for i, (p, _, _) in enumerate(peaks))
         eprint0(f"Peak memory: {per_rank} ({group.size()} rank{'s' * (group.size() > 1)})")
-        emb = ", ".join(f"rank {i} {b / 1e6:.1f} MB" for i, (_, b) in enumerate(peaks))
+        emb = ", ".join(f"rank {i} {b / 1e6:.1f} MB" for i, (_, b, _) in enumerate(peaks))
         eprint0(f"Embedding and head: {emb}")
+        load = ", ".join(
+            f"rank {i} read {s['bytes_read'] / 1e6:.1f} MB, peak {s['peak_memory'] / 1e6:.1f} MB"
+            f" in {s['seconds']:.1f} s"
+            for i, (_, _, s) in enumerate(peaks)
+        )
+        eprint0(f"Loading: {load}")
     return 0
 
 

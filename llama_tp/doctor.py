@@ -1,0 +1,431 @@
+"""`python -m llama_tp.doctor`: is this machine (or cluster) ready for llama_tp?
+
+    python -m llama_tp.doctor
+    mlx.launch -n 2 -- python -m llama_tp.doctor [--json] [--quick]
+
+Reports, from rank 0: the MLX backend, the ranks with their hosts, process ids
+and versions, all-reduce latency and bus bandwidth for a few message sizes,
+whether MLX's CPU matrix product is the slow reference BLAS, and whether a tiny
+random Llama sharded over the ranks reproduces the single-process logits.
+
+Every check runs on every rank and ends with `agree_ok`, so all ranks agree on
+its outcome and leave together. Any failed check: exit code 1. Under mlx.launch,
+`llama_tp.watchdog` ends a rank whose check makes no progress for --timeout
+seconds (exit code 3): a stopped peer would block MLX collectives for ever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from . import __version__, watchdog
+from .distributed import agree_ok, all_gather_object, print0, world
+
+ALL_REDUCE_BYTES = (4, 8 << 10, 1 << 20, 16 << 20)
+LOGITS_ATOL = 1e-4  # fp32; sharding only changes the summation order
+SLOW_MATMUL_S = 0.15  # 1024^3 fp32 multiply-adds: reference BLAS ~0.4 s here, OpenBLAS ~0.03 s
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok", "warn" (reported, not a failure), "FAILED", "n/a"
+    detail: str
+
+
+class DoctorError(RuntimeError):
+    """One or more checks failed."""
+
+
+def backend_name(group: mx.distributed.Group) -> str:
+    """The backend behind `group`, told from what mlx.launch (or mpirun) put in the
+    environment, tried in the order `mx.distributed.init(backend="any")` tries them."""
+    if group.size() == 1:
+        return "single process"
+    env = os.environ
+    if "NCCL_HOST_IP" in env and "MLX_WORLD_SIZE" in env:
+        return "nccl"
+    if "MLX_HOSTFILE" in env and "MLX_RANK" in env:
+        return "ring"
+    if any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        return "mpi"
+    if "MLX_IBV_DEVICES" in env or "MLX_JACCL_COORDINATOR" in env:
+        return "jaccl"
+    return "unknown"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+VERSION_KEYS = ("python", "mlx", "mlx-lm", "llama_tp")
+
+
+def rank_info(group: mx.distributed.Group) -> dict[str, Any]:
+    """This rank's identity and versions (gathered to describe every rank)."""
+    return {
+        "rank": group.rank(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx-lm": _version("mlx-lm"),
+        "llama_tp": __version__,
+    }
+
+
+def version_differences(infos: list[dict[str, Any]]) -> list[str]:
+    """One text per version that differs: e.g. 'mlx (rank 0: 0.32.4, rank 1: 0.31.0)'."""
+    out = []
+    for key in VERSION_KEYS:
+        if len({i[key] for i in infos}) > 1:
+            per_rank = ", ".join(f"rank {i['rank']}: {i[key]}" for i in infos)
+            out.append(f"{key} ({per_rank})")
+    return out
+
+
+def matmul_seconds(n: int = 1024, repeats: int = 3, warmup: bool = True) -> float:
+    """Best time of an (n, n) @ (n, n) fp32 product on the CPU. The reference BLAS is
+    10x slower than OpenBLAS, more than a warm-up changes (--quick skips it)."""
+    a = mx.random.normal((n, n), key=mx.random.key(0), stream=mx.cpu)
+    b = mx.random.normal((n, n), key=mx.random.key(1), stream=mx.cpu)
+    mx.eval(a, b)
+    if warmup:
+        mx.eval(mx.matmul(a, b, stream=mx.cpu))
+    best = math.inf
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        mx.eval(mx.matmul(a, b, stream=mx.cpu))
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+def time_all_reduce(
+    group: mx.distributed.Group, nbytes: int, quick: bool = False
+) -> dict[str, float | int]:
+    """Median and p90 latency (slowest rank per iteration) and bus bandwidth of an fp32
+    all_sum of `nbytes`. Every rank runs the same number of iterations: each times one
+    call after the warm-up and they agree on the slowest (all_max) to size the loop."""
+    n = group.size()
+    x = mx.full((max(1, nbytes // 4),), float(group.rank() + 1), stream=mx.cpu)
+    mx.eval(x)
+
+    def once() -> tuple[mx.array, float]:
+        tic = time.perf_counter()
+        y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
+        mx.eval(y)
+        return y, time.perf_counter() - tic
+
+    warmup, budget, lo, hi = (1, 0.05, 3, 10) if quick else (3, 0.5, 5, 200)
+    for _ in range(warmup):
+        y, _ = once()
+    expected = n * (n + 1) / 2
+    if not mx.all(y == expected).item():
+        got = mx.max(mx.abs(y - expected)).item()
+        raise RuntimeError(f"all_sum of {nbytes} B is wrong: off by up to {got:g}")
+    _, probe = once()
+    slowest = mx.distributed.all_max(mx.array(probe), group=group, stream=mx.cpu).item()
+    iters = int(min(hi, max(lo, budget / max(slowest, 1e-9))))
+    times = [once()[1] for _ in range(iters)]
+    per_iter = sorted(max(ts) for ts in zip(*all_gather_object(times, group), strict=True))
+    median = _percentile(per_iter, 0.5)
+    return {
+        "bytes": x.nbytes,
+        "iterations": iters,
+        "median_us": median * 1e6,
+        "p90_us": _percentile(per_iter, 0.9) * 1e6,
+        # NCCL's convention: what each link carries in a ring all-reduce, per second.
+        "bus_gbps": x.nbytes / median * 2 * (n - 1) / n / 1e9,
+    }
+
+
+def tiny_model(seed: int = 0):
+    """A random fp32 Llama small enough to run everywhere: 4 query / 2 KV heads, so that
+    3 ranks get an uneven plan (replicated KV heads), vocabulary 97 (no N divides it)."""
+    from .model import ModelArgs, Transformer
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=97)
+    mx.random.seed(seed)
+    model = Transformer(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def run_logits(model, tokens: mx.array) -> mx.array:
+    """Logits of a prefill then two cached single-token steps: (L, vocab), gathered when
+    the vocabulary is sharded. Each step is evaluated on its own so that the all-reduces
+    of every rank run in the same order."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .sampling import vocab_shard
+
+    cache = make_prompt_cache(model)
+    shard = vocab_shard(model)
+    steps = [tokens[:, :-2], tokens[:, -2:-1], tokens[:, -1:]]
+    out = []
+    for step in steps:
+        logits = model(step, cache=cache)[0].astype(mx.float32)  # (l, V or V_local)
+        out.append(logits if shard is None else shard.full_logits(logits))
+        mx.eval(out[-1])
+    return mx.concatenate(out, axis=0)
+
+
+def plan_text(plan) -> str:
+    heads = "+".join(str(len(p.q_heads)) for p in plan.parts)
+    ffn = "+".join(str(len(p.ffn)) for p in plan.parts)
+    kind = "even" if plan.even_attention and plan.even_ffn else "uneven"
+    return f"{kind} plan: query heads {heads}, ffn columns {ffn}"
+
+
+def run_check(name: str, fn: Callable[[], Any], group: mx.distributed.Group) -> tuple[Any, str]:
+    """fn() on every rank: (its value, "") or (None, the error), alike on every rank (a
+    failure on any rank is one on all: `agree_ok`). Under mlx.launch the watchdog ends
+    a rank whose check makes no progress (a stopped peer blocks collectives for ever)."""
+    with watchdog.stage(f"doctor check {name!r}"):
+        try:
+            value, error = fn(), None
+        except Exception as e:  # the check's outcome, on every rank
+            value, error = None, e
+        try:
+            agree_ok(error, group)
+        except Exception as e:
+            text = str(e).strip().splitlines()
+            return None, text[0] if text else type(e).__name__
+        return value, ""
+
+
+def diagnose(
+    group: mx.distributed.Group,
+    quick: bool = False,
+    fault_rank: int | None = None,
+) -> dict[str, Any]:
+    """Run every check on every rank (all ranks must call this); the report, alike on
+    every rank, as a JSON-able dict. `fault_rank` perturbs that rank's sharded model
+    (to test that a failing check fails everywhere)."""
+    report: dict[str, Any] = {"backend": backend_name(group), "ranks": group.size()}
+    checks = _check_ranks(group, report)
+    checks.append(_check_blas(group, report, quick))
+    checks.append(_check_all_reduce(group, report, quick))
+    checks.append(_check_logits(group, fault_rank))
+    report["checks"] = [asdict(c) for c in checks]
+    report["ok"] = not any(c.status == "FAILED" for c in checks)
+    return report
+
+
+def _check_ranks(group: mx.distributed.Group, report: dict) -> list[Check]:
+    infos, err = run_check("ranks", lambda: all_gather_object(rank_info(group), group), group)
+    report["hosts"] = infos or []
+    if err:
+        return [Check("ranks", "FAILED", err)]
+    hosts = len({i["host"] for i in infos})
+    checks = [Check("ranks", "ok", f"{group.size()} rank(s) answered on {hosts} host(s)")]
+    diffs = version_differences(infos)
+    if diffs:
+        checks.append(Check("versions", "warn", "ranks differ: " + "; ".join(diffs)))
+    else:
+        checks.append(Check("versions", "ok", "same on every rank"))
+    return checks
+
+
+def blas_on_this_rank(quick: bool) -> dict[str, Any]:
+    """The BLAS library MLX calls (`llama_tp.blas`), an installed OpenBLAS, the 1024x1024
+    matmul time, and whether this is the slow reference BLAS: by the library where it
+    can be told (Linux), else by the time."""
+    from . import blas
+
+    info = blas.check(measure=False)
+    seconds = matmul_seconds(1024, 1 if quick else 3, warmup=not quick)
+    slow = info.reference or (info.library is None and seconds > SLOW_MATMUL_S)
+    return {"library": info.library, "openblas": info.openblas, "seconds": seconds, "slow": slow}
+
+
+def _check_blas(group: mx.distributed.Group, report: dict, quick: bool) -> Check:
+    from .blas import preload_line
+
+    per_rank, err = run_check(
+        "blas", lambda: all_gather_object(blas_on_this_rank(quick), group), group
+    )
+    if err:
+        return Check("blas", "FAILED", err)
+    for info, b in zip(report["hosts"], per_rank, strict=False):
+        info["blas"] = b
+    worst = max(b["seconds"] for b in per_rank)
+    timing = f"1024x1024 fp32 matmul {worst:.3f} s ({2 * 1024**3 / worst / 1e9:.1f} GFLOP/s)"
+    slow = [r for r, b in enumerate(per_rank) if b["slow"]]
+    if not slow:
+        return Check("blas", "ok", f"fast: {timing}")
+    where = "" if group.size() == 1 else f" on rank {', '.join(map(str, slow))}"
+    first = per_rank[slow[0]]
+    lib = f" {os.path.basename(first['library'])}" if first["library"] else ""
+    fix = f"run every rank with {preload_line(first['openblas'])}"
+    if not first["openblas"]:
+        fix = f"apt-get install libopenblas0-pthread, then {fix}"
+    return Check("blas", "warn", f"slow (reference BLAS{lib}){where}: {timing}; {fix}")
+
+
+def _check_all_reduce(group: mx.distributed.Group, report: dict, quick: bool) -> Check:
+    report["all_reduce"] = []
+    if group.size() == 1:
+        return Check("all-reduce", "n/a", "single process: nothing to reduce")
+    rows, err = run_check(
+        "all-reduce", lambda: [time_all_reduce(group, b, quick) for b in ALL_REDUCE_BYTES], group
+    )
+    if err:
+        return Check("all-reduce", "FAILED", err)
+    report["all_reduce"] = rows
+    return Check("all-reduce", "ok", f"sums correct at {', '.join(map(_size, ALL_REDUCE_BYTES))}")
+
+
+def _check_logits(group: mx.distributed.Group, fault_rank: int | None) -> Check:
+    """The tiny model sharded over `group` against the same model whole, on every rank."""
+    from mlx.utils import tree_flatten
+
+    from .loader import shard_model
+    from .plan import vocab_ranges
+
+    def build():  # local work only: a failure here cannot leave a peer in a collective
+        whole = tiny_model()
+        sharded = tiny_model()
+        sharded.load_weights(tree_flatten(whole.parameters()))  # same weights, whatever the seed
+        plan = None
+        if group.size() > 1:
+            plan = shard_model(sharded, group)
+            rows = vocab_ranges(sharded.args.vocab_size, group.size())[group.rank()]
+            sharded.shard_vocab(group, rows.start, rows.stop)
+        if fault_rank == group.rank():
+            sharded.norm.weight = sharded.norm.weight * 1.01  # --inject-fault: this rank is off
+        mx.eval(sharded.parameters())
+        return whole, sharded, plan
+
+    built, err = run_check("logits", build, group)
+    if err:
+        return Check("logits", "FAILED", f"could not shard the tiny model: {err}")
+    whole, sharded, plan = built
+    tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]], dtype=mx.int32)
+
+    def compare() -> float:
+        ref = run_logits(whole, tokens)
+        diff = mx.max(mx.abs(run_logits(sharded, tokens) - ref)).item()
+        if not diff <= LOGITS_ATOL:  # also catches NaN
+            raise ValueError(
+                f"sharded logits differ from the single process: max abs diff {diff:.3g} "
+                f"> {LOGITS_ATOL:g}"
+            )
+        return diff
+
+    diff, err = run_check("logits", compare, group)
+    if err:
+        return Check("logits", "FAILED", err)
+    how = "1 rank: nothing to shard" if plan is None else plan_text(plan)
+    return Check("logits", "ok", f"max abs diff {diff:.2g} <= {LOGITS_ATOL:g} ({how})")
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def _duration(us: float) -> str:
+    return f"{us / 1000:.1f} ms" if us >= 1000 else f"{us:.0f} us"
+
+
+def _rate(gbps: float) -> str:
+    return f"{gbps:.3g} GB/s" if gbps >= 1 else f"{gbps * 1000:.3g} MB/s"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable report."""
+    lines = [f"llama_tp doctor: {report['ranks']} rank(s), backend {report['backend']}", ""]
+    head = ("rank", "host", "pid", "python", "mlx", "mlx-lm", "llama_tp", "matmul")
+    rows = [head]
+    for i in report["hosts"]:
+        matmul = f"{i['blas']['seconds']:.3f} s" if "blas" in i else "-"
+        rows.append((str(i["rank"]), i["host"], str(i["pid"]), *map(i.get, VERSION_KEYS), matmul))
+    lines += _table(rows)
+    if report["all_reduce"]:
+        lines += ["", "all-reduce (fp32 all_sum; latency of the slowest rank per iteration):"]
+        rows = [("size", "iterations", "median", "p90", "bus bandwidth")]
+        rows += [
+            (_size(r["bytes"]), str(r["iterations"]), _duration(r["median_us"]))
+            + (_duration(r["p90_us"]), _rate(r["bus_gbps"]))
+            for r in report["all_reduce"]
+        ]
+        lines += _table(rows, right=True)
+    lines.append("")
+    for c in report["checks"]:
+        if c["status"] == "warn" and c["name"] == "versions":
+            lines.append(f"WARNING: {c['detail']}")
+    lines += _table([(c["name"], c["status"], c["detail"]) for c in report["checks"]])
+    counts = {s: sum(c["status"] == s for c in report["checks"]) for s in ("ok", "warn", "FAILED")}
+    verdict = "healthy" if report["ok"] else "FAILED"
+    lines += [
+        "",
+        f"doctor: {verdict}: {counts['ok']} ok, {counts['warn']} warning(s), "
+        f"{counts['FAILED']} failed",
+    ]
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]], right: bool = False) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    just = str.rjust if right else str.ljust
+    return ["  ".join(just(v, w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def main() -> int:
+    from .cli import ArgumentParser, UsageError
+
+    p = ArgumentParser(
+        prog="python -m llama_tp.doctor",
+        description="Check this machine or cluster: backend, ranks, versions, all-reduce "
+        "speed, BLAS, and sharded logits of a tiny model against the single process.",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quick", action="store_true", help="fewer timing iterations")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per check (120)")
+    # For the tests: perturb this rank's sharded model so that the logits check fails.
+    p.add_argument("--inject-fault", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    group = world()
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
+    if args.inject_fault is not None and not 0 <= args.inject_fault < group.size():
+        raise UsageError(f"--inject-fault must be a rank in 0..{group.size() - 1}")
+    watchdog.install(step_timeout=args.timeout, load_timeout=None)
+    watchdog.set_group_size(group.size())
+    report = diagnose(group, args.quick, args.inject_fault)
+    print0(json.dumps(report, indent=2) if args.json else format_report(report), group=group)
+    failed = [c for c in report["checks"] if c["status"] == "FAILED"]
+    if failed:
+        names = ", ".join(c["name"] for c in failed)
+        raise DoctorError(f"doctor: {len(failed)} check(s) failed: {names}: {failed[0]['detail']}")
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import run
+
+    run(main)

@@ -1,0 +1,184 @@
+"""`python -m llama_tp.doctor` on 1, 2 and 3 ranks: the report, --json, and a failing check."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import re
+
+import mlx.core as mx
+from conftest import launch, run_python
+
+import llama_tp
+
+DOCTOR = ["-m", "llama_tp.doctor", "--quick"]
+VERSIONS = {
+    "python": platform.python_version(),
+    "mlx": mx.__version__,
+    "mlx-lm": importlib.metadata.version("mlx-lm"),
+    "llama_tp": llama_tp.__version__,
+}
+
+
+def assert_no_failed_rank(r) -> None:
+    """mlx.launch exits 0 whatever its ranks do; it reports every non-zero exit."""
+    assert r.returncode == 0, r.stderr
+    assert "[WARN] Node with rank" not in r.stderr, r.stderr
+    assert "error:" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def check_lines(stdout: str) -> dict[str, tuple[str, str]]:
+    """The check table: name -> (status, detail)."""
+    out = {}
+    for line in stdout.splitlines():
+        m = re.match(r"(ranks|versions|blas|all-reduce|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)", line)
+        if m:
+            out[m[1]] = (m[2], m[3])
+    return out
+
+
+def rank_rows(stdout: str) -> dict[int, list[str]]:
+    """The rank table: rank -> [host, pid, python, mlx, mlx-lm, llama_tp, ...]."""
+    table = stdout.split("\nrank  host", 1)[1].split("\n\n", 1)[0]
+    return {int(r[0]): r[1:] for r in map(str.split, table.splitlines()[1:])}
+
+
+def test_doctor_single_process():
+    r = run_python(DOCTOR, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("llama_tp doctor: 1 rank(s), backend single process"), r.stdout
+    rows = rank_rows(r.stdout)
+    assert list(rows) == [0]
+    assert rows[0][2:6] == list(VERSIONS.values()), r.stdout
+    checks = check_lines(r.stdout)
+    assert checks["ranks"][0] == "ok" and checks["versions"][0] == "ok", r.stdout
+    assert checks["all-reduce"] == ("n/a", "single process: nothing to reduce"), r.stdout
+    assert checks["logits"][0] == "ok", r.stdout
+    assert checks["blas"][0] in ("ok", "warn"), r.stdout
+    assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
+
+
+def test_doctor_two_ranks():
+    r = launch(2, DOCTOR, timeout=90)
+    assert_no_failed_rank(r)
+    assert r.stdout.startswith("llama_tp doctor: 2 rank(s), backend ring"), r.stdout
+    rows = rank_rows(r.stdout)
+    assert sorted(rows) == [0, 1], r.stdout
+    assert rows[0][1] != rows[1][1], "each rank reports its own pid"
+    for row in rows.values():
+        assert row[2:6] == list(VERSIONS.values()), r.stdout
+    table = r.stdout.split("all-reduce (fp32 all_sum", 1)[1].splitlines()[1:6]
+    assert table[0].split() == ["size", "iterations", "median", "p90", "bus", "bandwidth"]
+    assert [" ".join(line.split()[:2]) for line in table[1:]] == ["4 B", "8 KB", "1 MB", "16 MB"]
+    checks = check_lines(r.stdout)
+    assert checks["all-reduce"][0] == "ok", r.stdout
+    assert checks["logits"][0] == "ok", r.stdout
+    assert "even plan: query heads 2+2" in checks["logits"][1], r.stdout
+    assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
+
+
+def test_doctor_three_ranks_json():
+    r = launch(3, [*DOCTOR, "--json"], timeout=90)
+    assert_no_failed_rank(r)
+    report = json.loads(r.stdout)  # rank 0 only: one JSON document
+    assert report["ok"] is True and report["ranks"] == 3 and report["backend"] == "ring"
+    assert [h["rank"] for h in report["hosts"]] == [0, 1, 2]
+    assert len({h["pid"] for h in report["hosts"]}) == 3
+    for h in report["hosts"]:
+        assert {k: h[k] for k in VERSIONS} == VERSIONS
+        assert h["blas"]["seconds"] > 0
+    sizes = [row["bytes"] for row in report["all_reduce"]]
+    assert sizes == [4, 8 << 10, 1 << 20, 16 << 20]
+    for row in report["all_reduce"]:
+        assert row["iterations"] >= 3 and 0 < row["median_us"] <= row["p90_us"]
+        assert row["bus_gbps"] > 0
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["logits"]["status"] == "ok"
+    # 4 query heads over 3 ranks: the uneven plan must reproduce the logits as well.
+    assert "uneven plan: query heads 2+1+1" in checks["logits"]["detail"]
+    assert checks["all-reduce"]["status"] == "ok"
+
+
+def test_doctor_failing_check_fails_every_rank():
+    r = launch(2, [*DOCTOR, "--json", "--inject-fault", "1"], timeout=90)
+    for rank in range(2):  # a rank that is slower to fail may be stopped by mlx.launch
+        assert re.search(rf"Node with rank {rank} exited with code (1|-15)\b", r.stderr), r.stderr
+    report = json.loads(r.stdout)
+    assert report["ok"] is False
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["logits"]["status"] == "FAILED"
+    assert "max abs diff" in checks["logits"]["detail"]
+    assert checks["all-reduce"]["status"] == "ok"  # the other checks still ran
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    assert errors[0].startswith("error: doctor: 1 check(s) failed: logits: sharded logits"), (
+        r.stderr
+    )
+    assert "Traceback" not in r.stderr
+
+
+class _Group:
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_backend_from_launch_environment(monkeypatch):
+    from llama_tp.doctor import backend_name
+
+    for var in ("NCCL_HOST_IP", "MLX_WORLD_SIZE", "MLX_HOSTFILE", "MLX_RANK", "MLX_IBV_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("MLX_JACCL_COORDINATOR", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert backend_name(_Group(1)) == "single process"
+    assert backend_name(_Group(2)) == "unknown"
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # mpirun
+    assert backend_name(_Group(2)) == "mpi"
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("MLX_RANK", "0")  # mlx.launch sets it for every backend
+    monkeypatch.setenv("MLX_IBV_DEVICES", "/tmp/devices.json")
+    monkeypatch.setenv("MLX_JACCL_COORDINATOR", "10.0.0.1:5000")
+    assert backend_name(_Group(2)) == "jaccl"
+    monkeypatch.delenv("MLX_IBV_DEVICES")
+    monkeypatch.delenv("MLX_JACCL_COORDINATOR")
+    monkeypatch.setenv("MLX_HOSTFILE", "/tmp/hosts.json")
+    assert backend_name(_Group(2)) == "ring"
+    monkeypatch.delenv("MLX_HOSTFILE")
+    monkeypatch.setenv("NCCL_HOST_IP", "10.0.0.1")
+    monkeypatch.setenv("MLX_WORLD_SIZE", "2")
+    assert backend_name(_Group(2)) == "nccl"
+
+
+def test_version_differences_name_ranks_and_values():
+    from llama_tp.doctor import version_differences
+
+    same = {"python": "3.11.7", "mlx": "0.32.4", "mlx-lm": "0.32.2", "llama_tp": "0.1.0"}
+    infos = [{"rank": 0, **same}, {"rank": 1, **same, "mlx": "0.31.0"}]
+    assert version_differences(infos) == ["mlx (rank 0: 0.32.4, rank 1: 0.31.0)"]
+    assert version_differences([{"rank": 0, **same}, {"rank": 1, **same}]) == []
+
+
+def test_report_warns_when_versions_differ():
+    from llama_tp.doctor import format_report
+
+    detail = "ranks differ: mlx (rank 0: 0.32.4, rank 1: 0.31.0)"
+    report = {
+        "ranks": 2,
+        "backend": "ring",
+        "hosts": [
+            {"rank": r, "host": "h", "pid": 1, **VERSIONS, "mlx": v}
+            for r, v in enumerate(["0.32.4", "0.31.0"])
+        ],
+        "all_reduce": [],
+        "checks": [
+            {"name": "ranks", "status": "ok", "detail": "2 rank(s) answered on 1 host(s)"},
+            {"name": "versions", "status": "warn", "detail": detail},
+        ],
+        "ok": True,
+    }
+    lines = format_report(report).splitlines()
+    assert f"WARNING: {detail}" in lines
+    assert lines[-1] == "doctor: healthy: 1 ok, 1 warning(s), 0 failed"
