@@ -47,8 +47,11 @@ PEER_LOST = "lost the connection to a peer rank (it crashed or was stopped)"
 
 
 def rank_label() -> str:
-    """This process's rank as mlx.launch set it ("0" when not launched)."""
-    return os.environ.get("MLX_RANK", "0")
+    """This process's rank as its launcher set it (mlx.launch or mpirun; "0" alone)."""
+    for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if name in os.environ:
+            return os.environ[name]
+    return "0"
 
 
 class RingNoiseFilter:
@@ -280,10 +283,14 @@ def report_and_exit(line: str, code: int) -> None:
     os._exit(code)
 
 
+_RANK_VARIABLES = {"MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}
+
+
 def install(step_timeout: float | None, load_timeout: float | None) -> Watchdog | None:
-    """Start this process's watchdog when it is one of several ranks (MLX_RANK is set)."""
+    """Start this process's watchdog when it is one of several ranks: MLX_RANK set
+    (mlx.launch, ring or JACCL) or an MPI launcher's rank variable (mpirun)."""
     global _active
-    if "MLX_RANK" not in os.environ:
+    if not _RANK_VARIABLES & os.environ.keys():
         return None
     if _active is not None:
         _active.stop()
