@@ -1,0 +1,167 @@
+"""Random-weight Llama checkpoints of realistic sizes, for benchmarks.
+
+    python -m llama_tp.synthetic 0.5b-fp16 --out DIR
+
+writes a Hugging Face directory (config.json, model.safetensors, a word-level
+tokenizer.json) that both `llama_tp.load` and `mlx_lm.load` open, so the two
+run the same weights. Specs are `SIZE-DTYPE`: sizes in `SIZES`, dtypes fp16,
+bf16 and fp32. `synthetic_dir(spec)` writes one into the cache once and reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+# hidden, layers, query heads, KV heads, FFN, vocabulary
+SIZES = {
+    "0.5b": dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=5632, vocab=32000),
+    "0.1b": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=2816, vocab=32000),
+    "tiny": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512),
+}
+DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32}
+
+
+def parse_spec(spec: str) -> tuple[dict, mx.Dtype]:
+    """`0.5b-fp16` -> (size dict, dtype); ValueError naming the choices otherwise."""
+    size, _, dtype = spec.partition("-")
+    if size not in SIZES or dtype not in DTYPES:
+        raise ValueError(
+            f"synthetic model {spec!r}: expected SIZE-DTYPE with SIZE in {', '.join(SIZES)} "
+            f"and DTYPE in {', '.join(DTYPES)}"
+        )
+    return SIZES[size], DTYPES[dtype]
+
+
+def hf_config(s: dict, dtype_name: str) -> dict:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": s["dim"],
+        "num_hidden_layers": s["n_layers"],
+        "num_attention_heads": s["n_heads"],
+        "num_key_value_heads": s["n_kv_heads"],
+        "intermediate_size": s["hidden_dim"],
+        "vocab_size": s["vocab"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[dtype_name],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
+    """Hugging Face-named random weights, scaled so that activations stay O(1)."""
+    key = mx.random.key(seed)
+    d, h, hd = s["dim"], s["hidden_dim"], s["dim"] // s["n_heads"]
+    nh, nkv = s["n_heads"], s["n_kv_heads"]
+    out: dict[str, mx.array] = {}
+
+    def w(name: str, *shape: int) -> None:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        out[name] = (mx.random.normal(shape, key=sub) * shape[-1] ** -0.5).astype(dtype)
+
+    w("model.embed_tokens.weight", s["vocab"], d)
+    w("lm_head.weight", s["vocab"], d)
+    out["model.norm.weight"] = mx.ones((d,), dtype)
+    for i in range(s["n_layers"]):
+        p = f"model.layers.{i}."
+        w(p + "self_attn.q_proj.weight", nh * hd, d)
+        w(p + "self_attn.k_proj.weight", nkv * hd, d)
+        w(p + "self_attn.v_proj.weight", nkv * hd, d)
+        w(p + "self_attn.o_proj.weight", d, nh * hd)
+        w(p + "mlp.gate_proj.weight", h, d)
+        w(p + "mlp.up_proj.weight", h, d)
+        w(p + "mlp.down_proj.weight", d, h)
+        out[p + "input_layernorm.weight"] = mx.ones((d,), dtype)
+        out[p + "post_attention_layernorm.weight"] = mx.ones((d,), dtype)
+    return out
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer (`<unk> <s> </s> w3 w4 ...`): benchmarks feed token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_synthetic(spec: str, out: str | os.PathLike, seed: int = 0) -> Path:
+    """Write the synthetic checkpoint `spec` (e.g. `0.5b-fp16`) into directory `out`."""
+    s, dtype = parse_spec(spec)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = _weights(s, dtype, seed)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    del weights
+    config = hf_config(s, spec.partition("-")[2])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _write_tokenizer(out, s["vocab"])
+    return out
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "llama_tp" / "synthetic"
+
+
+def synthetic_dir(spec: str, seed: int = 0) -> Path:
+    """The cached directory of `spec`, written first if missing.
+
+    Written into a temporary directory and renamed, so that ranks racing to
+    write it (each writes the same bytes) never see a half-written one.
+    """
+    parse_spec(spec)
+    path = cache_root() / f"{spec}-seed{seed}"
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec}-", dir=path.parent))
+    try:
+        write_synthetic(spec, tmp, seed)
+        os.rename(tmp, path)
+    except OSError:
+        if not (path / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def main() -> int:
+    from .cli import ArgumentParser
+
+    p = ArgumentParser(prog="python -m llama_tp.synthetic", description=__doc__.splitlines()[0])
+    p.add_argument("spec", help=f"SIZE-DTYPE, SIZE in {', '.join(SIZES)}; e.g. 0.5b-fp16")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    path = write_synthetic(args.spec, args.out, args.seed)
+    print(path, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import run
+
+    run(main)

@@ -1,0 +1,211 @@
+"""`python -m llama_tp.bench`, its collective counting, and the BLAS detection."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+import pytest
+from conftest import launch, run_python
+
+from llama_tp import blas
+from llama_tp.bench import print_table
+from llama_tp.collectives import collectives
+from llama_tp.synthetic import parse_spec
+
+FLAGS = ["-p", "8", "-g", "4", "-n", "1", "--json", "--compare", "mlx-lm"]
+ENGINE_FIELDS = [
+    "prompt_tps",
+    "generation_tps",
+    "ttft_s",
+    "cpu_per_wall",
+    "trials",
+    "tokens",
+    "peak_memory_gb",
+    "load_peak_memory_gb",
+    "load_time_s",
+    "collectives",
+]
+TOP_FIELDS = [
+    "model",
+    "model_path",
+    "ranks",
+    "prompt_tokens",
+    "generation_tokens",
+    "num_trials",
+    "prefill_step_size",
+    "vocab_parallel",
+    "pin_core",
+    "blas",
+    "ld_preload",
+    "llama_tp",
+    "mlx_lm",
+    "ratio",
+    "same_tokens_as_mlx_lm",
+]
+LLAMA_TP_FIELDS = ["decode_step_ms", "decode_step_ms_no_collectives", "collective_share"]
+COLLECTIVE_FIELDS = [
+    "all_reduces_per_token",
+    "all_reduces_per_layer",
+    "all_reduces_in_layers",
+    "all_reduces_in_embedding",
+    "other_collectives_per_token",
+    "collective_bytes_per_token",
+    "by_op",
+]
+
+
+def _result(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, stdout  # one JSON object, from rank 0 only
+    return json.loads(lines[0])
+
+
+def _check_fields(r: dict, ranks: int) -> None:
+    assert [k for k in TOP_FIELDS if k not in r] == []
+    lt, ml = r["llama_tp"], r["mlx_lm"]
+    assert [k for k in ENGINE_FIELDS + LLAMA_TP_FIELDS if k not in lt] == []
+    assert [k for k in COLLECTIVE_FIELDS if k not in lt["collectives"]] == []
+    assert ml["supported"] is True
+    assert [k for k in ENGINE_FIELDS if k not in ml] == []
+    assert r["ranks"] == ranks
+    for x in (lt, ml):
+        assert len(x["peak_memory_gb"]) == ranks and min(x["peak_memory_gb"]) > 0
+        assert len(x["trials"]) == 1 and len(x["tokens"]) == 4
+        assert x["prompt_tps"] > 0 and x["generation_tps"] > 0
+    assert r["ratio"]["generation_tps"] == pytest.approx(
+        lt["generation_tps"] / ml["generation_tps"]
+    )
+    # Same fp32 weights, same prompt, greedy: both engines pick the same tokens.
+    assert r["same_tokens_as_mlx_lm"] == 4 and lt["tokens"] == ml["tokens"]
+
+
+def test_one_process_json_and_table(tiny_dir, capsys):
+    r = run_python(["-m", "llama_tp.bench", "--model", str(tiny_dir), *FLAGS], timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = _result(r.stdout)
+    _check_fields(result, 1)
+    c = result["llama_tp"]["collectives"]
+    assert c["all_reduces_per_token"] == 0 and c["collective_bytes_per_token"] == 0
+    assert c["all_reduces_in_layers"] == [0, 0]
+    assert result["llama_tp"]["collective_share"] == 0.0
+    assert result["mlx_lm"]["collectives"]["all_reduces_per_token"] == 0
+    print_table(result)
+    table = capsys.readouterr().out
+    assert "| llama_tp |" in table and "| mlx-lm |" in table
+    assert "| llama_tp / mlx-lm |" in table
+    assert "0 all-reduces (0.00 per layer over 2 layers" in table
+
+
+def test_two_ranks_count_two_all_reduces_per_layer(tiny_dir, capsys):
+    r = launch(2, ["-m", "llama_tp.bench", "--model", str(tiny_dir), *FLAGS], timeout=240)
+    assert "error" not in r.stderr, r.stderr
+    result = _result(r.stdout)
+    _check_fields(result, 2)
+    assert result["vocab_parallel"] is True
+    c = result["llama_tp"]["collectives"]
+    # Counted while the step's graph is built: 2 per layer (wo, w2), 1 completing the
+    # vocabulary-parallel embedding, and the greedy sampler's one (value, index) exchange.
+    assert c["all_reduces_in_layers"] == [2, 2] and c["all_reduces_per_layer"] == 2.0
+    assert c["all_reduces_in_embedding"] == 1
+    assert c["all_reduces_per_token"] == 5
+    assert c["by_op"]["all_gather"]["calls"] == 1 and c["other_collectives_per_token"] == 1
+    dim = 64  # tiny_dir's hidden size, fp32: each all-reduce carries one (1, 1, dim) vector
+    assert c["by_op"]["all_sum"]["bytes"] == 5 * dim * 4
+    # mlx-lm's own sharded Llama: 2 per layer, nothing else.
+    assert result["mlx_lm"]["collectives"]["all_reduces_per_token"] == 4
+    assert 0.0 <= result["llama_tp"]["collective_share"] <= 1.0
+    print_table(result)
+    assert "5 all-reduces (2.00 per layer over 2 layers, 1 in the embedding)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_two_ranks_without_vocab_parallel_pinned(tiny_dir):
+    args = ["-m", "llama_tp.bench", "--model", str(tiny_dir), "-p", "8", "-g", "4", "-n", "1"]
+    args += ["--json", "--no-vocab-parallel", "--pin-core", "auto", "--collective-steps", "0"]
+    r = launch(2, args, timeout=240)
+    assert "error" not in r.stderr, r.stderr
+    result = _result(r.stdout)
+    assert result["vocab_parallel"] is False
+    # Every thread of rank r ends up on core r (read back from the threads).
+    assert result["pin_core"] == [[0], [1 % os.cpu_count()]]
+    c = result["llama_tp"]["collectives"]
+    # Whole embedding and head: no embedding all-reduce, no sampling exchange.
+    assert c["all_reduces_in_layers"] == [2, 2] and c["all_reduces_in_embedding"] == 0
+    assert c["all_reduces_per_token"] == 4 and c["other_collectives_per_token"] == 0
+
+
+def test_usage_errors():
+    r = run_python(["-m", "llama_tp.bench", "-g", "1"], timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --generation-tokens must be >= 2, got 1"
+    r = run_python(["-m", "llama_tp.bench", "--synthetic", "3b-fp8", "-g", "2"], timeout=60)
+    assert r.returncode == 1
+    assert "synthetic model '3b-fp8': expected SIZE-DTYPE" in r.stderr
+
+
+def test_collectives_wrapper_counts_and_restores():
+    original = mx.distributed.all_sum
+    x = mx.ones((3, 4))
+    with collectives("identity") as calls:
+        y = mx.distributed.all_sum(x)
+        g = mx.distributed.all_gather(x)
+    assert calls == [("all_sum", 48), ("all_gather", 48)]
+    assert y is x and g.shape == (3, 4)  # a group of one: gathering one copy
+    assert mx.distributed.all_sum is original
+    with pytest.raises(RuntimeError), collectives():
+        raise RuntimeError("boom")
+    assert mx.distributed.all_sum is original
+
+
+def test_synthetic_spec():
+    size, dtype = parse_spec("0.5b-fp16")
+    assert size["dim"] == 2048 and size["n_layers"] == 8 and dtype == mx.float16
+    with pytest.raises(ValueError, match="SIZE in 0.5b, 0.1b, tiny"):
+        parse_spec("0.5b")
+
+
+def test_blas_hint_without_openblas():
+    info = blas.BlasInfo("/x/mlx_cpu.libs/libblas-1.so.3", True, None, 1.0)
+    assert blas.hint(info) == (
+        "note: MLX uses the slow reference BLAS (libblas-1.so.3); for fast fp32 matrix "
+        "products: apt-get install libopenblas0-pthread, then run with "
+        f"LD_PRELOAD={blas.OPENBLAS_CANDIDATES[0]}"
+    )
+    assert blas.hint(blas.BlasInfo("/usr/lib/libopenblas.so.0", False, None, 50.0)) is None
+    assert blas.is_reference("/usr/lib/x86_64-linux-gnu/blas/libblas.so.3")
+    assert not blas.is_reference("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="LD_PRELOAD and MLX's bundled BLAS: Linux")
+def test_blas_detection_follows_ld_preload():
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    plain = _blas_json(env)
+    if "mlx_cpu.libs" in (plain["library"] or ""):  # the CPU wheel's bundled reference BLAS
+        assert plain["reference"] is True
+    openblas = blas.find_openblas()
+    if openblas is None:
+        if plain["reference"]:
+            assert "apt-get install libopenblas0-pthread" in blas.hint(blas.BlasInfo(**plain))
+        return
+    preloaded = _blas_json({**env, "LD_PRELOAD": openblas})
+    assert preloaded["reference"] is False
+    assert os.path.realpath(preloaded["library"]) == os.path.realpath(openblas)
+    assert blas.hint(blas.BlasInfo(**preloaded)) is None
+
+
+def _blas_json(env: dict) -> dict:
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-m", "llama_tp.blas", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
