@@ -81,12 +81,12 @@ def bench_llama_tp(
     """llama_tp's trials, collective count and decode share; also the prompt it used."""
     from .collectives import count_collectives, decode_share
     from .generate import generate_step
-    from .loader import load
+    from .loader import load_model
     from .sampling import make_sampler, vocab_shard
 
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    model, _ = load(path, group, not args.no_vocab_parallel)
+    model, ckpt = load_model(path, group, not args.no_vocab_parallel)
     load_s = time.perf_counter() - tic
     load_peak = mx.get_peak_memory() / 1e9
     ids = mx.random.randint(0, model.args.vocab_size, (args.prompt_tokens,), key=mx.random.key(0))
@@ -100,8 +100,11 @@ def bench_llama_tp(
         return timed(steps, len(prompt))
 
     res = run_trials(trial, args.num_trials)
-    peaks = all_gather_object((load_peak, res["peak_memory_gb"]), group)
+    peaks = all_gather_object(
+        (load_peak, res["peak_memory_gb"], ckpt.load_stats["bytes_read"]), group
+    )
     res.update(load_time_s=load_s, load_peak_memory_gb=[p[0] for p in peaks])
+    res["load_bytes_read"] = [p[2] for p in peaks]  # from weight files, per rank
     res["peak_memory_gb"] = [p[1] for p in peaks]
     res["collectives"] = count_collectives(model, sampler)
     if group.size() > 1 and args.collective_steps > 0:
@@ -247,6 +250,16 @@ def print_table(r: dict[str, Any]) -> None:
             f"{1e3 * x['ttft_s']:.1f} | {x['load_time_s']:.2f} | "
             f"{_fmt_gb(x['peak_memory_gb'])} | {x['cpu_per_wall']:.2f} |"
         )
+    t = r["llama_tp"]
+    print(
+        "llama_tp loading: "
+        + ", ".join(
+            f"rank {i} read {b / 1e6:.1f} MB, peak {g:.2f} GB"
+            for i, (b, g) in enumerate(
+                zip(t["load_bytes_read"], t["load_peak_memory_gb"], strict=True)
+            )
+        )
+    )
     if "ratio" in r:
         q = r["ratio"]
         print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -45,7 +46,12 @@ TOP_FIELDS = [
     "ratio",
     "same_tokens_as_mlx_lm",
 ]
-LLAMA_TP_FIELDS = ["decode_step_ms", "decode_step_ms_no_collectives", "collective_share"]
+LLAMA_TP_FIELDS = [
+    "decode_step_ms",
+    "decode_step_ms_no_collectives",
+    "collective_share",
+    "load_bytes_read",
+]
 COLLECTIVE_FIELDS = [
     "all_reduces_per_token",
     "all_reduces_per_layer",
@@ -71,6 +77,12 @@ def _check_fields(r: dict, ranks: int) -> None:
     assert ml["supported"] is True
     assert [k for k in ENGINE_FIELDS if k not in ml] == []
     assert r["ranks"] == ranks
+    # Each rank reads its own share of the weight files: all of them alone, less on 2 ranks.
+    assert len(lt["load_bytes_read"]) == ranks and min(lt["load_bytes_read"]) > 0
+    weights = sum(f.stat().st_size for f in Path(r["model_path"]).glob("*.safetensors"))
+    assert max(lt["load_bytes_read"]) <= weights
+    if ranks > 1:
+        assert max(lt["load_bytes_read"]) < 0.75 * weights
     for x in (lt, ml):
         assert len(x["peak_memory_gb"]) == ranks and min(x["peak_memory_gb"]) > 0
         assert len(x["trials"]) == 1 and len(x["tokens"]) == 4
