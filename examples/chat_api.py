@@ -1,7 +1,7 @@
 """The Python chat API, on one process or across ranks.
 
     python examples/chat_api.py
-    mlx.launch -n 2 -- python examples/chat_api.py
+    python -m llama_tp.launch -n 2 -- python examples/chat_api.py
     python examples/chat_api.py --model path/to/model --max-tokens 64
 
 Every rank runs this same script: the model is sharded when there is more than
@@ -11,16 +11,14 @@ and only rank 0 prints.
 
 import argparse
 
-from llama_tp import Chat, load
-from llama_tp.distributed import eprint0, print0
-from llama_tp.loader import default_model
+from llama_tp import Chat, eprint0, load, print0
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default=None, help="default: the built-in SmolLM2")
 parser.add_argument("--max-tokens", type=int, default=48)
 args = parser.parse_args()
 
-model, tokenizer = load(args.model or default_model())
+model, tokenizer = load(args.model)
 chat = Chat(model, tokenizer, system="You are a helpful assistant.", max_tokens=args.max_tokens)
 
 

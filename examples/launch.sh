@@ -7,22 +7,22 @@
 python -m llama_tp.generate --prompt "What is the capital of France?"
 
 # Two ranks on this machine (ring backend over 127.0.0.1):
-mlx.launch -n 2 -- python -m llama_tp.generate --prompt "What is the capital of France?" --verbose
+python -m llama_tp.launch -n 2 -m llama_tp.generate --prompt "What is the capital of France?" --verbose
 
 # Two Macs, from a hostfile (see hostfiles/README.md):
-mlx.launch --hostfile hostfiles/ring-2-macs.json -- python -m llama_tp.generate --prompt "hi"
+python -m llama_tp.launch --hostfile hostfiles/ring-2-macs.json -m llama_tp.generate --prompt "hi"
 
 # MPI (needs Open MPI; on Linux: apt-get install openmpi-bin libopenmpi-dev):
-mlx.launch --backend mpi -n 2 -- python -m llama_tp.generate --prompt "hi"
+python -m llama_tp.launch --backend mpi -n 2 -m llama_tp.generate --prompt "hi"
 
 # Chat at this terminal on two ranks (Ctrl-C stops a reply, Ctrl-D or /quit leaves):
-mlx.launch -n 2 -- python -m llama_tp.chat
+python -m llama_tp.launch -n 2 -m llama_tp.chat
 
 # The Python chat API and the two-layer tensor-parallel demonstration, two ranks:
-mlx.launch -n 2 -- python examples/chat_api.py
-mlx.launch -n 2 -- python examples/tp_mlp.py
+python -m llama_tp.launch -n 2 -- python examples/chat_api.py
+python -m llama_tp.launch -n 2 -- python examples/tp_mlp.py
 
 # Four Macs over Ethernet; MPI and JACCL from hostfiles that name their backend:
-mlx.launch --hostfile hostfiles/ring-4-macs.json -- python -m llama_tp.chat
-mlx.launch --hostfile hostfiles/mpi-2-macs.json -- python -m llama_tp.generate --prompt "hi"
-mlx.launch --hostfile hostfiles/jaccl-2-macs.json -- python -m llama_tp.chat
+python -m llama_tp.launch --hostfile hostfiles/ring-4-macs.json -m llama_tp.chat
+python -m llama_tp.launch --hostfile hostfiles/mpi-2-macs.json -m llama_tp.generate --prompt "hi"
+python -m llama_tp.launch --hostfile hostfiles/jaccl-2-macs.json -m llama_tp.chat

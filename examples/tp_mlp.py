@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
-from llama_tp.distributed import all_gather_object, print0, world
+from llama_tp import print0, world
+from llama_tp.cluster.distributed import all_gather_object
 
 group = world()
 n, rank = group.size(), group.rank()

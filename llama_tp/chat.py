@@ -9,8 +9,8 @@ under mlx.launch is `llama_tp.terminal`.
 
 from __future__ import annotations
 
-from .conversation import Chat, ChatTemplateError, ContextOverflowError, TurnStats
-from .distributed import world
+from .cluster.distributed import world
+from .engine.conversation import Chat, ChatTemplateError, ContextOverflowError, TurnStats
 
 __all__ = ["Chat", "ChatTemplateError", "ContextOverflowError", "TurnStats", "main"]
 
@@ -24,7 +24,7 @@ Ctrl-C stops a reply. Start a message with // to send one that begins with /."""
 
 
 def _parser():
-    from .cli import ArgumentParser, add_model_args
+    from .console.cli import ArgumentParser, add_model_args
 
     p = ArgumentParser(
         prog="python -m llama_tp.chat",
@@ -52,10 +52,15 @@ def _parser():
 
 
 def main() -> int:
-    from . import watchdog
-    from .cli import UsageError, check_model_args, start_watchdog
-    from .generate import load_checked
-    from .terminal import Console
+    from .cluster import watchdog
+    from .console.cli import (
+        UsageError,
+        check_model_args,
+        load_checked,
+        load_draft_checked,
+        start_watchdog,
+    )
+    from .console.terminal import Console
 
     args = _parser().parse_args()
     check_model_args(args)
@@ -67,6 +72,7 @@ def main() -> int:
     group = world()
     watchdog.set_group_size(group.size())
     model, tokenizer, _ = load_checked(args, group)
+    draft = load_draft_checked(args, model, tokenizer, group)
     chat = Chat(
         model,
         tokenizer,
@@ -81,6 +87,8 @@ def main() -> int:
         max_context=args.max_context,
         overflow="drop_oldest" if args.drop_oldest else "error",
         group=group,
+        draft=draft,
+        num_draft_tokens=args.num_draft_tokens,
     )
     with Console(group) as console:
         # A watchdog exit skips the `with`: give the terminal back first.
@@ -126,12 +134,19 @@ def main() -> int:
                     f"[prompt {stats.prompt_tokens} tokens ({stats.prefilled_tokens} prefilled, "
                     f"{stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} "
                     f"({stats.generation_tps:.1f} tok/s), {stats.finish_reason}, "
-                    f"context {stats.context_tokens}]"
+                    f"context {stats.context_tokens}"
+                    + (f"; {stats.speculative.summary()}" if stats.speculative else "")
+                    + "]"
                 )
     return 0
 
 
-if __name__ == "__main__":
-    from .cli import run
+def cli() -> None:
+    """The `llama_tp.chat` console script: `python -m llama_tp.chat`."""
+    from .console.cli import run
 
     run(main)
+
+
+if __name__ == "__main__":
+    cli()

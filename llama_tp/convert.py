@@ -1,350 +1,19 @@
-"""Convert a checkpoint into a Hugging Face / MLX directory or a pre-split one.
+"""`python -m llama_tp.convert`: a checkpoint into an HF / MLX directory or a pre-split one.
 
-    python -m llama_tp.convert --model SmolLM2-135M-Instruct.Q4_1.gguf --out smollm2-mlx
+    python -m llama_tp.convert --out smollm2-mlx
     python -m llama_tp.convert --model smollm2-mlx --out smollm2-q8 --quantize 8
     python -m llama_tp.convert --model smollm2-mlx --out smollm2-tp2 --shards 2
 
-Sources: GGUF files, Hugging Face / MLX directories, original Meta checkpoints.
-The plain directory (`config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json`) opens with both `llama_tp.load(DIR)` and
-`mlx_lm.load(DIR)`. Quantized tensors are copied as they are (MLX reads GGUF
-Q4_0/Q4_1/Q8_0 as affine group-32 quantization), with per-module overrides in
-`config.json` wherever a tensor's bits or group size differ from the dominant
-setting; `--quantize` re-quantizes (MLX affine). GGUF q/k rows keep their
-interleaved layout, hence `rope_traditional`. `--shards N` writes one folder
-per rank instead (see `checkpoints/split.py`).
+The conversion itself is `llama_tp.checkpoints.convert`.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import sys
-from collections import Counter
 from pathlib import Path
-from typing import Any
-
-import mlx.core as mx
-import mlx.nn as nn
-import numpy as np
-
-from .checkpoints import Checkpoint, CheckpointError, open_checkpoint
-from .checkpoints.hf import _RENAMES, to_model_name
-
-MAX_SHARD_GB = 5  # as mlx_lm.utils.MAX_FILE_SIZE_GB
-
-
-def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
-    r"""Swap the sides of one rename.
-
-    `^model\.layers\.(\d+)\.x\.` -> `layers.\1.y.` becomes
-    `^layers\.(\d+)\.y\.` -> `model.layers.\1.x.`.
-    """
-    src = "^" + re.escape(repl).replace(re.escape("\\1"), r"(\d+)")
-    dst = pattern.pattern.removeprefix("^").replace(r"(\d+)", r"\1").replace("\\.", ".")
-    return re.compile(src), dst
-
-
-# The model's names -> Hugging Face names: the HF reader's table, inverted.
-_TO_HF = [_invert(p, r) for p, r in _RENAMES]
-
-
-def hf_name(name: str) -> str:
-    """The Hugging Face name of the model's tensor `name` (checked against the reader)."""
-    for pattern, repl in _TO_HF:
-        new, n = pattern.subn(repl, name)
-        if n and to_model_name(new) == name:
-            return new
-    raise CheckpointError(f"tensor {name!r} has no Hugging Face name")
-
-
-def _f32(x: float) -> float:
-    """The shortest decimal that is the same float32 (GGUF stores 1e-5 as 9.99999974e-06)."""
-    return float(str(np.float32(x)))
-
-
-def _token_ids(ckpt: Checkpoint) -> tuple[int | None, int | list[int] | None]:
-    """(bos, eos) ids: GGUF metadata keys, or the source's own config."""
-    if ckpt.format != "gguf":
-        return ckpt.metadata.get("bos_token_id"), ckpt.metadata.get("eos_token_id")
-    meta = ckpt.metadata
-
-    def get(key: str) -> int | None:
-        value = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if value is None else int(value.item() if hasattr(value, "item") else value)
-
-    eos = list(dict.fromkeys(i for i in map(get, ("eos", "eot", "eom")) if i is not None))
-    return get("bos"), (eos[0] if len(eos) == 1 else eos or None)
-
-
-def _quantized_modules(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Module path -> (group_size, bits) of every quantized layer."""
-    out = {}
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            if m.mode != "affine":
-                raise CheckpointError(f"{path}: unsupported quantization mode {m.mode!r}")
-            out[path] = (m.group_size, m.bits)
-    return out
-
-
-def quantization(model: nn.Module) -> dict[str, Any] | None:
-    """mlx-lm's `quantization` block: the dominant setting plus per-module overrides."""
-    per_module = _quantized_modules(model)
-    params: Counter[tuple[int, int]] = Counter()
-    for path, m in model.named_modules():
-        if path in per_module:
-            params[per_module[path]] += m.weight.size * 32 // m.bits
-    if not params:
-        return None
-    (group_size, bits), _ = params.most_common(1)[0]
-    block: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    for path, (g, b) in sorted((hf_name(f"{p}.weight"), s) for p, s in per_module.items()):
-        if (g, b) != (group_size, bits):
-            block[path.removesuffix(".weight")] = {"group_size": g, "bits": b}
-    return block
-
-
-def requantize(ckpt: Checkpoint, bits: int, group_size: int) -> nn.Module:
-    """The checkpoint's model (lazy) with MLX affine `bits`-bit quantization: every
-    Linear and Embedding whose input width is a multiple of `group_size`, as
-    mlx-lm's convert does; layers quantized in the source are dequantized first."""
-    from mlx.utils import tree_unflatten
-
-    from .loader import build_model
-
-    model = build_model(ckpt)
-    floats = []
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
-            if isinstance(m, nn.QuantizedEmbedding):
-                f = nn.Embedding(*w.shape)
-            else:
-                f = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
-                if "bias" in m:
-                    f.bias = m.bias
-            f.weight = w
-            floats.append((path, f))
-    if floats:
-        model.update_modules(tree_unflatten(floats))
-
-    def predicate(path: str, m: nn.Module) -> bool:
-        return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
-
-    nn.quantize(model, group_size, bits, class_predicate=predicate)
-    return model
-
-
-def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
-    """`config.json` for mlx-lm's `llama` model (and llama_tp's HF reader)."""
-    a = ckpt.args
-    bos, eos = _token_ids(ckpt)
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": a.dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "intermediate_size": a.hidden_dim,
-        "vocab_size": a.vocab_size,
-        "head_dim": a.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(a.norm_eps),
-        "rope_theta": _f32(a.rope_theta),
-        "rope_traditional": a.rope_traditional,
-        "max_position_embeddings": a.max_position_embeddings,
-        "tie_word_embeddings": a.tie_word_embeddings,
-        "attention_bias": a.qkv_bias,
-        "mlp_bias": a.mlp_bias,
-    }
-    if a.rope_scaling:
-        config["rope_scaling"] = a.rope_scaling
-    if bos is not None:
-        config["bos_token_id"] = bos
-    if eos is not None:
-        config["eos_token_id"] = eos
-    if (quant := quantization(model)) is not None:
-        # mlx-lm's save_config writes the block under both names (for HF tooling).
-        config["quantization"] = config["quantization_config"] = quant
-    return dict(sorted(config.items()))
-
-
-def _write_weights(
-    weights: dict[str, mx.array], out: Path, progress: bool
-) -> tuple[int, list[str]]:
-    """Write `weights` (emptied as it goes) as mlx-lm does; returns (bytes, file names)."""
-    from mlx_lm.utils import make_shards
-    from tqdm import tqdm  # a dependency of transformers and huggingface_hub
-
-    total = sum(v.nbytes for v in weights.values())
-    shards = make_shards(weights, MAX_SHARD_GB)
-    weights.clear()  # the shards hold the only references: written shards are freed
-    n = len(shards)
-    names = (
-        ["model.safetensors"]
-        if n == 1
-        else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    )
-    weight_map: dict[str, str] = {}
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        desc="writing",
-        file=sys.stderr,
-        disable=not progress,
-    )
-    with bar:
-        for i, name in enumerate(names):
-            for v in shards[i].values():
-                mx.eval(v)  # reads the tensor from the GGUF file
-                bar.update(v.nbytes)
-            mx.save_safetensors(str(out / name), shards[i], metadata={"format": "mlx"})
-            weight_map.update(dict.fromkeys(shards[i], name))
-            shards[i] = None
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-    return total, names
-
-
-def _save_tokenizer(ckpt: Checkpoint, out: Path) -> None:
-    """tokenizer.json + tokenizer_config.json (chat template inside, as older tools expect)."""
-    from .tokenizer import load_tokenizer
-
-    # The wrapper passes this on to its transformers tokenizer, as in mlx_lm.utils.save.
-    load_tokenizer(ckpt).save_pretrained(str(out), save_jinja_files=False)
-    path = out / "tokenizer_config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    # transformers 5 names its class TokenizersBackend; PreTrainedTokenizerFast is an alias
-    # there and the class itself in transformers 4, so this name loads with both.
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def convert(
-    src: Path,
-    out: Path,
-    *,
-    quantize: int | None = None,
-    group_size: int = 64,
-    shards: int | None = None,
-    vocab_parallel: bool = True,
-    progress: bool = True,
-) -> Path:
-    """Convert the checkpoint `src` into the directory `out` (created; weight files replaced).
-
-    `quantize` (4 or 8 bits, `group_size` values per scale) re-quantizes it;
-    `shards` writes one folder per rank of a `shards`-rank run instead of one
-    mlx-lm directory. With `progress`, shows progress and a `wrote ...` line on stderr.
-    """
-    from .agreement import weights_fingerprint
-    from .loader import build_model
-
-    src, out = Path(src), Path(out)
-    ckpt = open_checkpoint(src)
-    if ckpt.format == "split":
-        raise CheckpointError(f"{src}: already split; convert the original checkpoint")
-    model = build_model(ckpt) if quantize is None else requantize(ckpt, quantize, group_size)
-    from mlx.utils import tree_flatten
-
-    weights = dict(tree_flatten(model.parameters()))
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)  # a previous conversion's shards would be loaded too
-    if shards is not None:
-        fingerprint = weights_fingerprint(ckpt) + (f"-q{quantize}g{group_size}" if quantize else "")
-        _write_split(
-            ckpt,
-            model,
-            weights,
-            out,
-            shards,
-            vocab_parallel,
-            fingerprint,
-            quantize is None,
-            progress,
-        )
-        if progress:
-            print(f"wrote {out} ({shards} rank folders)", file=sys.stderr)
-        return out
-    config = hf_config(ckpt, model)
-    hf_weights = {hf_name(k): weights.pop(k) for k in sorted(weights)}
-    (out / "config.json").write_text(json.dumps(config, indent=4) + "\n")
-    _save_tokenizer(ckpt, out)
-    n_tensors = len(hf_weights)
-    nbytes, _ = _write_weights(hf_weights, out, progress)
-    if progress:
-        print(f"wrote {out} ({n_tensors} tensors, {nbytes / 1e6:.1f} MB)", file=sys.stderr)
-    return out
-
-
-def _write_split(
-    ckpt: Checkpoint,
-    model: nn.Module,
-    weights: dict[str, mx.array],
-    out: Path,
-    n: int,
-    vocab_parallel: bool,
-    fingerprint: str,
-    from_file: bool,
-    progress: bool,
-) -> None:
-    """One folder per rank: its slices of every tensor, read as slices from a
-    safetensors source (nothing else held), else sliced from the lazy tensors."""
-    from .checkpoints import split
-    from .loader import _check_quantized_heads, plan_for
-    from .plan import vocab_ranges
-
-    plan = plan_for(model, n)
-    _check_quantized_heads(model, plan)
-    vocab = vocab_ranges(ckpt.args.vocab_size, n) if vocab_parallel and n > 1 else None
-    # The model's tensors are the file's own unless re-quantized: read slices from the file.
-    ranged = from_file and all(k in ckpt.sources for k in weights)
-
-    def get(name: str, s: tuple[int, int, int] | None) -> mx.array:
-        if ranged:
-            file, stored = ckpt.sources[name]
-            return file.read(stored) if s is None else file.read(stored, *s)
-        v = weights[name]
-        if s is None:
-            return v
-        axis, start, stop = s
-        return mx.contiguous(v[start:stop] if axis == 0 else v[:, start:stop])
-
-    bos, eos = _token_ids(ckpt)
-    config = {
-        "quantized": {p: [b, g] for p, (g, b) in _quantized_modules(model).items()},
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "source": ckpt.path.name,
-        "llama_tp": {"fingerprint": fingerprint},
-    }
-    shapes = {k: tuple(v.shape) for k, v in weights.items()}
-    split.write(
-        out,
-        ckpt.args,
-        get,
-        shapes,
-        plan,
-        vocab,
-        config,
-        lambda tensors, folder: _write_weights(tensors, folder, progress),
-        lambda folder: _save_tokenizer(ckpt, folder),
-    )
-
-
-def convert_gguf(src: Path, out: Path, progress: bool = True) -> Path:
-    """Convert the GGUF file `src` into an mlx-lm directory `out` (see `convert`)."""
-    if Path(src).is_dir():
-        raise CheckpointError(f"{src}: is a directory; convert reads a .gguf file")
-    return convert(src, out, progress=progress)
 
 
 def _parser():
-    from .cli import ArgumentParser
+    from .console.cli import ArgumentParser
 
     p = ArgumentParser(
         prog="python -m llama_tp.convert",
@@ -364,6 +33,17 @@ def _parser():
         "--group-size", type=int, choices=(32, 64, 128), default=64, help="values per scale"
     )
     p.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="dequantize quantized weights and cast every weight to this type",
+    )
+    p.add_argument(
+        "-d",
+        "--dequantize",
+        action="store_true",
+        help="dequantize quantized weights (to float16 unless --dtype says otherwise)",
+    )
+    p.add_argument(
         "--shards", type=int, help="write one folder per rank for a run on this many ranks"
     )
     p.add_argument(
@@ -371,12 +51,16 @@ def _parser():
         action="store_true",
         help="with --shards: keep the embedding and output head whole in every folder",
     )
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bar and no 'wrote' line on stderr"
+    )
     return p
 
 
 def main() -> int:
-    from .cli import UsageError
-    from .loader import default_model
+    from .checkpoints.convert import convert
+    from .console.cli import UsageError
+    from .engine.loader import default_model
 
     args = _parser().parse_args()
     out = Path(args.out)
@@ -386,6 +70,9 @@ def main() -> int:
         raise UsageError(f"--out {out}: directory is not empty (use --force to write into it)")
     if args.shards is not None and args.shards < 1:
         raise UsageError(f"--shards must be at least 1, got {args.shards}")
+    dtype = args.dtype or ("float16" if args.dequantize else None)
+    if dtype and args.quantize:
+        raise UsageError("--quantize and --dtype/--dequantize exclude each other")
     if args.no_vocab_parallel and args.shards is None:
         raise UsageError("--no-vocab-parallel only applies with --shards")
     convert(
@@ -395,11 +82,18 @@ def main() -> int:
         group_size=args.group_size,
         shards=args.shards,
         vocab_parallel=not args.no_vocab_parallel,
+        dtype=dtype,
+        progress=not args.quiet,
     )
     return 0
 
 
-if __name__ == "__main__":
-    from .cli import run
+def cli() -> None:
+    """The `llama_tp.convert` console script: `python -m llama_tp.convert`."""
+    from .console.cli import run
 
     run(main)
+
+
+if __name__ == "__main__":
+    cli()

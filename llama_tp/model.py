@@ -15,13 +15,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .layers import shard_linear_range
-from .plan import RankPart
-from .vocab_parallel import VocabParallelEmbedding
+from .parallel.llama_plan import attention_styles, feed_forward_styles
+from .parallel.parallelize import parallelize
+from .parallel.partition import RankPart
+from .parallel.styles import LossParallel, PlanError, VocabParallel
 
 
 @dataclass
@@ -93,9 +93,11 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
-        q = self.wq(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, nh, L, hd)
-        k = self.wk(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)  # (B, nkv, L, hd)
-        v = self.wv(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        # Head counts follow the (maybe sharded) projections: (B, nh, L, hd), (B, nkv, L, hd).
+        hd = self.head_dim
+        q = self.wq(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
+        k = self.wk(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
+        v = self.wv(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
         q = self.rope(q, offset=offset)
         k = self.rope(k, offset=offset)
@@ -115,29 +117,14 @@ class Attention(nn.Module):
 
         With `part=None` every rank takes an equal block (mlx's `shard_linear`);
         otherwise it takes the explicit head ranges of its `part` of the plan.
+        Expressed through the parallel styles (`llama_plan.attention_styles`).
         """
-        N = group.size()
-        if part is None:
-            if self.n_kv_heads % N:
-                raise ValueError(f"cannot split {self.n_kv_heads} KV heads evenly over {N} ranks")
-            self.wq = shard_linear(self.wq, "all-to-sharded", group=group)
-            self.wk = shard_linear(self.wk, "all-to-sharded", group=group)
-            self.wv = shard_linear(self.wv, "all-to-sharded", group=group)
-            self.wo = shard_linear(self.wo, "sharded-to-all", group=group)
-            self.n_heads //= N
-            self.n_kv_heads //= N
-            return
-        hd = self.head_dim
-        q0, q1 = part.q_heads.start * hd, part.q_heads.stop * hd
-        k0, k1 = part.kv_heads.start * hd, part.kv_heads.stop * hd
-        self.wq = shard_linear_range(self.wq, "all-to-sharded", q0, q1, group)
-        self.wk = shard_linear_range(self.wk, "all-to-sharded", k0, k1, group)
-        self.wv = shard_linear_range(self.wv, "all-to-sharded", k0, k1, group)
-        self.wo = shard_linear_range(self.wo, "sharded-to-all", q0, q1, group)
-        self.n_heads = len(part.q_heads)
-        self.n_kv_heads = len(part.kv_heads)
-        if part.kv_map is not None:
-            object.__setattr__(self, "_kv_index", mx.array(part.kv_map, dtype=mx.int32))
+        if part is None and self.n_kv_heads % group.size():
+            raise PlanError(
+                f"cannot split {self.n_kv_heads} KV heads evenly over {group.size()} ranks"
+            )
+        parts = None if part is None else {group.rank(): part}
+        parallelize(self, attention_styles(self.head_dim, parts), group)
 
 
 class FeedForward(nn.Module):
@@ -151,16 +138,10 @@ class FeedForward(nn.Module):
         return self.w2(nn.silu(self.w1(x)) * self.w3(x))
 
     def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
-        """Split the intermediate columns over `group`: w1/w3 by rows, w2 by columns."""
-        if part is None:
-            self.w1 = shard_linear(self.w1, "all-to-sharded", group=group)
-            self.w2 = shard_linear(self.w2, "sharded-to-all", group=group)
-            self.w3 = shard_linear(self.w3, "all-to-sharded", group=group)
-            return
-        c0, c1 = part.ffn.start, part.ffn.stop
-        self.w1 = shard_linear_range(self.w1, "all-to-sharded", c0, c1, group)
-        self.w2 = shard_linear_range(self.w2, "sharded-to-all", c0, c1, group)
-        self.w3 = shard_linear_range(self.w3, "all-to-sharded", c0, c1, group)
+        """Split the intermediate columns over `group`: w1/w3 by rows, w2 by columns
+        (N equal blocks, or `part.ffn`), through `llama_plan.feed_forward_styles`."""
+        parts = None if part is None else {group.rank(): part}
+        parallelize(self, feed_forward_styles(parts), group)
 
 
 class TransformerBlock(nn.Module):
@@ -192,15 +173,28 @@ class Transformer(nn.Module):
         The embedding then completes its vectors with one all-reduce, and the
         model returns this rank's logits only: (B, L, stop - start).
         """
-        self.tok_embeddings = VocabParallelEmbedding(self.tok_embeddings, start, stop, group)
+        rows = {group.rank(): (start, stop)}
+        plan: dict[str, Any] = {"tok_embeddings": VocabParallel(rows)}
         if not self.args.tie_word_embeddings:
-            self.output = shard_linear_range(self.output, "all-to-sharded", start, stop, group)
+            plan["output"] = LossParallel(rows)
+        parallelize(self, plan, group)
 
-    def __call__(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """tokens: (B, L) int -> logits (B, L, vocab_size), or (B, L, V_local) after shard_vocab."""
-        h = self.tok_embeddings(tokens)  # (B, L, dim)
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None = None,
+        input_embeddings: mx.array | None = None,
+    ) -> mx.array:
+        """tokens: (B, L) int -> logits (B, L, vocab_size), or (B, L, V_local) after shard_vocab.
+
+        `input_embeddings` (B, L, dim), when given, replaces the embedding lookup
+        (as in mlx-lm's models): the sampler may already hold the new token's row.
+        """
+        h = self.tok_embeddings(tokens) if input_embeddings is None else input_embeddings
         if cache is None:
             cache = [None] * len(self.layers)
+        # Under sequence parallelism h is this rank's chunk (>= 2 positions, see
+        # parallel/sequence.py): the mask is "causal" either way.
         mask = create_attention_mask(h, cache[0])
         for layer, c in zip(self.layers, cache, strict=True):
             h = layer(h, mask, c)

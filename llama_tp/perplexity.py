@@ -1,80 +1,17 @@
-"""Perplexity with vocabulary-sharded logits, and `python -m llama_tp.perplexity`.
+"""`python -m llama_tp.perplexity`: a model's perplexity on a text file.
 
-    python -m llama_tp.perplexity --text-file tests/data/paris.txt
-    mlx.launch -n 2 -- python -m llama_tp.perplexity --text-file tests/data/paris.txt
-
-With a vocabulary-parallel head no rank holds the full logits: the cross-entropy
-of each position is a distributed log-sum-exp (all-max, all-sum) minus the
-target's logit (all-sum from the rank that owns it).
+python -m llama_tp.perplexity --text-file tests/data/paris.txt
+mlx.launch -n 2 -- python -m llama_tp.perplexity --text-file tests/data/paris.txt
 """
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass
-
-import mlx.core as mx
-import mlx.nn as nn
-
-from .sampling import token_logprobs, vocab_shard
-
-
-@dataclass
-class PerplexityResult:
-    perplexity: float
-    tokens: int  # tokens scored
-    seconds: float
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def windows(n: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
-    """Sliding windows (begin, end, first scored index) over n tokens.
-
-    Windows of `context_length` tokens start every `stride` tokens; each scores
-    the tokens not scored yet, so every token from index 1 on is scored exactly
-    once. stride < context_length keeps a token of overlap: the first token of a
-    window has no context inside it and cannot be scored there.
-    """
-    out, scored = [], 1
-    for begin in range(0, n - 1, stride):
-        end = min(begin + context_length, n)
-        if end > scored:
-            out.append((begin, end, scored))
-            scored = end
-        if end == n:
-            break
-    return out
-
-
-def perplexity(
-    model: nn.Module, tokens: list[int], context_length: int = 512, stride: int = 256
-) -> PerplexityResult:
-    """exp(mean negative log-likelihood) of `tokens` (every rank gets the same result)."""
-    if len(tokens) < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
-    if not 0 < stride < context_length:
-        raise ValueError(f"stride must be in 1..{context_length - 1}, got {stride}")
-    shard = vocab_shard(model)
-    ids = mx.array(tokens, dtype=mx.int32)
-    nll, count = 0.0, 0
-    tic = time.perf_counter()
-    for begin, end, first in windows(len(tokens), context_length, stride):
-        logits = model(ids[None, begin : end - 1])[0]  # (L-1, V or V_local)
-        logits = logits[first - 1 - begin :].astype(mx.float32)  # predicting first..end-1
-        logprobs, _, _ = token_logprobs(logits, ids[first:end], shard)
-        nll -= mx.sum(logprobs).item()  # evaluated per window: collectives stay in order
-        count += end - first
-    return PerplexityResult(math.exp(nll / count), count, time.perf_counter() - tic)
-
 
 def main() -> int:
-    from .cli import ArgumentParser, UsageError
-    from .distributed import print0, world
-    from .loader import default_model, load
+    from .cluster.distributed import print0, world
+    from .console.cli import ArgumentParser, UsageError, add_load_args, add_quiet_arg, quiet
+    from .engine.loader import default_model, load
+    from .engine.perplexity import perplexity
 
     p = ArgumentParser(
         prog="python -m llama_tp.perplexity",
@@ -89,25 +26,34 @@ def main() -> int:
         default=None,
         help="window step, below --context-length (default: half of it)",
     )
+    add_load_args(p)
     p.add_argument(
-        "--no-vocab-parallel",
-        action="store_true",
-        help="keep the embedding and output head whole on every rank",
+        "--limit-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score only the text's first N tokens (default: all)",
     )
+    add_quiet_arg(p)
     args = p.parse_args()
+    quiet(args.quiet)
     if args.context_length < 2:
         raise UsageError(f"--context-length must be at least 2, got {args.context_length}")
     stride = args.stride or args.context_length // 2
     if not 0 < stride < args.context_length:
         raise UsageError(f"--stride must be in 1..{args.context_length - 1}, got {stride}")
+    if args.limit_tokens is not None and args.limit_tokens < 2:
+        raise UsageError(f"--limit-tokens must be at least 2, got {args.limit_tokens}")
     try:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--text-file {args.text_file}: {e}") from None
     group = world()
-    model, tokenizer = load(args.model or default_model(), group, not args.no_vocab_parallel)
-    result = perplexity(model, tokenizer.encode(text), args.context_length, stride)
+    path = args.model or default_model()
+    model, tokenizer = load(path, group, not args.no_vocab_parallel, args.dtype)
+    tokens = tokenizer.encode(text)[: args.limit_tokens]
+    result = perplexity(model, tokens, args.context_length, stride)
     print0(f"Perplexity: {result.perplexity:.6f}")
     print0(f"Tokens evaluated: {result.tokens}")
     print0(
@@ -117,7 +63,12 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from .cli import run
+def cli() -> None:
+    """The `llama_tp.perplexity` console script: `python -m llama_tp.perplexity`."""
+    from .console.cli import run
 
     run(main)
+
+
+if __name__ == "__main__":
+    cli()

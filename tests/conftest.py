@@ -19,20 +19,38 @@ _PORTS = itertools.count(20000 + (os.getpid() % 400) * 50, 10)
 
 
 def launch(
-    n: int, args: list[str], timeout: float = 300, input: str | None = None
+    n: int,
+    args: list[str],
+    timeout: float = 300,
+    input: str | None = None,
+    launcher: str = "llama_tp",
+    extra: list[str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `python args...` on `n` local ranks with mlx.launch (bounded by `timeout`).
+    """Run `python args...` on `n` local ranks (bounded by `timeout`).
 
-    `--` keeps mlx.launch from taking the command's own flags (e.g. --verbose).
-    Note that mlx.launch exits 0 even when ranks fail; callers check the output.
+    `launcher="llama_tp"` (the default) starts them with `python -m llama_tp.launch`,
+    which blocks instead of spinning, passes `input` on with its end of file and exits
+    with the first failing rank's code; `launcher="mlx"` uses `mlx.launch` itself,
+    which exits 0 whatever the ranks do and spins on a core (its stdin is then kept
+    open until the ranks are done: at end of file it spins harder still).
+    `--` keeps the launcher from taking the command's own flags (e.g. --verbose).
+    `extra`: more launcher flags (e.g. ["--backend", "mpi"]).
     """
-    cmd = [str(BIN / "mlx.launch"), "-n", str(n), "--starting-port", str(next(_PORTS))]
+    port = ["--starting-port", str(next(_PORTS))]
+    if launcher == "mlx":
+        cmd = [str(BIN / "mlx.launch"), "-n", str(n), *port, *(extra or [])]
+    else:
+        # --no-openblas: ranks use the BLAS a single-process run_python uses, so that
+        # their float32 results can be compared bit for bit (test_launch checks the preload)
+        cmd = [sys.executable, "-m", "llama_tp.launch", "--no-openblas", "-n", str(n), *port]
+        cmd += extra or []
     cmd += ["--", sys.executable, *args]
-    # mlx.launch polls its stdin and spins on a CPU core once it reaches end of file:
-    # give it a pipe that stays open (after `input`, if any) until the ranks are done.
     read_end, write_end = os.pipe()
     if input:
         os.write(write_end, input.encode())
+    if launcher != "mlx":
+        os.close(write_end)  # the end of file reaches the ranks
+        write_end = None
     try:
         p = subprocess.Popen(
             cmd,
@@ -51,7 +69,8 @@ def launch(
             out, err = p.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
     finally:
-        os.close(write_end)
+        if write_end is not None:
+            os.close(write_end)
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
@@ -78,6 +97,62 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     """The built-in SmolLM2-135M-Instruct GGUF (installed by `make test`)."""
-    from llama_tp.loader import default_model
+    from llama_tp.engine.loader import default_model
 
     return default_model()
+
+
+# -- `make test-fast`: the tests that start no ranks ------------------------------------
+
+_RANK_STARTERS = ("launch(", "mlx.launch", "Ranks(")
+
+
+def _source(fn) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _rank_starters(module, cache: dict) -> tuple[str, ...]:
+    """What starts ranks in `module`: the direct starters, plus a call of any of the
+    module's own functions that (transitively) uses one."""
+    if module not in cache:
+        import inspect
+
+        own = {
+            name: _source(f)
+            for name, f in vars(module).items()
+            if inspect.isfunction(f) and f.__module__ == module.__name__
+        }
+        starters = set(_RANK_STARTERS)
+        while True:
+            more = {
+                f"{name}("
+                for name, src in own.items()
+                if f"{name}(" not in starters and any(s in src for s in starters)
+            }
+            if not more:
+                break
+            starters |= more
+        cache[module] = tuple(starters)
+    return cache[module]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `ranks` every test that starts several processes: its function or one of its
+    fixtures calls `launch(...)`, runs mlx.launch, starts `Ranks(...)`, or calls a
+    function of its module that does (`make test-fast` runs `pytest -m "not ranks"`).
+    A test may also carry `@pytest.mark.ranks` itself."""
+    cache: dict = {}
+    for item in items:
+        if item.get_closest_marker("ranks") or not hasattr(item, "function"):
+            continue
+        starters = _rank_starters(item.module, cache)
+        fns = [item.function]
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        fns += [d.func for name in item.fixturenames for d in defs.get(name, ())]
+        if any(s in _source(f) for f in fns for s in starters):
+            item.add_marker(pytest.mark.ranks)

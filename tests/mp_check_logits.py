@@ -19,8 +19,9 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from llama_tp.checkpoints import open_checkpoint
-from llama_tp.loader import build_model, load_model
-from llama_tp.sampling import vocab_shard
+from llama_tp.checkpoints.build import build_model
+from llama_tp.engine.loader import load_model
+from llama_tp.engine.sampling import vocab_shard
 
 
 def logits_of(model, x: mx.array) -> np.ndarray:

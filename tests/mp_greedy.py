@@ -15,8 +15,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from llama_tp import load
-from llama_tp.sampling import make_sampler, vocab_shard
-from llama_tp.tokenizer import encode_prompt
+from llama_tp.checkpoints.tokenizer import encode_prompt
+from llama_tp.engine.sampling import make_sampler, vocab_shard
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx import nn  # noqa: E402
 
-from llama_tp.layers import shard_linear_range  # noqa: E402
-from llama_tp.plan import make_plan  # noqa: E402
+from llama_tp.parallel.layers import shard_linear_range  # noqa: E402
+from llama_tp.parallel.partition import make_plan  # noqa: E402
 
 DIM = 64
 

@@ -20,9 +20,9 @@ import mlx.core as mx
 import numpy as np
 
 from llama_tp.checkpoints import open_checkpoint
-from llama_tp.loader import build_model
-from llama_tp.plan import vocab_ranges
-from llama_tp.sampling import VocabShard, make_sampler, token_logprobs
+from llama_tp.checkpoints.build import build_model
+from llama_tp.engine.sampling import VocabShard, make_sampler, token_logprobs
+from llama_tp.parallel.partition import vocab_ranges
 
 WORLD = mx.distributed.init()
 FAILED = []

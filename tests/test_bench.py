@@ -11,10 +11,10 @@ import mlx.core as mx
 import pytest
 from conftest import launch, run_python
 
-from llama_tp import blas
-from llama_tp.bench import print_table
-from llama_tp.collectives import collectives
-from llama_tp.synthetic import parse_spec
+from llama_tp.benchmarks.report import print_table
+from llama_tp.benchmarks.synthetic import parse_spec
+from llama_tp.cluster import blas
+from llama_tp.cluster.collectives import collectives
 
 FLAGS = ["-p", "8", "-g", "4", "-n", "1", "--json", "--compare", "mlx-lm"]
 ENGINE_FIELDS = [
@@ -56,7 +56,7 @@ COLLECTIVE_FIELDS = [
     "all_reduces_per_token",
     "all_reduces_per_layer",
     "all_reduces_in_layers",
-    "all_reduces_in_embedding",
+    "all_reduces_outside_layers",
     "other_collectives_per_token",
     "collective_bytes_per_token",
     "by_op",
@@ -118,19 +118,21 @@ def test_two_ranks_count_two_all_reduces_per_layer(tiny_dir, capsys):
     _check_fields(result, 2)
     assert result["vocab_parallel"] is True
     c = result["llama_tp"]["collectives"]
-    # Counted while the step's graph is built: 2 per layer (wo, w2), 1 completing the
-    # vocabulary-parallel embedding, and the greedy sampler's one (value, index) exchange.
+    # Counted while a steady-state decode step's graph is built: 2 per layer (wo, w2)
+    # and the greedy sampler's one exchange of (value, index, embedding row), which
+    # replaces the vocabulary-parallel embedding's all-reduce: 2 per layer + 1.
     assert c["all_reduces_in_layers"] == [2, 2] and c["all_reduces_per_layer"] == 2.0
-    assert c["all_reduces_in_embedding"] == 1
-    assert c["all_reduces_per_token"] == 5
+    assert c["all_reduces_outside_layers"] == 0
+    assert c["all_reduces_per_token"] == 4
     assert c["by_op"]["all_gather"]["calls"] == 1 and c["other_collectives_per_token"] == 1
     dim = 64  # tiny_dir's hidden size, fp32: each all-reduce carries one (1, 1, dim) vector
-    assert c["by_op"]["all_sum"]["bytes"] == 5 * dim * 4
+    assert c["by_op"]["all_sum"]["bytes"] == 4 * dim * 4
+    assert c["by_op"]["all_gather"]["bytes"] == (2 + dim) * 4  # this rank's candidate
     # mlx-lm's own sharded Llama: 2 per layer, nothing else.
     assert result["mlx_lm"]["collectives"]["all_reduces_per_token"] == 4
     assert 0.0 <= result["llama_tp"]["collective_share"] <= 1.0
     print_table(result)
-    assert "5 all-reduces (2.00 per layer over 2 layers, 1 in the embedding)" in (
+    assert "4 all-reduces (2.00 per layer over 2 layers, 0 outside the layers)" in (
         capsys.readouterr().out
     )
 
@@ -146,7 +148,7 @@ def test_two_ranks_without_vocab_parallel_pinned(tiny_dir):
     assert result["pin_core"] == [[0], [1 % os.cpu_count()]]
     c = result["llama_tp"]["collectives"]
     # Whole embedding and head: no embedding all-reduce, no sampling exchange.
-    assert c["all_reduces_in_layers"] == [2, 2] and c["all_reduces_in_embedding"] == 0
+    assert c["all_reduces_in_layers"] == [2, 2] and c["all_reduces_outside_layers"] == 0
     assert c["all_reduces_per_token"] == 4 and c["other_collectives_per_token"] == 0
 
 
@@ -213,7 +215,7 @@ def _blas_json(env: dict) -> dict:
     import subprocess
 
     r = subprocess.run(
-        [sys.executable, "-m", "llama_tp.blas", "--json"],
+        [sys.executable, "-m", "llama_tp.cluster.blas", "--json"],
         env=env,
         capture_output=True,
         text=True,

@@ -17,7 +17,7 @@ SPMD_CHAT = """
 import json, sys
 from dataclasses import asdict
 from llama_tp import Chat, load
-from llama_tp.distributed import all_gather_object, print0
+from llama_tp.cluster.distributed import all_gather_object, print0
 
 path, max_tokens, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 chat = Chat(*load(path), system="You are a helpful assistant.", max_tokens=max_tokens)
@@ -82,17 +82,17 @@ def test_chat_is_exported_lazily():
     r = run_python(
         [
             "-c",
-            "import sys, llama_tp; assert 'llama_tp.conversation' not in sys.modules; "
+            "import sys, llama_tp; assert 'llama_tp.engine.conversation' not in sys.modules; "
             "from llama_tp import Chat; print(Chat.__module__)",
         ]
     )
-    assert r.returncode == 0 and r.stdout.strip() == "llama_tp.conversation", r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == "llama_tp.engine.conversation", r.stderr
 
 
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_prefill(tiny):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from llama_tp.generate import stream_generate
+    from llama_tp.engine.generation import stream_generate
 
     chat = make_chat(tiny)
     first = chat.send("hello")
@@ -121,7 +121,7 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_prefill(tiny):
 
 def test_first_turn_is_tokenized_like_generate(tiny, default_gguf):
     from llama_tp import Chat, load
-    from llama_tp.tokenizer import encode_prompt
+    from llama_tp.checkpoints.tokenizer import encode_prompt
 
     for model, tokenizer in (tiny, load(default_gguf)):
         for system in (None, "Be brief."):
@@ -155,14 +155,14 @@ def test_stop_strings_end_the_reply_and_are_never_shown(tiny):
 
 
 def test_stop_string_helpers():
-    from llama_tp.conversation import _find_stop, _partial_stop
+    from llama_tp.engine.stops import find_stop, partial_stop
 
-    assert _find_stop("abc STOP def", ["STOP", "c S"]) == (2, "c S")
-    assert _find_stop("abc", ["x"]) == (3, None)
-    assert _partial_stop("hello ST", ["STOP"]) == 2
-    assert _partial_stop("hello S", ["STOP", "S!"]) == 1
-    assert _partial_stop("hello", ["STOP"]) == 0
-    assert _partial_stop("STO", ["STOP"]) == 3
+    assert find_stop("abc STOP def", ["STOP", "c S"]) == (2, "c S")
+    assert find_stop("abc", ["x"]) == (3, None)
+    assert partial_stop("hello ST", ["STOP"]) == 2
+    assert partial_stop("hello S", ["STOP", "S!"]) == 1
+    assert partial_stop("hello", ["STOP"]) == 0
+    assert partial_stop("STO", ["STOP"]) == 3
 
 
 def test_should_stop_and_closing_the_stream_keep_the_reply_so_far(tiny):

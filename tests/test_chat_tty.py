@@ -25,10 +25,12 @@ PROMPT = "\n>> "  # after a reply or a message (the line editor redraws with "\r
 class Pty:
     """A command on a fresh pseudo-terminal that is its controlling terminal."""
 
-    def __init__(self, cmd: list[str]):
+    def __init__(self, cmd: list[str], size: tuple[int, int] | None = (24, 100)):
         self.master, self.slave = os.openpty()
         # A size, as a real terminal has: mlx.launch then passes COLUMNS on to the ranks.
-        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        # Without one (some serial consoles, editors' shells), it passes none.
+        if size:
+            fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", *size, 0, 0))
         self.mode_before = termios.tcgetattr(self.slave)
         self.proc = subprocess.Popen(
             cmd,
@@ -38,6 +40,9 @@ class Pty:
             stderr=self.slave,
             start_new_session=True,
             preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+            # os.environ, explicitly: GNU readline, once loaded (pytest loads it), sets
+            # COLUMNS and LINES in the C environment that env=None would pass on.
+            env={k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
         )
         self.out = b""
 
@@ -158,6 +163,41 @@ def test_interactive_chat_two_ranks_through_a_terminal(tiny_dir, turns, monkeypa
     assert code == 0, out
     assert WARN not in out and "Traceback" not in out and "error" not in out, out
     assert out.count(r1) == 2 and out.count(r2) == 1  # each reply printed once
+    assert mode_after == t.mode_before  # rank 0 gave the terminal back as it found it
+
+
+def test_two_ranks_at_a_terminal_without_a_window_size(tiny_dir, turns, monkeypatch):
+    """Line mode at the terminal: the terminal edits and echoes lines; Ctrl-C stops a
+    reply and keeps the chat, Ctrl-D on an empty line ends every rank with exit 0."""
+    monkeypatch.delenv("LLAMA_TP_TERMINAL", raising=False)
+    first, r1, _, _, hello = turns
+    cmd = [str(BIN / "mlx.launch"), "-n", "2", "--starting-port", str(next(_PORTS)), "--"]
+    cmd += [sys.executable, "-m", "llama_tp.chat", "--model", str(tiny_dir)]
+    t = Pty(cmd + ["--max-tokens", str(LONG), "--max-context", "100000"], size=None)
+    try:
+        at = t.expect(">> ", timeout=120)
+        t.send(first + "\r")
+        at = t.expect(f"{r1}\n>> ", at)
+        t.send("/reset\r")
+        at = t.expect("[conversation reset]\n>> ", at)
+        t.send("hello\r")
+        started = t.expect("hello\n", at)
+        t.expect(hello[:20], started)
+        t.send("\x03")  # a byte to rank 0, not a SIGINT to the launcher and every rank
+        at = t.expect("\n[interrupted]\n>> ", started)
+        t.send("abc\x03")  # at the prompt: drops the line
+        at = t.expect("\n>> ", at)
+        t.send("/reset\r" + first + "\r")  # the ranks are still in step: the same reply
+        at = t.expect(f"{r1}\n>> ", at)
+        t.send("\x04")  # Ctrl-D on an empty line: every rank ends
+        code = t.wait(60)
+        mode_after = termios.tcgetattr(t.slave)
+    finally:
+        t.close()
+    out = t.text()
+    assert code == 0, out
+    assert WARN not in out and "Traceback" not in out and "error" not in out, out
+    assert "abc" + first not in out.replace("^C", "")  # the dropped line was not sent
     assert mode_after == t.mode_before  # rank 0 gave the terminal back as it found it
 
 
@@ -296,7 +336,7 @@ def test_chat_through_pipes_single_process(tiny_dir, turns, monkeypatch, ending)
 
 
 def test_key_decoder():
-    from llama_tp.terminal import KeyDecoder
+    from llama_tp.console.terminal import KeyDecoder
 
     d = KeyDecoder()
     keys = d.feed(b"ab\x1b[A\x1b[3~\r\n\x7f\x03\x04\x1bOH")
@@ -310,7 +350,7 @@ def test_key_decoder():
 
 
 def test_line_editor():
-    from llama_tp.terminal import EOF, LineEditor
+    from llama_tp.console.terminal import EOF, LineEditor
 
     out = []
     ed = LineEditor(out.append)
@@ -335,8 +375,8 @@ def test_line_editor():
 
 
 def test_console_ctrl_c_stops_the_reply_to_the_line_it_follows(monkeypatch):
-    from llama_tp.distributed import world
-    from llama_tp.terminal import Console
+    from llama_tp.cluster.distributed import world
+    from llama_tp.console.terminal import Console
 
     monkeypatch.setenv("LLAMA_TP_TERMINAL", "lines")
     c = Console(world())  # not entered: no stdin thread, the input is fed by hand

@@ -9,10 +9,10 @@ import mlx.core as mx
 import pytest
 from conftest import run_python
 
-from llama_tp.convert import convert_gguf, hf_name
-from llama_tp.generate import generate_step
-from llama_tp.loader import load
-from llama_tp.tokenizer import encode_prompt
+from llama_tp.checkpoints.convert import convert_gguf, hf_name
+from llama_tp.checkpoints.tokenizer import encode_prompt
+from llama_tp.engine.generation import generate_step
+from llama_tp.engine.loader import load
 
 PROMPT = "What is the capital of France?"
 N_TOKENS = 32  # exactly this many greedy steps in every implementation, EOS or not

@@ -127,7 +127,7 @@ class _Group:
 
 
 def test_backend_from_launch_environment(monkeypatch):
-    from llama_tp.doctor import backend_name
+    from llama_tp.cluster.diagnostics import backend_name
 
     for var in ("NCCL_HOST_IP", "MLX_WORLD_SIZE", "MLX_HOSTFILE", "MLX_RANK", "MLX_IBV_DEVICES"):
         monkeypatch.delenv(var, raising=False)
@@ -153,7 +153,7 @@ def test_backend_from_launch_environment(monkeypatch):
 
 
 def test_version_differences_name_ranks_and_values():
-    from llama_tp.doctor import version_differences
+    from llama_tp.cluster.diagnostics import version_differences
 
     same = {"python": "3.11.7", "mlx": "0.32.4", "mlx-lm": "0.32.2", "llama_tp": "0.1.0"}
     infos = [{"rank": 0, **same}, {"rank": 1, **same, "mlx": "0.31.0"}]

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from tokenizers import pre_tokenizers
 
-from llama_tp.gguf_tokenizer import tokenizer_from_gguf
+from llama_tp.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

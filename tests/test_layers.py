@@ -12,14 +12,14 @@ import mlx.core as mx
 import pytest
 from mlx import nn
 
-from llama_tp.layers import (
+from llama_tp.parallel.layers import (
     QuantizedRangeAllToShardedLinear,
     QuantizedRangeShardedToAllLinear,
     RangeAllToShardedLinear,
     RangeShardedToAllLinear,
     shard_linear_range,
 )
-from llama_tp.plan import make_plan
+from llama_tp.parallel.partition import make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 QUANT = [(gs, bits) for gs in (32, 64) for bits in (4, 8)]

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from llama_tp.checkpoints import open_checkpoint
-from llama_tp.loader import build_model
+from llama_tp.checkpoints.build import build_model
 
 CONFIGS = {
     "gqa": dict(n_heads=8, n_kv_heads=2),
@@ -83,7 +83,7 @@ def test_stream_generate_logprobs(tmp_path):
     """The Python API's log-probabilities are those of the model's own logits."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from llama_tp.generate import stream_generate
+    from llama_tp.engine.generation import stream_generate
 
     path = write_hf_model(tmp_path)
     model = build_model(open_checkpoint(path))

@@ -21,7 +21,7 @@ from conftest import ROOT, run_python
 from fixtures import write_hf_model
 from mp_ranks import Ranks
 
-from llama_tp.agreement import disagreement
+from llama_tp.engine.agreement import disagreement
 
 PEER_LOST = "lost the connection to a peer rank (it crashed or was stopped)"
 NO_PROGRESS = (
@@ -274,7 +274,7 @@ def test_watchdog_fires_with_one_line_after_the_rest():
 
 def test_ring_sockets_found_and_hang_up_seen(tmp_path, monkeypatch):
     """The watchdog finds the connection to the hostfile's address and sees the peer close it."""
-    from llama_tp.watchdog import _hung_up, ring_sockets
+    from llama_tp.cluster.watchdog import _hung_up, ring_sockets
 
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]

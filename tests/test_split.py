@@ -18,8 +18,8 @@ from conftest import launch, run_python
 from fixtures import write_hf_model
 
 from llama_tp.checkpoints import open_checkpoint
-from llama_tp.convert import convert
-from llama_tp.loader import build_model
+from llama_tp.checkpoints.build import build_model
+from llama_tp.checkpoints.convert import convert
 
 # head_dim 32 and hidden 96 = 3 groups of 32: quantized splits stay on group bounds
 # for 2 and 3 ranks (3 ranks: query heads 3/3/2, KV heads replicated; 2 ranks: the

@@ -102,7 +102,7 @@ def test_verbose_shows_embedding_share(default_gguf):
 
 
 def test_perplexity_windows_score_every_token_once():
-    from llama_tp.perplexity import windows
+    from llama_tp.engine.perplexity import windows
 
     for n, ctx, stride in [
         (75, 40, 39),

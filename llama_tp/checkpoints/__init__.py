@@ -8,30 +8,13 @@ Weights stay lazy: nothing is read until the model evaluates them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
-from ..model import ModelArgs
+from .base import Checkpoint, CheckpointError
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read: the message names the file and the problem."""
-
-
-@dataclass
-class Checkpoint:
-    path: Path
-    format: str  # "hf", "gguf" or "split" (one rank's folder of a pre-split checkpoint)
-    args: ModelArgs
-    weights: dict[str, mx.array]  # lazy, by the model's parameter names
-    metadata: dict[str, Any] = field(default_factory=dict)  # GGUF metadata, config.json
-    files: list[Path] = field(default_factory=list)  # the weight files
-    # model name -> (file, stored name) where tensors can be read in slices (safetensors)
-    sources: dict[str, tuple[Any, str]] = field(default_factory=dict)
-    load_stats: dict[str, Any] = field(default_factory=dict)  # filled in by the loader
+__all__ = ["Checkpoint", "CheckpointError", "open_checkpoint", "quantization_of"]
 
 
 def open_checkpoint(path: str | Path, rank: int = 0, size: int = 1) -> Checkpoint:
@@ -84,8 +67,8 @@ def quantization_of(weights: dict[str, mx.array], path: str, in_dims: int) -> di
 
     MLX's affine quantization packs `in_dims` values into `in_dims * bits / 32`
     uint32 columns with one scale and bias per `group_size` values, so both
-    numbers follow from the stored shapes (this also covers GGUF Q4_0/Q4_1/Q8_0,
-    which MLX returns in the same form with group size 32).
+    numbers follow from the stored shapes (this also covers GGUF tensors, which
+    `gguf_reader.py` presents in the same form with group size 32).
     """
     scales = weights.get(f"{path}.scales")
     if scales is None:

@@ -1,16 +1,19 @@
-"""A bounds-checked reader of a GGUF file's header (tensor names, types, offsets).
+"""A bounds-checked reader of a GGUF file's header: metadata, tensor names, types, offsets.
 
-MLX reads GGUF files itself (`mx.load(path, return_metadata=True)`), but a
-damaged header can crash it outright (a huge tensor count segfaults), and it
-does not say which quantization type each tensor had. Walking the header
-first in Python turns both into clear errors and warnings.
+Pure Python and numpy: a damaged header (a huge tensor count, a truncated file, a
+row that is not whole blocks) becomes a clear error instead of a crash, and each
+tensor's bytes can then be read in slices (`gguf_reader.py`). Metadata values come
+back as Python scalars and strings, lists of strings, and numpy arrays.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 GGUF_MAGIC = b"GGUF"
 
@@ -36,11 +39,20 @@ GGML_TYPES = {
     27: ("I64", 1, 8),
     28: ("F64", 1, 8),
     30: ("BF16", 1, 2),
+    # Known to llama.cpp, not loaded here (named in the refusal)
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    29: ("IQ1_M", 256, 56),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
 }
-# Types MLX keeps as they are (floats) or maps onto its affine quantization.
-NATIVE_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
-# Types MLX's reader converts to float16 (as of mlx 0.32); it fails on the others.
-CONVERTED_TYPES = {"Q2_K", "Q4_K", "Q6_K"}
 
 # Metadata value type id -> struct format of a scalar (8: string, 9: array).
 _SCALARS = {
@@ -56,15 +68,17 @@ _SCALARS = {
     11: "q",
     12: "d",
 }
+_NUMPY = {k: np.dtype("<" + v) for k, v in _SCALARS.items()}
 _LIMIT = 1 << 24  # more tensors or metadata entries than this is a damaged header
 
 
 @dataclass
 class TensorInfo:
-    type_name: str
+    type_name: str  # "Q4_K", ...; "type N" for an id this reader does not know
     shape: tuple[int, ...]  # as ggml lists them: fastest-varying dimension first
     offset: int  # from the start of the file
     nbytes: int | None  # None for a type this reader does not know
+    block: tuple[int, int] = (0, 0)  # (values, bytes) per block of the type
 
 
 @dataclass
@@ -72,6 +86,7 @@ class GGUFHeader:
     version: int
     architecture: str | None
     tensors: dict[str, TensorInfo]
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class _Reader:
@@ -103,12 +118,15 @@ class _Reader:
             etype, count = self.take("I"), self.take("Q")
             if count > len(self.data):
                 raise ValueError(f"array of {count} entries is larger than the file")
-            if etype in _SCALARS:  # skip scalar arrays without decoding them
-                self.pos += count * struct.calcsize("<" + _SCALARS[etype])
-                return None
-            for _ in range(count):
-                self.value(etype)
-            return None
+            if etype in _SCALARS:
+                dtype = _NUMPY[etype]
+                end = self.pos + count * dtype.itemsize
+                if end > len(self.data):
+                    raise ValueError("header extends past the end of the file (truncated?)")
+                out = np.frombuffer(self.data, dtype, count, self.pos).copy()
+                self.pos = end
+                return out
+            return [self.value(etype) for _ in range(count)]
         raise ValueError(f"unknown metadata value type {vtype}")
 
 
@@ -134,14 +152,12 @@ def read_header(path: Path) -> GGUFHeader:
     n_tensors, n_kv = r.take("Q"), r.take("Q")
     if n_tensors > _LIMIT or n_kv > _LIMIT:
         raise ValueError(f"damaged header: {n_tensors} tensors, {n_kv} metadata entries")
-    alignment, arch = 32, None
+    metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key, vtype = r.string(), r.take("I")
-        value = r.value(vtype)
-        if key == "general.alignment":
-            alignment = int(value)
-        elif key == "general.architecture":
-            arch = value
+        metadata[key] = r.value(vtype)
+    alignment = int(metadata.get("general.alignment", 32))
+    arch = metadata.get("general.architecture")
     infos = []
     for _ in range(n_tensors):
         name, ndim = r.string(), r.take("I")
@@ -156,6 +172,11 @@ def read_header(path: Path) -> GGUFHeader:
         count = 1
         for d in shape:
             count *= d
+        if block and shape and shape[0] % block:
+            raise ValueError(
+                f"tensor {name!r}: rows of {shape[0]} values are not whole {tname} blocks "
+                f"of {block} (size does not match its type)"
+            )
         nbytes = count // block * block_bytes if block else None
         start = data_start + offset
         if nbytes is not None and start + nbytes > size:
@@ -163,5 +184,5 @@ def read_header(path: Path) -> GGUFHeader:
                 f"tensor {name!r} ends at byte {start + nbytes} but the file has {size} "
                 "bytes (truncated?)"
             )
-        tensors[name] = TensorInfo(tname, shape, start, nbytes)
-    return GGUFHeader(version, arch, tensors)
+        tensors[name] = TensorInfo(tname, shape, start, nbytes, (block, block_bytes))
+    return GGUFHeader(version, arch, tensors, metadata)

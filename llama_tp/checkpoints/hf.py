@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..model import ModelArgs
-from . import Checkpoint, CheckpointError
+from .base import Checkpoint, CheckpointError
 from .safetensors import SafetensorsFile
 
 # Architectures that are the Llama block under another name.

@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..model import ModelArgs
-from . import Checkpoint, CheckpointError
+from .base import Checkpoint, CheckpointError
 from .pth import Tensor, as_mx
 from .pth import load as load_pth
 

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from . import CheckpointError
+from .base import CheckpointError
 
 # torch storage class -> numpy dtype of its elements (bfloat16 as its bits, uint16).
 STORAGE_DTYPES = {

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import CheckpointError
+from .base import CheckpointError
 
 # safetensors dtype -> (MLX dtype the bytes are read as, dtype of the result)
 _DTYPES = {

@@ -21,8 +21,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..model import ModelArgs
-from ..plan import Plan, tensor_slice
-from . import Checkpoint, CheckpointError
+from ..parallel.partition import Plan, tensor_slice
+from .base import Checkpoint, CheckpointError
 from .safetensors import SafetensorsFile
 
 MANIFEST = "manifest.json"

@@ -18,7 +18,14 @@ overrides the choice):
   SIGHUP included.
 - "lines": anything else (a pipe, a file, a remote pty). Lines are read as
   they come; the end of the input or a line holding only ^D quits; a ^C byte
-  during a reply stops it.
+  during a reply stops it (at the prompt it drops the line typed so far).
+  When rank 0 is launched at a terminal that reports no window size (so
+  mlx.launch passes no COLUMNS and the line editor, which needs the width, is
+  off) and the launcher reads that terminal, the terminal keeps editing lines
+  itself, but rank 0 turns its signals off and makes Ctrl-D and Ctrl-C end a
+  line at once (VEOL, VEOL2): they then reach rank 0 as the bytes ^D and ^C
+  instead of an end of file that mlx.launch swallows and a SIGINT that kills
+  the launcher and every rank. Restored on every way out, as in "raw".
 """
 
 from __future__ import annotations
@@ -33,16 +40,21 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from .distributed import broadcast_object, world
+from ..cluster.distributed import broadcast_object, world
+from ..cluster.tty import launcher_on_terminal
 from .line_editor import EOF, KeyDecoder, LineEditor
 
 MODES = ("readline", "raw", "lines")
 
 
 class RawTerminal:
-    """The terminal at `fd` without signals, line buffering or echo, until `restore()`."""
+    """The terminal at `fd` without signals, line buffering or echo, until `restore()`.
 
-    def __init__(self, fd: int):
+    `lines=True`: the terminal still edits and echoes lines, but without signals, and
+    Ctrl-D and Ctrl-C end a line (arriving as the bytes ^D, ^C) rather than being an
+    end of file and a SIGINT."""
+
+    def __init__(self, fd: int, lines: bool = False):
         import termios
 
         self.fd = fd
@@ -50,9 +62,19 @@ class RawTerminal:
         self._lock = threading.RLock()  # a signal handler may restore from within restore
         self._restored = False
         mode = termios.tcgetattr(fd)
-        mode[0] &= ~termios.IXON  # Ctrl-S / Ctrl-Q are keys, not flow control
-        mode[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG | termios.IEXTEN)
-        mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
+        if lines:
+            try:
+                disabled = os.fpathconf(fd, "PC_VDISABLE")
+            except (OSError, ValueError):
+                disabled = 0
+            mode[3] &= ~termios.ISIG
+            mode[6][termios.VEOF] = bytes([disabled if disabled >= 0 else 0])
+            mode[6][termios.VEOL] = b"\x04"
+            mode[6][termios.VEOL2] = b"\x03"
+        else:
+            mode[0] &= ~termios.IXON  # Ctrl-S / Ctrl-Q are keys, not flow control
+            mode[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG | termios.IEXTEN)
+            mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
         termios.tcsetattr(fd, termios.TCSANOW, mode)
 
     def restore(self) -> None:
@@ -106,11 +128,8 @@ def _on_fatal_signals(action: Callable[[], None]) -> Callable[[], None]:
 
 
 def _controlling_terminal() -> int | None:
-    """A descriptor of this process's terminal when it looks like the user is typing
-    into it for us: it exists, our process group is its foreground job, and
-    mlx.launch found its own output on a terminal (it then passes COLUMNS on)."""
-    if "COLUMNS" not in os.environ:
-        return None
+    """A descriptor of this process's terminal when our process group is its
+    foreground job (the user may be typing into it for us)."""
     try:
         fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
     except OSError:
@@ -125,14 +144,27 @@ def _controlling_terminal() -> int | None:
 
 
 def input_mode(group: mx.distributed.Group) -> tuple[str, int | None]:
-    """How rank 0 reads ("readline", "raw" or "lines") and, for "raw", the terminal."""
+    """How rank 0 reads ("readline", "raw" or "lines") and, for "raw" and "lines" at
+    a terminal (see the module's docstring), the terminal."""
     forced = os.environ.get("LLAMA_TP_TERMINAL", "")
     launched = group.size() > 1 or "MLX_RANK" in os.environ
     stdin_tty = os.isatty(0)
     if forced == "readline" or (not forced and not launched and stdin_tty):
         return "readline", None
     if forced in ("", "raw") and not stdin_tty:
-        fd = _controlling_terminal() if not forced else _open_tty()
+        # mlx.launch passes COLUMNS on when its output is a terminal of known width.
+        fd = None
+        if forced:
+            fd = _open_tty()
+        elif "COLUMNS" in os.environ:
+            fd = _controlling_terminal()
+        elif launched:
+            fd = _controlling_terminal()
+            if fd is not None and launcher_on_terminal(0) is False:
+                os.close(fd)
+                fd = None
+            if fd is not None:
+                return "lines", fd
         if fd is not None:
             return "raw", fd
     return "lines", None
@@ -159,7 +191,9 @@ class Console:
         self.group = group or world()
         self.rank0 = self.group.rank() == 0
         self.mode, self._tty = input_mode(self.group) if self.rank0 else ("none", None)
-        self.interactive = self.mode in ("readline", "raw") or (self.rank0 and os.isatty(0))
+        self.interactive = (
+            self.mode in ("readline", "raw") or self._tty is not None or self.rank0 and os.isatty(0)
+        )
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._replying = False
@@ -177,6 +211,7 @@ class Console:
         self._editor = LineEditor(self.write)
         self._keys = KeyDecoder()
         self._pending = b""
+        self._prompt = ""
 
     def __enter__(self) -> Console:
         if not self.rank0:
@@ -192,6 +227,9 @@ class Console:
             self._undo_signals = _on_fatal_signals(self._terminal.restore)
             self._thread(self._read, self._on_keys)
         else:
+            if self._tty is not None:  # lines at a terminal: Ctrl-D/Ctrl-C as bytes
+                self._terminal = RawTerminal(self._tty, lines=True)
+                self._undo_signals = _on_fatal_signals(self._terminal.restore)
             self._thread(self._read, self._on_lines)
         return self
 
@@ -291,6 +329,7 @@ class Console:
                 if result is not None:
                     return result
         if self.interactive:
+            self._prompt = prompt
             self.write(prompt)
         line = self._queue.get()
         return None if line is EOF else line
@@ -335,24 +374,27 @@ class Console:
         if self._ended:
             return
         for i, part in enumerate(data.split(b"\x03")):
-            if i:  # a ^C byte came before this part
+            if i:  # a ^C byte came before this part: it drops the line typed so far
+                self._pending = b""
                 with self._lock:
-                    self._ctrl_c()
+                    at_prompt = not self._ctrl_c()
+                if at_prompt and self._terminal is not None:
+                    self.write("\n" + self._prompt)  # the terminal echoed ^C
             *lines, self._pending = (self._pending + part).split(b"\n")
             for raw in lines:
-                line = raw.decode("utf-8", "replace").removesuffix("\r")
-                if line == "\x04":
+                if raw and not raw.strip(b"\x04"):  # ^D on an empty line
                     self._end()
                     return
+                line = raw.decode("utf-8", "replace").removesuffix("\r").replace("\x04", "")
                 with self._lock:
                     self._queued += 1
                     self._queue.put(line)
-            if self._pending == b"\x04":
+            if self._pending.endswith(b"\x04") and not self._pending.strip(b"\x04"):
                 self._end()
                 return
         if not data:  # the end of the input, after its last line
             if self._pending:
                 with self._lock:
                     self._queued += 1
-                    self._queue.put(self._pending.decode("utf-8", "replace"))
+                    self._queue.put(self._pending.decode("utf-8", "replace").replace("\x04", ""))
             self._end()

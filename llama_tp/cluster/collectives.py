@@ -65,20 +65,21 @@ def _summary(calls: list[tuple[str, int]]) -> dict[str, dict[str, int]]:
     return out
 
 
-def count_collectives(model: Any, sampler: Callable) -> dict[str, Any]:
+def count_collectives(model: Any, decode: Callable[[list[Any]], Any]) -> dict[str, Any]:
     """The collectives of one decode step of llama_tp's `model`: total, per layer, elsewhere.
 
-    Builds the graphs (never evaluates them) on a fresh cache: the whole step
-    with sampling, then the embedding and every layer on their own.
+    `decode(cache)` builds one steady-state decode step's graph (with sampling) on
+    `cache`. Builds the graphs (never evaluates them) on fresh caches: the whole
+    step, then every layer on its own; what the step makes outside the layers is
+    the embedding's and the sampler's share.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
     y = mx.array([[1]], dtype=mx.int32)
     with collectives() as step:
-        sampler(model(y, cache=make_prompt_cache(model))[:, -1, :])
+        decode(make_prompt_cache(model))
     cache = make_prompt_cache(model)
-    with collectives() as emb:
-        h = model.tok_embeddings(y)  # (1, 1, dim)
+    h = model.tok_embeddings(y)  # (1, 1, dim)
     per_layer = []
     for layer, c in zip(model.layers, cache, strict=True):
         with collectives() as calls:
@@ -89,7 +90,7 @@ def count_collectives(model: Any, sampler: Callable) -> dict[str, Any]:
         "all_reduces_per_token": reduces,
         "all_reduces_per_layer": sum(per_layer) / len(per_layer),
         "all_reduces_in_layers": per_layer,
-        "all_reduces_in_embedding": sum(op in REDUCES for op, _ in emb),
+        "all_reduces_outside_layers": reduces - sum(per_layer),
         "other_collectives_per_token": len(step) - reduces,
         "collective_bytes_per_token": sum(b for _, b in step),
         "by_op": _summary(step),
@@ -129,3 +130,19 @@ def decode_share(step_seconds: Callable[[], float]) -> dict[str, Any]:
         "decode_step_ms_no_collectives": 1e3 * t_id,
         "collective_share": max(0.0, 1 - t_id / t_real),
     }
+
+
+def count_prefill_collectives(model: Any, length: int) -> dict[str, Any]:
+    """The collectives of one prefill of `length` tokens, whole and in the first layer:
+    op -> calls and bytes. Builds the graphs, never evaluates them. With sequence
+    parallelism a layer shows its all-gathers next to the (reduce-scatter) all_sums."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = mx.zeros((1, length), dtype=mx.int32)
+    with collectives() as whole:
+        model(tokens, cache=make_prompt_cache(model))
+    cache = make_prompt_cache(model)
+    h = model.tok_embeddings(tokens)
+    with collectives() as layer:
+        model.layers[0](h, "causal" if h.shape[1] > 1 else None, cache[0])
+    return {"tokens": length, "by_op": _summary(whole), "per_layer": _summary(layer)}

@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
@@ -31,8 +32,16 @@ CANDIDATES = 64  # per rank, for top-p / min-p; more than enough for peaked dist
 class VocabShard:
     """Where this rank's logits sit in the vocabulary: columns [start, stop) of `size`."""
 
-    def __init__(self, start: int, stop: int, size: int, group: mx.distributed.Group):
+    def __init__(
+        self,
+        start: int,
+        stop: int,
+        size: int,
+        group: mx.distributed.Group,
+        embedding: nn.Module | None = None,
+    ):
         self.start, self.stop, self.size, self.group = start, stop, size, group
+        self.embedding = embedding  # the VocabParallelEmbedding of these rows, if any
 
     def gather_rows(self, x: mx.array) -> mx.array:
         """(B, k) from every rank -> (B, N * k), rank-major."""
@@ -66,13 +75,37 @@ class VocabShard:
         best = mx.argmax(g[:, 0, :], axis=0)  # first maximum: the lowest index, as argmax
         return mx.take_along_axis(g[:, 1, :], best[None], axis=0)[0].astype(mx.int32)
 
+    def argmax_rows(self, scores: mx.array, embedding) -> tuple[mx.array, mx.array]:
+        """Global argmax of (B, V_local) scores and the winner's embedding row, in one
+        exchange: each rank sends (value, index, its candidate's row). -> (B,), (B, dim).
+
+        The row is what the vocabulary-parallel embedding would otherwise complete
+        with an all-reduce at the next step; here it rides along with the candidate.
+        """
+        B = scores.shape[0]
+        local = mx.argmax(scores, axis=-1)  # (B,)
+        value = mx.take_along_axis(scores, local[:, None], axis=-1)  # (B, 1)
+        rows = embedding.local_rows(local)  # (B, dim), exact in float32
+        packed = mx.concatenate(
+            [
+                value.astype(mx.float32),
+                (local + self.start)[:, None].astype(mx.float32),
+                rows.astype(mx.float32),
+            ],
+            axis=1,
+        )  # (B, 2 + dim)
+        g = mx.distributed.all_gather(packed, group=self.group).reshape(-1, B, packed.shape[1])
+        best = mx.argmax(g[:, :, 0], axis=0)  # (B,): first maximum, the lowest index
+        win = mx.take_along_axis(g, best[None, :, None], axis=0)[0]  # (B, 2 + dim)
+        return win[:, 1].astype(mx.int32), win[:, 2:].astype(rows.dtype)
+
     def local_gumbel(self, key: mx.array, rows: int) -> mx.array:
         """This rank's columns of Gumbel noise drawn for the whole vocabulary."""
         return mx.random.gumbel(shape=(rows, self.size), key=key)[:, self.start : self.stop]
 
 
 def _ranges(size: int, n: int) -> list[range]:
-    from .plan import vocab_ranges
+    from ..parallel.partition import vocab_ranges
 
     return vocab_ranges(size, n)
 
@@ -98,8 +131,6 @@ def make_sampler(
     if shard is None:
         mlx_sampler = mlx_lm_make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         return lambda logits: mlx_sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    if temp == 0:
-        return shard.argmax
     key = [mx.random.key(seed)]
 
     def next_key() -> mx.array:
@@ -107,11 +138,33 @@ def make_sampler(
         return sub
 
     if top_p >= 1.0 and min_p == 0.0 and top_k == 0:
-        return lambda logits: shard.argmax(
-            logits / temp + shard.local_gumbel(next_key(), logits.shape[0])
+        if temp == 0:
+            return FoldedSampler(shard, lambda logits: logits)
+        return FoldedSampler(
+            shard, lambda logits: logits / temp + shard.local_gumbel(next_key(), logits.shape[0])
         )
     filters = dict(top_p=top_p, min_p=min_p, top_k=top_k)
     return lambda logits: _filtered_sample(logits, shard, temp, next_key(), **filters)
+
+
+class FoldedSampler:
+    """Greedy or Gumbel-max on vocabulary shards: an argmax of `scores(logits)`.
+
+    Called as a sampler it returns tokens (B,). `sample_with_rows` also returns the
+    tokens' embedding rows (B, dim) from the same exchange, so that the next decode
+    step skips the embedding's all-reduce (when the shard knows its embedding).
+    """
+
+    def __init__(self, shard: VocabShard, scores: Callable[[mx.array], mx.array]):
+        self.shard, self.scores = shard, scores
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        return self.shard.argmax(self.scores(logits))
+
+    def sample_with_rows(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        if self.shard.embedding is None:
+            return self(logits), None
+        return self.shard.argmax_rows(self.scores(logits), self.shard.embedding)
 
 
 def _filtered_sample(logits, shard, temp, key, top_p, min_p, top_k) -> mx.array:
@@ -200,9 +253,11 @@ def token_logprobs(
 
 def vocab_shard(model) -> VocabShard | None:
     """The vocabulary range of `model`'s logits on this rank; None when they are whole."""
-    from .vocab_parallel import VocabParallelEmbedding
+    from ..parallel.vocab import VocabParallelEmbedding
 
+    if hasattr(model, "vocab_shard"):  # a pipeline stage (engine/pipeline.py) knows its own
+        return model.vocab_shard()
     emb = model.tok_embeddings
     if not isinstance(emb, VocabParallelEmbedding):
         return None
-    return VocabShard(emb.start, emb.stop, emb.vocab_size, emb.group)
+    return VocabShard(emb.start, emb.stop, emb.vocab_size, emb.group, emb)

@@ -149,7 +149,7 @@ def synthetic_dir(spec: str, seed: int = 0) -> Path:
 
 
 def main() -> int:
-    from .cli import ArgumentParser
+    from ..console.cli import ArgumentParser
 
     p = ArgumentParser(prog="python -m llama_tp.synthetic", description=__doc__.splitlines()[0])
     p.add_argument("spec", help=f"SIZE-DTYPE, SIZE in {', '.join(SIZES)}; e.g. 0.5b-fp16")
@@ -162,6 +162,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from .cli import run
+    from ..console.cli import run
 
     run(main)

@@ -21,26 +21,17 @@ generated tokens every `CHECK_EVERY` tokens (used by `generate.stream_generate`)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .distributed import all_gather_object, world
+from ..checkpoints.fingerprint import digest, tokenizer_fingerprint, weights_fingerprint
+from ..cluster.distributed import all_gather_object, world
 
 CHECK_EVERY = 16  # tokens between the ranks' comparisons of what they generated
-SAMPLE = 1 << 16  # bytes read per sample
-SAMPLES = 8  # samples per weight file besides its header
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
 
 # What is compared, in the order mismatches are reported, with the words for it.
 FACTS = {
@@ -57,84 +48,23 @@ class AgreementError(RuntimeError):
     """The ranks do not run the same model, tokenizer or versions."""
 
 
-def _hash(parts: list[bytes]) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
-    return h.hexdigest()[:12]
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The files holding a checkpoint's weights: the GGUF file or the directory's safetensors."""
-    path = Path(path)
-    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-
-
-def file_fingerprint(path: Path) -> list[bytes]:
-    """Size, the first 64 KiB and 64 KiB at SAMPLES evenly spaced offsets of one file."""
-    size = path.stat().st_size
-    parts = [path.name.encode(), str(size).encode()]
-    with open(path, "rb") as f:
-        for i in range(SAMPLES + 1):
-            f.seek(i * size // (SAMPLES + 1))
-            parts.append(f.read(SAMPLE))
-    return parts
-
-
-def weights_fingerprint(ckpt: Any) -> str:
-    """A short hash identifying the checkpoint's weights (see the module docstring)."""
-    given = (ckpt.metadata.get("llama_tp") or {}).get("fingerprint")
-    if ckpt.format == "split":  # one rank's folder: its files differ from the others' by design
-        given = given or ckpt.metadata.get("fingerprint") or "(pre-split, no fingerprint)"
-    if given:
-        return str(given)
-    parts: list[bytes] = []
-    for f in getattr(ckpt, "files", None) or weight_files(ckpt.path):
-        parts += file_fingerprint(Path(f))
-    return _hash(parts)
-
-
-def _metadata_bytes(value: Any) -> bytes:
-    if isinstance(value, mx.array):
-        return str(value.dtype).encode() + bytes(memoryview(value))
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return "\0".join(value).encode("utf-8", "surrogatepass")
-    return repr(value).encode()
-
-
-def tokenizer_fingerprint(ckpt: Any, tokenizer: Any) -> str:
-    """A short hash of the tokenizer's source: its files, or the GGUF's tokenizer metadata,
-    with the end-of-sequence ids in use and the chat template."""
-    parts: list[bytes] = []
-    if ckpt.format == "gguf":
-        for key in sorted(k for k in ckpt.metadata if k.startswith("tokenizer.")):
-            parts += [key.encode(), _metadata_bytes(ckpt.metadata[key])]
-    else:
-        for name in TOKENIZER_FILES:
-            f = Path(ckpt.path) / name
-            if f.is_file():
-                parts += [name.encode(), f.read_bytes()]
-    parts.append(repr(sorted(tokenizer.eos_token_ids)).encode())
-    parts.append((getattr(tokenizer, "chat_template", None) or "").encode())
-    return _hash(parts)
-
-
 def local_facts(
     model: nn.Module, ckpt: Any, tokenizer: Any, group: mx.distributed.Group
 ) -> dict[str, Any]:
     """What this rank runs: the values compared across ranks (all small)."""
     import mlx_lm
 
-    from . import __version__
-    from .loader import plan_for
+    from ..cluster.diagnostics import llama_tp_version
+    from ..parallel.shard import plan_for
 
     config = model.args.to_dict()
     return {
-        "versions": f"llama_tp {__version__}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}",
+        "versions": (
+            f"llama_tp {llama_tp_version()}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"
+        ),
         "world": group.size(),
         "config": config,
-        "plan": _hash([repr(plan_for(model, group.size())).encode()]),
+        "plan": digest([repr(plan_for(model, group.size())).encode()]),
         "weights": weights_fingerprint(ckpt),
         "tokenizer": tokenizer_fingerprint(ckpt, tokenizer),
         "path": str(ckpt.path),

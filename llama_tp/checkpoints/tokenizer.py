@@ -16,7 +16,7 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
-from .checkpoints import Checkpoint, CheckpointError
+from .base import Checkpoint, CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

@@ -23,8 +23,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from .distributed import world
-from .generate import stream_generate
+from ..cluster.distributed import world
+from .drafters import check_num_draft_tokens, make_drafter
+from .generation import stream_generate
+from .speculative import SpecStats
+from .stops import find_stop, partial_stop
 
 OVERFLOW_MODES = ("error", "drop_oldest")
 # Used when the tokenizer has no chat template of its own (base models).
@@ -65,6 +68,7 @@ class TurnStats:
     generation_tps: float
     dropped_messages: int  # oldest messages dropped to fit (overflow="drop_oldest")
     context_tokens: int  # tokens held in the KV cache after the turn
+    speculative: SpecStats | None = None  # with a drafter: acceptance, tokens per forward
 
 
 class Chat:
@@ -78,6 +82,9 @@ class Chat:
     (the system message stays). `seed` makes sampling reproducible (turn k
     uses `seed + k`); greedy decoding (`temp=0`, the default) needs none.
     `should_stop()`, asked after every token on every rank, interrupts a reply.
+    `draft` ("ngram", a draft model or a `Drafter`) decodes speculatively with up
+    to `num_draft_tokens` drafted tokens per step; the draft keeps its own cache
+    across turns, trimmed with the model's.
 
     Under mlx.launch every rank must make the same calls in the same order.
     """
@@ -99,6 +106,8 @@ class Chat:
         overflow: str = "error",
         should_stop: Callable[[], bool] | None = None,
         group: mx.distributed.Group | None = None,
+        draft: Any = None,
+        num_draft_tokens: int = 4,
     ):
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
@@ -110,6 +119,8 @@ class Chat:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if draft is not None:
+            check_num_draft_tokens(num_draft_tokens)
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
@@ -125,6 +136,7 @@ class Chat:
         self.min_p, self.top_k = min_p, top_k
         self.stop, self.max_context, self.overflow = stop, max_context, overflow
         self.should_stop = should_stop
+        self.drafter, self.num_draft_tokens = make_drafter(draft, model), num_draft_tokens
         self.history: list[dict[str, str]] = []
         self.last_stats: TurnStats | None = None
         self._template = None if tokenizer.has_chat_template else FALLBACK_TEMPLATE
@@ -208,6 +220,8 @@ class Chat:
             should_stop=should_stop or self.should_stop,
             eos_token_ids=self._eos,
             group=self.group,
+            draft=self.drafter,
+            num_draft_tokens=self.num_draft_tokens,
         )
         generated: list[int] = []
         shown: list[str] = []
@@ -218,11 +232,11 @@ class Chat:
                 last = r
                 generated.append(r.token)
                 pending += r.text
-                at, stop_hit = _find_stop(pending, stops)
+                at, stop_hit = find_stop(pending, stops)
                 if stop_hit is not None:
                     piece, pending, finish = pending[:at], "", "stop"
                 else:
-                    keep = _partial_stop(pending, stops)
+                    keep = partial_stop(pending, stops)
                     piece, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
                     if r.finish_reason:
                         piece, pending, finish = piece + pending, "", r.finish_reason
@@ -241,6 +255,8 @@ class Chat:
                 self.history[:] = before
                 self._cache = make_prompt_cache(self.model)
                 self._held = []
+                if self.drafter is not None:
+                    self.drafter.reset()
             else:
                 reply = "".join(shown)
                 self._end_turn(reused, new, generated, reply, finish, stop_hit, state)
@@ -255,6 +271,7 @@ class Chat:
                     last.generation_tps if last else 0.0,
                     dropped,
                     len(self._held),
+                    last.speculative if last else None,
                 )
 
     def _stops(self) -> list[str]:
@@ -279,6 +296,8 @@ class Chat:
             else:
                 self._cache, common = make_prompt_cache(self.model), 0
         self._held = self._held[:common]
+        if self.drafter is not None:
+            self.drafter.trim(common)
         return common
 
     def _end_turn(self, reused, new, generated, reply, finish, stop_hit, state) -> None:
@@ -383,27 +402,6 @@ class Chat:
             i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if t.special
         }
         return {i for i in ids if i in special}
-
-
-def _find_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
-    """Where the first stop string in `text` begins, and which one it is."""
-    best, hit = len(text), None
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and i < best:
-            best, hit = i, s
-    return best, hit
-
-
-def _partial_stop(text: str, stops: list[str]) -> int:
-    """The length of the longest end of `text` that begins some stop string."""
-    n = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), n, -1):
-            if text.endswith(s[:k]):
-                n = k
-                break
-    return n
 
 
 # -- python -m llama_tp.chat ---------------------------------------------------

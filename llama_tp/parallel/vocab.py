@@ -35,7 +35,8 @@ class VocabParallelEmbedding(nn.Module):
             self.group_size, self.bits, self.mode = table.group_size, table.bits, table.mode
             self.freeze()
 
-    def _local_rows(self, ids: mx.array) -> mx.array:
+    def local_rows(self, ids: mx.array) -> mx.array:
+        """Rows of local ids (0 <= ids < stop - start): (..., dim)."""
         if not self.quantized:
             return self.weight[ids]
         return mx.dequantize(
@@ -51,7 +52,7 @@ class VocabParallelEmbedding(nn.Module):
         """ids (B, L) -> embeddings (B, L, dim), identical on every rank."""
         local = ids - self.start
         mine = (local >= 0) & (local < self.stop - self.start)
-        rows = self._local_rows(mx.where(mine, local, 0))
+        rows = self.local_rows(mx.where(mine, local, 0))
         return mx.distributed.all_sum(rows * mine[..., None].astype(rows.dtype), group=self.group)
 
     def as_linear(self, x: mx.array) -> mx.array:

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .distributed import all_gather_object, barrier, broadcast_object
+from ..cluster.distributed import all_gather_object, barrier, broadcast_object
 
 
 def hf_dir(path: Path, group: mx.distributed.Group) -> tuple[Path, Path | None]:
@@ -29,7 +29,7 @@ def hf_dir(path: Path, group: mx.distributed.Group) -> tuple[Path, Path | None]:
     Rank 0 converts a GGUF file; a rank that cannot see rank 0's directory
     (another machine) converts its own.
     """
-    from .convert import convert_gguf
+    from ..checkpoints.convert import convert_gguf
 
     if path.is_dir():
         return path, None
@@ -64,8 +64,8 @@ def run_mlx_lm(args: Any, path: Path, group: mx.distributed.Group, prompt: list[
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import sharded_load
 
-    from .bench import run_trials, timed
-    from .collectives import count_step
+    from ..cluster.collectives import count_step
+    from .runner import run_trials, timed
 
     directory, made = hf_dir(path, group)
     try:
@@ -101,7 +101,7 @@ def run_mlx_lm(args: Any, path: Path, group: mx.distributed.Group, prompt: list[
             )
             return timed(steps, len(prompt), generation_stream)
 
-        res = run_trials(trial, args.num_trials)
+        res = run_trials(trial, args.num_trials, "mlx-lm")
         peaks = all_gather_object((load_peak, res["peak_memory_gb"]), group)
         res.update(
             supported=True,

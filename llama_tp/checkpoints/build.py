@@ -1,0 +1,92 @@
+"""A model from a checkpoint: the right (quantized) layers, the weights put in."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..model import Transformer
+from ..parallel.shard import parallelize_model
+from . import quantization_of
+from .base import Checkpoint, CheckpointError
+
+
+def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Turn every Linear/Embedding whose checkpoint tensor is quantized into
+    its quantized counterpart, with bits and group size read per tensor."""
+
+    def predicate(path: str, module: nn.Module):
+        if not hasattr(module, "to_quantized"):
+            return False
+        return quantization_of(weights, path, module.weight.shape[-1]) or False
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def build_model(ckpt: Checkpoint, whole: bool = True) -> Transformer:
+    """The model with the checkpoint's (still lazy) weights in place.
+
+    A GGUF checkpoint's weights are placeholders read only through `ckpt.sources`:
+    with `whole` they are read (whole) here; the loader passes False and reads each
+    rank's slices after sharding, and shape-only users (the plan) read nothing.
+    """
+    model = Transformer(ckpt.args)
+    model.ffn_block = ckpt.ffn_block  # the plan splits the feed-forward on file blocks
+    _quantize_like(model, ckpt.weights)
+    load_weights(model, ckpt, list(ckpt.weights.items()))
+    if whole:
+        read_all(model, ckpt)
+    return model
+
+
+def read_all(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Put every tensor of a checkpoint whose weights are placeholders (GGUF: read only
+    through `ckpt.sources`) into the unsharded model, whole, for whole-model work
+    (re-quantizing, casting)."""
+    if ckpt.format != "gguf":
+        return
+    from mlx.utils import tree_flatten
+
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    load_weights(model, ckpt, [(k, ckpt.sources[k][0].read(ckpt.sources[k][1])) for k in names])
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint, weights: list[tuple[str, mx.array]]) -> None:
+    try:
+        model.load_weights(weights, strict=True)
+    except ValueError as e:
+        # mlx lists every mismatching name; keep the first line, it names the problem.
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{ckpt.path}: weights do not match the config: {first}") from None
+
+
+def build_split(
+    ckpt: Checkpoint,
+    group: mx.distributed.Group,
+    vocab_parallel: bool,
+    sequence_parallel: bool = False,
+):
+    """One rank's folder of a pre-split checkpoint: shard an empty model the same
+    way, then put the stored slices in (their shapes must be what the plan gives)."""
+    split = ckpt.metadata
+    if split["vocab_parallel"] and not vocab_parallel and group.size() > 1:
+        raise CheckpointError(
+            f"{ckpt.path} was split with a vocabulary-parallel embedding and head; "
+            "convert with --no-vocab-parallel to keep them whole on every rank"
+        )
+    model = Transformer(ckpt.args)  # lazily initialized: replaced before evaluation
+
+    def predicate(path: str, module: nn.Module):
+        q = split.get("quantized", {}).get(path)
+        return {"bits": q[0], "group_size": q[1]} if q else False
+
+    nn.quantize(model, class_predicate=predicate)
+    if group.size() > 1:
+        parallelize_model(
+            model,
+            group,
+            vocab_parallel=split["vocab_parallel"],
+            sequence_parallel=sequence_parallel,
+        )
+    load_weights(model, ckpt, list(ckpt.weights.items()))
+    return model

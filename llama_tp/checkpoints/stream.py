@@ -1,0 +1,95 @@
+"""Write safetensors files tensor by tensor: peak memory about the largest tensor.
+
+The header (names, dtypes, shapes, offsets) is known before any tensor is read, so
+each tensor is read (and converted) from its source, written, and dropped before
+the next: a whole-model conversion never holds more than one tensor's arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+
+_NAMES = {
+    mx.float32: "F32",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.uint32: "U32",
+    mx.int32: "I32",
+    mx.uint8: "U8",
+}
+
+
+def _plan_files(sizes: list[int], max_bytes: int) -> list[int]:
+    """File index of each tensor: consecutive tensors fill a file up to `max_bytes`."""
+    out, index, used = [], 0, 0
+    for n in sizes:
+        if used and used + n > max_bytes:
+            index, used = index + 1, 0
+        out.append(index)
+        used += n
+    return out
+
+
+def write_streaming(
+    tensors: dict[str, tuple[tuple[int, ...], mx.Dtype, Callable[[], mx.array]]],
+    out: Path,
+    max_bytes: int,
+    progress: bool,
+) -> tuple[int, list[str]]:
+    """Write `tensors` (name -> (shape, dtype, read)) into `out` as mlx-lm names its files;
+    returns (bytes, file names). `read()` is called once per tensor, in name order."""
+    from tqdm import tqdm  # a dependency of transformers and huggingface_hub
+
+    names = sorted(tensors)
+    sizes = [math.prod(tensors[k][0]) * tensors[k][1].size for k in names]
+    which = _plan_files(sizes, max_bytes)
+    n_files = which[-1] + 1 if which else 1
+    files = (
+        ["model.safetensors"]
+        if n_files == 1
+        else [f"model-{i:05d}-of-{n_files:05d}.safetensors" for i in range(1, n_files + 1)]
+    )
+    total = sum(sizes)
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, desc="converting", file=sys.stderr,
+        disable=not progress,
+    )  # fmt: skip
+    weight_map: dict[str, str] = {}
+    with bar:
+        for i, file in enumerate(files):
+            mine = [(k, s) for k, s, w in zip(names, sizes, which, strict=True) if w == i]
+            header: dict = {"__metadata__": {"format": "mlx"}}
+            at = 0
+            for k, s in mine:
+                shape, dtype, _ = tensors[k]
+                header[k] = {
+                    "dtype": _NAMES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [at, at + s],
+                }
+                at += s
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)
+            with open(out / file, "wb") as f:
+                f.write(struct.pack("<Q", len(blob)) + blob)
+                for k, s in mine:
+                    shape, dtype, read = tensors[k]
+                    v = read()
+                    if tuple(v.shape) != tuple(shape) or v.dtype != dtype:
+                        raise ValueError(f"{k}: read {v.shape} {v.dtype}, expected {shape} {dtype}")
+                    mx.eval(v)
+                    f.write(memoryview(v.view(mx.uint16) if dtype == mx.bfloat16 else v))
+                    del v
+                    bar.update(s)
+                    weight_map[k] = file
+    if n_files > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    return total, files

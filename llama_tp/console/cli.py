@@ -1,0 +1,313 @@
+"""What every command-line entry point shares: rank-aware argument errors and
+turning exceptions into one line on stderr with a non-zero exit code.
+
+Exit codes: 0 success, 1 an error (rank 0 prints it), 2 a usage error (bad
+flags or input), 3 a peer rank crashed, stopped or became unreachable (every
+surviving rank prints one line naming itself: rank 0 may be the one that died),
+130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+import mlx.core as mx
+
+from ..cluster import watchdog
+from ..cluster.distributed import agree_ok, is_rank0
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_PEER = watchdog.EXIT_PEER
+DEFAULT_TIMEOUT = 60.0  # seconds, for each generation step
+DEFAULT_LOAD_TIMEOUT = 600.0  # seconds, for loading, the start-up checks, the prompt
+
+
+class UsageError(ValueError):
+    """Bad command-line input: exit code 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that prints usage errors on rank 0 only (every rank parses the same argv)."""
+
+    def error(self, message: str) -> NoReturn:
+        if is_rank0():
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """How the model is loaded: --no-vocab-parallel and --dtype (every command that loads)."""
+    p.add_argument(
+        "--no-vocab-parallel",
+        action="store_true",
+        help="keep the embedding and output head whole on every rank",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="dequantize and cast the weights at load (each rank its own slices): on a "
+        "Linux CPU float32 with OpenBLAS preloaded is the fast path; default: as stored",
+    )
+
+
+def add_quiet_arg(p: argparse.ArgumentParser) -> None:
+    """`--quiet`: no progress bars (they show on rank 0's terminal only anyway)."""
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars on stderr (shown only at a terminal, on rank 0)",
+    )
+
+
+def quiet(on: bool) -> None:
+    """Apply `--quiet` (see `llama_tp.cluster.progress`)."""
+    from ..cluster.progress import set_quiet
+
+    set_quiet(on)
+
+
+def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The model and sampling flags that generate and chat share (mlx_lm's names)."""
+    p.add_argument(
+        "--model",
+        help="GGUF file, Hugging Face/MLX directory or hub repo id "
+        "(default: the built-in SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        "-m",
+        type=int,
+        default=max_tokens,
+        help=f"new tokens at most (default {max_tokens})",
+    )
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens >= min-p * the best")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--system-prompt", default=None)
+    add_load_args(p)
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="in prefill, split the norms and residual stream along the sequence over the "
+        "ranks (activation memory outside attention and feed-forward ~1/N)",
+    )
+    # --- tp x pp mesh (parallel/mesh.py) ---
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="ranks per tensor-parallel group (default: all ranks / --pp)",
+    )
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=None,
+        help="pipeline stages, each holding a contiguous range of layers (default 1); "
+        "--tp x --pp must be the number of ranks",
+    )
+    p.add_argument(
+        "--pp-split",
+        default=None,
+        metavar="N,N,...",
+        help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
+    )
+    # --- end mesh ---
+    add_draft_args(p)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help="with several ranks: give up when a generation step makes no progress for "
+        f"this long, e.g. a stopped peer (default {DEFAULT_TIMEOUT:g}; 0: never)",
+    )
+    p.add_argument(
+        "--load-timeout",
+        type=float,
+        default=DEFAULT_LOAD_TIMEOUT,
+        metavar="SECONDS",
+        help="the same for loading, the start-up checks and processing the prompt "
+        f"(default {DEFAULT_LOAD_TIMEOUT:g}; 0: never)",
+    )
+    add_quiet_arg(p)
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding: --draft ngram|PATH, --draft-model PATH, --num-draft-tokens K."""
+    p.add_argument(
+        "--draft",
+        metavar="ngram|PATH",
+        help="speculative decoding: 'ngram' (prompt lookup) or a draft model sharing the "
+        "tokenizer (any format --model takes)",
+    )
+    p.add_argument("--draft-model", metavar="PATH", help="the same as --draft PATH")
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="tokens drafted per step, verified in one forward (default 4)",
+    )
+    p.add_argument(
+        "--draft-sharded",
+        action="store_true",
+        help="shard the draft model over the ranks like the model (default: whole on every rank)",
+    )
+
+
+def draft_source(args: argparse.Namespace) -> str | None:
+    """'ngram', a draft model's path, or None; UsageError for conflicting or bad flags."""
+    from ..engine.drafters import MAX_DRAFT_TOKENS
+
+    if args.draft and args.draft_model:
+        raise UsageError("give --draft or --draft-model, not both")
+    source = args.draft or args.draft_model
+    if source is None:
+        if args.draft_sharded:
+            raise UsageError("--draft-sharded needs --draft-model PATH")
+        return None
+    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UsageError(
+            f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.num_draft_tokens}"
+        )
+    if source == "ngram" and args.draft_sharded:
+        raise UsageError("--draft-sharded needs a draft model, not ngram")
+    if (
+        getattr(args, "top_p", 1.0) < 1
+        or getattr(args, "min_p", 0) > 0
+        or getattr(args, "top_k", 0)
+    ):
+        raise UsageError(
+            "speculative decoding samples with --temp only: drop --top-p, --min-p and --top-k"
+        )
+    return source
+
+
+def load_draft_checked(args: argparse.Namespace, model, tokenizer, group: mx.distributed.Group):
+    """The `draft` argument of stream_generate / Chat for the command's flags: None,
+    'ngram', or the draft model (loaded whole on every rank, or sharded)."""
+    from ..engine.drafters import load_draft
+
+    source = draft_source(args)
+    if source in (None, "ngram"):
+        return source
+    with watchdog.stage("loading the draft model", "load"):
+        return load_draft(source, model, tokenizer, group, sharded=args.draft_sharded)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Raise UsageError, naming the value, for sampling flags out of range; apply --quiet."""
+    quiet(args.quiet)
+    if args.max_tokens <= 0:
+        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.temp < 0:
+        raise UsageError(f"--temp must be >= 0, got {args.temp}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.min_p <= 1:
+        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if args.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    if getattr(args, "pp_split", None) and (args.pp or 1) == 1:
+        raise UsageError("--pp-split needs --pp (the number of pipeline stages)")
+    draft_source(args)
+    for flag in ("timeout", "load_timeout"):
+        value = getattr(args, flag)
+        if not value >= 0:  # NaN too
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {value}")
+
+
+def start_watchdog(args: argparse.Namespace) -> None:
+    """With several ranks: the watchdog with the command's timeouts (see llama_tp.watchdog)."""
+    watchdog.install(args.timeout, args.load_timeout)
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Is `e` MLX telling us that a collective lost its connection to another rank?"""
+    return isinstance(e, RuntimeError) and "connection to a peer was lost" in str(e)
+
+
+def run(main: Callable[[], int | None]) -> NoReturn:
+    """Run `main` and exit: its return code, or one `error: ...` line from rank 0.
+
+    Under mlx.launch (MLX_RANK set), MLX's ring backend's socket messages are
+    kept off stderr, and a lost peer ends every surviving rank with one line
+    each (exit code 3) without waiting for MLX to tear down its broken group.
+    """
+    if "MLX_RANK" in os.environ and not os.environ.get("MLX_RING_VERBOSE"):
+        watchdog.filter_ring_noise()
+    try:
+        code = main() or 0
+    except KeyboardInterrupt:
+        code = 130
+    except UsageError as e:
+        _report(e)
+        code = EXIT_USAGE
+    except Exception as e:  # the entry point's job: one line, never a traceback
+        if peer_lost(e):
+            watchdog.uninstall()
+            line = f"error: rank {watchdog.rank_label()}: {watchdog.PEER_LOST}"
+            watchdog.report_and_exit(line, EXIT_PEER)
+        _report(e)
+        code = EXIT_ERROR
+    watchdog.uninstall()
+    sys.stdout.flush()
+    watchdog.close_filter()
+    sys.exit(code)
+
+
+def _report(e: Exception) -> None:
+    try:
+        rank0 = is_rank0()
+    except Exception:  # the group itself failed to form
+        rank0 = watchdog.rank_label() == "0"
+    if rank0:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {text}", file=sys.stderr, flush=True)
+
+
+def load_checked(args, group: mx.distributed.Group):
+    """The commands' loading: (model, tokenizer) of `args.model`, after the start-up
+    agreement (llama_tp.agreement); any rank's failure makes every rank raise."""
+    from ..checkpoints.tokenizer import load_tokenizer
+    from ..engine.agreement import check_agreement
+    from ..engine.loader import default_model, load_model
+
+    path = error = None
+    try:
+        path = args.model or default_model()
+    except Exception as e:  # e.g. the built-in model is missing on one host
+        error = e
+    agree_ok(error, group)
+    from ..parallel.mesh import MeshError
+
+    mesh = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split")}
+    with watchdog.stage("loading the model", "load"):
+        try:
+            model, ckpt = load_model(
+                path,
+                group,
+                not args.no_vocab_parallel,
+                args.dtype,
+                sequence_parallel=getattr(args, "sequence_parallel", False),
+                **mesh,
+            )
+        except MeshError as e:  # the same on every rank
+            raise UsageError(str(e)) from None
+    with watchdog.stage("start-up checks", "load"):
+        tokenizer = error = None
+        try:
+            tokenizer = load_tokenizer(ckpt)
+        except Exception as e:
+            error = e
+        agree_ok(error, group)
+        check_agreement(model, ckpt, tokenizer, group)
+    return model, tokenizer, ckpt

@@ -1,0 +1,196 @@
+"""Pipeline stages: one stage's layers, tensor-parallel inside its group.
+
+Stage s of P holds the contiguous layers `mesh.layers[s]`; stage 0 also holds the
+embedding, the last stage the final norm and the head (tied or not;
+vocabulary-parallel inside its tensor group when that has more than one rank).
+A forward pass on every rank of stage s:
+
+    s == 0:  tokens (B, L) -> embedding -> own layers -> send h (B, L, dim) to s + 1
+    s > 0:   recv h (B, L, dim) from s - 1 -> own layers -> send to s + 1 (if not last)
+    last:    norm(h[:, -1:]) -> head -> logits (B, 1, V_local)
+
+and then one all-reduce of those logits over the pipeline group (the other stages
+add zeros), so every rank returns the same last-position logits (B, 1, V_local) and
+runs the unchanged samplers: every rank picks the same next token. The sends are
+evaluated inside the call (a stage's cache update would not wait for them), so the
+stages run one after the other: decoding one sequence is sequential across stages.
+There is no micro-batched prefill: the whole prompt chunk goes through stage by stage.
+
+Each rank builds only its stage (the other layers stay unread, lazy placeholders)
+and reads only its stage's slices of a safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+
+from ..checkpoints.base import Checkpoint, CheckpointError
+from ..checkpoints.build import build_model, load_weights
+from ..cluster.distributed import all_gather_object
+from ..model import ModelArgs
+from ..parallel.layers import shard_linear_range
+from ..parallel.mesh import Mesh, balanced_split, parse_split
+from ..parallel.partition import Plan, tensor_slice, vocab_ranges
+from ..parallel.shard import shard_model
+from ..parallel.vocab import VocabParallelEmbedding
+from .sampling import VocabShard
+
+FLOATS = ("float32", "float16", "bfloat16")
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+class PipelineModel(nn.Module):
+    """One stage of the pipeline; called like `Transformer`, returns (B, 1, V[_local])."""
+
+    def __init__(self, args: ModelArgs, mesh: Mesh, layers: list[nn.Module]):
+        super().__init__()
+        self.args = args
+        self.layers = layers
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "first_layer", mesh.layers[mesh.stage].start)
+        object.__setattr__(self, "vocab", range(args.vocab_size))  # this rank's logits
+        object.__setattr__(self, "in_dtype", None)  # of the hidden state received
+        object.__setattr__(self, "logits_dtype", None)
+
+    def _head(self, h: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.tok_embeddings.as_linear(h)
+        return self.output(h)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None = None,
+        input_embeddings: mx.array | None = None,
+    ) -> mx.array:
+        """tokens (B, L) int -> the last position's logits (B, 1, V_local), on every rank."""
+        mesh, (B, L) = self.mesh, tokens.shape
+        if mesh.first:
+            h = self.tok_embeddings(tokens) if input_embeddings is None else input_embeddings
+        else:
+            h = mx.distributed.recv(
+                (B, L, self.args.dim), self.in_dtype, mesh.stage - 1, group=mesh.pp_group
+            )
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, mask, c)
+        if mesh.last:
+            logits = self._head(self.norm(h[:, -1:, :]))
+        else:
+            mx.eval(mx.distributed.send(h, mesh.stage + 1, group=mesh.pp_group))
+            logits = mx.zeros((B, 1, len(self.vocab)), self.logits_dtype)
+        return mx.distributed.all_sum(logits, group=mesh.pp_group)
+
+    def vocab_shard(self) -> VocabShard | None:
+        """Where this rank's logits sit in the vocabulary (None: whole), for the samplers."""
+        if len(self.vocab) == self.args.vocab_size:
+            return None
+        emb = self.get("tok_embeddings")
+        emb = emb if isinstance(emb, VocabParallelEmbedding) else None
+        v = self.vocab
+        return VocabShard(v.start, v.stop, self.args.vocab_size, self.mesh.tp_group, emb)
+
+    def out_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
+        """The dtype this stage hands on (h, or the logits on the last) for input `dtype`.
+        Traced lazily: nothing is evaluated, no collective runs."""
+        h = mx.zeros((1, 1, self.args.dim), dtype)
+        for layer in self.layers:
+            h = layer(h)
+        return self._head(self.norm(h)).dtype if self.mesh.last else h.dtype
+
+    def agree_dtypes(self) -> None:
+        """Learn the dtypes of the received hidden state and of the logits (collective
+        on the pipeline group: one small all-gather). Call after any cast."""
+        table = {n: str(self.out_dtype(getattr(mx, n))).split(".")[-1] for n in FLOATS}
+        start = None
+        if self.mesh.first:
+            start = str(self.tok_embeddings(mx.zeros((1, 1), mx.int32)).dtype).split(".")[-1]
+        stages = all_gather_object((start, table), self.mesh.pp_group)
+        dtype = stages[0][0]
+        for s, (_, t) in enumerate(stages):
+            if s == self.mesh.stage:
+                object.__setattr__(self, "in_dtype", getattr(mx, dtype))
+            dtype = t[dtype]
+        object.__setattr__(self, "logits_dtype", getattr(mx, dtype))
+
+
+def stage_ranges(full: nn.Module, pp: int, pp_split: str | None) -> list[range]:
+    """Each stage's layers: `--pp-split`, or balanced by parameter bytes."""
+    args = full.args
+    if pp_split:
+        return parse_split(pp_split, args.n_layers, pp)
+    emb = _nbytes(full.tok_embeddings)
+    head = _nbytes(full.norm) + (emb if args.tie_word_embeddings else _nbytes(full.output))
+    return balanced_split([_nbytes(layer) for layer in full.layers], emb, head, pp)
+
+
+def build_stage(
+    ckpt: Checkpoint, mesh: Mesh, pp_split: str | None, vocab_parallel: bool
+) -> PipelineModel:
+    """This rank's stage of the checkpoint: its layers, sharded over its tensor group,
+    with only its slices read (lazily built; the caller evaluates)."""
+    if ckpt.format == "split":
+        raise CheckpointError(
+            f"{ckpt.path} is pre-split for tensor parallelism only; "
+            "--pp needs the unsplit checkpoint"
+        )
+    full = build_model(ckpt, whole=False)  # lazy: only what the stage keeps is ever read
+    mesh.layers = stage_ranges(full, mesh.pp, pp_split)
+    mine = mesh.layers[mesh.stage]
+    model = PipelineModel(full.args, mesh, full.layers[mine.start : mine.stop])
+    tied = full.args.tie_word_embeddings
+    if mesh.first or (mesh.last and tied):
+        model.tok_embeddings = full.tok_embeddings
+    if mesh.last:
+        model.norm = full.norm
+        if not tied:
+            model.output = full.output
+    plan, vocab = None, None
+    if mesh.tp > 1:
+        plan = shard_model(model, mesh.tp_group)
+        if vocab_parallel:
+            vocab = vocab_ranges(full.args.vocab_size, mesh.tp)[mesh.tp_rank]
+            object.__setattr__(model, "vocab", vocab)
+            if "tok_embeddings" in model:
+                model.tok_embeddings = VocabParallelEmbedding(
+                    model.tok_embeddings, vocab.start, vocab.stop, mesh.tp_group
+                )
+            if "output" in model:
+                model.output = shard_linear_range(
+                    model.output, "all-to-sharded", vocab.start, vocab.stop, mesh.tp_group
+                )
+    if ckpt.sources:
+        _read_stage_slices(model, ckpt, plan, mesh.tp_rank, vocab)
+    return model
+
+
+def global_name(name: str, first_layer: int) -> str:
+    """'layers.0.attention.wq.weight' of a stage starting at layer 10 -> 'layers.10....'."""
+    if not name.startswith("layers."):
+        return name
+    _, i, rest = name.split(".", 2)
+    return f"layers.{int(i) + first_layer}.{rest}"
+
+
+def _read_stage_slices(
+    model: PipelineModel, ckpt: Checkpoint, plan: Plan | None, rank: int, vocab: range | None
+) -> None:
+    """Replace every lazy parameter by exactly the bytes this rank keeps (as the loader's
+    `_read_own_slices`, with the stage's layer numbers mapped to the checkpoint's)."""
+    weights = []
+    for name, _ in tree_flatten(model.parameters()):
+        file, stored = ckpt.sources[global_name(name, model.first_layer)]
+        shape = file.tensors[stored].shape
+        s = None if plan is None else tensor_slice(plan, plan.parts[rank], name, shape, vocab)
+        weights.append((name, file.read(stored) if s is None else file.read(stored, *s)))
+    load_weights(model, ckpt, weights)

@@ -1,0 +1,43 @@
+"""`python -m llama_tp.launch`: mlx.launch's flags and hostfiles, without its busy loop.
+
+    python -m llama_tp.launch -n 2 -m llama_tp.generate --prompt "hi"
+    python -m llama_tp.launch --hostfile hostfiles/ring-2-macs.json -m llama_tp.chat
+    python -m llama_tp.launch -n 2 -- python -m llama_tp.generate --prompt "hi"
+
+Everything (hostfiles, backends ring/mpi/jaccl/nccl, ssh, the hostfile the ranks
+get) is mlx's own launcher; only its I/O forwarding is replaced (see
+`llama_tp/cluster/launcher.py`): it blocks instead of spinning on a core,
+forwards stdin with its end of file, and exits with the first failing rank's
+code. `-m MODULE` runs `python -m MODULE` on every rank; with local ranks on
+Linux, Debian's OpenBLAS is preloaded when installed (`--no-openblas`: don't).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .cluster.launcher import install_sigterm, run
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in ([], ["-h"], ["--help"]):
+        print(__doc__.strip())
+        print()
+        argv = argv or ["--help"]
+    openblas = "--no-openblas" not in argv
+    argv = [a for a in argv if a != "--no-openblas"]
+    install_sigterm()
+    try:
+        return run(argv, openblas)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,117 @@
+"""One dtype for a loaded (and sharded) model: dequantize its quantized layers, cast the rest.
+
+Why: MLX's CPU quantized matrix products are compute-bound, so on a Linux CPU a
+float32 model with OpenBLAS preloaded prefills ~20x and decodes ~2x faster than
+the same model as 4-bit (docs/benchmarks.md, "The CPU path"). On Metal the
+quantized model is the fast one (decode is memory-bound): keep the default there.
+
+Each rank dequantizes only the slice it holds (layers are already sharded), one
+layer at a time, so the peak is the quantized model plus one layer's float copy.
+Every layer kind llama_tp builds has a float twin with the same forward pass and
+collectives: mlx's `nn.QuantizedLinear`/`nn.QuantizedEmbedding`, its quantized
+sharded linears, llama_tp's quantized range layers and the vocabulary-parallel
+embedding.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers import distributed as dist
+from mlx.utils import tree_flatten
+
+from .layers import (
+    QuantizedRangeAllToShardedLinear,
+    QuantizedRangeShardedToAllLinear,
+    RangeAllToShardedLinear,
+    RangeShardedToAllLinear,
+)
+from .vocab import VocabParallelEmbedding
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _dequantized(m: nn.Module, dtype: mx.Dtype) -> mx.array:
+    w = mx.dequantize(
+        m["weight"], m["scales"], m["biases"], group_size=m.group_size, bits=m.bits, mode=m.mode
+    )
+    return w.astype(dtype)  # (out, in) of this rank's slice
+
+
+def _float_twin(m: nn.Module, dtype: mx.Dtype) -> nn.Module | None:
+    """The float layer computing what quantized `m` computes, or None if `m` is not one."""
+    bias = m["bias"].astype(dtype) if "bias" in m else None
+    if isinstance(m, QuantizedRangeAllToShardedLinear | QuantizedRangeShardedToAllLinear):
+        cls = (
+            RangeAllToShardedLinear
+            if isinstance(m, QuantizedRangeAllToShardedLinear)
+            else RangeShardedToAllLinear
+        )
+        params = {"weight": _dequantized(m, dtype)}
+        if bias is not None:
+            params["bias"] = bias
+        return cls(params, m.input_dims, m.output_dims, m.start, m.stop, m.group)
+    if isinstance(m, dist.QuantizedAllToShardedLinear | dist.QuantizedShardedToAllLinear):
+        w = _dequantized(m, dtype)
+        rows = isinstance(m, dist.QuantizedAllToShardedLinear)
+        n = m.group.size()
+        in_dims = w.shape[1] if rows else w.shape[1] * n
+        out_dims = w.shape[0] * n if rows else w.shape[0]
+        cls = dist.AllToShardedLinear if rows else dist.ShardedToAllLinear
+        twin = cls(in_dims, out_dims, bias=bias is not None, group=m.group)
+    elif isinstance(m, nn.QuantizedLinear):
+        w = _dequantized(m, dtype)
+        twin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
+    elif isinstance(m, nn.QuantizedEmbedding):
+        w = _dequantized(m, dtype)
+        twin = nn.Embedding(*w.shape)
+    else:
+        return None
+    twin.weight = w  # replaces the random initialization before it is ever evaluated
+    if bias is not None:
+        twin.bias = bias
+    return twin
+
+
+def _cast_vocab(m: VocabParallelEmbedding, dtype: mx.Dtype) -> None:
+    if m.quantized:
+        m.weight = _dequantized(m, dtype)
+        del m["scales"], m["biases"]
+        m.quantized = False
+    else:
+        m.weight = m.weight.astype(dtype)
+
+
+def cast_model(model: nn.Module, dtype: str | mx.Dtype) -> None:
+    """Make every parameter of `model` `dtype` (quantized layers are dequantized), in place.
+
+    Evaluates layer by layer, so only one layer's float copy is ever extra.
+    """
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    for _, parent in model.named_modules():
+        for name in parent.children():
+            child = parent[name]  # children() copies lists; replace in the module's own
+            children = child if isinstance(child, list) else [child]
+            for i, c in enumerate(children):
+                if not isinstance(c, nn.Module):
+                    continue
+                if isinstance(c, VocabParallelEmbedding):
+                    _cast_vocab(c, dtype)
+                    mx.eval(c.parameters())
+                    continue
+                twin = _float_twin(c, dtype)
+                if twin is None:
+                    continue
+                if isinstance(child, list):
+                    child[i] = twin
+                else:
+                    setattr(parent, name, twin)
+                mx.eval(twin.parameters())  # frees the quantized arrays of this layer
+    floats = [
+        (k, v.astype(dtype))
+        for k, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype
+    ]
+    if floats:
+        model.load_weights(floats, strict=False)
+    mx.eval(model.parameters())

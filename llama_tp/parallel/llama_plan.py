@@ -1,0 +1,209 @@
+"""The built-in Llama plan: one table from module paths to parallel styles.
+
+Made from the partition plan (`partition.make_plan`): where N divides the heads or
+columns the styles take no ranges (mlx's `shard_linear`, the design's even split),
+elsewhere each rank's explicit range. Works on the model by its attribute names,
+so this package never imports `llama_tp.model`. For SmolLM2 (9 query / 3 KV heads,
+untied) on 2 ranks, `llama_plan(model, 2)` is:
+
+    layers.*.attention            AttentionHeads(parts)
+    layers.*.attention.wq|wk|wv   ColwiseParallel(ranges)   rows of heads 0-5 | 6-8
+    layers.*.attention.wo         RowwiseParallel(ranges)   columns of the same heads
+    layers.*.feed_forward.w1|w3   ColwiseParallel()         rows 0-767 | 768-1535
+    layers.*.feed_forward.w2      RowwiseParallel()
+    layers.*.attention_norm, layers.*.ffn_norm, norm        Replicate()
+    tok_embeddings                VocabParallel()
+    output                        LossParallel()
+
+With `sequence_parallel` the norms become `SequenceParallel()`, the embedding's output
+and `wo`/`w2`'s outputs take the "sequence" layout, attention and feed-forward gather
+their input first, and the head gathers before the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .partition import Plan, RankPart, make_plan
+from .sequence import gather_input
+from .styles import (
+    ColwiseParallel,
+    Layout,
+    LossParallel,
+    PlanError,
+    PrepareModuleInput,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    Split,
+    Style,
+    VocabParallel,
+)
+
+Parts = Sequence[RankPart] | Mapping[int, RankPart]
+
+
+def ffn_unit(model: nn.Module, n: int) -> int | None:
+    """The feed-forward split unit: w2's quantization group, widened to the file's own
+    block (`model.ffn_block`, e.g. 256 for GGUF K-quants, so that no rank reads a block
+    another rank also reads) where the columns still split over `n` ranks in such units."""
+    group = getattr(model.layers[0].feed_forward.w2, "group_size", None)
+    block = getattr(model, "ffn_block", None)
+    if group and block:
+        unit = math.lcm(group, block)
+        if model.args.hidden_dim % unit == 0 and model.args.hidden_dim // unit >= n:
+            return unit
+    return group
+
+
+def plan_for(model: nn.Module, n: int) -> Plan:
+    """The partition plan of `model` over `n` ranks."""
+    args = model.args
+    return make_plan(
+        args.n_heads,
+        args.n_kv_heads,
+        args.head_dim,
+        args.dim,
+        args.hidden_dim,
+        n,
+        group_size=ffn_unit(model, n),
+    )
+
+
+def check_quantized_heads(model: nn.Module, plan: Plan) -> None:
+    """A quantized wo splits by columns at query-head boundaries: those must be group bounds."""
+    group_size = getattr(model.layers[0].attention.wo, "group_size", None)
+    if group_size is None:
+        return
+    for p in plan.parts:
+        start = p.q_heads.start * plan.head_dim
+        if start % group_size:
+            raise ValueError(
+                f"cannot split {plan.n_heads} query heads of {plan.head_dim} quantized columns "
+                f"over {plan.n} ranks: rank {p.rank} would start at column {start}, not a "
+                f"multiple of the group size {group_size}"
+            )
+
+
+def _by_rank(parts: Parts) -> dict[int, RankPart]:
+    return dict(parts) if isinstance(parts, Mapping) else {p.rank: p for p in parts}
+
+
+@dataclass(frozen=True)
+class AttentionHeads(Style):
+    """An attention module's local head counts (and, where a rank's query heads do not
+    map onto its KV heads as plain GQA, the KV map) from the partition plan's `parts`;
+    None: N equal blocks of query and KV heads. `input_layout="sequence"` gathers the
+    sequence chunks first. Goes with `ColwiseParallel` on wq/wk/wv and `RowwiseParallel`
+    on wo over the same heads."""
+
+    parts: Parts | None = None
+    input_layout: Layout = "replicate"
+
+    def split(self, module: nn.Module, path: str, n: int) -> None:
+        if not all(hasattr(module, a) for a in ("n_heads", "n_kv_heads", "head_dim")):
+            raise PlanError(f"{path}: AttentionHeads applies to attention, not {type(module)}")
+        if self.parts is None and module.n_kv_heads % n:
+            where = f"{path}: " if path else ""
+            raise PlanError(
+                f"{where}cannot split {module.n_kv_heads} KV heads evenly over {n} ranks"
+            )
+        return None
+
+    def describe(self, rank: int, n: int) -> str:
+        if self.parts is None:
+            return f"heads 1/{n}"
+        part = _by_rank(self.parts).get(rank)
+        if part is None:
+            return "-"
+        q, kv = part.q_heads, part.kv_heads
+        return f"q {q.start}-{q.stop - 1} kv {kv.start}-{kv.stop - 1}"
+
+    def apply(self, module, group: mx.distributed.Group, ctx, split: Split | None):
+        if self.parts is None:
+            module.n_heads //= group.size()
+            module.n_kv_heads //= group.size()
+        else:
+            part = _by_rank(self.parts)[group.rank()]
+            module.n_heads, module.n_kv_heads = len(part.q_heads), len(part.kv_heads)
+            if part.kv_map is not None:
+                object.__setattr__(module, "_kv_index", mx.array(part.kv_map, dtype=mx.int32))
+        if self.input_layout == "sequence":
+            gather_input(module, ctx)
+        return module
+
+
+def attention_styles(
+    head_dim: int, parts: Parts | None = None, sequence: bool = False
+) -> dict[str, Style]:
+    """Styles of one attention module, by path relative to it ("" is the module)."""
+    q = kv = None
+    if parts is not None:
+        hd, by = head_dim, _by_rank(parts)
+        q = {r: (p.q_heads.start * hd, p.q_heads.stop * hd) for r, p in by.items()}
+        kv = {r: (p.kv_heads.start * hd, p.kv_heads.stop * hd) for r, p in by.items()}
+    layout: Layout = "sequence" if sequence else "replicate"
+    return {
+        "": AttentionHeads(parts, input_layout=layout),
+        "wq": ColwiseParallel(q),
+        "wk": ColwiseParallel(kv),
+        "wv": ColwiseParallel(kv),
+        "wo": RowwiseParallel(q, output_layout=layout),
+    }
+
+
+def feed_forward_styles(parts: Parts | None = None, sequence: bool = False) -> dict[str, Style]:
+    """Styles of one feed-forward module, by path relative to it ("" is the module)."""
+    f = None
+    if parts is not None:
+        f = {r: (p.ffn.start, p.ffn.stop) for r, p in _by_rank(parts).items()}
+    styles: dict[str, Style] = {"": PrepareModuleInput()} if sequence else {}
+    layout: Layout = "sequence" if sequence else "replicate"
+    styles |= {
+        "w1": ColwiseParallel(f),
+        "w2": RowwiseParallel(f, output_layout=layout),
+        "w3": ColwiseParallel(f),
+    }
+    return styles
+
+
+def _under(prefix: str, styles: dict[str, Style]) -> dict[str, Style]:
+    return {f"{prefix}.{k}" if k else prefix: v for k, v in styles.items()}
+
+
+def llama_plan(
+    model: nn.Module,
+    n: int,
+    *,
+    vocab_parallel: bool = True,
+    sequence_parallel: bool = False,
+    plan: Plan | None = None,
+) -> dict[str, Style]:
+    """The built-in plan of `model` over `n` ranks (see the module docstring)."""
+    p = plan or plan_for(model, n)
+    sp = sequence_parallel
+    table = _under(
+        "layers.*.attention",
+        attention_styles(p.head_dim, None if p.even_attention else p.parts, sp),
+    )
+    table |= _under(
+        "layers.*.feed_forward", feed_forward_styles(None if p.even_ffn else p.parts, sp)
+    )
+    norm: Style = SequenceParallel() if sp else Replicate()
+    table |= {"layers.*.attention_norm": norm, "layers.*.ffn_norm": norm, "norm": norm}
+    seq: Layout = "sequence" if sp else "replicate"
+    tied = model.args.tie_word_embeddings
+    if vocab_parallel:
+        table["tok_embeddings"] = (LossParallel if tied else VocabParallel)(output_layout=seq)
+        if not tied:
+            table["output"] = LossParallel(input_layout=seq)
+    else:
+        table["tok_embeddings"] = Replicate(output_layout=seq)
+        if not tied:
+            table["output"] = Replicate(input_layout=seq)
+    return table

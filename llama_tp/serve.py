@@ -1,0 +1,75 @@
+"""`python -m llama_tp.serve`: an OpenAI-compatible HTTP server, on one process or
+on every rank of an mlx.launch (rank 0 listens; all ranks compute).
+
+    python -m llama_tp.serve --port 8080
+    mlx.launch -n 2 -- python -m llama_tp.serve --model path/to/model
+
+See llama_tp.server for the pieces and README.md ("Serving") for the API.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .server.runner import create_app
+
+__all__ = ["create_app", "main"]
+
+INSTALL_HINT = 'the server needs FastAPI and uvicorn: pip install "llama_tp[serve]"'
+
+
+def _parser():
+    from .console.cli import ArgumentParser, add_model_args
+
+    p = ArgumentParser(
+        prog="python -m llama_tp.serve",
+        description="Serve a Llama-family model over an OpenAI-compatible HTTP API, on one "
+        "process or across the ranks started by mlx.launch (rank 0 listens).",
+    )
+    add_model_args(p, max_tokens=256)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--model-name", default=None, help="the id /v1/models reports")
+    p.add_argument(
+        "--max-batch", type=int, default=8, help="sequences decoded together (default 8)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting at most; more get 429"
+    )
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=10,
+        help="finished conversations kept for reuse of their prefill (default 10; 0: off)",
+    )
+    p.add_argument("--ignore-chat-template", action="store_true")
+    return p
+
+
+def main() -> int:
+    from .cluster.distributed import print0
+    from .console.cli import UsageError, check_model_args, start_watchdog
+    from .server.runner import check_args, fastapi_missing, serve
+
+    args = _parser().parse_args()
+    if fastapi_missing():
+        print0(f"error: {INSTALL_HINT}", file=sys.stderr)
+        return 1
+    check_model_args(args)
+    if (args.pp or 1) > 1:  # tp x pp mesh: not wired into the server's batching yet
+        raise UsageError("serve runs tensor parallelism only: --pp must be 1")
+    check_args(args)
+    start_watchdog(args)
+    return serve(args)
+
+
+def cli() -> None:
+    """The `llama_tp.serve` console script."""
+    from .console.cli import run
+
+    run(main)
+
+
+if __name__ == "__main__":
+    cli()

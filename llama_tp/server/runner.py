@@ -1,0 +1,220 @@
+"""Putting the server together: the in-process `create_app`, and the command's run on
+every rank (listen early on rank 0, load with the start-up agreement, then step).
+
+On rank 0 uvicorn runs on a daemon thread with its own event loop, while the
+main thread runs the step loop: MLX's collectives stay on the main thread,
+where the watchdog expects them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import mlx.nn as nn
+
+from ..cluster import watchdog
+from ..cluster.distributed import agree_ok, eprint0, world
+from ..engine.batch import BatchEngine
+from .app import ModelInfo, build_app
+from .protocol import Defaults
+from .scheduler import Scheduler, run_steps
+
+
+def model_info(model: nn.Module, tokenizer, name: str) -> ModelInfo:
+    return ModelInfo(
+        name=name,
+        context=model.args.max_position_embeddings,
+        vocab_size=model.args.vocab_size,
+        eos=frozenset(tokenizer.eos_token_ids),
+    )
+
+
+def create_app(
+    model: nn.Module,
+    tokenizer,
+    *,
+    model_name: str = "llama_tp",
+    max_batch: int = 8,
+    max_queue: int = 64,
+    prompt_cache_size: int = 10,
+    defaults: Defaults | None = None,
+    api_key: str | None = None,
+):
+    """A ready FastAPI app serving `model` in this process (one rank), e.g. for tests:
+
+        app = create_app(model, tokenizer)
+        uvicorn.run(app, port=8080)
+
+    The step loop runs on a daemon thread started here.
+    """
+    scheduler = Scheduler(max_batch, max_queue)
+    engine = BatchEngine(model, tokenizer, prompt_cache_size=prompt_cache_size)
+    scheduler.ready = True
+    app = build_app(
+        scheduler, tokenizer, model_info(model, tokenizer, model_name), defaults, api_key
+    )
+    app.state.scheduler, app.state.engine = scheduler, engine
+    threading.Thread(
+        target=run_steps, args=(engine, scheduler, world()), name="llama_tp-steps", daemon=True
+    ).start()
+    return app
+
+
+class HTTPThread:
+    """uvicorn on a daemon thread, serving on a socket bound before the model loads."""
+
+    def __init__(self, app, sock: socket.socket):
+        import uvicorn
+
+        config = uvicorn.Config(
+            app, log_level="warning", http="h11", ws="none", lifespan="off", access_log=False
+        )
+        self.server = uvicorn.Server(config)
+        # Not the main thread: uvicorn leaves the signal handlers to us.
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, name="llama_tp-http", daemon=True
+        )
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (an error names the address, e.g. a port in use)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def defaults_from(args: argparse.Namespace) -> Defaults:
+    return Defaults(
+        max_tokens=args.max_tokens,
+        temperature=args.temp,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        system_prompt=args.system_prompt,
+        use_chat_template=not args.ignore_chat_template,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """The command on every rank: rank 0 listens and decides, every rank computes."""
+    from ..console.cli import load_checked
+
+    group = world()
+    watchdog.set_group_size(group.size())
+    rank0 = group.rank() == 0
+    scheduler = Scheduler(args.max_batch, args.max_queue) if rank0 else None
+    http = sock = error = None
+    if rank0:
+        try:
+            sock = bind(args.host, args.port)
+        except OSError as e:
+            error = e
+    agree_ok(error, group)
+    if rank0:
+        # Listening before the model loads: /health answers 503 "loading" meanwhile.
+        holder: dict = {}
+        http = HTTPThread(_late_app(holder, scheduler), sock)
+        eprint0(f"serve: listening on http://{args.host}:{args.port}; loading the model ...")
+    else:
+        # Ctrl-C at a terminal reaches every rank: the others wait for rank 0's stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    t0 = time.perf_counter()
+    model, tokenizer, ckpt = load_checked(args, group)
+    name = args.model_name or Path(str(ckpt.path)).name
+    engine = BatchEngine(model, tokenizer, prompt_cache_size=args.prompt_cache_size)
+    if rank0:
+        info = model_info(model, tokenizer, name)
+        holder["app"] = build_app(scheduler, tokenizer, info, defaults_from(args), args.api_key)
+        scheduler.ready = True
+
+        def stop(signum, frame) -> None:
+            scheduler.request_stop()
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+
+        def fail() -> None:  # the watchdog is about to end this process
+            scheduler.fail_all(f"a rank of the server failed: {watchdog.PEER_LOST}")
+            time.sleep(0.5)
+
+        watchdog.on_exit(fail)
+        eprint0(
+            f"serve: {name} on {group.size()} rank{'s' * (group.size() > 1)}, context "
+            f"{info.context} tokens, loaded in {time.perf_counter() - t0:.1f} s; ready on "
+            f"http://{args.host}:{args.port}/v1 (batch {args.max_batch}, queue {args.max_queue})"
+        )
+    try:
+        run_steps(engine, scheduler, group)
+    finally:
+        if http is not None:
+            http.stop()
+    eprint0("serve: stopped")
+    return 0
+
+
+def _late_app(holder: dict, scheduler: Scheduler):
+    """An ASGI app that answers /health (503) until the real app is in `holder`."""
+    from starlette.responses import JSONResponse
+
+    async def app(scope, receive, send):
+        real = holder.get("app")
+        if real is not None:
+            return await real(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        body = (
+            {"status": "loading"}
+            if scope["path"] == "/health"
+            else {
+                "error": {
+                    "message": "the model is still loading",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "loading",
+                }
+            }
+        )
+        await JSONResponse(body, status_code=503)(scope, receive, send)
+
+    return app
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise UsageError for server flags out of range."""
+    from ..console.cli import UsageError
+
+    for flag in ("max_batch", "max_queue"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.prompt_cache_size < 0:
+        raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+
+
+def fastapi_missing() -> bool:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        return True
+    return False

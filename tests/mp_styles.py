@@ -1,0 +1,120 @@
+"""Run under mlx.launch: parallel styles and sequence parallelism on real ranks.
+
+    mlx.launch -n 2 -- python tests/mp_styles.py --builtin DIR... --custom DIR --sp DIR...
+        [--einshard]
+
+Rank 0 prints one JSON line: per model the max |difference| of the logits
+- builtin: the built-in plan passed explicitly (`plan=llama_plan(...)`) vs the default
+  load (must be 0) and vs the whole model;
+- custom: attention sharded, feed-forward replicated (whole tensors read) vs whole;
+- sp: --sequence-parallel vs the plain tensor-parallel load, prefill logits of prompt
+  lengths N does and does not divide, and greedy tokens;
+and, with --einshard, what tests/mp_einshard.py checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from llama_tp.checkpoints import open_checkpoint
+from llama_tp.checkpoints.build import build_model
+from llama_tp.engine.generation import generate_step
+from llama_tp.engine.loader import load_model
+from llama_tp.engine.sampling import make_sampler, vocab_shard
+from llama_tp.parallel.llama_plan import llama_plan
+from llama_tp.parallel.styles import ColwiseParallel, Replicate, RowwiseParallel
+
+sys.path.insert(0, "tests")
+from mp_check_logits import logits_of  # noqa: E402
+
+
+def prefill_logits(model, x: mx.array) -> np.ndarray:
+    """Logits of every position of one prefill, (L, V), gathered when vocabulary-sharded."""
+    shard = vocab_shard(model)
+    out = model(x, cache=make_prompt_cache(model))[0].astype(mx.float32)
+    out = out if shard is None else shard.full_logits(out)
+    mx.eval(out)
+    return np.array(out)
+
+
+def greedy(model, prompt: list[int], n: int = 8) -> list[int]:
+    sampler = make_sampler(shard=vocab_shard(model))
+    return [t for t, _ in generate_step(model, prompt, sampler, n, prefill_step_size=7)]
+
+
+def diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a - b)))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--builtin", nargs="*", default=[])
+    p.add_argument("--custom", nargs="*", default=[])
+    p.add_argument("--sp", nargs="*", default=[])
+    p.add_argument("--einshard", action="store_true")
+    args = p.parse_args()
+    g = mx.distributed.init()
+    n = g.size()
+    out: dict = {"n": n, "builtin": {}, "custom": {}, "sp": {}}
+    rng = np.random.default_rng(0)
+
+    def tokens(vocab: int, length: int) -> mx.array:
+        return mx.array(rng.integers(0, vocab, (1, length)), mx.int32)
+
+    for path in args.builtin:
+        ref = build_model(open_checkpoint(path))
+        x = tokens(ref.args.vocab_size, 10)
+        default, _ = load_model(path, g)
+        explicit, _ = load_model(path, g, plan=llama_plan(ref, n))
+        a, b, c = logits_of(ref, x), logits_of(default, x), logits_of(explicit, x)
+        out["builtin"][path] = [diff(b, c), diff(a, c)]
+
+    for path in args.custom:
+        ref = build_model(open_checkpoint(path))
+        x = tokens(ref.args.vocab_size, 10)
+        plan = {
+            "layers.*.attention.w[qkv]": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(),
+            "layers.*.feed_forward": Replicate(),
+        }
+        model, _ = load_model(path, g, vocab_parallel=False, plan=plan)
+        ffn = model.layers[0].feed_forward.w1.weight.shape
+        wq = model.layers[0].attention.wq.weight.shape
+        whole = (ffn == ref.layers[0].feed_forward.w1.weight.shape) and (
+            wq[0] * n == ref.layers[0].attention.wq.weight.shape[0]
+        )
+        out["custom"][path] = [diff(logits_of(ref, x), logits_of(model, x)), whole]
+
+    for path in args.sp:
+        plain, _ = load_model(path, g)
+        sp, _ = load_model(path, g, sequence_parallel=True)
+        vocab = plain.args.vocab_size
+        res = {}
+        for length in (2, n + 1, 4 * n, 4 * n + 1, 7 * n - 1):
+            x = tokens(vocab, length)
+            res[f"L{length}"] = diff(prefill_logits(plain, x), prefill_logits(sp, x))
+        x = tokens(vocab, 12)
+        res["decode"] = diff(logits_of(plain, x), logits_of(sp, x))
+        # Active: the embedding hands each rank its chunk, ceil(L / N) positions.
+        res["chunk"] = sp.tok_embeddings(tokens(vocab, 4 * n + 1)).shape[1] == 5
+        prompts = [tokens(vocab, length)[0].tolist() for length in (4 * n, 4 * n + 1)]
+        res["greedy"] = all(greedy(plain, q) == greedy(sp, q) for q in prompts)
+        out["sp"][path] = res
+
+    if args.einshard:
+        import mp_einshard
+
+        out["einshard"] = mp_einshard.checks(g)
+    if g.rank() == 0:
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

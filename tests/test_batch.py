@@ -1,0 +1,105 @@
+"""The batched engine without HTTP (llama_tp.engine.batch), on one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_tp import load
+from llama_tp.checkpoints.tokenizer import encode_prompt
+from llama_tp.engine.batch import (
+    BatchEngine,
+    Decision,
+    Join,
+    SamplingParams,
+    _stop_hold,
+    batch_generate,
+)
+from llama_tp.engine.generation import stream_generate
+
+PROMPTS = ["hello", "The quick brown fox", "Tensor parallel", "abc", "Où est la gare?"]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_dir):
+    return load(tiny_dir)
+
+
+def test_batch_equals_one_at_a_time(loaded):
+    model, tok = loaded
+    alone = [
+        "".join(r.text for r in stream_generate(model, tok, encode_prompt(tok, p), max_tokens=20))
+        for p in PROMPTS
+    ]
+    # max_batch 3: rows leave and later prompts join mid-way.
+    res = batch_generate(model, tok, PROMPTS, max_tokens=20, max_batch=3)
+    assert [r.text for r in res] == alone
+    assert all(r.finish_reason == "length" and len(r.tokens) == 20 for r in res)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch(loaded):
+    model, tok = loaded
+    for top_p in (1.0, 0.9):
+        one = batch_generate(model, tok, PROMPTS[:1], temp=1.0, top_p=top_p, seeds=[5])[0]
+        many = batch_generate(model, tok, PROMPTS, temp=1.0, top_p=top_p, seeds=[5, 1, 2, 3, 4])
+        assert many[0].tokens == one.tokens
+
+
+def test_prompt_cache_prefills_only_the_new_tokens(loaded):
+    model, tok = loaded
+    engine = BatchEngine(model, tok, prompt_cache_size=4)
+    p1 = encode_prompt(tok, "hello")
+    engine.apply(Decision(joins=[Join(1, p1, SamplingParams(max_tokens=8))]))
+    reply = []
+    while len(engine):
+        reply += [e.token for e in engine.step()]
+    before = engine.prefilled_tokens
+    p2 = p1 + reply + tok.encode("abc", add_special_tokens=False)
+    engine.apply(Decision(joins=[Join(2, p2, SamplingParams(max_tokens=8))]))
+    events = []
+    while len(engine):
+        events += engine.step()
+    # The cache holds the prompt and every reply token but the last (never fed back).
+    assert events[0].cached_tokens == len(p1) + len(reply) - 1
+    assert engine.prefilled_tokens - before == len(p2) - events[0].cached_tokens - 1
+    fresh = batch_generate(model, tok, [p2], max_tokens=8)[0]
+    assert [e.token for e in events] == fresh.tokens
+
+
+def test_stop_strings_end_and_are_cut(loaded):
+    model, tok = loaded
+    full = batch_generate(model, tok, ["Ranks share"], max_tokens=20)[0].text
+    stop = full[6:9]
+    r = batch_generate(model, tok, ["Ranks share"], max_tokens=20, stop=(stop,))[0]
+    assert r.text == full[: full.index(stop)] and r.finish_reason == "stop"
+    assert _stop_hold("abc", ("cde",)) == 1 and _stop_hold("abc", ("x",)) == 0
+    assert _stop_hold("abcd", ("bcdz", "dz")) == 3
+
+
+def test_cancel_leaves_the_other_rows(loaded):
+    model, tok = loaded
+    engine = BatchEngine(model, tok)
+    ids = [encode_prompt(tok, p) for p in PROMPTS[:2]]
+    joins = [Join(i, p, SamplingParams(max_tokens=10)) for i, p in enumerate(ids)]
+    engine.apply(Decision(joins=joins))
+    out = {0: [], 1: []}
+    for e in engine.step():
+        out[e.uid].append(e.token)
+    assert [e.finish_reason for e in engine.apply(Decision(cancels=[0]))] == ["cancelled"]
+    while len(engine):
+        for e in engine.step():
+            out[e.uid].append(e.token)
+    assert out[1] == batch_generate(model, tok, [ids[1]], max_tokens=10)[0].tokens
+
+
+def test_serve_without_fastapi_says_how_to_install_it():
+    from conftest import run_python
+
+    code = (
+        "import sys, runpy; sys.modules['fastapi'] = None; sys.argv = ['serve']; "
+        "runpy.run_module('llama_tp.serve', run_name='__main__')"
+    )
+    r = run_python(["-c", code], timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        'error: the server needs FastAPI and uvicorn: pip install "llama_tp[serve]"'
+    ]

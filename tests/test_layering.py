@@ -1,0 +1,187 @@
+"""The package's imports flow one way (the README's module map), with no cycles.
+
+Layers, lowest first; a module may import its own package's modules and any lower
+layer, never a higher one:
+
+    cluster < parallel < model < checkpoints < engine < console < server, benchmarks
+            < the commands at the top (generate, chat, serve, ...)
+
+Every import counts, including those inside functions (they are real dependencies,
+only deferred). The root `llama_tp/__init__.py` is the public facade: it imports
+nothing at import time but its lazy table, and nothing imports it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+PACKAGE = ROOT / "llama_tp"
+LAYERS = {
+    "cluster": 0,
+    "parallel": 1,
+    "model": 2,
+    "checkpoints": 3,
+    "engine": 4,
+    "console": 5,
+    "server": 6,
+    "benchmarks": 6,
+}
+TOP = 7  # the commands: llama_tp/<name>.py
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every llama_tp module `path` imports (a `from X import name` counts as X.name
+    when that is a module, else X)."""
+    tree = ast.parse(path.read_text())
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("llama_tp")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if not mod.startswith("llama_tp"):
+                continue
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                found.add(sub if resolves(sub) else mod)
+    return found
+
+
+def resolves(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return TOP + 1  # the facade
+    return LAYERS.get(parts[1], TOP)
+
+
+def graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in root.rglob("*.py")}
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in sorted(edges.items()):
+        for dst in sorted(targets):
+            same_package = src.split(".")[:2] == dst.split(".")[:2] and layer(src) < TOP
+            if dst == "llama_tp" and src != "llama_tp":
+                bad.append(f"{src} imports the facade llama_tp (import the defining module)")
+            elif not same_package and layer(dst) >= layer(src) and src != "llama_tp":
+                bad.append(f"{src} (layer {layer(src)}) imports {dst} (layer {layer(dst)})")
+    return bad
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle found by a depth-first search (one per back edge)."""
+    found, state, stack = [], {}, []
+
+    def visit(n: str) -> None:
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(edges.get(n, ())):
+            if state.get(m) == "open":
+                found.append(stack[stack.index(m) :] + [m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = "done"
+
+    for n in sorted(edges):
+        if n not in state:
+            visit(n)
+    return found
+
+
+def test_imports_flow_down_the_layers():
+    assert violations(graph()) == []
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_every_subpackage_has_a_layer():
+    subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert subpackages <= set(LAYERS), subpackages - set(LAYERS)
+
+
+def test_the_top_level_stays_small():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
+
+
+@pytest.mark.parametrize(
+    "edges, expected",
+    [
+        # an upward import: the engine reaching into a command
+        ({"llama_tp.engine.loader": {"llama_tp.generate"}}, "layer 4) imports llama_tp.generate"),
+        # the model importing the engine
+        ({"llama_tp.model": {"llama_tp.engine.sampling"}}, "layer 2) imports"),
+        # cluster importing the parallel layers
+        ({"llama_tp.cluster.watchdog": {"llama_tp.parallel.layers"}}, "layer 0) imports"),
+        # importing the facade from inside
+        ({"llama_tp.engine.agreement": {"llama_tp"}}, "imports the facade"),
+    ],
+)
+def test_the_layering_check_catches(edges, expected):
+    assert any(expected in v for v in violations(edges)), violations(edges)
+
+
+def test_the_cycle_check_catches_a_cycle(tmp_path):
+    edges = {
+        "llama_tp.checkpoints.a": {"llama_tp.checkpoints.b"},
+        "llama_tp.checkpoints.b": {"llama_tp.checkpoints.c"},
+        "llama_tp.checkpoints.c": {"llama_tp.checkpoints.a"},
+    }
+    assert cycles(edges) == [
+        ["llama_tp.checkpoints.a", "llama_tp.checkpoints.b", "llama_tp.checkpoints.c"]
+        + ["llama_tp.checkpoints.a"]
+    ]
+
+
+def test_old_import_paths_still_work():
+    """Documented before the subpackages: `llama_tp.distributed`, `.loader`, `.tokenizer`."""
+    import llama_tp.distributed as old
+    from llama_tp.distributed import print0  # noqa: F401
+    from llama_tp.loader import default_model
+    from llama_tp.tokenizer import encode_prompt
+
+    import llama_tp
+    from llama_tp.cluster import distributed
+
+    assert old is distributed
+    assert distributed.__spec__.name == "llama_tp.cluster.distributed"
+    assert default_model is llama_tp.default_model
+    assert encode_prompt is llama_tp.encode_prompt
+
+
+def test_the_readme_module_map_names_every_module():
+    """Every module below a subpackage is named in the README's module table."""
+    readme = (ROOT / "README.md").read_text()
+    missing = [
+        p.relative_to(PACKAGE).as_posix()
+        for p in sorted(PACKAGE.glob("*/*.py"))
+        if p.name != "__init__.py" and f"`{p.relative_to(PACKAGE).as_posix()}`" not in readme
+    ]
+    assert missing == [], f"add these to the README's module map: {missing}"

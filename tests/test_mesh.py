@@ -1,0 +1,197 @@
+"""The tp x pp mesh: pipeline stages, tensor-parallel inside each (parallel/mesh.py,
+engine/pipeline.py). One launch per mesh checks several models (tests/mp_mesh.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from conftest import launch, run_python
+from fixtures import write_hf_model
+
+from llama_tp.parallel.mesh import MeshError, balanced_split, layout, mesh_shape, parse_split
+
+# --- pure Python: shapes, placement, splits ---
+
+
+def test_mesh_shape():
+    assert mesh_shape(4, None, None) == (4, 1)  # default: all tensor-parallel
+    assert mesh_shape(4, None, 2) == (2, 2)
+    assert mesh_shape(4, 2, 2) == (2, 2)
+    assert mesh_shape(3, None, 3) == (1, 3)
+    with pytest.raises(MeshError, match=r"^--tp 2 x --pp 3 = 6 ranks, but 4 are running$"):
+        mesh_shape(4, 2, 3)
+    with pytest.raises(MeshError, match="--pp 3 does not divide the 4 running ranks"):
+        mesh_shape(4, None, 3)
+    with pytest.raises(MeshError, match="--tp must be at least 1"):
+        mesh_shape(4, 0, None)
+
+
+def test_layout_keeps_hosts_in_one_tensor_group():
+    # Two Macs, ranks interleaved by the hostfile: a, b, a, b.
+    hosts = ["a", "b", "a", "b"]
+    assert layout(hosts, 2, 2) == [[0, 2], [1, 3]]
+    assert layout(hosts, 2, 2, by_host=False) == [[0, 1], [2, 3]]
+    assert layout(["h"] * 6, 2, 3) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_balanced_split():
+    # Equal layers; the embedding and the head weigh two layers each.
+    assert balanced_split([1] * 6, 2, 2, 2) == [range(0, 3), range(3, 6)]
+    assert balanced_split([1] * 6, 0, 3, 2) == [range(0, 4), range(4, 6)]
+    assert balanced_split([1] * 5, 0, 0, 3) == [range(0, 1), range(1, 3), range(3, 5)]
+    assert [len(r) for r in balanced_split([1] * 30, 1, 1, 4)] == [7, 8, 8, 7]
+    with pytest.raises(MeshError, match="--pp 6 stages, but the model has only 5 layers"):
+        balanced_split([1] * 5, 0, 0, 6)
+
+
+def test_parse_split():
+    assert parse_split("10,12", 22, 2) == [range(0, 10), range(10, 22)]
+    with pytest.raises(MeshError, match="--pp-split 2,2 sums to 4 layers, but the model has 5"):
+        parse_split("2,2", 5, 2)
+    with pytest.raises(MeshError, match="has 3 stages, but --pp is 2"):
+        parse_split("1,1,3", 5, 2)
+    with pytest.raises(MeshError, match="at least one layer"):
+        parse_split("0,5", 5, 2)
+    with pytest.raises(MeshError, match="layer counts like 10,12"):
+        parse_split("a,b", 5, 2)
+
+
+# --- multi-rank: logits, greedy tokens, what each rank holds ---
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mesh")
+    return {
+        "m5": write_hf_model(root / "m5", n_layers=5, tokenizer=False, seed=5),
+        "tied": write_hf_model(
+            root / "tied", n_layers=5, tie=True, n_heads=4, n_kv_heads=4, tokenizer=False, seed=6
+        ),
+        "q4": write_hf_model(
+            root / "q4",
+            n_layers=4,
+            head_dim=32,
+            hidden_dim=288,
+            quantize=(4, 32),
+            tokenizer=False,
+            seed=7,
+        ),
+    }
+
+
+def run_mesh(n: int, tp: int, pp: int, specs: list[str]) -> list[dict]:
+    args = ["tests/mp_mesh.py", "--tp", str(tp), "--pp", str(pp), *specs]
+    r = launch(n, args, timeout=300)
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == len(specs), f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
+    return lines
+
+
+def check(line: dict, tp: int, pp: int, split: list[int] | None = None) -> None:
+    assert line["diff"] <= 1e-4, line
+    assert line["same_tokens"], line
+    stages = line["stages"]  # per rank: stage, tensor rank, first layer, end, bytes, layers
+    assert sorted((s, t) for s, t, *_ in stages) == [(s, t) for s in range(pp) for t in range(tp)]
+    ranges = {s: (a, b) for s, _, a, b, _, _ in stages}
+    bounds = [ranges[s] for s in range(pp)]
+    assert bounds[0][0] == 0 and bounds[-1][1] == line["n_layers"], bounds
+    assert all(bounds[s][1] == bounds[s + 1][0] for s in range(pp - 1)), bounds
+    if split:
+        assert [b - a for a, b in bounds] == split
+    for _, _, a, b, _, held in stages:
+        assert held == b - a  # only its own layers are built
+    # Every parameter but the (replicated) norms is held exactly once across the ranks;
+    # a tied table twice (the first stage's embedding, the last stage's head).
+    expected = line["full_bytes"] + (line["embedding_bytes"] if line["tied"] else 0)
+    assert sum(s[4] for s in stages) == expected, line
+
+
+def test_pp2_on_2_ranks(models):
+    specs = [str(models["m5"]), str(models["tied"]), f"{models['m5']}@1,4"]
+    lines = run_mesh(2, 1, 2, specs)
+    check(lines[0], 1, 2)
+    check(lines[1], 1, 2)
+    check(lines[2], 1, 2, [1, 4])
+
+
+def test_pp3_uneven_on_3_ranks(models):
+    lines = run_mesh(3, 1, 3, [str(models["m5"]), f"{models['m5']}@1,3,1"])
+    check(lines[0], 1, 3)
+    check(lines[1], 1, 3, [1, 3, 1])
+
+
+def test_tp2_x_pp2_on_4_ranks(models):
+    lines = run_mesh(4, 2, 2, [str(models[k]) for k in ("m5", "tied", "q4")])
+    for line in lines:
+        check(line, 2, 2)
+
+
+def generate_args(model, *extra: str) -> list[str]:
+    return ["-m", "llama_tp.generate", "--model", str(model), "--prompt", "hi", *extra]
+
+
+def test_generate_tp2_x_pp2_prints_what_one_process_prints(tiny_dir):
+    flags = ["--temp", "0", "--max-tokens", "12"]
+    one = run_python(generate_args(tiny_dir, *flags), timeout=120)
+    assert one.returncode == 0, one.stderr
+    four = launch(4, generate_args(tiny_dir, "--tp", "2", "--pp", "2", "--verbose", *flags))
+    assert four.stdout == one.stdout, four.stderr[-3000:]
+    assert "Mesh: --tp 2 x --pp 2" in four.stderr
+    assert "stage 1: ranks 2, 3: layers 1-1 + norm, head" in four.stderr
+
+
+# --- bad input: one line, every rank exits, nothing hangs ---
+
+
+def assert_usage_error(r, n: int, expected: str) -> None:
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {expected}"], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    for rank in range(n):
+        assert re.search(rf"Node with rank {rank} exited with code (2|-15)\b", r.stderr), r.stderr
+
+
+def test_mesh_not_the_world(tiny_dir):
+    r = launch(2, generate_args(tiny_dir, "--tp", "2", "--pp", "3"), timeout=120)
+    assert_usage_error(r, 2, "--tp 2 x --pp 3 = 6 ranks, but 2 are running")
+    one = run_python(generate_args(tiny_dir, "--pp", "2"), timeout=120)
+    assert one.returncode == 2 and "error: --pp 2 does not divide the 1 running rank" in one.stderr
+
+
+def test_more_stages_than_layers(tiny_dir):
+    r = launch(3, generate_args(tiny_dir, "--pp", "3"), timeout=120)
+    assert_usage_error(r, 3, "--pp 3 stages, but the model has only 2 layers")
+
+
+def test_pp_split_not_the_layer_count(tiny_dir):
+    r = launch(2, generate_args(tiny_dir, "--pp", "2", "--pp-split", "2,1"), timeout=120)
+    assert_usage_error(r, 2, "--pp-split 2,1 sums to 3 layers, but the model has 2")
+    one = run_python(generate_args(tiny_dir, "--pp-split", "1,1"), timeout=120)
+    assert one.returncode == 2 and "error: --pp-split needs --pp" in one.stderr
+
+
+# --- a stage dies: every rank ends (the watchdog's bound) ---
+
+
+def test_killing_a_later_stage_ends_every_rank(tiny_dir, tmp_path):
+    import shutil
+    import signal
+
+    from mp_ranks import Ranks
+
+    path = tmp_path / "long"
+    shutil.copytree(tiny_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 1 << 20
+    (path / "config.json").write_text(json.dumps(config))
+    args = [*generate_args(path, "--tp", "2", "--pp", "2", "--max-tokens", "500000")]
+    ranks = Ranks(4, [*args, "--ignore-chat-template", "--timeout", "10"], tmp_path)
+    ranks.wait_for_output(100, timeout=180)
+    ranks.signal(3, signal.SIGKILL)  # tensor rank 1 of the last stage
+    for r in ranks.wait(10 + 15, [0, 1, 2]):
+        assert r.code == 3, (r.rank, r.code, r.seconds, r.err[-2000:])
+        assert r.seconds <= 25, (r.rank, r.seconds)
+        [line] = r.error_lines()
+        assert line.startswith(f"error: rank {r.rank}: "), line
