@@ -37,8 +37,8 @@ def worker(path: str) -> None:
     """One rank: load `path`, print every rank's figures (rank 0) as one JSON line."""
     import mlx.core as mx
 
-    from llama_tp.distributed import all_gather_object
-    from llama_tp.loader import load_model, max_rss
+    from llama_tp.cluster.distributed import all_gather_object
+    from llama_tp.engine.loader import load_model, max_rss
 
     group = mx.distributed.init()
     rss, rchar = _rss(), _rchar()
@@ -70,9 +70,9 @@ def main() -> int:
         worker(args.worker)
         return 0
 
+    from llama_tp.benchmarks.synthetic import synthetic_dir
     from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.convert import convert
-    from llama_tp.synthetic import synthetic_dir
+    from llama_tp.checkpoints.convert import convert
 
     base = Path(args.dir)
     base.mkdir(parents=True, exist_ok=True)
@@ -143,7 +143,10 @@ def write_report(out: Path, src: Path, total: int, replicated: int, rows: list) 
             f"{s['bytes_read'] / share:.3f} | {s['peak_memory'] / share:.3f} |"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    kept = ""  # the GGUF section bench/gguf_memory.py writes
+    if out.is_file() and "## GGUF files" in out.read_text():
+        kept = "\n" + out.read_text()[out.read_text().index("## GGUF files") :]
+    out.write_text("\n".join(lines) + "\n" + kept)
     print(f"wrote {out}", file=sys.stderr)
 
 

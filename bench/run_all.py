@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report import write_plot, write_report  # noqa: E402
-from llama_tp.blas import find_openblas  # noqa: E402
+from llama_tp.cluster.blas import find_openblas  # noqa: E402
 
 
 @dataclass
@@ -326,7 +326,7 @@ def main() -> int:
     if not find_openblas():
         print("OpenBLAS not installed: its rows are skipped", file=sys.stderr)
         runs = [r for r in runs if r.blas != "openblas"]
-    from llama_tp.synthetic import synthetic_dir
+    from llama_tp.benchmarks.synthetic import synthetic_dir
 
     for spec in sorted({r.model[1] for r in runs if r.model[:1] == ["--synthetic"]}):
         print(f"synthetic checkpoint {spec}: {synthetic_dir(spec)}", file=sys.stderr)
