@@ -85,8 +85,7 @@ def test_two_ranks_equal_one_and_each_reads_about_half(runs, mix):
 def test_exact_types_match_the_float64_reference(tmp_path):
     """Every type converted exactly (Q4_0 .. Q8_0, Q4_K, Q5_K) within 0.01 nats, and
     Q6_K (requantized to 8 bits) within 0.03, on the per-type synthetic files."""
-    from gguf_writer import NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-    from gguf_writer import tiny_llama_gguf
+    from gguf_writer import NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, tiny_llama_gguf
     from test_gguf_quants import PROJECTIONS, SMALL
 
     paths = {}
@@ -98,7 +97,7 @@ def test_exact_types_match_the_float64_reference(tmp_path):
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == len(paths), r.stderr[-3000:]
     gaps = {}
-    for line, name in zip(lines, paths):
+    for line, name in zip(lines, paths, strict=True):
         ref = reference64.logits(line["path"], line["tokens"])
         gaps[name] = reference64.top5_gap(np.array(line["logits"]), ref)
     for name, gap in gaps.items():
