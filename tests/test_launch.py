@@ -57,23 +57,26 @@ def test_bad_arguments_are_one_line():
     assert r.stderr.strip() == "error: -m needs a module name, e.g. -m llama_tp.generate"
 
 
-def test_mpi_backend_gives_the_ring_text(tiny_dir):
+def test_mpi_backend_gives_the_ring_text(tiny_dir, tmp_path):
     assert shutil.which("mpirun"), (
         "mpirun is missing: apt-get install openmpi-bin libopenmpi-dev (.ci/run does)"
     )
-    # mpirun refuses root and more ranks than cores unless told
+    # mpirun refuses root and more ranks than cores unless told. Its session directory
+    # goes under tmp_path: /tmp/ompi.HOST.UID fills with the ones MPI singletons leave
+    # (any `mx.distributed.init()` outside a launcher made one, before world() chose the
+    # ring backend there), and there Open MPI 4 once exited 1 without a word.
     env = {
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        "OMPI_MCA_orte_tmpdir_base": str(tmp_path),
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         mpi = launch(2, _generate(tiny_dir), extra=["--backend", "mpi"])
         if mpi.returncode and not (mpi.stdout + mpi.stderr).strip():
-            # Open MPI 4 sometimes exits 1 silently at start-up on a loaded machine
-            # (seen once in a full run, never alone): one more try, then it counts
+            # one more try, then it counts
             mpi = launch(2, _generate(tiny_dir), extra=["--backend", "mpi"])
         if mpi.returncode and not (mpi.stdout + mpi.stderr).strip():
             mpi = _with_mpirun_diagnostics(mpi)
@@ -163,3 +166,21 @@ def test_local_ranks_preload_openblas():
         timeout=120,
     )
     assert sorted(off.stdout.split("\n")[:-1]) == ["0 None None", "1 None None"], off.stderr
+
+
+def test_a_process_on_its_own_does_not_start_mpi(tmp_path):
+    """world() outside a launcher is the ring backend's group of one: no MPI singleton
+    (0.3 s and a session directory per start where Open MPI is installed)."""
+    env = {**os.environ, "OMPI_MCA_orte_tmpdir_base": str(tmp_path)}
+    for k in ("MLX_RANK", "MLX_HOSTFILE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        env.pop(k, None)
+
+    def sessions(code: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout == "1\n", r.stderr
+        return [p.name for p in tmp_path.iterdir()]
+
+    ours = "from llama_tp.cluster.distributed import world; print(world().size())"
+    assert sessions(ours) == []
+    plain = "import mlx.core as mx; print(mx.distributed.init().size())"
+    assert sessions(plain), "mx.distributed.init() no longer starts MPI: the test shows nothing"

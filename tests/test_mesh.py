@@ -193,5 +193,6 @@ def test_killing_a_later_stage_ends_every_rank(tiny_dir, tmp_path):
     for r in ranks.wait(10 + 15, [0, 1, 2]):
         assert r.code == 3, (r.rank, r.code, r.seconds, r.err[-2000:])
         assert r.seconds <= 25, (r.rank, r.seconds)
-        [line] = r.error_lines()
-        assert line.startswith(f"error: rank {r.rank}: "), line
+        lines = r.error_lines()
+        assert len(lines) == 1, (r.rank, lines)
+        assert lines[0].startswith(f"error: rank {r.rank}: "), lines

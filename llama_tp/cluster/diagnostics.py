@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .distributed import all_gather_object
+from .distributed import all_gather_object, launched_backend
 
 SLOW_MATMUL_S = 0.15  # 1024^3 fp32 multiply-adds: reference BLAS ~0.4 s here, OpenBLAS ~0.03 s
 VERSION_KEYS = ("python", "mlx", "mlx-lm", "llama_tp")
@@ -26,16 +26,7 @@ def backend_name(group: mx.distributed.Group) -> str:
     environment, tried in the order `mx.distributed.init(backend="any")` tries them."""
     if group.size() == 1:
         return "single process"
-    env = os.environ
-    if "NCCL_HOST_IP" in env and "MLX_WORLD_SIZE" in env:
-        return "nccl"
-    if "MLX_HOSTFILE" in env and "MLX_RANK" in env:
-        return "ring"
-    if any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
-        return "mpi"
-    if "MLX_IBV_DEVICES" in env or "MLX_JACCL_COORDINATOR" in env:
-        return "jaccl"
-    return "unknown"
+    return launched_backend() or "unknown"
 
 
 def _version(dist: str) -> str:

@@ -6,6 +6,7 @@ the ranks in step and make only rank 0 talk to the user.
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from typing import Any
@@ -13,8 +14,30 @@ from typing import Any
 import mlx.core as mx
 
 
+def launched_backend() -> str | None:
+    """The backend a launcher set up for this process, told from what it put in the
+    environment, in the order `mx.distributed.init(backend="any")` tries them
+    (None: started on its own)."""
+    env = os.environ
+    if "NCCL_HOST_IP" in env and "MLX_WORLD_SIZE" in env:
+        return "nccl"
+    if "MLX_HOSTFILE" in env and "MLX_RANK" in env:
+        return "ring"
+    if any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        return "mpi"
+    if "MLX_IBV_DEVICES" in env or "MLX_JACCL_COORDINATOR" in env:
+        return "jaccl"
+    return None
+
+
 def world() -> mx.distributed.Group:
-    """The global group: size 1 when not launched by mlx.launch."""
+    """The global group: size 1 when not launched by mlx.launch (or mpirun).
+
+    A process started on its own gets the ring backend's group of one: with Open MPI
+    installed, `init()` would otherwise start MPI as a singleton (0.3 s here, and a
+    session directory left in /tmp by every run)."""
+    if launched_backend() is None:
+        return mx.distributed.init(backend="ring")
     return mx.distributed.init()
 
 
