@@ -114,15 +114,20 @@ class RingNoiseFilter:
             while data:
                 data = data[os.write(self.real_fd, data) :]
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Restore fd 2 and forward what is still in the pipe (idempotent, any thread)."""
+    def close(self, timeout: float = 2.0, final: bool = False) -> None:
+        """Forward what is still in the pipe and restore fd 2 (idempotent, any thread).
+
+        `final` (the process is about to exit): fd 2 goes to /dev/null instead, because
+        MLX's threads may still be writing a "[ring]" line, piece by piece, and tearing
+        its groups down at exit writes more; write last words to `real_fd`."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         with contextlib.suppress(Exception):
             sys.stderr.flush()
-        os.dup2(self.real_fd, 2)  # the pipe's last writer is gone: the pump sees its end
+        target = os.open(os.devnull, os.O_WRONLY) if final else self.real_fd
+        os.dup2(target, 2)  # the pipe's last writer is gone: the pump sees its end
         self._thread.join(timeout)
 
 
@@ -262,10 +267,13 @@ def filter_ring_noise() -> RingNoiseFilter:
     return _filter
 
 
-def close_filter() -> None:
-    """Forward what the filter holds and put the real stderr back (before exiting)."""
-    if _filter is not None:
-        _filter.close()
+def close_filter(final: bool = False) -> int:
+    """Forward what the filter holds and put the real stderr back, or with `final`
+    (just before exiting) silence fd 2. Returns the fd of the real stderr."""
+    if _filter is None:
+        return 2
+    _filter.close(final=final)
+    return _filter.real_fd
 
 
 _exiting = threading.Lock()
@@ -277,9 +285,9 @@ def report_and_exit(line: str, code: int) -> None:
     _exiting.acquire()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
-    close_filter()
+    fd = close_filter(final=True)
     with contextlib.suppress(OSError):
-        os.write(2, (line + "\n").encode())
+        os.write(fd, (line + "\n").encode())
     os._exit(code)
 
 

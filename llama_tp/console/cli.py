@@ -260,7 +260,7 @@ def run(main: Callable[[], int | None]) -> NoReturn:
         code = EXIT_ERROR
     watchdog.uninstall()
     sys.stdout.flush()
-    watchdog.close_filter()
+    watchdog.close_filter(final=True)  # MLX's teardown at exit may still write "[ring]"
     sys.exit(code)
 
 
