@@ -134,6 +134,24 @@ def stage_ranges(full: nn.Module, pp: int, pp_split: str | None) -> list[range]:
     return balanced_split([_nbytes(layer) for layer in full.layers], emb, head, pp)
 
 
+def stage_module(full: nn.Module, mesh: Mesh) -> PipelineModel:
+    """Stage `mesh.stage` of the (lazily built, unsharded) `full` model: its layers, and
+    the embedding (first stage; the last too when tied), norm and head (last stage).
+    Pure: no collective, nothing read; `mesh.layers` must be set."""
+    mine = mesh.layers[mesh.stage]
+    model = PipelineModel(full.args, mesh, full.layers[mine.start : mine.stop])
+    tied = full.args.tie_word_embeddings
+    if mesh.first or (mesh.last and tied):
+        model.tok_embeddings = full.tok_embeddings
+    if mesh.last:
+        model.norm = full.norm
+        if not tied:
+            model.output = full.output
+    # As the tensor-parallel loader: split the feed-forward on the file's own blocks
+    model.ffn_block = getattr(full, "ffn_block", None)
+    return model
+
+
 def build_stage(
     ckpt: Checkpoint, mesh: Mesh, pp_split: str | None, vocab_parallel: bool
 ) -> PipelineModel:
@@ -146,15 +164,7 @@ def build_stage(
         )
     full = build_model(ckpt, whole=False)  # lazy: only what the stage keeps is ever read
     mesh.layers = stage_ranges(full, mesh.pp, pp_split)
-    mine = mesh.layers[mesh.stage]
-    model = PipelineModel(full.args, mesh, full.layers[mine.start : mine.stop])
-    tied = full.args.tie_word_embeddings
-    if mesh.first or (mesh.last and tied):
-        model.tok_embeddings = full.tok_embeddings
-    if mesh.last:
-        model.norm = full.norm
-        if not tied:
-            model.output = full.output
+    model = stage_module(full, mesh)
     plan, vocab = None, None
     if mesh.tp > 1:
         plan = shard_model(model, mesh.tp_group)
