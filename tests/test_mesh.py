@@ -10,6 +10,8 @@ import pytest
 from conftest import launch, run_python
 from fixtures import write_hf_model
 
+from llama_tp.checkpoints import open_checkpoint
+from llama_tp.engine.mesh_plan import mesh_plan
 from llama_tp.parallel.mesh import MeshError, balanced_split, layout, mesh_shape, parse_split
 
 # --- pure Python: shapes, placement, splits ---
@@ -92,20 +94,27 @@ def run_mesh(n: int, tp: int, pp: int, specs: list[str]) -> list[dict]:
 def check(line: dict, tp: int, pp: int, split: list[int] | None = None) -> None:
     assert line["diff"] <= 1e-4, line
     assert line["same_tokens"], line
-    stages = line["stages"]  # per rank: stage, tensor rank, first layer, end, bytes, layers
+    # per rank: stage, tensor rank, first layer, end, bytes without norms, layers, all bytes
+    stages = line["stages"]
     assert sorted((s, t) for s, t, *_ in stages) == [(s, t) for s in range(pp) for t in range(tp)]
-    ranges = {s: (a, b) for s, _, a, b, _, _ in stages}
+    ranges = {s: (a, b) for s, _, a, b, *_ in stages}
     bounds = [ranges[s] for s in range(pp)]
     assert bounds[0][0] == 0 and bounds[-1][1] == line["n_layers"], bounds
     assert all(bounds[s][1] == bounds[s + 1][0] for s in range(pp - 1)), bounds
     if split:
         assert [b - a for a, b in bounds] == split
-    for _, _, a, b, _, held in stages:
+    for _, _, a, b, _, held, _ in stages:
         assert held == b - a  # only its own layers are built
     # Every parameter but the (replicated) norms is held exactly once across the ranks;
     # a tied table twice (the first stage's embedding, the last stage's head).
     expected = line["full_bytes"] + (line["embedding_bytes"] if line["tied"] else 0)
     assert sum(s[4] for s in stages) == expected, line
+    # `python -m llama_tp.plan --tp --pp` (no launch) predicts what every rank loaded.
+    path, _, text = line["model"].partition("@")
+    planned = mesh_plan(open_checkpoint(path), tp * pp, tp, pp, text or None)
+    assert [
+        [r.stage, r.tp_rank, r.layers.start, r.layers.stop, r.nbytes] for r in planned.ranks
+    ] == [[s, t, a, b, nbytes] for s, t, a, b, _, _, nbytes in stages]
 
 
 def test_pp2_on_2_ranks(models):
