@@ -13,6 +13,7 @@ from fixtures import write_hf_model
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.engine.mesh_plan import mesh_plan
 from llama_tp.parallel.mesh import MeshError, balanced_split, layout, mesh_shape, parse_split
+from llama_tp.parallel.partition import human_bytes
 
 # --- pure Python: shapes, placement, splits ---
 
@@ -147,8 +148,28 @@ def test_generate_tp2_x_pp2_prints_what_one_process_prints(tiny_dir):
     assert one.returncode == 0, one.stderr
     four = launch(4, generate_args(tiny_dir, "--tp", "2", "--pp", "2", "--verbose", *flags))
     assert four.stdout == one.stdout, four.stderr[-3000:]
-    assert "Mesh: --tp 2 x --pp 2" in four.stderr
-    assert "stage 1: ranks 2, 3: layers 1-1 + norm, head" in four.stderr
+    # --verbose, rank 0 only: the stages and what each rank holds (gathered from the ranks),
+    # which is what the plan predicts without launching anything.
+    held = [human_bytes(r.nbytes) for r in mesh_plan(open_checkpoint(tiny_dir), 4, 2, 2).ranks]
+    mesh = four.stderr[four.stderr.index("Mesh: ") :].splitlines()[:3]
+    assert mesh == [
+        "Mesh: --tp 2 x --pp 2",
+        f"stage 0: ranks 0, 1: layers 0-0 + embedding (weights: rank 0 {held[0]}, "
+        f"rank 1 {held[1]})",
+        f"stage 1: ranks 2, 3: layers 1-1 + norm, head (weights: rank 2 {held[2]}, "
+        f"rank 3 {held[3]})",
+    ], four.stderr
+    assert four.stderr.count("Mesh: ") == 1
+
+
+def test_chat_verbose_shows_the_mesh(tiny_dir):
+    args = ["-m", "llama_tp.chat", "--model", str(tiny_dir), "--pp", "2", "--verbose"]
+    r = launch(2, [*args, "--max-tokens", "4"], input="hi\n/quit\n", timeout=120)
+    assert r.returncode == 0, r.stderr
+    held = [human_bytes(x.nbytes) for x in mesh_plan(open_checkpoint(tiny_dir), 2, None, 2).ranks]
+    assert f"stage 0: rank 0: layers 0-0 + embedding (weights: rank 0 {held[0]})" in r.stderr
+    assert f"stage 1: rank 1: layers 1-1 + norm, head (weights: rank 1 {held[1]})" in r.stderr
+    assert r.stderr.count("Mesh: --tp 1 x --pp 2") == 1
 
 
 # --- bad input: one line, every rank exits, nothing hangs ---
