@@ -11,6 +11,7 @@ from conftest import launch, run_python
 from fixtures import write_hf_model
 
 from llama_tp.checkpoints import open_checkpoint
+from llama_tp.engine.agreement import disagreement
 from llama_tp.engine.mesh_plan import mesh_plan
 from llama_tp.parallel.mesh import MeshError, balanced_split, layout, mesh_shape, parse_split
 from llama_tp.parallel.partition import human_bytes
@@ -200,6 +201,30 @@ def test_pp_split_not_the_layer_count(tiny_dir):
     assert_usage_error(r, 2, "--pp-split 2,1 sums to 3 layers, but the model has 2")
     one = run_python(generate_args(tiny_dir, "--pp-split", "1,1"), timeout=120)
     assert one.returncode == 2 and "error: --pp-split needs --pp" in one.stderr
+
+
+def test_ranks_started_with_different_meshes(tiny_dir, tmp_path):
+    """The start-up agreement compares the mesh before any mesh is made."""
+    from mp_ranks import Ranks
+
+    flags = [["--pp", "2"], ["--tp", "2"]]  # 1 x 2 against 2 x 1
+    ranks = Ranks(2, lambda r: generate_args(tiny_dir, *flags[r]), tmp_path)
+    r0, r1 = ranks.wait(60)
+    assert r0.error_lines() == [
+        "error: ranks disagree on the mesh (--tp: rank 0 has 1, rank 1 has 2)"
+    ], r0.err
+    assert r1.err == "" and r0.out == r1.out == ""
+    assert r0.code == r1.code == 1
+
+
+def test_mesh_disagreement_after_loading():
+    def facts(split):
+        return {"world": 4, "mesh": {"--tp": 2, "--pp": 2, "--pp-split": split}}
+
+    assert disagreement([facts("1,1")] * 4) is None
+    assert disagreement([facts("1,1"), facts("1,1"), facts("2,0"), facts("1,1")]) == (
+        'ranks disagree on the mesh (--pp-split: ranks 0, 1, 3 have "1,1", rank 2 has "2,0")'
+    )
 
 
 # --- a stage dies: every rank ends (the watchdog's bound) ---
