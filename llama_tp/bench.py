@@ -27,7 +27,7 @@ from .cluster.distributed import agree_ok, all_gather_object, eprint0, world
 
 
 def parser():
-    from .console.cli import ArgumentParser, add_load_args
+    from .console.cli import ArgumentParser, add_load_args, add_mesh_args
 
     p = ArgumentParser(
         prog="python -m llama_tp.bench",
@@ -57,6 +57,7 @@ def parser():
         action="store_true",
         help="prefill with the norms and residual stream split along the sequence",
     )
+    add_mesh_args(p)
     p.add_argument(
         "--collective-steps",
         type=int,
@@ -81,7 +82,9 @@ def parser():
 
 
 def check_args(args: Any) -> None:
-    from .console.cli import UsageError
+    from .console.cli import UsageError, check_mesh_args
+
+    check_mesh_args(args)
 
     for name in ("prompt_tokens", "generation_tokens", "num_trials", "prefill_step_size"):
         if getattr(args, name) <= 0:
@@ -124,6 +127,8 @@ def main() -> int:
         "ld_preload": os.environ.get("LD_PRELOAD") or None,
     }
     result["llama_tp"], prompt = bench_llama_tp(args, path, group)
+    if result["llama_tp"]["mesh"]["tp"] == 1:  # --pp = the ranks: no tensor group to split over
+        result["vocab_parallel"] = False
     result["prompt_tokens"] = len(prompt)  # --prompt TEXT: its length
     result["prompt_text"] = args.prompt
     if args.compare == "mlx-lm":

@@ -46,7 +46,9 @@ def _parser():
         "(default: say so and keep it)",
     )
     p.add_argument(
-        "--verbose", action="store_true", help="per-turn token counts and speed on stderr"
+        "--verbose",
+        action="store_true",
+        help="per-turn token counts and speed on stderr (and the mesh, with --pp)",
     )
     return p
 
@@ -73,6 +75,14 @@ def main() -> int:
     watchdog.set_group_size(group.size())
     model, tokenizer, _ = load_checked(args, group)
     draft = load_draft_checked(args, model, tokenizer, group)
+    if args.verbose and getattr(model, "mesh", None) is not None:  # tp x pp mesh
+        from .cluster.distributed import eprint0
+        from .engine.pipeline import describe_stages
+
+        with watchdog.stage("gathering the mesh", "load"):
+            stages = describe_stages(model, group)
+        eprint0(f"Mesh: --tp {model.mesh.tp} x --pp {model.mesh.pp}")
+        eprint0("\n".join(stages))
     chat = Chat(
         model,
         tokenizer,

@@ -32,7 +32,9 @@ def _parser():
     p.add_argument("--prompt", "-p", default="hello", help="the prompt ('-' reads stdin)")
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument(
-        "--verbose", action="store_true", help="print speed and every rank's peak memory on stderr"
+        "--verbose",
+        action="store_true",
+        help="print speed and every rank's peak memory on stderr (and the mesh, with --pp)",
     )
     return p
 
@@ -131,10 +133,14 @@ def main() -> int:
         print0(r.text, end="")
     print0()
     if args.verbose and r is not None:
+        from .engine.pipeline import describe_stages
+
+        mesh = getattr(model, "mesh", None)  # tp x pp mesh (engine/pipeline.py)
         with watchdog.stage("gathering the statistics"):
             peaks = all_gather_object(
                 (mx.get_peak_memory(), vocab_bytes(model), ckpt.load_stats), group
             )
+            stages = describe_stages(model, group) if mesh is not None else []
         eprint0(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
         eprint0(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
         if r.speculative is not None:
@@ -151,9 +157,9 @@ def main() -> int:
         eprint0(f"Loading: {load}")
         if ckpt.notes:
             eprint0(f"Weights: {'; '.join(ckpt.notes)}")
-        if getattr(model, "mesh", None) is not None:  # tp x pp mesh (engine/pipeline.py)
-            eprint0(f"Mesh: --tp {model.mesh.tp} x --pp {model.mesh.pp}")
-            eprint0(model.mesh.describe())
+        if mesh is not None:
+            eprint0(f"Mesh: --tp {mesh.tp} x --pp {mesh.pp}")
+            eprint0("\n".join(stages))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 python -m llama_tp.plan -n 3
 python -m llama_tp.plan -n 2 --sequence-parallel
+python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (engine/mesh_plan.py)
 """
 
 from __future__ import annotations
@@ -24,9 +25,29 @@ def main() -> int:
     p.add_argument(
         "--sequence-parallel", action="store_true", help="the plan with sequence parallelism"
     )
+    p.add_argument("--tp", type=int, help="ranks per tensor-parallel group (default: N / --pp)")
+    p.add_argument("--pp", type=int, help="pipeline stages (default 1: the plan over N ranks)")
+    p.add_argument(
+        "--pp-split",
+        metavar="N,N,...",
+        help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
+    )
     args = p.parse_args()
     if args.n < 1:
         p.error(f"-n must be at least 1, got {args.n}")
+    from .console.cli import UsageError
+    from .parallel.mesh import MeshError, mesh_shape
+
+    try:
+        _, stages = mesh_shape(args.n, args.tp, args.pp)
+        if args.pp_split and stages == 1:
+            raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
+    except MeshError as e:  # the loader's line, a usage error as there
+        raise UsageError(str(e)) from None
+    if stages > 1:
+        if args.sequence_parallel:
+            raise UsageError("--tp/--pp take the built-in plan, without --sequence-parallel")
+        return print_mesh(args)
 
     # Reading shapes is lazy: no weight is loaded to print the plan.
     from .checkpoints import open_checkpoint
@@ -57,6 +78,30 @@ def main() -> int:
         from .checkpoints.gguf import split_notes
 
         for note in [*ckpt.notes, *split_notes(ckpt, plan)]:
+            print(note)
+    return 0
+
+
+def print_mesh(args) -> int:
+    """The tp x pp mesh: each rank's stage, layers, tensor rank and slice, then each
+    stage's plan table (engine/mesh_plan.py)."""
+    from .checkpoints import open_checkpoint
+    from .console.cli import UsageError
+    from .engine.loader import default_model
+    from .engine.mesh_plan import format_mesh, mesh_plan
+    from .parallel.mesh import MeshError
+
+    ckpt = open_checkpoint(args.model or default_model())
+    try:
+        mp = mesh_plan(ckpt, args.n, args.tp, args.pp, args.pp_split, not args.no_vocab_parallel)
+    except MeshError as e:
+        raise UsageError(str(e)) from None
+    print(format_mesh(mp, ckpt.path.name))
+    if ckpt.format == "gguf":
+        from .checkpoints.gguf import split_notes
+
+        print()
+        for note in [*ckpt.notes, *split_notes(ckpt, mp.partitions[0])]:
             print(note)
     return 0
 

@@ -7,7 +7,8 @@ rank builds the unsharded reference and its own stage, runs both on the same
 tokens (a prefill, then cached single-token steps) and greedy-decodes a few
 tokens with both. Rank 0 prints one JSON line per model:
 {"model", "diff" (max |logits - reference|), "same_tokens", "stages" (each rank's
-stage, global layer range, parameter bytes without the norms), "full_bytes", ...}.
+stage, tensor rank, global layer range, parameter bytes without the norms, layers
+built, all its parameter bytes), "full_bytes", ...}.
 """
 
 from __future__ import annotations
@@ -74,7 +75,9 @@ def main() -> int:
         same = greedy(ref, prompt, 8) == greedy(model, prompt, 8)
         mesh = model.mesh
         r = mesh.layers[mesh.stage]
+        held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         mine = [mesh.stage, mesh.tp_rank, r.start, r.stop, non_norm_bytes(model), len(model.layers)]
+        mine.append(held)
         stages = all_gather_object(mine, world)
         ok = all_gather_object((diff, same), world)
         if world.rank() == 0:

@@ -14,7 +14,7 @@ from conftest import launch, run_python
 from llama_tp.benchmarks.report import print_table
 from llama_tp.benchmarks.synthetic import parse_spec
 from llama_tp.cluster import blas
-from llama_tp.cluster.collectives import collectives
+from llama_tp.cluster.collectives import Call, collectives, traffic
 
 FLAGS = ["-p", "8", "-g", "4", "-n", "1", "--json", "--compare", "mlx-lm"]
 ENGINE_FIELDS = [
@@ -152,6 +152,69 @@ def test_two_ranks_without_vocab_parallel_pinned(tiny_dir):
     assert c["all_reduces_per_token"] == 4 and c["other_collectives_per_token"] == 0
 
 
+def test_traffic_splits_a_stage_by_group():
+    pipe = object()  # a stage of a mesh: 2 layer all-reduces, the hop, the logits, sampling
+    calls = [Call("all_sum", 256), Call("all_sum", 256), Call("send", 256, pipe)]
+    calls += [Call("all_sum", 780, pipe), Call("all_gather", 264)]
+    assert traffic(calls, pipe) == {
+        "messages": [
+            {"group": "tensor", "op": "all_gather", "calls": 1, "bytes": 264},
+            {"group": "tensor", "op": "all_sum", "calls": 2, "bytes": 256},
+            {"group": "pipeline", "op": "all_sum", "calls": 1, "bytes": 780},
+            {"group": "pipeline", "op": "send", "calls": 1, "bytes": 256},
+        ],
+        "bytes_sent": 2 * 256 + 256 + 780 + 264,
+        "rounds": 5,
+        "tensor_rounds": [2, 1],  # before the logits' all-reduce, and after it
+    }
+
+
+def test_tp2_x_pp2_mesh_counts_each_ranks_messages(tiny_dir, capsys):
+    args = ["-m", "llama_tp.bench", "--model", str(tiny_dir), "-p", "8", "-g", "2", "-n", "1"]
+    args += ["--json", "--collective-steps", "1", "--tp", "2", "--pp", "2"]
+    r = launch(4, args, timeout=240)
+    assert "error" not in r.stderr, r.stderr
+    result = _result(r.stdout)
+    lt = result["llama_tp"]
+    assert lt["mesh"] == {
+        "tp": 2,
+        "pp": 2,
+        "layers_per_stage": [1, 1],
+        "stages": [[0, 1], [2, 3]],
+        "rounds_per_token": 7,
+    }
+    # Counted per rank while a decode step's graph is built (tiny_dir: 2 layers, dim 64,
+    # 389 tokens split 195 + 194, fp32). Stage 0: its layer's 2 all-reduces, the hidden
+    # state sent on, the logits' all-reduce over the pipeline group (zeros from stage 0),
+    # the sampling exchange (value, index and the next token's embedding row); stage 1
+    # receives, and its exchange carries no row (it has no embedding).
+    h, logits = 64 * 4, [195 * 4, 194 * 4]
+    for rank in lt["traffic"]:
+        stage, t = rank["stage"], rank["tp_rank"]
+        assert (rank["rank"], stage, t) == (2 * stage + t, rank["rank"] // 2, rank["rank"] % 2)
+        hop = "send" if stage == 0 else "recv"
+        row = (2 + 64) * 4 if stage == 0 else 2 * 4
+        assert rank["messages"] == [
+            {"group": "tensor", "op": "all_gather", "calls": 1, "bytes": row},
+            {"group": "tensor", "op": "all_sum", "calls": 2, "bytes": h},
+            {"group": "pipeline", "op": "all_sum", "calls": 1, "bytes": logits[t]},
+            {"group": "pipeline", "op": hop, "calls": 1, "bytes": h},
+        ], rank
+        assert rank["bytes_sent"] == row + 2 * h + logits[t] + (h if stage == 0 else 0)
+        assert rank["rounds"] == 5 and rank["tensor_rounds"] == [2, 1]
+    # Stage 0's 2, the hop, stage 1's 2, the logits, then both stages' sampling side by side.
+    assert lt["rounds_per_token"] == 7
+    assert lt["tokens"] and lt["generation_tps"] > 0
+    print_table(result)
+    table = capsys.readouterr().out
+    assert "(4 ranks, vocab-parallel; mesh --tp 2 x --pp 2, layers 1,1;" in table
+    assert (
+        "  rank 2 (stage 1, tensor rank 0): tensor all_gather 1 x 8 B, tensor all_sum 2 x 256 B, "
+        "pipeline all_sum 1 x 780 B, pipeline recv 1 x 256 B; sends 1.27 KiB in 5 rounds"
+    ) in table
+    assert "collective rounds per token: 7 (the stages one after the other" in table
+
+
 def test_usage_errors():
     r = run_python(["-m", "llama_tp.bench", "-g", "1"], timeout=60)
     assert r.returncode == 2
@@ -159,6 +222,9 @@ def test_usage_errors():
     r = run_python(["-m", "llama_tp.bench", "--synthetic", "3b-fp8", "-g", "2"], timeout=60)
     assert r.returncode == 1
     assert "synthetic model '3b-fp8': expected SIZE-DTYPE" in r.stderr
+    r = run_python(["-m", "llama_tp.bench", "--pp-split", "1,1"], timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --pp-split needs --pp (the number of pipeline stages)"
 
 
 def test_collectives_wrapper_counts_and_restores():
@@ -167,8 +233,13 @@ def test_collectives_wrapper_counts_and_restores():
     with collectives("identity") as calls:
         y = mx.distributed.all_sum(x)
         g = mx.distributed.all_gather(x)
-    assert calls == [("all_sum", 48), ("all_gather", 48)]
+        s = mx.distributed.send(x, 0)
+        r = mx.distributed.recv((2, 3), mx.float16, 0)
+    assert calls == [("all_sum", 48, None), ("all_gather", 48, None), ("send", 48, None)] + [
+        ("recv", 12, None)
+    ]
     assert y is x and g.shape == (3, 4)  # a group of one: gathering one copy
+    assert s is x and r.shape == (2, 3) and r.dtype == mx.float16
     assert mx.distributed.all_sum is original
     with pytest.raises(RuntimeError), collectives():
         raise RuntimeError("boom")

@@ -10,7 +10,11 @@ import pytest
 from conftest import launch, run_python
 from fixtures import write_hf_model
 
+from llama_tp.checkpoints import open_checkpoint
+from llama_tp.engine.agreement import disagreement
+from llama_tp.engine.mesh_plan import mesh_plan
 from llama_tp.parallel.mesh import MeshError, balanced_split, layout, mesh_shape, parse_split
+from llama_tp.parallel.partition import human_bytes
 
 # --- pure Python: shapes, placement, splits ---
 
@@ -92,20 +96,27 @@ def run_mesh(n: int, tp: int, pp: int, specs: list[str]) -> list[dict]:
 def check(line: dict, tp: int, pp: int, split: list[int] | None = None) -> None:
     assert line["diff"] <= 1e-4, line
     assert line["same_tokens"], line
-    stages = line["stages"]  # per rank: stage, tensor rank, first layer, end, bytes, layers
+    # per rank: stage, tensor rank, first layer, end, bytes without norms, layers, all bytes
+    stages = line["stages"]
     assert sorted((s, t) for s, t, *_ in stages) == [(s, t) for s in range(pp) for t in range(tp)]
-    ranges = {s: (a, b) for s, _, a, b, _, _ in stages}
+    ranges = {s: (a, b) for s, _, a, b, *_ in stages}
     bounds = [ranges[s] for s in range(pp)]
     assert bounds[0][0] == 0 and bounds[-1][1] == line["n_layers"], bounds
     assert all(bounds[s][1] == bounds[s + 1][0] for s in range(pp - 1)), bounds
     if split:
         assert [b - a for a, b in bounds] == split
-    for _, _, a, b, _, held in stages:
+    for _, _, a, b, _, held, _ in stages:
         assert held == b - a  # only its own layers are built
     # Every parameter but the (replicated) norms is held exactly once across the ranks;
     # a tied table twice (the first stage's embedding, the last stage's head).
     expected = line["full_bytes"] + (line["embedding_bytes"] if line["tied"] else 0)
     assert sum(s[4] for s in stages) == expected, line
+    # `python -m llama_tp.plan --tp --pp` (no launch) predicts what every rank loaded.
+    path, _, text = line["model"].partition("@")
+    planned = mesh_plan(open_checkpoint(path), tp * pp, tp, pp, text or None)
+    assert [
+        [r.stage, r.tp_rank, r.layers.start, r.layers.stop, r.nbytes] for r in planned.ranks
+    ] == [[s, t, a, b, nbytes] for s, t, a, b, _, _, nbytes in stages]
 
 
 def test_pp2_on_2_ranks(models):
@@ -138,8 +149,28 @@ def test_generate_tp2_x_pp2_prints_what_one_process_prints(tiny_dir):
     assert one.returncode == 0, one.stderr
     four = launch(4, generate_args(tiny_dir, "--tp", "2", "--pp", "2", "--verbose", *flags))
     assert four.stdout == one.stdout, four.stderr[-3000:]
-    assert "Mesh: --tp 2 x --pp 2" in four.stderr
-    assert "stage 1: ranks 2, 3: layers 1-1 + norm, head" in four.stderr
+    # --verbose, rank 0 only: the stages and what each rank holds (gathered from the ranks),
+    # which is what the plan predicts without launching anything.
+    held = [human_bytes(r.nbytes) for r in mesh_plan(open_checkpoint(tiny_dir), 4, 2, 2).ranks]
+    mesh = four.stderr[four.stderr.index("Mesh: ") :].splitlines()[:3]
+    assert mesh == [
+        "Mesh: --tp 2 x --pp 2",
+        f"stage 0: ranks 0, 1: layers 0-0 + embedding (weights: rank 0 {held[0]}, "
+        f"rank 1 {held[1]})",
+        f"stage 1: ranks 2, 3: layers 1-1 + norm, head (weights: rank 2 {held[2]}, "
+        f"rank 3 {held[3]})",
+    ], four.stderr
+    assert four.stderr.count("Mesh: ") == 1
+
+
+def test_chat_verbose_shows_the_mesh(tiny_dir):
+    args = ["-m", "llama_tp.chat", "--model", str(tiny_dir), "--pp", "2", "--verbose"]
+    r = launch(2, [*args, "--max-tokens", "4"], input="hi\n/quit\n", timeout=120)
+    assert r.returncode == 0, r.stderr
+    held = [human_bytes(x.nbytes) for x in mesh_plan(open_checkpoint(tiny_dir), 2, None, 2).ranks]
+    assert f"stage 0: rank 0: layers 0-0 + embedding (weights: rank 0 {held[0]})" in r.stderr
+    assert f"stage 1: rank 1: layers 1-1 + norm, head (weights: rank 1 {held[1]})" in r.stderr
+    assert r.stderr.count("Mesh: --tp 1 x --pp 2") == 1
 
 
 # --- bad input: one line, every rank exits, nothing hangs ---
@@ -170,6 +201,30 @@ def test_pp_split_not_the_layer_count(tiny_dir):
     assert_usage_error(r, 2, "--pp-split 2,1 sums to 3 layers, but the model has 2")
     one = run_python(generate_args(tiny_dir, "--pp-split", "1,1"), timeout=120)
     assert one.returncode == 2 and "error: --pp-split needs --pp" in one.stderr
+
+
+def test_ranks_started_with_different_meshes(tiny_dir, tmp_path):
+    """The start-up agreement compares the mesh before any mesh is made."""
+    from mp_ranks import Ranks
+
+    flags = [["--pp", "2"], ["--tp", "2"]]  # 1 x 2 against 2 x 1
+    ranks = Ranks(2, lambda r: generate_args(tiny_dir, *flags[r]), tmp_path)
+    r0, r1 = ranks.wait(60)
+    assert r0.error_lines() == [
+        "error: ranks disagree on the mesh (--tp: rank 0 has 1, rank 1 has 2)"
+    ], r0.err
+    assert r1.err == "" and r0.out == r1.out == ""
+    assert r0.code == r1.code == 1
+
+
+def test_mesh_disagreement_after_loading():
+    def facts(split):
+        return {"world": 4, "mesh": {"--tp": 2, "--pp": 2, "--pp-split": split}}
+
+    assert disagreement([facts("1,1")] * 4) is None
+    assert disagreement([facts("1,1"), facts("1,1"), facts("2,0"), facts("1,1")]) == (
+        'ranks disagree on the mesh (--pp-split: ranks 0, 1, 3 have "1,1", rank 2 has "2,0")'
+    )
 
 
 # --- a stage dies: every rank ends (the watchdog's bound) ---

@@ -16,6 +16,24 @@ def _fmt_gb(values: list[float]) -> str:
     return " / ".join(f"{v:.2f}" for v in values)
 
 
+def traffic_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """One line per rank: its place in the mesh, its messages per generated token
+    (group, op, count x bytes), the bytes it sends and its rounds."""
+    from ..parallel.partition import human_bytes
+
+    lines = []
+    for r in ranks:
+        msgs = ", ".join(
+            f"{m['group']} {m['op']} {m['calls']} x {human_bytes(m['bytes'])}"
+            for m in r["messages"]
+        )
+        lines.append(
+            f"rank {r['rank']} (stage {r['stage']}, tensor rank {r['tp_rank']}): "
+            f"{msgs or 'none'}; sends {human_bytes(r['bytes_sent'])} in {r['rounds']} rounds"
+        )
+    return lines
+
+
 def print_table(r: dict[str, Any]) -> None:
     """The human-readable report (rank 0)."""
     rows = [("llama_tp", r["llama_tp"])]
@@ -23,6 +41,10 @@ def print_table(r: dict[str, Any]) -> None:
     if ml and ml.get("supported"):
         rows.append(("mlx-lm", ml))
     vp = ", vocab-parallel" if r["vocab_parallel"] else ""
+    mesh = r["llama_tp"].get("mesh")
+    if mesh and mesh["pp"] > 1:
+        split = ",".join(map(str, mesh["layers_per_stage"]))
+        vp += f"; mesh --tp {mesh['tp']} x --pp {mesh['pp']}, layers {split}"
     blas = "reference BLAS" if r["blas"]["reference"] else (r["blas"]["library"] or "system BLAS")
     print(f"model: {r['model']}  ({r['ranks']} rank{'s' * (r['ranks'] > 1)}{vp}; {blas})")
     print(
@@ -62,7 +84,7 @@ def print_table(r: dict[str, Any]) -> None:
         per = t["prefill_collectives"]["per_layer"]
         print(
             f"llama_tp prefill ({t['prefill_collectives']['tokens']} tokens) collectives "
-            "per layer: " + ", ".join(f"{op} {d['calls']}" for op, d in per.items())
+            "per layer: " + (", ".join(f"{op} {d['calls']}" for op, d in per.items()) or "none")
         )
     if "ratio" in r:
         q = r["ratio"]
@@ -73,14 +95,20 @@ def print_table(r: dict[str, Any]) -> None:
     if ml and not ml.get("supported"):
         print(f"mlx-lm: {ml['reason']}")
     c, t = r["llama_tp"]["collectives"], r["llama_tp"]
+    other = "sampling, with the next token's embedding row when vocabulary-parallel"
+    if mesh and mesh["pp"] > 1:
+        other = "sampling, and the hidden state's send or receive between stages"
     print(
         f"collectives per token: {c['all_reduces_per_token']} all-reduces "
         f"({c['all_reduces_per_layer']:.2f} per layer over {t['n_layers']} layers, "
         f"{c['all_reduces_outside_layers']} outside the layers), "
-        f"{c['other_collectives_per_token']} other (sampling, with the next token's embedding "
-        "row when vocabulary-parallel); "
+        f"{c['other_collectives_per_token']} other ({other}); "
         f"{c['collective_bytes_per_token'] / 1e3:.1f} KB per rank"
     )
+    if r["ranks"] > 1 and "traffic" in t:
+        print("per generated token, each rank's messages (count x bytes of one message):")
+        for line in traffic_lines(t["traffic"]):
+            print(f"  {line}")
     sp = t.get("speculative")
     if sp:
         rate = f"{100 * sp['acceptance_rate']:.1f}% ({sp['accepted']}/{sp['drafted']})"
@@ -88,6 +116,12 @@ def print_table(r: dict[str, Any]) -> None:
             f"speculative ({sp['draft']}, K={sp['k']}): acceptance {rate}, "
             f"{sp['tokens_per_forward']:.2f} tokens per target forward, "
             f"{sp['collectives_per_token']:.1f} collective rounds per token"
+        )
+    elif mesh and mesh["pp"] > 1:
+        print(
+            f"collective rounds per token: {t['rounds_per_token']} (the stages one after "
+            "the other: each stage's tensor-group rounds, the hops between stages, the "
+            "logits' all-reduce)"
         )
     else:
         print(f"collective rounds per token: {t['rounds_per_token']}")

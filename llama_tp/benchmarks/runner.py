@@ -78,16 +78,23 @@ def bench_llama_tp(
 ) -> tuple[dict[str, Any], list[int]]:
     """llama_tp's trials, collective count and decode share; also the prompt it used."""
     from ..cluster.collectives import count_collectives, count_prefill_collectives, decode_share
+    from ..console.cli import UsageError
     from ..engine.generation import decode_step, generate_step
     from ..engine.loader import load_model
     from ..engine.sampling import make_sampler, vocab_shard
+    from ..parallel.mesh import MeshError
 
     mx.reset_peak_memory()
     tic = time.perf_counter()
     sp = getattr(args, "sequence_parallel", False)
-    model, ckpt = load_model(
-        path, group, not args.no_vocab_parallel, args.dtype, sequence_parallel=sp
-    )
+    mesh_flags = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split")}
+    try:
+        model, ckpt = load_model(
+            path, group, not args.no_vocab_parallel, args.dtype, sequence_parallel=sp, **mesh_flags
+        )
+    except MeshError as e:  # the same on every rank
+        raise UsageError(str(e)) from None
+    mesh = getattr(model, "mesh", None)  # a tp x pp mesh: this rank's pipeline stage
     load_s = time.perf_counter() - tic
     load_peak = mx.get_peak_memory() / 1e9
     weights = mx.get_active_memory() / 1e9  # what stays: the weights (and little else)
@@ -139,18 +146,17 @@ def bench_llama_tp(
         # steady state: the previous step's exchange brought the token's embedding row
         rows = sampler.shard.embedding.local_rows(mx.array([0]))  # (1, dim)
     one = mx.array([1], dtype=mx.int32)
+    mode = "count" if mesh is None else "identity"  # a stage evaluates its sends
     res["collectives"] = count_collectives(
-        model, lambda cache: decode_step(model, sampler, cache, one, rows)
+        model, lambda cache: decode_step(model, sampler, cache, one, rows), mode
     )
     # The run's peak above the weights: activations, KV cache, temporaries.
     res["weights_gb"] = [p[3] for p in peaks]
     res["activation_peak_gb"] = [p[1] - p[3] for p in peaks]
-    res["prefill_collectives"] = count_prefill_collectives(model, len(prompt) - 1)
-    c = res["collectives"]
+    res["prefill_collectives"] = count_prefill_collectives(model, len(prompt) - 1, mode)
+    res.update(mesh_traffic(model, res["collectives"]["traffic"], group))
     res["rounds_per_token"] = (
-        res["speculative"]["collectives_per_token"]
-        if spec
-        else c["all_reduces_per_token"] + c["other_collectives_per_token"]
+        res["speculative"]["collectives_per_token"] if spec else res["mesh"]["rounds_per_token"]
     )
     if group.size() > 1 and args.collective_steps > 0:
         k = args.collective_steps
@@ -162,6 +168,42 @@ def bench_llama_tp(
     res["n_layers"] = len(model.layers)
     res["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self") else None
     return res, prompt
+
+
+def mesh_traffic(model: Any, mine: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any]:
+    """Every rank's counted messages of one decode step (`mine`: this rank's, from
+    `count_collectives`), with its place in the mesh, and the rounds of one token.
+
+    Collective (one all_gather_object). The stages of a pipeline run one after the other,
+    so a token's rounds, one after the other, are: each stage's tensor-group rounds up to
+    the logits (its tensor rank 0's), each hop to the next stage (a send), the pipeline
+    group's all-reduce of the logits, then the most tensor-group rounds any stage makes
+    after it (sampling: the stages do that side by side). With tensor parallelism only,
+    rank 0's rounds."""
+    mesh = getattr(model, "mesh", None)
+    where = (0, group.rank()) if mesh is None else (mesh.stage, mesh.tp_rank)
+    ranks = [
+        {"rank": r, "stage": s, "tp_rank": t, **x}
+        for r, ((s, t), x) in enumerate(all_gather_object((where, mine), group))
+    ]
+    leaders = [r for r in ranks if r["tp_rank"] == 0]  # one rank per stage
+    rounds = sum(r["tensor_rounds"][0] for r in leaders)
+    rounds += sum(m["calls"] for r in leaders for m in r["messages"] if m["op"] == "send")
+    rounds += sum(
+        m["calls"]
+        for m in ranks[0]["messages"]
+        if m["group"] == "pipeline" and m["op"] not in ("send", "recv")
+    )
+    rounds += max(r["tensor_rounds"][1] for r in leaders)
+    layers = [model.args.n_layers] if mesh is None else [len(r) for r in mesh.layers]
+    shape = {
+        "tp": group.size() if mesh is None else mesh.tp,
+        "pp": 1 if mesh is None else mesh.pp,
+        "layers_per_stage": layers,
+        "stages": [list(range(group.size()))] if mesh is None else mesh.stages,
+        "rounds_per_token": rounds,
+    }
+    return {"mesh": shape, "traffic": ranks}
 
 
 def bench_prompt(args: Any, path: Path, model: Any, group: mx.distributed.Group) -> list[int]:

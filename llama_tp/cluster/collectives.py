@@ -8,36 +8,53 @@ run: this is how the benchmark counts them instead of deriving a formula.
 With `mode="identity"` the collectives return their input instead: the same
 compute without communication, numerically wrong, for timing what the
 collectives cost (`decode_share`).
+
+The pipeline's point-to-point `send`/`recv` (engine/pipeline.py) are wrapped too
+(identity: `send` returns its input, `recv` zeros of the shape it expects). A
+pipeline stage evaluates its send while its graph is built, so a mesh's step is
+counted in identity mode: nothing crosses a link, every call is still recorded.
+Each call records the group it was made on, so a mesh's traffic splits into the
+tensor group's and the pipeline group's (`traffic`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
 from .distributed import barrier, world
 
-_OPS = ("all_sum", "all_gather", "all_max", "all_min")
+_OPS = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv")
 REDUCES = ("all_sum", "all_max", "all_min")
 
 
+class Call(NamedTuple):
+    """One collective call: its op, this rank's message (the bytes it contributes,
+    sends or receives) and the group it was made on (None: the world)."""
+
+    op: str
+    nbytes: int
+    group: Any = None
+
+
 @contextmanager
-def collectives(mode: str = "count") -> Iterator[list[tuple[str, int]]]:
+def collectives(mode: str = "count") -> Iterator[list[Call]]:
     """Wrap mx.distributed's collectives while the block runs; yields the calls made.
 
-    Each call is recorded as (op, bytes this rank contributes). `mode="count"`
-    calls through; `mode="identity"` returns the input instead (all_gather: the
-    input repeated group-size times, so that shapes stay right).
+    `mode="count"` calls through; `mode="identity"` returns the input instead
+    (all_gather: the input repeated group-size times, so that shapes stay right;
+    recv: zeros of the expected shape).
     """
-    calls: list[tuple[str, int]] = []
+    calls: list[Call] = []
     saved = {op: getattr(mx.distributed, op) for op in _OPS}
 
     def wrap(op: str, fn: Callable) -> Callable:
         def wrapped(x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-            calls.append((op, x.nbytes))
+            calls.append(Call(op, x.nbytes, kwargs.get("group")))
             if mode == "count":
                 return fn(x, *args, **kwargs)
             if op == "all_gather":
@@ -47,8 +64,17 @@ def collectives(mode: str = "count") -> Iterator[list[tuple[str, int]]]:
 
         return wrapped
 
+    def wrap_recv(fn: Callable) -> Callable:
+        def recv(shape: Any, dtype: mx.Dtype, *args: Any, **kwargs: Any) -> mx.array:
+            calls.append(Call("recv", math.prod(shape) * dtype.size, kwargs.get("group")))
+            if mode == "count":
+                return fn(shape, dtype, *args, **kwargs)
+            return mx.zeros(shape, dtype)
+
+        return recv
+
     for op, fn in saved.items():
-        setattr(mx.distributed, op, wrap(op, fn))
+        setattr(mx.distributed, op, wrap_recv(fn) if op == "recv" else wrap(op, fn))
     try:
         yield calls
     finally:
@@ -56,44 +82,90 @@ def collectives(mode: str = "count") -> Iterator[list[tuple[str, int]]]:
             setattr(mx.distributed, op, fn)
 
 
-def _summary(calls: list[tuple[str, int]]) -> dict[str, dict[str, int]]:
+def _summary(calls: list[Call]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
-    for op, nbytes in calls:
+    for op, nbytes, _ in calls:
         d = out.setdefault(op, {"calls": 0, "bytes": 0})
         d["calls"] += 1
         d["bytes"] += nbytes
     return out
 
 
-def count_collectives(model: Any, decode: Callable[[list[Any]], Any]) -> dict[str, Any]:
+def traffic(calls: list[Call], pipeline_group: Any = None) -> dict[str, Any]:
+    """This rank's messages, by group ("tensor", or "pipeline": calls made on
+    `pipeline_group`), op and message size: [{group, op, calls, bytes}] with `bytes`
+    one message's; what it sends (every message but those it receives); its rounds
+    (every call it takes part in, a recv included); and its tensor-group rounds before
+    and after the first pipeline-group collective (the logits' all-reduce), which
+    tell the stages' sequential rounds from those they run side by side."""
+    kinds = [
+        "pipeline" if pipeline_group is not None and c.group is pipeline_group else "tensor"
+        for c in calls
+    ]
+    rows: dict[tuple[str, str, int], int] = {}
+    for kind, (op, nbytes, _) in zip(kinds, calls, strict=True):
+        rows[kind, op, nbytes] = rows.get((kind, op, nbytes), 0) + 1
+    messages = [
+        {"group": g, "op": op, "calls": n, "bytes": b}
+        for (g, op, b), n in sorted(rows.items(), key=lambda kv: (kv[0][0] != "tensor", kv[0]))
+    ]
+    shared = [
+        i
+        for i, (k, c) in enumerate(zip(kinds, calls, strict=True))
+        if k == "pipeline" and c.op not in ("send", "recv")
+    ]
+    cut = shared[0] if shared else len(calls)
+    return {
+        "messages": messages,
+        "bytes_sent": sum(c.nbytes for c in calls if c.op != "recv"),
+        "rounds": len(calls),
+        "tensor_rounds": [kinds[:cut].count("tensor"), kinds[cut:].count("tensor")],
+    }
+
+
+def _layer_input(model: Any, tokens: mx.array) -> mx.array:
+    """What the first layer of `model` takes: the embedded tokens, or (a later pipeline
+    stage) zeros in the dtype it receives: (1, L, dim)."""
+    if "tok_embeddings" in model and getattr(getattr(model, "mesh", None), "first", True):
+        return model.tok_embeddings(tokens)
+    dtype = getattr(model, "in_dtype", None) or mx.float32
+    return mx.zeros((*tokens.shape, model.args.dim), dtype)
+
+
+def count_collectives(
+    model: Any, decode: Callable[[list[Any]], Any], mode: str = "count"
+) -> dict[str, Any]:
     """The collectives of one decode step of llama_tp's `model`: total, per layer, elsewhere.
 
     `decode(cache)` builds one steady-state decode step's graph (with sampling) on
     `cache`. Builds the graphs (never evaluates them) on fresh caches: the whole
     step, then every layer on its own; what the step makes outside the layers is
-    the embedding's and the sampler's share.
+    the embedding's and the sampler's share (and a pipeline stage's send, receive
+    and logits all-reduce). `mode="identity"` for a pipeline stage (see the module).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
     y = mx.array([[1]], dtype=mx.int32)
-    with collectives() as step:
+    with collectives(mode) as step:
         decode(make_prompt_cache(model))
     cache = make_prompt_cache(model)
-    h = model.tok_embeddings(y)  # (1, 1, dim)
+    h = _layer_input(model, y)  # (1, 1, dim)
     per_layer = []
-    for layer, c in zip(model.layers, cache, strict=True):
-        with collectives() as calls:
-            h = layer(h, None, c)
-        per_layer.append(sum(op in REDUCES for op, _ in calls))
-    reduces = sum(op in REDUCES for op, _ in step)
+    for layer, kv in zip(model.layers, cache, strict=True):
+        with collectives(mode) as calls:
+            h = layer(h, None, kv)
+        per_layer.append(sum(c.op in REDUCES for c in calls))
+    reduces = sum(c.op in REDUCES for c in step)
+    pipeline_group = getattr(getattr(model, "mesh", None), "pp_group", None)
     return {
         "all_reduces_per_token": reduces,
         "all_reduces_per_layer": sum(per_layer) / len(per_layer),
         "all_reduces_in_layers": per_layer,
         "all_reduces_outside_layers": reduces - sum(per_layer),
         "other_collectives_per_token": len(step) - reduces,
-        "collective_bytes_per_token": sum(b for _, b in step),
+        "collective_bytes_per_token": sum(c.nbytes for c in step),
         "by_op": _summary(step),
+        "traffic": traffic(step, pipeline_group),
     }
 
 
@@ -101,11 +173,11 @@ def count_step(step: Callable[[], Any]) -> dict[str, Any]:
     """Collectives made while `step()` builds its graph (for models other than llama_tp's)."""
     with collectives() as calls:
         step()
-    reduces = sum(op in REDUCES for op, _ in calls)
+    reduces = sum(c.op in REDUCES for c in calls)
     return {
         "all_reduces_per_token": reduces,
         "other_collectives_per_token": len(calls) - reduces,
-        "collective_bytes_per_token": sum(b for _, b in calls),
+        "collective_bytes_per_token": sum(c.nbytes for c in calls),
         "by_op": _summary(calls),
     }
 
@@ -132,17 +204,18 @@ def decode_share(step_seconds: Callable[[], float]) -> dict[str, Any]:
     }
 
 
-def count_prefill_collectives(model: Any, length: int) -> dict[str, Any]:
+def count_prefill_collectives(model: Any, length: int, mode: str = "count") -> dict[str, Any]:
     """The collectives of one prefill of `length` tokens, whole and in the first layer:
-    op -> calls and bytes. Builds the graphs, never evaluates them. With sequence
-    parallelism a layer shows its all-gathers next to the (reduce-scatter) all_sums."""
+    op -> calls and bytes. Builds the graphs, never evaluates them (a pipeline stage:
+    `mode="identity"`). With sequence parallelism a layer shows its all-gathers next to
+    the (reduce-scatter) all_sums."""
     from mlx_lm.models.cache import make_prompt_cache
 
     tokens = mx.zeros((1, length), dtype=mx.int32)
-    with collectives() as whole:
+    with collectives(mode) as whole:
         model(tokens, cache=make_prompt_cache(model))
     cache = make_prompt_cache(model)
-    h = model.tok_embeddings(tokens)
-    with collectives() as layer:
+    h = _layer_input(model, tokens)
+    with collectives(mode) as layer:
         model.layers[0](h, "causal" if h.shape[1] > 1 else None, cache[0])
     return {"tokens": length, "by_op": _summary(whole), "per_layer": _summary(layer)}

@@ -99,7 +99,29 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         help="in prefill, split the norms and residual stream along the sequence over the "
         "ranks (activation memory outside attention and feed-forward ~1/N)",
     )
-    # --- tp x pp mesh (parallel/mesh.py) ---
+    add_mesh_args(p)
+    add_draft_args(p)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help="with several ranks: give up when a generation step makes no progress for "
+        f"this long, e.g. a stopped peer (default {DEFAULT_TIMEOUT:g}; 0: never)",
+    )
+    p.add_argument(
+        "--load-timeout",
+        type=float,
+        default=DEFAULT_LOAD_TIMEOUT,
+        metavar="SECONDS",
+        help="the same for loading, the start-up checks and processing the prompt "
+        f"(default {DEFAULT_LOAD_TIMEOUT:g}; 0: never)",
+    )
+    add_quiet_arg(p)
+
+
+def add_mesh_args(p: argparse.ArgumentParser) -> None:
+    """The tp x pp mesh (parallel/mesh.py): --tp, --pp, --pp-split."""
     p.add_argument(
         "--tp",
         type=int,
@@ -119,25 +141,12 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         metavar="N,N,...",
         help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
     )
-    # --- end mesh ---
-    add_draft_args(p)
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT,
-        metavar="SECONDS",
-        help="with several ranks: give up when a generation step makes no progress for "
-        f"this long, e.g. a stopped peer (default {DEFAULT_TIMEOUT:g}; 0: never)",
-    )
-    p.add_argument(
-        "--load-timeout",
-        type=float,
-        default=DEFAULT_LOAD_TIMEOUT,
-        metavar="SECONDS",
-        help="the same for loading, the start-up checks and processing the prompt "
-        f"(default {DEFAULT_LOAD_TIMEOUT:g}; 0: never)",
-    )
-    add_quiet_arg(p)
+
+
+def check_mesh_args(args: argparse.Namespace) -> None:
+    """UsageError for --pp-split without --pp (the rest is checked against the world)."""
+    if getattr(args, "pp_split", None) and (args.pp or 1) == 1:
+        raise UsageError("--pp-split needs --pp (the number of pipeline stages)")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -216,8 +225,7 @@ def check_model_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
     if args.top_k < 0:
         raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
-    if getattr(args, "pp_split", None) and (args.pp or 1) == 1:
-        raise UsageError("--pp-split needs --pp (the number of pipeline stages)")
+    check_mesh_args(args)
     draft_source(args)
     for flag in ("timeout", "load_timeout"):
         value = getattr(args, flag)

@@ -9,6 +9,13 @@ every rank when they differ, naming the ranks and what differs:
     ranks disagree on the model weights: ranks 0, 2 have 3f2a9c1b7e40, rank 1 has
     9b0d44e1c2aa (rank 0: /models/a, rank 1: /models/b)
 
+The mesh (`--tp`, `--pp` and the layers of each stage) is compared twice: the flags
+by `check_mesh_flags` before the mesh's groups are made (making them is collective,
+so ranks with different flags must stop first), and the mesh each rank built in
+`check_agreement`:
+
+    ranks disagree on the mesh (--pp: rank 0 has 2, rank 1 has 1)
+
 The weights' fingerprint is cheap: the size of every weight file, its first
 64 KiB (the header: tensor names, shapes, offsets) and 64 KiB at eight fixed
 offsets, hashed; a checkpoint that carries its own fingerprint
@@ -38,6 +45,7 @@ FACTS = {
     "versions": "the llama_tp / mlx / mlx-lm versions",
     "world": "the number of ranks",
     "config": "the model config",
+    "mesh": "the mesh",
     "plan": "the partition plan",
     "weights": "the model weights",
     "tokenizer": "the tokenizer",
@@ -58,17 +66,50 @@ def local_facts(
     from ..parallel.shard import plan_for
 
     config = model.args.to_dict()
+    mesh = getattr(model, "mesh", None)
+    tp = group.size() if mesh is None else mesh.tp
     return {
         "versions": (
             f"llama_tp {llama_tp_version()}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"
         ),
         "world": group.size(),
         "config": config,
-        "plan": digest([repr(plan_for(model, group.size())).encode()]),
+        "mesh": mesh_facts(model, group),
+        "plan": digest([repr(plan_for(model, tp)).encode()]),
         "weights": weights_fingerprint(ckpt),
         "tokenizer": tokenizer_fingerprint(ckpt, tokenizer),
         "path": str(ckpt.path),
     }
+
+
+def mesh_facts(model: nn.Module, group: mx.distributed.Group) -> dict[str, Any]:
+    """The mesh this rank built: --tp, --pp and the layers of each stage (as --pp-split)."""
+    mesh = getattr(model, "mesh", None)
+    if mesh is None:  # all ranks tensor-parallel
+        return {"--tp": group.size(), "--pp": 1, "--pp-split": None}
+    split = ",".join(str(len(r)) for r in mesh.layers)
+    return {"--tp": mesh.tp, "--pp": mesh.pp, "--pp-split": split}
+
+
+def check_mesh_flags(
+    tp: int | None, pp: int | None, pp_split: str | None, group: mx.distributed.Group
+) -> None:
+    """Raise `AgreementError` on every rank unless all ranks were given the same mesh:
+    --tp and --pp as resolved against the world (`--tp 2` and no flag are the same on
+    2 ranks), and --pp-split. Collective (one small all_gather_object): every rank calls
+    it before any mesh is made. A mesh that cannot run is left to `make_mesh` to refuse."""
+    if group.size() == 1:
+        return
+    from ..parallel.mesh import MeshError, mesh_shape
+
+    try:
+        T, P = mesh_shape(group.size(), tp, pp)
+        mine = {"--tp": T, "--pp": P, "--pp-split": (pp_split or "balanced") if P > 1 else None}
+    except MeshError:  # compared as given; the same flags fail alike on every rank
+        mine = {"--tp": tp, "--pp": pp, "--pp-split": pp_split}
+    flags = all_gather_object(mine, group)
+    if any(f != flags[0] for f in flags):
+        raise AgreementError(f"ranks disagree on {FACTS['mesh']} ({_config_difference(flags)})")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -101,7 +142,7 @@ def disagreement(facts: list[dict[str, Any]]) -> str | None:
         values = [f.get(key) for f in facts]
         if all(v == values[0] for v in values):
             continue
-        if key == "config":
+        if key in ("config", "mesh"):
             return f"ranks disagree on {words} ({_config_difference(values)})"
         message = f"ranks disagree on {words}: {describe(values)}"
         if key in ("weights", "tokenizer", "plan"):

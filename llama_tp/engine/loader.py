@@ -22,6 +22,7 @@ from ..parallel.cast import cast_model
 from ..parallel.parallelize import Parallelized
 from ..parallel.parallelize import Plan as StylePlan
 from ..parallel.shard import parallelize_model
+from .agreement import check_mesh_flags
 
 
 def _read_own_slices(model: Transformer, ckpt: Checkpoint, done: Parallelized | None, bar) -> None:
@@ -106,6 +107,7 @@ def load_model(
         raise ValueError("--dtype and --sequence-parallel cannot be combined yet: pick one")
     group = group or world()
     mesh = None
+    check_mesh_flags(tp, pp, pp_split, group)  # making a mesh is collective: agree first
     if (pp or 1) > 1 or tp is not None:  # tp x pp mesh (parallel/mesh.py)
         from ..parallel.mesh import make_mesh
 

@@ -35,7 +35,7 @@ from ..cluster.distributed import all_gather_object
 from ..model import ModelArgs
 from ..parallel.layers import shard_linear_range
 from ..parallel.mesh import Mesh, balanced_split, parse_split
-from ..parallel.partition import Plan, tensor_slice, vocab_ranges
+from ..parallel.partition import Plan, human_bytes, tensor_slice, vocab_ranges
 from ..parallel.shard import shard_model
 from ..parallel.vocab import VocabParallelEmbedding
 from .sampling import VocabShard
@@ -134,6 +134,48 @@ def stage_ranges(full: nn.Module, pp: int, pp_split: str | None) -> list[range]:
     return balanced_split([_nbytes(layer) for layer in full.layers], emb, head, pp)
 
 
+def describe_stages(model: PipelineModel, group: mx.distributed.Group) -> list[str]:
+    """One line per stage, from what each rank of `group` (the world) actually holds:
+    its ranks, its layers, the embedding / norm / head, and each rank's parameter bytes.
+    Collective: one all_gather_object; every rank calls it, rank 0 prints it."""
+    mesh = model.mesh
+    extras = [k for k in ("tok_embeddings", "norm", "output") if k in model]
+    if "tok_embeddings" in extras and not mesh.first:
+        extras[extras.index("tok_embeddings")] = "head (tied)"
+    names = {"tok_embeddings": "embedding", "output": "head"}
+    mine = (mesh.stage, model.first_layer, len(model.layers), extras, _nbytes(model))
+    ranks = all_gather_object(mine, group)
+    lines = []
+    for s in range(mesh.pp):
+        members = [(r, x) for r, x in enumerate(ranks) if x[0] == s]
+        _, first, count, held, _ = members[0][1]
+        who = f"rank{'s' * (len(members) > 1)} {', '.join(str(r) for r, _ in members)}"
+        what = " + " + ", ".join(names.get(k, k) for k in held) if held else ""
+        sizes = ", ".join(f"rank {r} {human_bytes(x[4])}" for r, x in members)
+        lines.append(
+            f"stage {s}: {who}: layers {first}-{first + count - 1}{what} (weights: {sizes})"
+        )
+    return lines
+
+
+def stage_module(full: nn.Module, mesh: Mesh) -> PipelineModel:
+    """Stage `mesh.stage` of the (lazily built, unsharded) `full` model: its layers, and
+    the embedding (first stage; the last too when tied), norm and head (last stage).
+    Pure: no collective, nothing read; `mesh.layers` must be set."""
+    mine = mesh.layers[mesh.stage]
+    model = PipelineModel(full.args, mesh, full.layers[mine.start : mine.stop])
+    tied = full.args.tie_word_embeddings
+    if mesh.first or (mesh.last and tied):
+        model.tok_embeddings = full.tok_embeddings
+    if mesh.last:
+        model.norm = full.norm
+        if not tied:
+            model.output = full.output
+    # As the tensor-parallel loader: split the feed-forward on the file's own blocks
+    model.ffn_block = getattr(full, "ffn_block", None)
+    return model
+
+
 def build_stage(
     ckpt: Checkpoint, mesh: Mesh, pp_split: str | None, vocab_parallel: bool
 ) -> PipelineModel:
@@ -146,15 +188,7 @@ def build_stage(
         )
     full = build_model(ckpt, whole=False)  # lazy: only what the stage keeps is ever read
     mesh.layers = stage_ranges(full, mesh.pp, pp_split)
-    mine = mesh.layers[mesh.stage]
-    model = PipelineModel(full.args, mesh, full.layers[mine.start : mine.stop])
-    tied = full.args.tie_word_embeddings
-    if mesh.first or (mesh.last and tied):
-        model.tok_embeddings = full.tok_embeddings
-    if mesh.last:
-        model.norm = full.norm
-        if not tied:
-            model.output = full.output
+    model = stage_module(full, mesh)
     plan, vocab = None, None
     if mesh.tp > 1:
         plan = shard_model(model, mesh.tp_group)

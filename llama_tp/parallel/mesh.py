@@ -162,7 +162,8 @@ class Mesh:
             where = f"layers {lay.start}-{lay.stop - 1}" if lay else "layers ?"
             extra = " + embedding" if s == 0 else ""
             extra += " + norm, head" if s == self.pp - 1 else ""
-            lines.append(f"stage {s}: ranks {', '.join(map(str, ranks))}: {where}{extra}")
+            who = f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+            lines.append(f"stage {s}: {who}: {where}{extra}")
         return "\n".join(lines)
 
 

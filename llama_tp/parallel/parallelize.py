@@ -137,8 +137,9 @@ def _collapse(path: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
 
-def format_plan_table(model: nn.Module, plan: Plan, n: int) -> str:
-    """The plan as a table: path -> style -> each rank's slice (layer indices shown as *)."""
+def format_plan_table(model: nn.Module, plan: Plan, n: int, labels: list[str] | None = None) -> str:
+    """The plan as a table: path -> style -> each rank's slice (layer indices shown as *).
+    `labels`: the ranks' column headers (default "rank 0" .. "rank n-1")."""
     rows: dict[str, list[str]] = {}
     for path, (_, style, split) in plan_splits(model, plan, n).items():
         key = _collapse(path)
@@ -146,7 +147,8 @@ def format_plan_table(model: nn.Module, plan: Plan, n: int) -> str:
             continue
         slices = [style.describe(r, n) if split is None else split.describe(r) for r in range(n)]
         rows[key] = [key, style.label(), *slices]
-    table = [["path", "style", *(f"rank {r}" for r in range(n))], *rows.values()]
+    labels = labels or [f"rank {r}" for r in range(n)]
+    table = [["path", "style", *labels], *rows.values()]
     widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table

@@ -209,7 +209,7 @@ def weight_bytes(plan: Plan, tensors: dict[str, tuple[tuple[int, ...], int]]) ->
     return [sum(_held(plan, p, name, nb) for name, (_, nb) in tensors.items()) for p in plan.parts]
 
 
-def _ranges(items: list[int]) -> str:
+def format_ranges(items: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
     out: list[str] = []
     i = 0
@@ -222,23 +222,23 @@ def _ranges(items: list[int]) -> str:
     return ",".join(out)
 
 
-def _kv_label(kv: range, replicated: dict[int, list[int]]) -> str:
+def format_kv_heads(kv: range, replicated: dict[int, list[int]]) -> str:
     """KV heads as ranges, replicated heads listed singly with a '*'."""
     out, run = [], []
     for h in kv:
         if h in replicated:
             if run:
-                out.append(_ranges(run))
+                out.append(format_ranges(run))
                 run = []
             out.append(f"{h}*")
         else:
             run.append(h)
     if run:
-        out.append(_ranges(run))
+        out.append(format_ranges(run))
     return ",".join(out)
 
 
-def _human(nbytes: int) -> str:
+def human_bytes(nbytes: int) -> str:
     x = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if x < 1024 or unit == "GiB":
@@ -247,7 +247,7 @@ def _human(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _imbalance(values: list[int]) -> float:
+def imbalance(values: list[int]) -> float:
     mean = sum(values) / len(values)
     return 100.0 * (max(values) - min(values)) / mean if mean else 0.0
 
@@ -260,15 +260,15 @@ def format_plan(plan: Plan, bytes_per_rank: list[int] | None = None) -> str:
         header.append("weights")
     rows = [header]
     for p in plan.parts:
-        q = _ranges(list(p.q_heads)) + ("" if p.kv_map is None else " (mapped)")
+        q = format_ranges(list(p.q_heads)) + ("" if p.kv_map is None else " (mapped)")
         row = [
             str(p.rank),
             f"{q} [{len(p.q_heads)}]",
-            f"{_kv_label(p.kv_heads, replicated)} [{len(p.kv_heads)}]",
+            f"{format_kv_heads(p.kv_heads, replicated)} [{len(p.kv_heads)}]",
             f"{p.ffn.start}-{p.ffn.stop - 1} [{len(p.ffn)}]",
         ]
         if bytes_per_rank is not None:
-            row.append(_human(bytes_per_rank[p.rank]))
+            row.append(human_bytes(bytes_per_rank[p.rank]))
         rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     lines = [
@@ -282,8 +282,8 @@ def format_plan(plan: Plan, bytes_per_rank: list[int] | None = None) -> str:
     if replicated:
         lines.append("* replicated KV head; (mapped): query heads use an explicit KV map")
     if bytes_per_rank is not None:
-        lines.append(f"imbalance: {_imbalance(bytes_per_rank):.1f}% of weight bytes")
+        lines.append(f"imbalance: {imbalance(bytes_per_rank):.1f}% of weight bytes")
     else:
         counts = [len(p.q_heads) for p in plan.parts]
-        lines.append(f"imbalance: {_imbalance(counts):.1f}% of query heads")
+        lines.append(f"imbalance: {imbalance(counts):.1f}% of query heads")
     return "\n".join(lines)
