@@ -8,6 +8,14 @@ tokens (greedy, distinct prompts, `ignore_eos` is not an OpenAI field, so short
 replies may end early: the tokens counted are the ones received). Reports the
 aggregate generated tokens/s, time to first token (median, p90) and the mean
 time per token after the first.
+
+    python bench/serve_bench.py --second-turn [--json]
+
+instead times the second turn of `--conversations` two-turn chats: turn 1 sends a
+long user message (a passage of about 400 tokens), turn 2 resends it with the reply
+and a short question, as chat clients do. With the server's prompt cache turn 2
+prefills only the new tokens; start the server with `--prompt-cache-size 0` to see
+the time without it.
 """
 
 from __future__ import annotations
@@ -42,6 +50,49 @@ def one_request(client, prompt: str, max_tokens: int) -> tuple[float, float, int
     return (first if first is not None else total), total, tokens
 
 
+PASSAGE = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. It is "
+    "named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889 as the centerpiece of the World's Fair. Although criticised at first "
+    "by some of France's leading artists, it has become a global cultural icon of France. "
+)
+
+
+def _stream(client, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+    """(time to first token, reply text) of one streamed greedy chat completion."""
+    t0, first, text = time.perf_counter(), None, []
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first if first is not None else time.perf_counter() - t0
+            text.append(chunk.choices[0].delta.content)
+    return (first if first is not None else time.perf_counter() - t0), "".join(text)
+
+
+def second_turn(base_url: str, api_key: str, conversations: int, max_tokens: int) -> dict:
+    """Median time to first token of turn 1 and of turn 2 over `conversations` chats."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key=api_key, timeout=600, max_retries=0)
+    first, second = [], []
+    for i in range(conversations):
+        messages = [{"role": "user", "content": f"Note {i}. " + PASSAGE * 4 + "Summarise."}]
+        ttft, reply = _stream(client, messages, max_tokens)
+        first.append(ttft)
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Now in one sentence."},
+        ]
+        second.append(_stream(client, messages, max_tokens)[0])
+    return {
+        "conversations": conversations,
+        "turn1_ttft_median": statistics.median(first),
+        "turn2_ttft_median": statistics.median(second),
+    }
+
+
 def run(base_url: str, api_key: str, c: int, requests: int, max_tokens: int) -> dict:
     from openai import OpenAI
 
@@ -72,9 +123,16 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--json", action="store_true", help="one JSON list of the results")
     p.add_argument("--model", default="bench", help="the request's model (mlx_lm.server: its path)")
+    p.add_argument("--second-turn", action="store_true", help="time chat turn 2 (prompt cache)")
+    p.add_argument("--conversations", type=int, default=3, help="with --second-turn")
     args = p.parse_args()
     global MODEL
     MODEL = args.model
+    if args.second_turn:
+        r = second_turn(args.base_url, args.api_key, args.conversations, args.max_tokens)
+        one, two = r["turn1_ttft_median"], r["turn2_ttft_median"]
+        print(json.dumps(r) if args.json else f"TTFT turn 1 {one:.3f} s, turn 2 {two:.3f} s")
+        return
     if args.json:
         rows = [
             run(args.base_url, args.api_key, c, args.requests, args.max_tokens)

@@ -11,6 +11,7 @@ from conftest import launch, run_python
 from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten
 
+from llama_tp.cluster.distributed import world
 from llama_tp.parallel.cast import cast_model
 from llama_tp.parallel.layers import shard_linear_range
 from llama_tp.parallel.vocab import VocabParallelEmbedding
@@ -27,7 +28,7 @@ class Holder(nn.Module):
 
     def __init__(self):
         super().__init__()
-        group = mx.distributed.init()
+        group = world()
         q = _quantized_linear(64, 96, bias=True)
         self.plain = q
         self.even_rows = shard_linear(q, "all-to-sharded", group=group)

@@ -61,10 +61,8 @@ def test_mpi_backend_gives_the_ring_text(tiny_dir, tmp_path):
     assert shutil.which("mpirun"), (
         "mpirun is missing: apt-get install openmpi-bin libopenmpi-dev (.ci/run does)"
     )
-    # mpirun refuses root and more ranks than cores unless told. Its session directory
-    # goes under tmp_path: /tmp/ompi.HOST.UID fills with the ones MPI singletons leave
-    # (any `mx.distributed.init()` outside a launcher made one, before world() chose the
-    # ring backend there), and there Open MPI 4 once exited 1 without a word.
+    # mpirun refuses root and more ranks than cores unless told; its session directory
+    # goes under tmp_path (/tmp/ompi.HOST.UID keeps what MPI singletons leave behind).
     env = {
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -92,11 +90,18 @@ def test_mpi_backend_gives_the_ring_text(tiny_dir, tmp_path):
 
 
 def _with_mpirun_diagnostics(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    """A silent failure says nothing: add what plain mpirun and the machine say."""
-    cmd = ["mpirun", "-n", "2", "--mca", "plm_base_verbose", "5", "hostname"]
-    d = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    df = subprocess.run(["df", "-h", "/tmp", "/dev/shm"], capture_output=True, text=True)
-    extra = f"\nplain mpirun exit {d.returncode}:\n{d.stdout}{d.stderr}\n{df.stdout}"
+    """A silent failure says nothing: add what plain mpirun says, with this process's
+    environment as the C library has it and as Python's os.environ has it. Open MPI 4
+    exits 1 without a word when started by a process that itself ran MPI_Init (its
+    setenv()s reach children that inherit the C environment): an in-process
+    `mx.distributed.init()` in the test process, which world() no longer does."""
+    cmd = ["mpirun", "-n", "2", "hostname"]
+    inherited = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    snapshot = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=os.environ)
+    extra = f"\nplain mpirun: exit {inherited.returncode} ({inherited.stderr.strip()[-300:]}); "
+    extra += f"with os.environ passed explicitly: exit {snapshot.returncode}"
+    if inherited.returncode and not snapshot.returncode:
+        extra += ": this test process ran MPI_Init (an in-process mx.distributed.init())"
     return subprocess.CompletedProcess(r.args, r.returncode, r.stdout, r.stderr + extra)
 
 

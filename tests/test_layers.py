@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx import nn
 
+from llama_tp.cluster.distributed import world
 from llama_tp.parallel.layers import (
     QuantizedRangeAllToShardedLinear,
     QuantizedRangeShardedToAllLinear,
@@ -27,7 +28,7 @@ QUANT = [(gs, bits) for gs in (32, 64) for bits in (4, 8)]
 
 @pytest.fixture(scope="module")
 def group() -> mx.distributed.Group:
-    return mx.distributed.init()  # a singleton group: all_sum is the identity
+    return world()  # a singleton group: all_sum is the identity
 
 
 def _linear(in_dims: int, out_dims: int, bias: bool = True, seed: int = 0) -> nn.Linear:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import pytest
 from conftest import launch, run_python
 from fixtures import write_hf_model
 
+from llama_tp.cluster.distributed import world
 from llama_tp.model import ModelArgs, Transformer
 from llama_tp.parallel.llama_plan import llama_plan
 from llama_tp.parallel.parallelize import format_plan_table, plan_splits
@@ -152,7 +152,7 @@ def test_bad_plans(plan, message):
 
 
 def test_head_without_embedding_is_refused():
-    group = mx.distributed.init()  # one process: the checks do not need peers
+    group = world()  # one process: the checks do not need peers
     with pytest.raises(PlanError, match="output: a vocabulary-parallel head needs tok_embeddings"):
         parallelize_model(tiny(), group, {"output": LossParallel()})
 

@@ -30,6 +30,8 @@ from math import prod
 
 import mlx.core as mx
 
+from ..cluster.distributed import world
+
 _RIGHT = re.compile(r"^(?P<name>[^\W\d]+)?(?P<num>[1-9]\d*)?(?P<star>\*)?$")
 _NAME = re.compile(r"^[^\W\d]+$")
 
@@ -173,7 +175,7 @@ def local_shape(expr: str, shape: tuple[int, ...], rank: int, size: int) -> tupl
 
 
 def _group(group: mx.distributed.Group | None) -> mx.distributed.Group:
-    return group or mx.distributed.init()
+    return group or world()
 
 
 def einshard(x: mx.array, expr: str, group: mx.distributed.Group | None = None) -> mx.array:

@@ -16,6 +16,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx.nn.layers.distributed import sum_gradients
 
+from ..cluster.distributed import world
+
 _SHARDINGS = ("all-to-sharded", "sharded-to-all")
 
 
@@ -49,7 +51,7 @@ class _RangeLinear(nn.Module):
         if not 0 <= start < stop <= size:
             what = "output row" if self._rows else "input column"
             raise ValueError(f"bad {what} range [{start}, {stop}) for size {size}")
-        self.group = group or mx.distributed.init()
+        self.group = group or world()
         self.input_dims, self.output_dims = input_dims, output_dims
         self.start, self.stop = start, stop
         for name, value in params.items():

@@ -27,6 +27,7 @@ from fnmatch import fnmatchcase
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cluster.distributed import world
 from .sequence import SequenceContext
 from .styles import PlanError, Split, Style
 
@@ -117,7 +118,7 @@ def parallelize(
     `attention`) sees its already sharded children. Returns what was done, which the
     loader uses to read each rank's slices.
     """
-    group = group or mx.distributed.init()
+    group = group or world()
     n, rank = group.size(), group.rank()
     checked = plan_splits(model, plan, n)
     done = Parallelized(n, rank, sequence=SequenceContext(group))
