@@ -30,6 +30,7 @@ from mlx_lm.models.cache import BatchKVCache, LRUPromptCache, make_prompt_cache,
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..cluster.distributed import world
+from .drafters import lookup
 from .sampling import VocabShard, _filtered_sample, token_logprobs, vocab_shard
 
 _MODEL_KEY = "model"  # LRUPromptCache keys its trie by model; the engine serves one
@@ -47,6 +48,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: no log-probabilities; k: the token's and the k best
+    num_draft_tokens: int = 0  # prompt-lookup drafts per step when the row decodes alone (greedy)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Decision:
     cancels: list[int] = field(default_factory=list)
     stop: bool = False
     idle: float = 0.0  # nothing to do: sleep this long before the next decision
+    draft: int = 0  # the batch holds one row that asked for drafts: draft up to this many
 
 
 @dataclass
@@ -81,6 +84,8 @@ class Event:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose keys and values came from the prompt cache
     completion_tokens: int
+    drafted: int = 0  # prompt-lookup tokens proposed for this sequence so far
+    accepted: int = 0  # tokens generated without a forward of their own (accepted drafts)
 
 
 class _Row:
@@ -92,6 +97,7 @@ class _Row:
         self.n = 0  # tokens generated
         self.detok = tokenizer.detokenizer
         self.text = ""  # decoded, not yet sent (held back while it may start a stop string)
+        self.drafted = self.accepted = 0  # speculative steps (Event.drafted, .accepted)
 
     def key(self) -> mx.array:
         # The row's own seed and token index, never its place in the batch.
@@ -236,57 +242,109 @@ class BatchEngine:
                 c.filter(mx.array(keep, dtype=mx.int32))
             self.rows = [self.rows[i] for i in keep]
 
-    def step(self) -> list[Event]:
-        """Decode one token for every row; finished rows leave the batch."""
+    def step(self, draft: int = 0) -> list[Event]:
+        """Decode one token for every row; finished rows leave the batch.
+
+        `draft` (the decision's): when the batch holds one row, draft up to that many
+        tokens by prompt lookup and verify them in the same forward (`_draft_step`).
+        """
         if not self.rows:
             return []
+        if draft > 0 and len(self.rows) == 1:
+            return self._draft_step(draft)
         rows = self.rows
         inputs = mx.array([r.pending for r in rows], dtype=mx.int32)
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]  # (B, V or V_local)
         tokens = sample_rows(logits, rows, self.shard)
-        top = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        lp = ids = vals = None
-        if top:
-            lp, ids, vals = token_logprobs(logits, tokens, self.shard, max(top))
-            mx.eval(tokens, lp, *(x for x in (ids, vals) if x is not None))
+        lps = self._logprobs(logits, tokens, rows)
         tokens = tokens.tolist()
-        lp = lp.tolist() if lp is not None else None
-        ids = ids.tolist() if ids is not None else None
-        vals = vals.tolist() if vals is not None else None
         events, keep = [], []
         for i, (r, t) in enumerate(zip(rows, tokens, strict=True)):
             r.fed.append(r.pending)
-            r.pending, r.n = t, r.n + 1
-            finish = None
-            if t in self.eos:
-                finish = "stop"
-            else:
-                r.detok.add_token(t)
-                if r.n >= r.params.max_tokens:
-                    finish = "length"
-            if finish:
-                r.detok.finalize()
-            r.text += r.detok.last_segment
-            text = ""
-            hit = [j for j in (r.text.find(s) for s in r.params.stop) if j >= 0]
-            if hit:
-                text, finish = r.text[: min(hit)], "stop"
-            elif finish:
-                text = r.text
-            else:
-                cut = len(r.text) - _stop_hold(r.text, r.params.stop)
-                text, r.text = r.text[:cut], r.text[cut:]
-            k = r.params.logprobs
-            row_lp = lp[i] if r.params.logprobs is not None else None
-            row_top = None
-            if k and ids is not None:
-                row_top = list(zip(ids[i][:k], vals[i][:k], strict=True))
-            events.append(self._event(r, text, t, row_lp, row_top, finish))
-            if finish:
+            events.append(self._advance(r, t, *lps[i]))
+            if events[-1].finish_reason:
                 self._remember(i, r)
             else:
                 keep.append(i)
         self._keep(keep)
+        return events
+
+    def _logprobs(self, logits: mx.array, tokens: mx.array, rows: list[_Row]) -> list[tuple]:
+        """(logprob, top) of each row's token, (None, None) for rows that did not ask."""
+        top = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        if not top:
+            return [(None, None)] * len(rows)
+        lp, ids, vals = token_logprobs(logits, tokens, self.shard, max(top))
+        mx.eval(tokens, lp, *(x for x in (ids, vals) if x is not None))
+        lp = lp.tolist()
+        ids = ids.tolist() if ids is not None else None
+        vals = vals.tolist() if vals is not None else None
+        out = []
+        for i, r in enumerate(rows):
+            k = r.params.logprobs
+            row_top = list(zip(ids[i][:k], vals[i][:k], strict=True)) if k and ids else None
+            out.append((lp[i] if k is not None else None, row_top))
+        return out
+
+    def _advance(self, r: _Row, t: int, logprob, top) -> Event:
+        """Row `r` generated token `t` (its input already in `r.fed`): the event, with
+        finish_reason set when `t` ends the sequence (EOS, max_tokens or a stop string)."""
+        r.pending, r.n = t, r.n + 1
+        finish = None
+        if t in self.eos:
+            finish = "stop"
+        else:
+            r.detok.add_token(t)
+            if r.n >= r.params.max_tokens:
+                finish = "length"
+        if finish:
+            r.detok.finalize()
+        r.text += r.detok.last_segment
+        text = ""
+        hit = [j for j in (r.text.find(s) for s in r.params.stop) if j >= 0]
+        if hit:
+            text, finish = r.text[: min(hit)], "stop"
+        elif finish:
+            text = r.text
+        else:
+            cut = len(r.text) - _stop_hold(r.text, r.params.stop)
+            text, r.text = r.text[:cut], r.text[cut:]
+        return self._event(r, text, t, logprob, top, finish)
+
+    def _draft_step(self, k: int) -> list[Event]:
+        """The one row's speculative step: up to `k` tokens drafted by prompt lookup over
+        its prompt and reply, checked in one forward with the greedy rule of
+        `speculative.accept`; the cache is trimmed back to the tokens kept.
+
+        Every rank drafts the same tokens (same history) and accepts the same prefix.
+        Tokens after the one that ends the sequence are dropped, cache included, so the
+        row ends exactly as plain decoding would have left it.
+        """
+        from .speculative import accept
+
+        (r,) = self.rows
+        k = min(k, r.params.max_tokens - r.n - 1)  # never draft past max_tokens
+        drafts = lookup([*r.fed, r.pending], k) if k > 0 else []
+        x = mx.array([[r.pending, *drafts]], dtype=mx.int32)
+        logits = self.model(x, cache=self.cache)  # (1, n + 1, V or V_local)
+        n_ok, nxt = accept(logits, mx.array([drafts], mx.int32), None, 0.0, self.shard, None)
+        mx.eval(n_ok, nxt)
+        n_acc = n_ok.item()
+        new = [*drafts[:n_acc], nxt.item()]
+        lps = self._logprobs(logits[0, : len(new)], mx.array(new, mx.int32), [r] * len(new))
+        trim_prompt_cache(self.cache, len(drafts) - n_acc)  # holds fed, pending, kept drafts
+        r.drafted += len(drafts)
+        events = []
+        for i, t in enumerate(new):
+            r.fed.append(r.pending)
+            r.accepted += 1 if i else 0  # a token without a forward of its own
+            events.append(self._advance(r, t, *lps[i]))
+            if events[-1].finish_reason:
+                # the cache holds every fed token and the drafts after t: drop those
+                trim_prompt_cache(self.cache, len(new) - 1 - i)
+                self._remember(0, r)
+                self._keep([])
+                break
         return events
 
     def _remember(self, i: int, r: _Row) -> None:
@@ -297,7 +355,10 @@ class BatchEngine:
         self.prompt_cache.insert_cache(_MODEL_KEY, list(r.fed), cache)
 
     def _event(self, r: _Row, text, token, logprob, top, finish) -> Event:
-        return Event(r.uid, text, token, logprob, top, finish, len(r.prompt), r.cached, r.n)
+        return Event(
+            r.uid, text, token, logprob, top, finish, len(r.prompt), r.cached, r.n,
+            r.drafted, r.accepted,
+        )  # fmt: skip
 
 
 @dataclass
