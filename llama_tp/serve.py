@@ -26,7 +26,7 @@ def _parser():
         description="Serve a Llama-family model over an OpenAI-compatible HTTP API, on one "
         "process or across the ranks started by mlx.launch (rank 0 listens).",
     )
-    add_model_args(p, max_tokens=256)
+    add_model_args(p, max_tokens=256, draft=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -42,6 +42,14 @@ def _parser():
         type=int,
         default=10,
         help="finished conversations kept for reuse of their prefill (default 10; 0: off)",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="prompt-lookup drafts per step for greedy requests that do not set "
+        "num_draft_tokens, used while a request decodes alone (default 0: off; at most 16)",
     )
     p.add_argument("--ignore-chat-template", action="store_true")
     return p

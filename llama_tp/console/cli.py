@@ -72,8 +72,9 @@ def quiet(on: bool) -> None:
     set_quiet(on)
 
 
-def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    """The model and sampling flags that generate and chat share (mlx_lm's names)."""
+def add_model_args(p: argparse.ArgumentParser, max_tokens: int, draft: bool = True) -> None:
+    """The model and sampling flags that generate and chat share (mlx_lm's names);
+    `draft=False` leaves out the speculative decoding flags (serve has its own)."""
     p.add_argument(
         "--model",
         help="GGUF file, Hugging Face/MLX directory or hub repo id "
@@ -100,7 +101,8 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "ranks (activation memory outside attention and feed-forward ~1/N)",
     )
     add_mesh_args(p)
-    add_draft_args(p)
+    if draft:
+        add_draft_args(p)
     p.add_argument(
         "--timeout",
         type=float,
@@ -226,7 +228,8 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.top_k < 0:
         raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
     check_mesh_args(args)
-    draft_source(args)
+    if hasattr(args, "draft"):
+        draft_source(args)
     for flag in ("timeout", "load_timeout"):
         value = getattr(args, flag)
         if not value >= 0:  # NaN too

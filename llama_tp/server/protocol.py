@@ -15,6 +15,7 @@ from ..engine.batch import Event, SamplingParams
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_DRAFT_TOKENS = 16  # a request's num_draft_tokens (prompt lookup, greedy only)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -52,6 +53,7 @@ class Defaults:
     seed: int | None = None  # for requests without one (None: a fresh one each)
     system_prompt: str | None = None
     use_chat_template: bool = True
+    num_draft_tokens: int = 0  # --num-draft-tokens: drafts for greedy requests that do not say
 
 
 @dataclass
@@ -121,6 +123,26 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(s for s in v if s)
 
 
+def _drafts(body: dict, defaults: Defaults, temperature: float) -> int:
+    """num_draft_tokens (a llama_tp extension): prompt-lookup drafts per step, greedy only.
+
+    Drafting is refused for sampled requests: a seeded request must give the same text
+    alone (where it would draft) and in a batch (where it cannot). The server's default
+    applies to greedy requests only.
+    """
+    name = "num_draft_tokens"
+    k = _integer(body, name, 0, MAX_DRAFT_TOKENS)
+    if k is None:
+        return defaults.num_draft_tokens if temperature == 0 else 0
+    if k and temperature > 0:
+        raise RequestError(
+            f"'{name}' needs greedy decoding (temperature 0): drafts are not verified "
+            f"for sampled requests, got temperature {temperature:g}",
+            name,
+        )
+    return k
+
+
 def _common(body: Any, defaults: Defaults, chat: bool) -> Request:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None, code="invalid_type")
@@ -170,6 +192,7 @@ def _common(body: Any, defaults: Defaults, chat: bool) -> Request:
         top_k=defaults.top_k,
         stop=_stops(body),
         logprobs=k,
+        num_draft_tokens=_drafts(body, defaults, temperature),
     )
     return Request(chat, params, stream, include_usage, seed, max_tokens_given=given)
 
@@ -273,12 +296,21 @@ def fit(req: Request, n_prompt: int, context: int) -> None:
 
 
 def usage(e: Event) -> dict[str, Any]:
-    return {
+    """OpenAI's usage; after drafting, `completion_tokens_details` says how many drafted
+    tokens were accepted (each one generated without a forward of its own, so
+    completion_tokens - accepted is the number of decode forwards) and rejected."""
+    u = {
         "prompt_tokens": e.prompt_tokens,
         "completion_tokens": e.completion_tokens,
         "total_tokens": e.prompt_tokens + e.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": e.cached_tokens},
     }
+    if e.drafted:
+        u["completion_tokens_details"] = {
+            "accepted_prediction_tokens": e.accepted,
+            "rejected_prediction_tokens": e.drafted - e.accepted,
+        }
+    return u
 
 
 class Logprobs:

@@ -21,7 +21,7 @@ from ..cluster import watchdog
 from ..cluster.distributed import agree_ok, eprint0, world
 from ..engine.batch import BatchEngine
 from .app import ModelInfo, build_app
-from .protocol import Defaults
+from .protocol import MAX_DRAFT_TOKENS, Defaults
 from .scheduler import Scheduler, run_steps
 
 
@@ -111,6 +111,7 @@ def defaults_from(args: argparse.Namespace) -> Defaults:
         seed=args.seed,
         system_prompt=args.system_prompt,
         use_chat_template=not args.ignore_chat_template,
+        num_draft_tokens=args.num_draft_tokens,
     )
 
 
@@ -205,6 +206,10 @@ def check_args(args: argparse.Namespace) -> None:
     for flag in ("max_batch", "max_queue"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UsageError(
+            f"--num-draft-tokens must be from 0 to {MAX_DRAFT_TOKENS}, got {args.num_draft_tokens}"
+        )
     if args.prompt_cache_size < 0:
         raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if not 0 <= args.port < 65536:

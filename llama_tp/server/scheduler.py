@@ -2,9 +2,11 @@
 
 Rank 0 keeps the requests: a bounded queue of waiting ones and the admitted
 ones' event channels. Before every step it makes one `Decision` (which waiting
-requests join, which running ones are cancelled, or stop) and sends it to every
-rank with one `broadcast_object`; then every rank applies it and decodes one
-token for the whole batch (`llama_tp.engine.batch.BatchEngine`). With nothing
+requests join, which running ones are cancelled, or stop, and whether a batch of
+one sequence drafts tokens) and sends it to every rank with one
+`broadcast_object`; then every rank applies it and decodes one token for the
+whole batch, or verifies the drafts of the one sequence
+(`llama_tp.engine.batch.BatchEngine`). With nothing
 to do, rank 0 waits on a condition variable for up to `IDLE_TICK` and then sends
 an idle decision; the other ranks sleep for that long before they wait for the
 next one. MLX's ring backend spins while a rank waits in a collective, so ranks
@@ -143,7 +145,12 @@ class Scheduler:
                 self._running[job.uid] = job
                 joins.append(Join(job.uid, job.prompt, job.params))
             self.steps += 1
-            return Decision(joins=joins, cancels=cancels)
+            # Drafts only when the step's batch is one sequence that asked for them: then
+            # a (K+1)-token forward costs little more than a 1-token one; a batch of
+            # several already shares each forward, and drafts would multiply its work.
+            live = [j for uid, j in self._running.items() if uid not in cancels]
+            draft = live[0].params.num_draft_tokens if len(live) == 1 else 0
+            return Decision(joins=joins, cancels=cancels, draft=draft)
 
     def dispatch(self, events: list[Event]) -> None:
         """Send each event to its job; finished jobs leave."""
@@ -205,7 +212,7 @@ def run_steps(
                 with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
                     events = engine.apply(decision)
             with watchdog.stage(f"generation step ({len(engine)} sequences)"):
-                events += engine.step()
+                events += engine.step(decision.draft)
             if rank0:
                 scheduler.dispatch(events)
     except BaseException as e:
