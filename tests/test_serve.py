@@ -320,6 +320,73 @@ def test_bad_requests_are_answered_and_the_server_keeps_serving(servers):
     assert chat(s.client(), "hello")[0]
 
 
+REPEAT = "abc abc abc abc abc abc abc abc"  # prompt lookup finds drafts the model accepts
+DRAFTS = {"num_draft_tokens": 4}
+
+
+def test_spec_drafts_give_the_same_greedy_text_on_1_and_2_ranks(servers):
+    texts = {}
+    for n, s in servers.items():
+        c = s.client()
+        plain, finish, usage = chat(c, REPEAT, max_tokens=48)
+        assert usage.completion_tokens_details is None  # no drafts: no draft counts
+        drafted = chat(c, REPEAT, max_tokens=48, extra_body=DRAFTS)
+        streamed = chat(c, REPEAT, stream=True, max_tokens=48, extra_body=DRAFTS)
+        for text, fin, u in (drafted, streamed):
+            assert (text, fin, u.completion_tokens) == (plain, finish, usage.completion_tokens)
+            # Drafting did happen: some tokens came without a forward of their own.
+            details = u.completion_tokens_details
+            assert details is not None and details.accepted_prediction_tokens > 0, (n, u)
+        # A stop string, and max_tokens reached inside a step of accepted drafts.
+        full = complete(c, REPEAT, max_tokens=40)
+        assert complete(c, REPEAT, max_tokens=40, extra_body=DRAFTS) == full
+        stop = full[12:15]
+        r = c.completions.create(
+            model="m", prompt=REPEAT, max_tokens=40, temperature=0, stop=[stop], extra_body=DRAFTS
+        )
+        assert r.choices[0].text == full[: full.index(stop)]
+        assert r.choices[0].finish_reason == "stop"
+        for m in (1, 2, 5):
+            short = c.completions.create(
+                model="m", prompt=REPEAT, max_tokens=m, temperature=0, extra_body=DRAFTS
+            )
+            assert short.usage.completion_tokens == m and short.choices[0].finish_reason == "length"
+            assert short.choices[0].text == complete(c, REPEAT, max_tokens=m)
+        texts[n] = (plain, full)
+    assert texts[1] == texts[2]
+
+
+def test_spec_bad_num_draft_tokens_gets_a_400(servers):
+    s = servers[1]
+    url, auth = f"{s.base}/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for bad in ("4", 1.5, True, -1, 17, None):
+        body = {**ok, "num_draft_tokens": bad}
+        code, text = http(url, body, auth)
+        if bad is None:  # null: the server's default
+            assert code == 200, text
+            continue
+        assert code == 400, (bad, text)
+        assert json.loads(text)["error"]["param"] == "num_draft_tokens", text
+    # Sampled requests do not draft (see README): asking for drafts there is a 400.
+    code, text = http(url, {**ok, "num_draft_tokens": 4, "temperature": 0.7}, auth)
+    assert code == 400 and json.loads(text)["error"]["param"] == "num_draft_tokens", text
+    assert http(url, {**ok, "num_draft_tokens": 0, "temperature": 0.7}, auth)[0] == 200
+
+
+def test_spec_concurrent_request_gets_its_own_text(servers):
+    c = servers[2].client()
+    alone = {p: chat(c, p, max_tokens=64)[0] for p in (REPEAT, "Tensor parallel")}
+    with ThreadPoolExecutor(2) as pool:
+        # The drafting request runs alone first, then shares the batch (plain steps),
+        # then may run alone again.
+        drafting = pool.submit(chat, c, REPEAT, stream=True, max_tokens=64, extra_body=DRAFTS)
+        time.sleep(0.3)
+        other = pool.submit(chat, c, "Tensor parallel", stream=True, max_tokens=64)
+        assert drafting.result()[0] == alone[REPEAT]
+        assert other.result()[0] == alone["Tensor parallel"]
+
+
 def _rank_pids(launcher: subprocess.Popen) -> dict[int, int]:
     """{rank: pid} of the ranks mlx.launch started (in its process group)."""
     ranks = {}
