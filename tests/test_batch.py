@@ -103,3 +103,44 @@ def test_serve_without_fastapi_says_how_to_install_it():
     assert r.stderr.strip().splitlines() == [
         'error: the server needs FastAPI and uvicorn: pip install "llama_tp[serve]"'
     ]
+
+
+def _run(engine: BatchEngine, prompt: list[int], params: SamplingParams, draft: int):
+    engine.apply(Decision(joins=[Join(1, prompt, params)]))
+    events = []
+    while len(engine):
+        events += engine.step(draft)
+    return events
+
+
+def test_drafted_steps_give_plain_greedy_tokens_and_leave_the_cache_as_plain(loaded):
+    model, tok = loaded
+    prompt = tok.encode("abc abc abc abc abc abc abc abc")
+
+    def run(draft: int, **kw):
+        """The events of one request, and of a next turn served from its prompt cache."""
+        engine = BatchEngine(model, tok, prompt_cache_size=2)
+        events = _run(engine, prompt, SamplingParams(**kw), draft)
+        reply = [e.token for e in events]
+        nxt = prompt + reply + tok.encode(" abc", add_special_tokens=False)
+        return events, _run(engine, nxt, SamplingParams(max_tokens=8), 0)
+
+    def seen(events):
+        return [(e.text, e.token, e.finish_reason, e.cached_tokens) for e in events]
+
+    (plain, plain2), (drafted, drafted2) = (
+        run(0, max_tokens=40, logprobs=2),
+        run(4, max_tokens=40, logprobs=2),
+    )
+    assert seen(drafted) == seen(plain)
+    assert [e.top_logprobs[0][0] for e in drafted] == [e.top_logprobs[0][0] for e in plain]
+    assert drafted[-1].accepted > 0 and drafted[-1].completion_tokens == 40
+    # The finished row's cache holds what plain decoding's holds (no rejected drafts).
+    assert seen(drafted2) == seen(plain2) and drafted2[0].cached_tokens > len(prompt)
+    # Sequences that end inside a step of accepted drafts: the rest of the step is dropped.
+    text = "".join(e.text for e in plain)
+    stops = [{"max_tokens": 40, "stop": (text[j : j + 3],)} for j in range(0, len(text) - 3, 5)]
+    for kw in ({"max_tokens": 3}, *stops):
+        (a, a2), (b, b2) = run(0, **kw), run(4, **kw)
+        assert seen(b) == seen(a) and seen(b2) == seen(a2)
+        assert b[-1].finish_reason == ("length" if "stop" not in kw else "stop")
