@@ -295,17 +295,18 @@ def fit(req: Request, n_prompt: int, context: int) -> None:
     req.params.max_tokens = min(req.params.max_tokens, context - n_prompt)
 
 
-def usage(e: Event) -> dict[str, Any]:
-    """OpenAI's usage; after drafting, `completion_tokens_details` says how many drafted
-    tokens were accepted (each one generated without a forward of its own, so
-    completion_tokens - accepted is the number of decode forwards) and rejected."""
+def usage(e: Event, drafts: bool = False) -> dict[str, Any]:
+    """OpenAI's usage; for a request that asked for drafts, `completion_tokens_details`
+    says how many drafted tokens were accepted (each one generated without a forward of
+    its own, so completion_tokens - accepted is the number of decode forwards) and
+    rejected."""
     u = {
         "prompt_tokens": e.prompt_tokens,
         "completion_tokens": e.completion_tokens,
         "total_tokens": e.prompt_tokens + e.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": e.cached_tokens},
     }
-    if e.drafted:
+    if drafts or e.drafted:
         u["completion_tokens_details"] = {
             "accepted_prediction_tokens": e.accepted,
             "rejected_prediction_tokens": e.drafted - e.accepted,
@@ -363,7 +364,7 @@ def completion_body(
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        "usage": usage(e),
+        "usage": usage(e, req.params.num_draft_tokens > 0),
     }
 
 
@@ -403,5 +404,5 @@ def usage_chunk(req: Request, rid: str, model: str, e: Event) -> dict[str, Any]:
         "created": int(time.time()),
         "model": model,
         "choices": [],
-        "usage": usage(e),
+        "usage": usage(e, req.params.num_draft_tokens > 0),
     }
