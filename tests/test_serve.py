@@ -374,6 +374,16 @@ def test_spec_bad_num_draft_tokens_gets_a_400(servers):
     assert http(url, {**ok, "num_draft_tokens": 0, "temperature": 0.7}, auth)[0] == 200
 
 
+def test_spec_server_default_applies_to_greedy_requests_that_do_not_say():
+    from llama_tp.server.protocol import Defaults, parse_chat
+
+    d = Defaults(num_draft_tokens=3)
+    msg = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra, k in [({}, 3), ({"temperature": 0.5}, 0), ({"num_draft_tokens": 0}, 0)]:
+        assert parse_chat({**msg, **extra}, d).params.num_draft_tokens == k, extra
+    assert parse_chat({**msg, "num_draft_tokens": 16}, d).params.num_draft_tokens == 16
+
+
 def test_spec_concurrent_request_gets_its_own_text(servers):
     c = servers[2].client()
     alone = {p: chat(c, p, max_tokens=64)[0] for p in (REPEAT, "Tensor parallel")}
