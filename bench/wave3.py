@@ -6,7 +6,7 @@ the MPI backend, in one run; writes docs/benchmarks.md's section between its
     .venv/bin/python bench/wave3.py --only spec,sp --out /tmp/x.md
 
 Parts (each row one command, as printed in the section):
-- spec: `python -m llama_tp.bench --prompt TEXT [--draft ngram]` on the built-in model
+- spec: `python -m llama_tp.bench --prompt TEXT [--draft ngram|DRAFT_DIR]` on the built-in model
   as stored (Q4_1) and with `--dtype float32` weights (a converted float32 copy,
   OpenBLAS preloaded), 1 and 2 ranks started directly, a free-form question and a
   "repeat this passage" prompt (bench/spec_bench.py's rows).
@@ -43,14 +43,38 @@ BEGIN, END = "<!-- wave3:begin -->", "<!-- wave3:end -->"
 PY = sys.executable
 
 
-def spec_rows(f32: Path, gguf: str, g: int) -> list[dict]:
+def layer_skip_draft(f32: Path, out: Path, layers: int = 8) -> Path:
+    """The first `layers` layers of the float32 model with its norm and head: the only
+    draft model sharing SmolLM2's tokenizer on a machine without a model hub."""
+    import shutil
+
+    import mlx.core as mx
+
+    out.mkdir(parents=True, exist_ok=True)
+    weights = mx.load(str(f32 / "model.safetensors"))
+    keep = {
+        k: v
+        for k, v in weights.items()
+        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
+    }
+    mx.save_safetensors(str(out / "model.safetensors"), keep, metadata={"format": "mlx"})
+    config = json.loads((f32 / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in f32.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def spec_rows(f32: Path, gguf: str, g: int, draft_model: Path) -> list[dict]:
     a = argparse.Namespace(g=g, n=1, k=6, k_model=3, timeout=1200, openblas=False)
     rows = []
     for label, model, blas in (("float32 + OpenBLAS", str(f32), True), ("Q4_1", gguf, False)):
         a.openblas = blas
         for ranks in (1, 2):
             for kind in ("question", "repeat"):
-                for draft in (None, "ngram"):
+                for draft in (None, "ngram", str(draft_model)):
                     print(f"spec: {label} {ranks} {kind} {draft}", file=sys.stderr, flush=True)
                     r = spec_bench.run_row(model, ranks, spec_bench.PROMPTS[kind], draft, a)
                     t = (r or {}).get("llama_tp", {})
@@ -126,6 +150,12 @@ def mpi_rows(f32: Path, openblas: str | None) -> list[dict]:
     return rows
 
 
+def _drafter(draft: str | None) -> str:
+    if draft is None:
+        return "-"
+    return "ngram (K=6)" if draft == "ngram" else "draft model: 8 of 30 layers (K=3)"
+
+
 def _t(row: dict, key: str) -> float | None:
     return (row.get("llama_tp") or row).get(key)
 
@@ -140,6 +170,9 @@ def write_section(res: dict) -> str:
     if "spec" in res:
         md += ["### Speculative decoding (prompt lookup)", ""]
         md += ["F32_DIR: `python -m llama_tp.convert -d --dtype float32 --out F32_DIR`."]
+        md += ["The draft model is F32_DIR's first 8 layers with its norm and head"]
+        md += ["(`layer_skip_draft` in bench/wave3.py): SmolLM2-135M is the only model with"]
+        md += ["its tokenizer on this machine, so no trained small draft exists here."]
         md += ["Greedy, 48 new tokens, end-of-sequence ignored; ranks started directly,"]
         md += ["`OPENBLAS_NUM_THREADS=1`. Rounds = collective rounds per generated token.", ""]
         md += ["| weights | ranks | prompt | drafter | gen tok/s | vs plain | acceptance "]
@@ -153,7 +186,7 @@ def write_section(res: dict) -> str:
             acc = f"{100 * sp['acceptance_rate']:.0f}%" if sp else "-"
             vs = f"{tps / base:.2f}x" if tps and base else "-"
             md.append(
-                f"| {r['weights']} | {r['ranks']} | {r['prompt']} | {r['draft'] or '-'} | "
+                f"| {r['weights']} | {r['ranks']} | {r['prompt']} | {_drafter(r['draft'])} | "
                 f"{_f(tps)} | {vs} | {acc} | {_f(sp.get('tokens_per_forward', 1.0))} | "
                 f"{_f(r.get('rounds_per_token'), 1)} |"
             )
@@ -223,7 +256,8 @@ def main() -> None:
                 cwd=ROOT, check=True,
             )  # fmt: skip
         if "spec" in parts:
-            res["spec"] = spec_rows(f32, str(default_model()), args.g)
+            draft = layer_skip_draft(f32, Path(tmp) / "draft8")
+            res["spec"] = spec_rows(f32, str(default_model()), args.g, draft)
         if "sp" in parts:
             res["sp"] = sp_rows()
         if "cache" in parts:
