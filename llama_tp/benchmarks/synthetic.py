@@ -24,6 +24,7 @@ SIZES = {
     "0.5b": dict(dim=2048, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=5632, vocab=32000),
     "0.1b": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=2816, vocab=32000),
     "tiny": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512),
+    "1b": dict(dim=2048, n_layers=18, n_heads=16, n_kv_heads=8, hidden_dim=5632, vocab=32000),
 }
 DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32}
 
