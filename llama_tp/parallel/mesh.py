@@ -206,10 +206,10 @@ def _clear_backends() -> None:
     fn()
 
 
-def _free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+def _bound_socket(ip: str) -> socket.socket:
+    s = socket.socket()
+    s.bind((ip, 0))
+    return s
 
 
 def _ring_subgroups(
@@ -223,7 +223,14 @@ def _ring_subgroups(
     nodes = json.loads(Path(hostfile).read_text())
     rank = world.rank()
     ip = nodes[rank][0].rsplit(":", 1)[0]
-    ports = all_gather_object([_free_port(ip) for _ in range(len(memberships) + 1)], world)
+    # Every rank holds its candidate ports bound until all ranks have gathered them, so
+    # ranks sharing a host never pick the same port (one bind(0) after another could).
+    probes = [_bound_socket(ip) for _ in range(len(memberships) + 1)]
+    try:
+        ports = all_gather_object([s.getsockname()[1] for s in probes], world)
+    finally:
+        for s in probes:
+            s.close()
     ips = [n[0].rsplit(":", 1)[0] for n in nodes]
     rings = [*memberships, list(range(world.size()))]
     saved = {k: os.environ.get(k) for k in ("MLX_HOSTFILE", "MLX_RANK")}
