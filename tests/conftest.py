@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # Each launch gets its own block of ports so that tests cannot collide, and the
 # base moves with the process id so that two suites on one machine do not either.
-_PORTS = itertools.count(20000 + (os.getpid() % 400) * 50, 10)
+# Listening ports for launched ranks, 10 per launch, below Linux's ephemeral range
+# (32768-60999): a port there can be held by any outgoing connection (TIME_WAIT ones
+# from earlier tests' rings included) and the ring's bind then fails. Concurrent test
+# runs get different quarters by their pid.
+_PORTS = itertools.count(10000 + (os.getpid() % 4) * 5000, 10)
 
 
 def launch(

@@ -86,7 +86,8 @@ def test_mpi_backend_gives_the_ring_text(tiny_dir, tmp_path):
                 os.environ[k] = v
     ring = launch(2, _generate(tiny_dir))
     assert mpi.returncode == 0, (mpi.stdout, mpi.stderr)
-    assert mpi.stdout == ring.stdout and ring.stdout.strip(), mpi.stderr
+    assert ring.returncode == 0 and ring.stdout.strip(), (ring.stdout, ring.stderr)
+    assert mpi.stdout == ring.stdout, (mpi.stderr, ring.stderr)
 
 
 def _with_mpirun_diagnostics(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
