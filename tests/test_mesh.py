@@ -13,6 +13,7 @@ from fixtures import write_hf_model
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.engine.agreement import disagreement
 from llama_tp.engine.mesh_plan import mesh_plan
+from llama_tp.engine.pipeline import MIN_MICRO, micro_batches
 from llama_tp.parallel.mesh import MeshError, balanced_split, layout, mesh_shape, parse_split
 from llama_tp.parallel.partition import human_bytes
 
@@ -62,6 +63,21 @@ def test_parse_split():
         parse_split("a,b", 5, 2)
 
 
+def test_micro_batches():
+    assert micro_batches(1, 2) == [(0, 1)]  # decoding: one pass
+    assert micro_batches(63, 2) == [(0, 63)]  # short: not worth splitting
+    assert micro_batches(137, 2) == [(0, 35), (35, 70), (70, 105), (105, 137)]
+    assert micro_batches(100, 3) == [(0, 34), (34, 68), (68, 100)]
+    for length in range(1, 600, 7):
+        for stages in (2, 3, 4):
+            parts = micro_batches(length, stages)
+            assert parts[0][0] == 0 and parts[-1][1] == length
+            assert all(a < b for a, b in parts)
+            assert all(parts[i][1] == parts[i + 1][0] for i in range(len(parts) - 1))
+            assert len(parts) <= 2 * stages
+            assert len(parts) == 1 or min(b - a for a, b in parts) >= MIN_MICRO // 2
+
+
 # --- multi-rank: logits, greedy tokens, what each rank holds ---
 
 
@@ -85,8 +101,9 @@ def models(tmp_path_factory):
     }
 
 
-def run_mesh(n: int, tp: int, pp: int, specs: list[str]) -> list[dict]:
-    args = ["tests/mp_mesh.py", "--tp", str(tp), "--pp", str(pp), *specs]
+def run_mesh(n: int, tp: int, pp: int, specs: list[str], tokens: int = 12) -> list[dict]:
+    args = ["tests/mp_mesh.py", "--tp", str(tp), "--pp", str(pp), "--tokens", str(tokens)]
+    args += specs
     r = launch(n, args, timeout=300)
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == len(specs), f"stdout:\n{r.stdout}\nstderr:\n{r.stderr[-3000:]}"
@@ -121,7 +138,8 @@ def check(line: dict, tp: int, pp: int, split: list[int] | None = None) -> None:
 
 def test_pp2_on_2_ranks(models):
     specs = [str(models["m5"]), str(models["tied"]), f"{models['m5']}@1,4"]
-    lines = run_mesh(2, 1, 2, specs)
+    # 140 tokens: the prefill (137) runs as 4 micro-batches of 35 (micro_batches)
+    lines = run_mesh(2, 1, 2, specs, tokens=140)
     check(lines[0], 1, 2)
     check(lines[1], 1, 2)
     check(lines[2], 1, 2, [1, 4])
@@ -134,7 +152,7 @@ def test_pp3_uneven_on_3_ranks(models):
 
 
 def test_tp2_x_pp2_on_4_ranks(models):
-    lines = run_mesh(4, 2, 2, [str(models[k]) for k in ("m5", "tied", "q4")])
+    lines = run_mesh(4, 2, 2, [str(models[k]) for k in ("m5", "tied", "q4")], tokens=140)
     for line in lines:
         check(line, 2, 2)
 

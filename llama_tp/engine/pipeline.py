@@ -12,9 +12,13 @@ A forward pass on every rank of stage s:
 and then one all-reduce of those logits over the pipeline group (the other stages
 add zeros), so every rank returns the same last-position logits (B, 1, V_local) and
 runs the unchanged samplers: every rank picks the same next token. The sends are
-evaluated inside the call (a stage's cache update would not wait for them), so the
-stages run one after the other: decoding one sequence is sequential across stages.
-There is no micro-batched prefill: the whole prompt chunk goes through stage by stage.
+evaluated inside the call (a stage's cache update would not wait for them), so
+decoding one sequence is sequential across stages: each token passes stage 0, then
+stage 1, ..., while the others wait (the server's batches share those passes).
+A prompt is prefilled in micro-batches (`micro_batches`: up to 2P of them, each at
+least MIN_MICRO positions): stage s works on micro-batch i + 1 while stage s + 1 works
+on micro-batch i, and the keys and values of earlier micro-batches are in the cache
+by the time a later one attends to them, so the result is the same as one pass.
 
 Each rank builds only its stage (the other layers stay unread, lazy placeholders)
 and reads only its stage's slices of a safetensors checkpoint.
@@ -71,23 +75,38 @@ class PipelineModel(nn.Module):
         cache: list[Any] | None = None,
         input_embeddings: mx.array | None = None,
     ) -> mx.array:
-        """tokens (B, L) int -> the last position's logits (B, 1, V_local), on every rank."""
+        """tokens (B, L) int -> the last position's logits (B, 1, V_local), on every rank.
+
+        With a cache, a prompt of L >= 2 * MIN_MICRO positions goes through in
+        micro-batches (`micro_batches`): each stage sends a micro-batch on as soon as
+        its layers are done and starts the next, so the stages work at once."""
         mesh, (B, L) = self.mesh, tokens.shape
-        if mesh.first:
-            h = self.tok_embeddings(tokens) if input_embeddings is None else input_embeddings
-        else:
-            h = mx.distributed.recv(
-                (B, L, self.args.dim), self.in_dtype, mesh.stage - 1, group=mesh.pp_group
-            )
         if cache is None:
             cache = [None] * len(self.layers)
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache, strict=True):
-            h = layer(h, mask, c)
+        bounds = micro_batches(L, mesh.pp) if cache[0] is not None else [(0, L)]
+        for a, b in bounds:
+            if not mesh.first:
+                h = mx.distributed.recv(
+                    (B, b - a, self.args.dim), self.in_dtype, mesh.stage - 1, group=mesh.pp_group
+                )
+            elif input_embeddings is None:
+                h = self.tok_embeddings(tokens[:, a:b])
+            else:
+                h = input_embeddings[:, a:b]
+            mask = create_attention_mask(h, cache[0])
+            for layer, c in zip(self.layers, cache, strict=True):
+                h = layer(h, mask, c)
+            if not mesh.last:
+                # Evaluated here: the next micro-batch starts only once this one is sent
+                # (and a stage's cache update would not wait for a lazy send).
+                mx.eval(mx.distributed.send(h, mesh.stage + 1, group=mesh.pp_group))
+            elif b < L:
+                # The last stage too, one micro-batch at a time: a lazy graph of them
+                # all could post the next recv before this one's layers have run.
+                mx.eval(h)
         if mesh.last:
             logits = self._head(self.norm(h[:, -1:, :]))
         else:
-            mx.eval(mx.distributed.send(h, mesh.stage + 1, group=mesh.pp_group))
             logits = mx.zeros((B, 1, len(self.vocab)), self.logits_dtype)
         return mx.distributed.all_sum(logits, group=mesh.pp_group)
 
@@ -122,6 +141,19 @@ class PipelineModel(nn.Module):
                 object.__setattr__(self, "in_dtype", getattr(mx, dtype))
             dtype = t[dtype]
         object.__setattr__(self, "logits_dtype", getattr(mx, dtype))
+
+
+MIN_MICRO = 32  # positions: smaller micro-batches cost more in overhead than they overlap
+
+
+def micro_batches(length: int, stages: int) -> list[tuple[int, int]]:
+    """[start, stop) of each micro-batch of a `length`-position prompt on `stages` stages:
+    2 * stages of them (at most; each >= MIN_MICRO positions), so that the P - 1 steps
+    of filling and draining the pipeline are a small part of the whole. One when the
+    prompt is short (decoding: length 1)."""
+    n = max(1, min(2 * stages, length // MIN_MICRO))
+    size = -(-length // n)
+    return [(a, min(a + size, length)) for a in range(0, length, size)]
 
 
 def stage_ranges(full: nn.Module, pp: int, pp_split: str | None) -> list[range]:
