@@ -32,7 +32,10 @@ def _parser():
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--model-name", default=None, help="the id /v1/models reports")
     p.add_argument(
-        "--max-batch", type=int, default=8, help="sequences decoded together (default 8)"
+        "--max-batch",
+        type=int,
+        default=8,
+        help="sequences decoded together by each replica (default 8)",
     )
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting at most; more get 429"
@@ -52,12 +55,13 @@ def _parser():
         "num_draft_tokens, used while a request decodes alone (default 0: off; at most 16)",
     )
     p.add_argument("--ignore-chat-template", action="store_true")
+    p.set_defaults(serving=True)  # --dp (replicas) is allowed here only
     return p
 
 
 def main() -> int:
     from .cluster.distributed import print0
-    from .console.cli import UsageError, check_model_args, start_watchdog
+    from .console.cli import check_model_args, start_watchdog
     from .server.runner import check_args, fastapi_missing, serve
 
     args = _parser().parse_args()
@@ -65,8 +69,6 @@ def main() -> int:
         print0(f"error: {INSTALL_HINT}", file=sys.stderr)
         return 1
     check_model_args(args)
-    if (args.pp or 1) > 1:  # tp x pp mesh: not wired into the server's batching yet
-        raise UsageError("serve runs tensor parallelism only: --pp must be 1")
     check_args(args)
     start_watchdog(args)
     return serve(args)

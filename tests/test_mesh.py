@@ -31,6 +31,16 @@ def test_mesh_shape():
         mesh_shape(4, None, 3)
     with pytest.raises(MeshError, match="--tp must be at least 1"):
         mesh_shape(4, 0, None)
+    # --dp replicas (the server): T * P * D ranks
+    assert mesh_shape(4, None, None, 2) == (2, 1)
+    assert mesh_shape(8, None, 2, 2) == (2, 2)
+    assert mesh_shape(4, 1, 2, 2) == (1, 2)
+    with pytest.raises(MeshError, match=r"^--dp 3 does not divide the 4 running ranks$"):
+        mesh_shape(4, None, None, 3)
+    with pytest.raises(MeshError, match=r"^--tp 2 x --pp 2 x --dp 2 = 8 ranks, but 4 are"):
+        mesh_shape(4, 2, 2, 2)
+    with pytest.raises(MeshError, match="--dp must be at least 1, got 0"):
+        mesh_shape(4, None, None, 0)
 
 
 def test_layout_keeps_hosts_in_one_tensor_group():

@@ -52,16 +52,19 @@ def free_port() -> int:
 class Server:
     """A server subprocess (its own process group), stopped at the end of the module."""
 
-    def __init__(self, ranks: int, model: Path, tmp: Path, *flags: str):
+    def __init__(self, ranks: int, model: Path, tmp: Path, *flags: str, launcher: str = "mlx"):
         self.port = free_port()
         args = ["-m", "llama_tp.serve", "--model", str(model), "--port", str(self.port)]
         args += ["--api-key", KEY, *flags]
         if ranks == 1:
             cmd = [sys.executable, *args]
+        elif launcher == "llama_tp":  # blocks instead of spinning (--no-openblas: as one process)
+            cmd = [sys.executable, "-m", "llama_tp.launch", "--no-openblas", "-n", str(ranks)]
+            cmd += ["--starting-port", str(next(_PORTS)), "--", sys.executable, *args]
         else:
             cmd = [str(BIN / "mlx.launch"), "-n", str(ranks), "--starting-port", str(next(_PORTS))]
             cmd += ["--", sys.executable, *args]
-        self.err_path = tmp / f"serve-{ranks}.err"
+        self.err_path = tmp / f"serve-{ranks}-{self.port}.err"
         # mlx.launch spins once its stdin ends: give it a pipe that stays open.
         self.read_end, self.write_end = os.pipe()
         self.proc = subprocess.Popen(

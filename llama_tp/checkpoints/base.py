@@ -30,3 +30,4 @@ class Checkpoint:
     # blocks are wider than MLX groups (GGUF K-quants: 256): the plan splits on them.
     ffn_block: int | None = None
     notes: list[str] = field(default_factory=list)  # what the reader converted (--verbose)
+    mesh: Any = None  # the loader's parallel.mesh.Mesh (tp x pp x dp), when it made one

@@ -123,7 +123,7 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, draft: bool = Tr
 
 
 def add_mesh_args(p: argparse.ArgumentParser) -> None:
-    """The tp x pp mesh (parallel/mesh.py): --tp, --pp, --pp-split."""
+    """The tp x pp (x dp) mesh (parallel/mesh.py): --tp, --pp, --pp-split, --dp."""
     p.add_argument(
         "--tp",
         type=int,
@@ -143,12 +143,26 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
     )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel model replicas, each on --tp x --pp ranks (llama_tp.serve only; "
+        "default 1)",
+    )
 
 
 def check_mesh_args(args: argparse.Namespace) -> None:
-    """UsageError for --pp-split without --pp (the rest is checked against the world)."""
+    """UsageError for --pp-split without --pp, and --dp > 1 outside the server (whose
+    parser sets `serving`); the rest is checked against the world."""
     if getattr(args, "pp_split", None) and (args.pp or 1) == 1:
         raise UsageError("--pp-split needs --pp (the number of pipeline stages)")
+    dp = getattr(args, "dp", None)
+    if dp is not None and dp > 1 and not getattr(args, "serving", False):
+        raise UsageError(
+            f"--dp {dp}: data-parallel replicas serve separate requests at once, which only "
+            "llama_tp.serve does; this command runs one copy of the model (drop --dp)"
+        )
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -300,7 +314,7 @@ def load_checked(args, group: mx.distributed.Group):
     agree_ok(error, group)
     from ..parallel.mesh import MeshError
 
-    mesh = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split")}
+    mesh = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split", "dp")}
     with watchdog.stage("loading the model", "load"):
         try:
             model, ckpt = load_model(

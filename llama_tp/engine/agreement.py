@@ -66,7 +66,7 @@ def local_facts(
     from ..parallel.shard import plan_for
 
     config = model.args.to_dict()
-    mesh = getattr(model, "mesh", None)
+    mesh = getattr(ckpt, "mesh", None) or getattr(model, "mesh", None)
     tp = group.size() if mesh is None else mesh.tp
     return {
         "versions": (
@@ -74,7 +74,7 @@ def local_facts(
         ),
         "world": group.size(),
         "config": config,
-        "mesh": mesh_facts(model, group),
+        "mesh": mesh_facts(model, group, getattr(ckpt, "mesh", None)),
         "plan": digest([repr(plan_for(model, tp)).encode()]),
         "weights": weights_fingerprint(ckpt),
         "tokenizer": tokenizer_fingerprint(ckpt, tokenizer),
@@ -82,17 +82,22 @@ def local_facts(
     }
 
 
-def mesh_facts(model: nn.Module, group: mx.distributed.Group) -> dict[str, Any]:
-    """The mesh this rank built: --tp, --pp and the layers of each stage (as --pp-split)."""
-    mesh = getattr(model, "mesh", None)
+def mesh_facts(model: nn.Module, group: mx.distributed.Group, mesh: Any = None) -> dict[str, Any]:
+    """The mesh this rank built: --tp, --pp, the layers of each stage (as --pp-split) and
+    --dp (`mesh`: the loader's, when it made one)."""
+    mesh = getattr(model, "mesh", None) or mesh
     if mesh is None:  # all ranks tensor-parallel
-        return {"--tp": group.size(), "--pp": 1, "--pp-split": None}
-    split = ",".join(str(len(r)) for r in mesh.layers)
-    return {"--tp": mesh.tp, "--pp": mesh.pp, "--pp-split": split}
+        return {"--tp": group.size(), "--pp": 1, "--pp-split": None, "--dp": 1}
+    split = ",".join(str(len(r)) for r in mesh.layers) if mesh.pp > 1 else None
+    return {"--tp": mesh.tp, "--pp": mesh.pp, "--pp-split": split, "--dp": mesh.dp}
 
 
 def check_mesh_flags(
-    tp: int | None, pp: int | None, pp_split: str | None, group: mx.distributed.Group
+    tp: int | None,
+    pp: int | None,
+    pp_split: str | None,
+    group: mx.distributed.Group,
+    dp: int | None = None,
 ) -> None:
     """Raise `AgreementError` on every rank unless all ranks were given the same mesh:
     --tp and --pp as resolved against the world (`--tp 2` and no flag are the same on
@@ -103,10 +108,11 @@ def check_mesh_flags(
     from ..parallel.mesh import MeshError, mesh_shape
 
     try:
-        T, P = mesh_shape(group.size(), tp, pp)
-        mine = {"--tp": T, "--pp": P, "--pp-split": (pp_split or "balanced") if P > 1 else None}
+        T, P = mesh_shape(group.size(), tp, pp, dp)
+        split = (pp_split or "balanced") if P > 1 else None
+        mine = {"--tp": T, "--pp": P, "--pp-split": split, "--dp": dp or 1}
     except MeshError:  # compared as given; the same flags fail alike on every rank
-        mine = {"--tp": tp, "--pp": pp, "--pp-split": pp_split}
+        mine = {"--tp": tp, "--pp": pp, "--pp-split": pp_split, "--dp": dp}
     flags = all_gather_object(mine, group)
     if any(f != flags[0] for f in flags):
         raise AgreementError(f"ranks disagree on {FACTS['mesh']} ({_config_difference(flags)})")

@@ -32,6 +32,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..cluster.distributed import world
 from .batch_messages import Decision, Event, Join, SamplingParams
 from .drafters import lookup
+from .pipeline import verify_logits
 from .sampling import VocabShard, _filtered_sample, token_logprobs, vocab_shard
 
 __all__ = ["BatchEngine", "BatchResult", "Decision", "Event", "Join", "SamplingParams"]
@@ -278,7 +279,7 @@ class BatchEngine:
         k = min(k, r.params.max_tokens - r.n - 1)  # never draft past max_tokens
         drafts = lookup([*r.fed, r.pending], k) if k > 0 else []
         x = mx.array([[r.pending, *drafts]], dtype=mx.int32)
-        logits = self.model(x, cache=self.cache)  # (1, n + 1, V or V_local)
+        logits = verify_logits(self.model, x, self.cache)  # (1, n + 1, V or V_local)
         n_ok, nxt = accept(logits, mx.array([drafts], mx.int32), None, 0.0, self.shard, None)
         mx.eval(n_ok, nxt)
         n_acc = n_ok.item()

@@ -59,11 +59,14 @@ def _read_weights(model: Transformer, ckpt: Checkpoint, done: Parallelized | Non
         mx.eval(model.parameters())
 
 
-def _open(path: str | Path, group: mx.distributed.Group) -> Checkpoint:
-    """open_checkpoint on every rank; if any rank fails, every rank raises."""
+def _open(
+    path: str | Path, group: mx.distributed.Group, model_group: mx.distributed.Group
+) -> Checkpoint:
+    """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
+    model); if any rank of `group` fails, every rank raises."""
     ckpt, error = None, None
     try:
-        ckpt = open_checkpoint(path, group.rank(), group.size())
+        ckpt = open_checkpoint(path, model_group.rank(), model_group.size())
     except Exception as e:
         error = e
     agree_ok(error, group)
@@ -81,6 +84,7 @@ def load_model(
     tp: int | None = None,
     pp: int | None = None,
     pp_split: str | None = None,
+    dp: int | None = None,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
 
@@ -95,7 +99,9 @@ def load_model(
     `sequence_parallel` the prefill splits the norms and residual stream along the
     sequence (`llama_tp.parallel.sequence`). `tp`, `pp` (and `pp_split`, e.g.
     "10,12") lay the ranks out as a tp x pp mesh: the model is then this rank's
-    pipeline stage (`engine/pipeline.py`). A checkpoint pre-split by
+    pipeline stage (`engine/pipeline.py`). `dp` > 1 (the server's replicas) loads D
+    independent copies, each on its own T * P ranks; `ckpt.mesh` says which this rank's
+    is (None without a mesh). A checkpoint pre-split by
     `convert --shards N` is read from this rank's folder only. Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
@@ -106,19 +112,22 @@ def load_model(
         # sequence-parallel wrappers: refuse rather than silently run without them
         raise ValueError("--dtype and --sequence-parallel cannot be combined yet: pick one")
     group = group or world()
-    mesh = None
-    check_mesh_flags(tp, pp, pp_split, group)  # making a mesh is collective: agree first
-    if (pp or 1) > 1 or tp is not None:  # tp x pp mesh (parallel/mesh.py)
+    mesh = whole_mesh = None
+    model_group = group  # the ranks that hold one copy of the model: a replica's with dp
+    check_mesh_flags(tp, pp, pp_split, group, dp)  # making a mesh is collective: agree first
+    if (pp or 1) > 1 or tp is not None or (dp or 1) > 1:  # a mesh (parallel/mesh.py)
         from ..parallel.mesh import make_mesh
 
-        mesh = make_mesh(group, tp, pp)
-        mesh = mesh if mesh.pp > 1 else None
+        whole_mesh = make_mesh(group, tp, pp, dp)
+        model_group = whole_mesh.replica_group or group
+        mesh = whole_mesh if whole_mesh.pp > 1 else None
         if mesh is not None and (plan is not None or sequence_parallel):
             raise ValueError("--tp/--pp take the built-in plan, without --sequence-parallel")
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
-    ckpt = _open(path, group)
+    ckpt = _open(path, group, model_group)
+    ckpt.mesh = whole_mesh
     error = done = None
     try:
         if mesh is not None:  # the stage reads its own layers' slices
@@ -132,14 +141,14 @@ def load_model(
                     f"{ckpt.path} was pre-split by the built-in plan: load the unsplit "
                     "checkpoint to use your own plan"
                 )
-            model = build_split(ckpt, group, vocab_parallel, sequence_parallel)
+            model = build_split(ckpt, model_group, vocab_parallel, sequence_parallel)
             _read_weights(model, ckpt, None)
         else:
             model = build_model(ckpt, whole=False)
-            if group.size() > 1 or plan is not None:
+            if model_group.size() > 1 or plan is not None:
                 done = parallelize_model(
                     model,
-                    group,
+                    model_group,
                     plan,
                     vocab_parallel=vocab_parallel,
                     sequence_parallel=sequence_parallel,
@@ -211,6 +220,7 @@ def load(
     tp: int | None = None,
     pp: int | None = None,
     pp_split: str | None = None,
+    dp: int | None = None,
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
     see `load_model`."""
@@ -227,6 +237,7 @@ def load(
         tp=tp,
         pp=pp,
         pp_split=pp_split,
+        dp=dp,
     )
     return model, load_tokenizer(ckpt)
 

@@ -74,8 +74,10 @@ class PipelineModel(nn.Module):
         tokens: mx.array,
         cache: list[Any] | None = None,
         input_embeddings: mx.array | None = None,
+        every_position: bool = False,
     ) -> mx.array:
-        """tokens (B, L) int -> the last position's logits (B, 1, V_local), on every rank.
+        """tokens (B, L) int -> the last position's logits (B, 1, V_local), on every rank;
+        (B, L, V_local) with `every_position` (see `verify_logits`).
 
         With a cache, a prompt of L >= 2 * MIN_MICRO positions goes through in
         micro-batches (`micro_batches`): each stage sends a micro-batch on as soon as
@@ -83,7 +85,8 @@ class PipelineModel(nn.Module):
         mesh, (B, L) = self.mesh, tokens.shape
         if cache is None:
             cache = [None] * len(self.layers)
-        bounds = micro_batches(L, mesh.pp) if cache[0] is not None else [(0, L)]
+        split = cache[0] is not None and not every_position
+        bounds = micro_batches(L, mesh.pp) if split else [(0, L)]
         for a, b in bounds:
             if not mesh.first:
                 h = mx.distributed.recv(
@@ -104,10 +107,11 @@ class PipelineModel(nn.Module):
                 # The last stage too, one micro-batch at a time: a lazy graph of them
                 # all could post the next recv before this one's layers have run.
                 mx.eval(h)
+        n = L if every_position else 1
         if mesh.last:
-            logits = self._head(self.norm(h[:, -1:, :]))
+            logits = self._head(self.norm(h[:, -n:, :]))
         else:
-            logits = mx.zeros((B, 1, len(self.vocab)), self.logits_dtype)
+            logits = mx.zeros((B, n, len(self.vocab)), self.logits_dtype)
         return mx.distributed.all_sum(logits, group=mesh.pp_group)
 
     def vocab_shard(self) -> VocabShard | None:
@@ -141,6 +145,14 @@ class PipelineModel(nn.Module):
                 object.__setattr__(self, "in_dtype", getattr(mx, dtype))
             dtype = t[dtype]
         object.__setattr__(self, "logits_dtype", getattr(mx, dtype))
+
+
+def verify_logits(model: nn.Module, x: mx.array, cache: list[Any]) -> mx.array:
+    """`model(x, cache=cache)` with every position's logits (B, L, V[_local]), as speculative
+    verification needs (a pipeline stage returns only the last position's otherwise)."""
+    if isinstance(model, PipelineModel):
+        return model(x, cache=cache, every_position=True)
+    return model(x, cache=cache)
 
 
 MIN_MICRO = 32  # positions: smaller micro-batches cost more in overhead than they overlap

@@ -34,6 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from ..cluster.collectives import collectives
 from .drafters import Drafter
+from .pipeline import verify_logits
 from .sampling import VocabShard
 
 
@@ -203,7 +204,7 @@ def speculative_generate_step(
             with collectives() as calls:
                 drafts, q = drafter.propose(k, temp, keys.next() if keys else None)
                 x = mx.array([y] + drafts, dtype=mx.int32)[None]
-                logits = model(x, cache=cache)  # (1, n + 1, V[_local])
+                logits = verify_logits(model, x, cache)  # (1, n + 1, V[_local])
                 q_b = None if q is None else q[None]
                 n_ok, nxt = accept(logits, mx.array([drafts], mx.int32), q_b, temp, shard, keys)
                 mx.eval(n_ok, nxt)

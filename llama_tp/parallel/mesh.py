@@ -1,4 +1,4 @@
-"""The tp x pp mesh: which rank runs which pipeline stage, and its two groups.
+"""The tp x pp (x dp) mesh: which rank runs which pipeline stage, and its groups.
 
     world ranks -> P stages of T ranks each (T * P == world size)
     tensor group: the T ranks of one stage (tensor-parallel with the usual plan)
@@ -10,6 +10,11 @@ stage s. So when every host runs a multiple of T ranks, a tensor group never spa
 two hosts: the all-reduces stay inside a machine, and only the hidden states of the
 stage boundaries cross the network. `LLAMA_TP_MESH_ORDER=rank` ignores the hosts
 (plain rank order: stage s = ranks s*T .. s*T + T - 1).
+
+With `--dp D` (the server's data-parallel replicas) the world is D replicas of
+T * P ranks, cut the same way: the ranks in host order, replica d the d-th block of
+T * P, its stages consecutive blocks of T inside it. Each replica is a whole model
+with its own groups; only the server's per-step exchange spans the world.
 
 Groups come from `Group.split` where the backend has it. MLX 0.32's ring backend
 does not ("[ring] Group split not supported"); there each subgroup is a ring of its
@@ -44,22 +49,26 @@ class MeshError(ValueError):
     """A mesh or stage split that cannot run: a usage error."""
 
 
-def mesh_shape(world_size: int, tp: int | None, pp: int | None) -> tuple[int, int]:
-    """(T, P) from the flags: P defaults to 1, T to world_size // P; T * P must be the world."""
-    for flag, v in (("--tp", tp), ("--pp", pp)):
+def mesh_shape(
+    world_size: int, tp: int | None, pp: int | None, dp: int | None = None
+) -> tuple[int, int]:
+    """(T, P) from the flags: P defaults to 1, T to world_size // (P * D); T * P * D must be
+    the world (D = --dp replicas, default 1)."""
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if v is not None and v < 1:
             raise MeshError(f"{flag} must be at least 1, got {v}")
-    p = pp or 1
+    p, d = pp or 1, dp or 1
+    running = f"{world_size} {'are' if world_size > 1 else 'is'} running"
     if tp is None:
-        if world_size % p:
+        if world_size % (p * d):
+            flags = " x ".join([f"--pp {p}"] * (d == 1 or p > 1) + [f"--dp {d}"] * (d > 1))
             plural = "s" * (world_size > 1)
-            raise MeshError(f"--pp {p} does not divide the {world_size} running rank{plural}")
-        return world_size // p, p
-    if tp * p != world_size:
-        raise MeshError(
-            f"--tp {tp} x --pp {p} = {tp * p} rank{'s' * (tp * p > 1)}, "
-            f"but {world_size} {'are' if world_size > 1 else 'is'} running"
-        )
+            raise MeshError(f"{flags} does not divide the {world_size} running rank{plural}")
+        return world_size // (p * d), p
+    if tp * p * d != world_size:
+        n = tp * p * d
+        flags = f"--tp {tp} x --pp {p}" + (f" x --dp {d}" if d > 1 else "")
+        raise MeshError(f"{flags} = {n} rank{'s' * (n > 1)}, but {running}")
     return tp, p
 
 
@@ -141,10 +150,14 @@ class Mesh:
     pp: int
     stage: int  # this rank's pipeline stage
     tp_rank: int  # its rank in the stage's tensor group
-    stages: list[list[int]]  # world ranks of each stage, in tensor-rank order
+    stages: list[list[int]]  # world ranks of each stage (of its replica), in tensor-rank order
     tp_group: mx.distributed.Group | None  # None when T == 1
     pp_group: mx.distributed.Group | None  # None when P == 1
     layers: list[range] = field(default_factory=list)  # each stage's layers, once known
+    dp: int = 1  # data-parallel replicas (the server's --dp)
+    replica: int = 0  # this rank's replica
+    replicas: list[list[int]] = field(default_factory=list)  # world ranks of each replica
+    replica_group: mx.distributed.Group | None = None  # its replica's T * P ranks (D > 1)
 
     @property
     def first(self) -> bool:
@@ -167,14 +180,20 @@ class Mesh:
         return "\n".join(lines)
 
 
-def make_mesh(world: mx.distributed.Group, tp: int | None = None, pp: int | None = None) -> Mesh:
+def make_mesh(
+    world: mx.distributed.Group, tp: int | None = None, pp: int | None = None, dp: int | None = None
+) -> Mesh:
     """The mesh of `world` (collective: every rank calls it with the same flags).
 
     Raises MeshError (on every rank alike, before any communication) when the
-    flags do not fit the world.
+    flags do not fit the world. With `dp` > 1 the world is cut into D replicas of
+    T * P ranks (placed like stages: consecutive blocks in host order), each with its
+    own tensor and pipeline groups and a replica group.
     """
-    T, P = mesh_shape(world.size(), tp, pp)
-    rank = world.rank()
+    T, P = mesh_shape(world.size(), tp, pp, dp)
+    D, rank = dp or 1, world.rank()
+    if D > 1:
+        return _replicated_mesh(world, T, P, D)
     if P == 1:
         return Mesh(T, 1, 0, rank, [list(range(T))], world if T > 1 else None, None)
     if T == 1:  # pure pipeline: stage s is rank s, the world is the pipeline group
@@ -193,6 +212,36 @@ def make_mesh(world: mx.distributed.Group, tp: int | None = None, pp: int | None
             raise
         tp_group, pp_group = _ring_subgroups(world, [stages[stage], pipe])
     return Mesh(T, P, stage, tp_rank, stages, tp_group, pp_group)
+
+
+def _replicated_mesh(world: mx.distributed.Group, T: int, P: int, D: int) -> Mesh:
+    """`make_mesh` with D > 1 replicas: the replica group always, a tensor group when
+    T > 1 and a pipeline group when P > 1 (the replica group itself when the other is 1)."""
+    rank = world.rank()
+    by_host = os.environ.get("LLAMA_TP_MESH_ORDER", "host") != "rank"
+    hosts = all_gather_object(socket.gethostname(), world)
+    blocks = layout(hosts, T, P * D, by_host)  # (D * P, T): replica d is blocks dP .. dP + P - 1
+    block = next(b for b, ranks in enumerate(blocks) if rank in ranks)
+    replica, stage = divmod(block, P)
+    stages = blocks[replica * P : (replica + 1) * P]
+    tp_rank = stages[stage].index(rank)
+    replicas = [[r for s in blocks[d * P : (d + 1) * P] for r in s] for d in range(D)]
+    kinds = [replicas[replica]]  # replica rank = stage * T + tensor rank
+    if T > 1 and P > 1:
+        kinds += [stages[stage], [stages[s][tp_rank] for s in range(P)]]
+    try:
+        made = [world.split(replica, stage * T + tp_rank)]
+        if len(kinds) > 1:
+            pipe = D + D * P + replica * T + tp_rank  # colors: replicas, blocks, then pipes
+            made += [world.split(D + block, tp_rank), world.split(pipe, stage)]
+    except RuntimeError as e:
+        if "split not supported" not in str(e):
+            raise
+        made = _ring_subgroups(world, kinds)
+    group = made[0]
+    tp_group = (made[1] if P > 1 else group) if T > 1 else None
+    pp_group = (made[2] if T > 1 else group) if P > 1 else None
+    return Mesh(T, P, stage, tp_rank, stages, tp_group, pp_group, [], D, replica, replicas, group)
 
 
 def _clear_backends() -> None:
@@ -238,6 +287,12 @@ def _ring_subgroups(
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i, members in enumerate(rings):
+                if len(members) == 1:  # a ring of one cannot connect: MLX's group of one
+                    os.environ.pop("MLX_HOSTFILE", None)
+                    os.environ.pop("MLX_RANK", None)
+                    _clear_backends()
+                    groups.append(mx.distributed.init(backend="ring"))
+                    continue
                 path = Path(tmp) / f"ring{i}.json"
                 path.write_text(json.dumps([[f"{ips[m]}:{ports[m][i]}"] for m in members]))
                 os.environ["MLX_HOSTFILE"], os.environ["MLX_RANK"] = (

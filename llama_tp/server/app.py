@@ -80,6 +80,8 @@ def build_app(
             return JSONResponse({"status": "stopping"}, status_code=503)
         if not scheduler.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
+        if scheduler.replicas > 1:  # requests each data-parallel replica has admitted
+            return {"status": "ok", "replicas": list(scheduler.served)}
         return {"status": "ok"}
 
     @app.get("/v1/models")

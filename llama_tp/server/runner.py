@@ -122,7 +122,8 @@ def serve(args: argparse.Namespace) -> int:
     group = world()
     watchdog.set_group_size(group.size())
     rank0 = group.rank() == 0
-    scheduler = Scheduler(args.max_batch, args.max_queue) if rank0 else None
+    replicas = args.dp or 1
+    scheduler = Scheduler(args.max_batch, args.max_queue, replicas) if rank0 else None
     http = sock = error = None
     if rank0:
         try:
@@ -159,17 +160,29 @@ def serve(args: argparse.Namespace) -> int:
 
         watchdog.on_exit(fail)
         eprint0(
-            f"serve: {name} on {group.size()} rank{'s' * (group.size() > 1)}, context "
+            f"serve: {name} on {group.size()} rank{'s' * (group.size() > 1)}"
+            f"{_mesh_words(ckpt.mesh)}, context "
             f"{info.context} tokens, loaded in {time.perf_counter() - t0:.1f} s; ready on "
             f"http://{args.host}:{args.port}/v1 (batch {args.max_batch}, queue {args.max_queue})"
         )
     try:
-        run_steps(engine, scheduler, group)
+        run_steps(engine, scheduler, group, ckpt.mesh)
     finally:
         if http is not None:
             http.stop()
     eprint0("serve: stopped")
     return 0
+
+
+def _mesh_words(mesh) -> str:
+    """' (2 replicas of --tp 1 x --pp 2: ranks 0, 1 | 2, 3)' for the start-up line."""
+    if mesh is None or (mesh.pp == 1 and mesh.dp == 1):
+        return ""
+    shape = f"--tp {mesh.tp} x --pp {mesh.pp}"
+    if mesh.dp == 1:
+        return f" ({shape})"
+    ranks = " | ".join(", ".join(map(str, r)) for r in mesh.replicas)
+    return f" ({mesh.dp} replicas of {shape}: ranks {ranks})"
 
 
 def _late_app(holder: dict, scheduler: Scheduler):

@@ -16,6 +16,13 @@ and a new request waits at most one tick. Idle waits are outside any watchdog
 stage, so an idle server can stay idle forever while a stalled step still ends
 every rank; a rank that dies while idle shows at the next tick.
 
+With `--dp D` replicas (each a whole model on its own ranks) the decision is one
+per replica: rank 0 sends a new request to the replica with the fewest sequences,
+every replica applies its own decision and steps its own batch at the same time,
+and one `all_gather_object` over the world brings the replicas' events back to
+rank 0 (each replica's first rank sends them; the others send nothing). The
+replicas step in lockstep: a step takes as long as the slowest replica's.
+
 The HTTP side runs on another thread (uvicorn's event loop); it hands in jobs
 with `submit` / `cancel`, and gets its events back through the job's asyncio
 queue (`loop.call_soon_threadsafe`).
@@ -34,7 +41,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..cluster import watchdog
-from ..cluster.distributed import broadcast_object
+from ..cluster.distributed import all_gather_object, broadcast_object
 from ..engine.batch import BatchEngine, Decision, Event, Join, SamplingParams
 from .protocol import RequestError
 
@@ -69,8 +76,11 @@ class Job:
 class Scheduler:
     """Rank 0's queue of requests and its per-step decisions (thread-safe)."""
 
-    def __init__(self, max_batch: int = 8, max_queue: int = 64):
-        self.max_batch, self.max_queue = max_batch, max_queue
+    def __init__(self, max_batch: int = 8, max_queue: int = 64, replicas: int = 1):
+        self.max_batch, self.max_queue = max_batch, max_queue  # max_batch: per replica
+        self.replicas = replicas
+        self.served = [0] * replicas  # requests admitted by each replica (/health)
+        self._where: dict[int, int] = {}  # running uid -> its replica
         self.ready = False  # every rank has loaded (the /health answer)
         self.closed: str | None = None  # why new requests are refused (stopping, failed)
         self._cond = threading.Condition()
@@ -130,27 +140,61 @@ class Scheduler:
 
         `active`: rows in the engine. Waiting requests join while the batch has room.
         """
+        decisions = self.next_decisions([active], wait)
+        return None if decisions is None else decisions[0]
+
+    def next_decisions(self, active: list[int], wait: float = 0.25) -> list[Decision] | None:
+        """Each replica's decision for the next step; None after `wait` seconds idle.
+
+        `active[d]`: rows in replica d's engine. Each waiting request joins the replica
+        with the fewest rows (the lowest-numbered of equals) while one has room.
+        """
         with self._cond:
-            if not (active or self._pending or self._stop):
+            if not (any(active) or self._pending or self._stop):
                 self._cond.wait(wait)
                 if not (self._pending or self._stop):
                     return None
+            n = len(active)
             if self._stop:
-                return Decision(stop=True)
-            cancels = sorted(self._cancels & self._running.keys())
+                return [Decision(stop=True) for _ in range(n)]
+            cancelled = self._cancels & self._running.keys()
             self._cancels.clear()
-            joins = []
-            while self._pending and active - len(cancels) + len(joins) < self.max_batch:
+            cancels = [
+                sorted(u for u in cancelled if self._where[u] == d) for d in range(len(active))
+            ]
+            rows = [a - len(c) for a, c in zip(active, cancels, strict=True)]
+            joins: list[list[Join]] = [[] for _ in active]
+            while self._pending:
+                d = min(range(len(active)), key=lambda i: rows[i])
+                if rows[d] >= self.max_batch:
+                    break
                 job = self._pending.popleft()
-                self._running[job.uid] = job
-                joins.append(Join(job.uid, job.prompt, job.params))
+                self._running[job.uid], self._where[job.uid] = job, d
+                joins[d].append(Join(job.uid, job.prompt, job.params))
+                rows[d] += 1
+                self.served[d] += 1
             self.steps += 1
-            # Drafts only when the step's batch is one sequence that asked for them: then
-            # a (K+1)-token forward costs little more than a 1-token one; a batch of
-            # several already shares each forward, and drafts would multiply its work.
-            live = [j for uid, j in self._running.items() if uid not in cancels]
-            draft = live[0].params.num_draft_tokens if len(live) == 1 else 0
-            return Decision(joins=joins, cancels=cancels, draft=draft)
+            decisions = []
+            for d in range(len(active)):
+                # Drafts only when the step's batch is one sequence that asked for them:
+                # then a (K+1)-token forward costs little more than a 1-token one; a batch
+                # of several already shares each forward, and drafts would multiply its work.
+                live = [
+                    j
+                    for uid, j in self._running.items()
+                    if self._where[uid] == d and uid not in cancelled
+                ]
+                draft = live[0].params.num_draft_tokens if len(live) == 1 else 0
+                decisions.append(Decision(joins=joins[d], cancels=cancels[d], draft=draft))
+            return decisions
+
+    def rows(self) -> list[int]:
+        """Each replica's running sequences (its engine's rows after the last step)."""
+        with self._cond:
+            counts = [0] * self.replicas
+            for d in self._where.values():
+                counts[d] += 1
+            return counts
 
     def dispatch(self, events: list[Event]) -> None:
         """Send each event to its job; finished jobs leave."""
@@ -161,6 +205,7 @@ class Scheduler:
                     continue
                 if e.finish_reason:
                     del self._running[e.uid]
+                    self._where.pop(e.uid, None)
                 if e.finish_reason != "cancelled":
                     job.post(e)
 
@@ -172,47 +217,59 @@ class Scheduler:
                 job.post(Failure(message, status))
             self._pending.clear()
             self._running.clear()
+            self._where.clear()
 
 
 def run_steps(
     engine: BatchEngine,
     scheduler: Scheduler | None,
     group: mx.distributed.Group,
+    mesh=None,
 ) -> None:
     """The step loop: rank 0 (with `scheduler`) decides, every rank applies and decodes.
 
+    `group`: the world. `mesh` (parallel.mesh.Mesh): with `mesh.dp` > 1 this rank's
+    engine is replica `mesh.replica` (see the module's docstring).
     Returns after a stop decision. On rank 0 an exception (a lost peer) first answers
     every open request with a 503 error, so that no client is left waiting.
     """
     rank0 = group.rank() == 0
+    dp = mesh.dp if mesh is not None else 1
     try:
         while True:
-            decision = None
+            decisions = None
             if rank0:
-                decision = scheduler.next_decision(len(engine), wait=IDLE_TICK)
-                if decision is None:
+                active = [len(engine)] if dp == 1 else scheduler.rows()
+                decisions = scheduler.next_decisions(active, wait=IDLE_TICK)
+                if decisions is None:
                     if group.size() == 1:
                         continue
-                    decision = Decision(idle=IDLE_TICK)  # keeps the others sleeping
+                    decisions = [Decision(idle=IDLE_TICK)]  # keeps the others sleeping
             if group.size() > 1:
                 # The one exchange per step besides the model's own (unarmed: rank 0
                 # may still be deciding).
-                decision = broadcast_object(decision, group)
-            if decision.idle:
+                decisions = broadcast_object(decisions, group)
+            if decisions[0].idle:
                 if not rank0:  # rank 0 waits on its queue instead
-                    time.sleep(max(0.0, decision.idle - IDLE_MARGIN))
+                    time.sleep(max(0.0, decisions[0].idle - IDLE_MARGIN))
                 continue
-            if decision.stop:
+            if decisions[0].stop:
                 if rank0:
                     scheduler.fail_all("the server is shutting down")
                 return
+            decision = decisions[mesh.replica if dp > 1 else 0]
             events = []
             if decision.joins or decision.cancels:
                 n = sum(len(j.prompt) for j in decision.joins)
                 with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
                     events = engine.apply(decision)
             with watchdog.stage(f"generation step ({len(engine)} sequences)"):
-                events += engine.step(decision.draft)
+                if len(engine) or dp == 1:
+                    events += engine.step(decision.draft)
+                if dp > 1:  # each replica's first rank sends its events to rank 0
+                    sender = mesh.replica_group.rank() == 0
+                    gathered = all_gather_object(events if sender else [], group)
+                    events = [e for part in gathered for e in part]
             if rank0:
                 scheduler.dispatch(events)
     except BaseException as e:
