@@ -26,6 +26,7 @@ and reads only its stage's slices of a safetensors checkpoint.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -162,8 +163,10 @@ def micro_batches(length: int, stages: int) -> list[tuple[int, int]]:
     """[start, stop) of each micro-batch of a `length`-position prompt on `stages` stages:
     2 * stages of them (at most; each >= MIN_MICRO positions), so that the P - 1 steps
     of filling and draining the pipeline are a small part of the whole. One when the
-    prompt is short (decoding: length 1)."""
-    n = max(1, min(2 * stages, length // MIN_MICRO))
+    prompt is short (decoding: length 1). `LLAMA_TP_PP_MICRO_BATCHES=N` caps the count
+    (1: the whole prompt at once, for comparison)."""
+    most = int(os.environ.get("LLAMA_TP_PP_MICRO_BATCHES", 2 * stages))  # 1: one piece
+    n = max(1, min(most, length // MIN_MICRO))
     size = -(-length // n)
     return [(a, min(a + size, length)) for a in range(0, length, size)]
 
