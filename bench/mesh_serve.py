@@ -9,7 +9,8 @@
    and in one piece (`LLAMA_TP_PP_MICRO_BATCHES=1`), alternated, twice each.
 
 Ranks are started by `python -m llama_tp.launch` (OpenBLAS preloaded when installed,
-one thread per rank; the one process gets it preloaded too, with two threads). Prints a markdown table per part (or one JSON object).
+one thread per rank; the one process gets it preloaded too, with two threads).
+Prints a markdown table per part (or one JSON object).
 """
 
 from __future__ import annotations
