@@ -57,6 +57,20 @@ class _RangeLinear(nn.Module):
         for name, value in params.items():
             setattr(self, name, value)  # arrays become parameters
 
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        start: int,
+        stop: int,
+        *,
+        group: mx.distributed.Group | None = None,
+    ) -> _RangeLinear:
+        """The layer keeping `linear`'s rows (all-to-sharded) or input columns
+        (sharded-to-all) start:stop; the slicing is the subclass's `_params`."""
+        out_dims, in_dims = linear.weight.shape
+        return cls(cls._params(linear, start, stop), in_dims, out_dims, start, stop, group)
+
     def _extra_repr(self) -> str:
         kept = "rows" if self._rows else "columns"
         return (
@@ -78,18 +92,9 @@ class RangeAllToShardedLinear(_RangeLinear):
             return mx.addmm(self["bias"], x, self["weight"].T)
         return x @ self["weight"].T
 
-    @classmethod
-    def from_linear(
-        cls,
-        linear: nn.Linear,
-        start: int,
-        stop: int,
-        *,
-        group: mx.distributed.Group | None = None,
-    ) -> RangeAllToShardedLinear:
-        out_dims, in_dims = linear.weight.shape
-        params = {k: _slice(linear[k], start, stop, 0) for k in ("weight", "bias") if k in linear}
-        return cls(params, in_dims, out_dims, start, stop, group)
+    @staticmethod
+    def _params(linear: nn.Linear, start: int, stop: int) -> dict[str, mx.array]:
+        return {k: _slice(linear[k], start, stop, 0) for k in ("weight", "bias") if k in linear}
 
 
 class RangeShardedToAllLinear(_RangeLinear):
@@ -104,20 +109,12 @@ class RangeShardedToAllLinear(_RangeLinear):
             x = x + self["bias"]  # once, after the sum: every rank holds it whole
         return x
 
-    @classmethod
-    def from_linear(
-        cls,
-        linear: nn.Linear,
-        start: int,
-        stop: int,
-        *,
-        group: mx.distributed.Group | None = None,
-    ) -> RangeShardedToAllLinear:
-        out_dims, in_dims = linear.weight.shape
+    @staticmethod
+    def _params(linear: nn.Linear, start: int, stop: int) -> dict[str, mx.array]:
         params = {"weight": _slice(linear.weight, start, stop, 1)}
         if "bias" in linear:
             params["bias"] = linear.bias
-        return cls(params, in_dims, out_dims, start, stop, group)
+        return params
 
 
 class _QuantizedRangeLinear(_RangeLinear):
@@ -159,6 +156,20 @@ class _QuantizedRangeLinear(_RangeLinear):
             mode=self.mode,
         )
 
+    @classmethod
+    def from_quantized_linear(
+        cls,
+        q: nn.QuantizedLinear,
+        start: int,
+        stop: int,
+        *,
+        group: mx.distributed.Group | None = None,
+    ) -> _QuantizedRangeLinear:
+        """The layer keeping `q`'s rows or input columns start:stop (logical units)."""
+        out_dims, in_dims, gs, bits = cls._config(q)
+        params = cls._params(q, start, stop)
+        return cls(params, in_dims, out_dims, start, stop, gs, bits, group)
+
     @staticmethod
     def _config(q: nn.QuantizedLinear) -> tuple[int, int, int, int]:
         """(output_dims, logical input_dims, group_size, bits) of a QuantizedLinear."""
@@ -181,19 +192,10 @@ class QuantizedRangeAllToShardedLinear(_QuantizedRangeLinear):
             x = x + self["bias"]
         return x
 
-    @classmethod
-    def from_quantized_linear(
-        cls,
-        q: nn.QuantizedLinear,
-        start: int,
-        stop: int,
-        *,
-        group: mx.distributed.Group | None = None,
-    ) -> QuantizedRangeAllToShardedLinear:
-        out_dims, in_dims, gs, bits = cls._config(q)
+    @staticmethod
+    def _params(q: nn.QuantizedLinear, start: int, stop: int) -> dict[str, mx.array]:
         names = ("weight", "scales", "biases", "bias")
-        params = {k: _slice(q[k], start, stop, 0) for k in names if k in q}
-        return cls(params, in_dims, out_dims, start, stop, gs, bits, group)
+        return {k: _slice(q[k], start, stop, 0) for k in names if k in q}
 
 
 class QuantizedRangeShardedToAllLinear(_QuantizedRangeLinear):
@@ -208,16 +210,9 @@ class QuantizedRangeShardedToAllLinear(_QuantizedRangeLinear):
             x = x + self["bias"]  # once, after the sum
         return x
 
-    @classmethod
-    def from_quantized_linear(
-        cls,
-        q: nn.QuantizedLinear,
-        start: int,
-        stop: int,
-        *,
-        group: mx.distributed.Group | None = None,
-    ) -> QuantizedRangeShardedToAllLinear:
-        out_dims, in_dims, gs, bits = cls._config(q)
+    @staticmethod
+    def _params(q: nn.QuantizedLinear, start: int, stop: int) -> dict[str, mx.array]:
+        gs, bits = q.group_size, q.bits
         # Scales/biases have one column per group, so the split must be on group
         # boundaries; packed words must not straddle it either.
         if start % gs or stop % gs or (start * bits) % 32 or (stop * bits) % 32:
@@ -232,7 +227,7 @@ class QuantizedRangeShardedToAllLinear(_QuantizedRangeLinear):
         }
         if "bias" in q:
             params["bias"] = q.bias
-        return cls(params, in_dims, out_dims, start, stop, gs, bits, group)
+        return params
 
 
 def shard_linear_range(
