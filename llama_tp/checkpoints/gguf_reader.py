@@ -25,7 +25,7 @@ from . import gguf_quants as gq
 from .base import CheckpointError
 from .gguf_header import GGUFHeader
 from .gguf_header import TensorInfo as GGUFTensor
-from .safetensors import _HAVE_PREADV, READ
+from .safetensors import pread_into
 
 _CHUNK = 8 << 20  # source bytes converted at a time
 _MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
@@ -175,18 +175,7 @@ class GGUFFile:
         if fd is None:
             with self._fd() as own:
                 return self._pread(buf, offset, own)
-        done = 0
-        while done < len(buf):
-            if _HAVE_PREADV:
-                n = os.preadv(fd, [buf[done:]], offset + done)
-            else:  # some macOS Pythons: bounded chunks through a temporary bytes object
-                data = os.pread(fd, min(len(buf) - done, _CHUNK), offset + done)
-                n = len(data)
-                buf[done : done + n] = data
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: truncated at byte {offset + done}")
-            done += n
-        READ.bytes += done
+        pread_into(fd, buf, offset, self.path)
 
 
 class _File:

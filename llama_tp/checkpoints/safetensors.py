@@ -52,6 +52,23 @@ class ReadCounter:
 READ = ReadCounter()
 
 
+def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill `buf` with the bytes of the open file `fd` from `offset` on (counted in READ);
+    CheckpointError naming `path` and the byte where the file ends too soon."""
+    done = 0
+    while done < len(buf):
+        if _HAVE_PREADV:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        else:  # some macOS Pythons: bounded chunks through a temporary bytes object
+            data = os.pread(fd, min(len(buf) - done, _CHUNK), offset + done)
+            n = len(data)
+            buf[done : done + n] = data
+        if n <= 0:
+            raise CheckpointError(f"{path}: truncated at byte {offset + done}")
+        done += n
+    READ.bytes += done
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str  # safetensors name, e.g. "F16"
@@ -139,15 +156,4 @@ class SafetensorsFile:
         return out.view(result) if result != read_as else out
 
     def _pread(self, fd: int, buf: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buf):
-            if _HAVE_PREADV:
-                n = os.preadv(fd, [buf[done:]], offset + done)
-            else:  # some macOS Pythons: bounded chunks through a temporary bytes object
-                data = os.pread(fd, min(len(buf) - done, _CHUNK), offset + done)
-                n = len(data)
-                buf[done : done + n] = data
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: truncated at byte {offset + done}")
-            done += n
-        READ.bytes += done
+        pread_into(fd, buf, offset, self.path)
