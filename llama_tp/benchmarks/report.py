@@ -61,24 +61,16 @@ def print_table(r: dict[str, Any]) -> None:
             f"{_fmt_gb(x['peak_memory_gb'])} | {x['cpu_per_wall']:.2f} |"
         )
     t = r["llama_tp"]
-    print(
-        "llama_tp loading: "
-        + ", ".join(
-            f"rank {i} read {b / 1e6:.1f} MB, peak {g:.2f} GB"
-            for i, (b, g) in enumerate(
-                zip(t["load_bytes_read"], t["load_peak_memory_gb"], strict=True)
-            )
-        )
+    _per_rank(
+        "llama_tp loading",
+        "rank {i} read {b:.1f} MB, peak {g:.2f} GB",
+        [(b / 1e6, g) for b, g in zip(t["load_bytes_read"], t["load_peak_memory_gb"], strict=True)],
     )
     if "activation_peak_gb" in t:
-        print(
-            "llama_tp run peak above the weights (activations, KV cache): "
-            + ", ".join(
-                f"rank {i} {a * 1e3:.0f} MB (weights {w:.2f} GB)"
-                for i, (a, w) in enumerate(
-                    zip(t["activation_peak_gb"], t["weights_gb"], strict=True)
-                )
-            )
+        _per_rank(
+            "llama_tp run peak above the weights (activations, KV cache)",
+            "rank {i} {b:.0f} MB (weights {g:.2f} GB)",
+            [(a * 1e3, w) for a, w in zip(t["activation_peak_gb"], t["weights_gb"], strict=True)],
         )
     if "prefill_collectives" in t:
         per = t["prefill_collectives"]["per_layer"]
@@ -129,3 +121,8 @@ def print_table(r: dict[str, Any]) -> None:
         f"decode step: {t['decode_step_ms']:.1f} ms, {t['decode_step_ms_no_collectives']:.1f} ms "
         f"with collectives replaced by identity: {100 * t['collective_share']:.0f}% in collectives"
     )
+
+
+def _per_rank(title: str, item: str, values: list[tuple[float, float]]) -> None:
+    """One line: `title: ` and `item` (with {i}, {b}, {g}) for each rank's pair of values."""
+    print(f"{title}: " + ", ".join(item.format(i=i, b=b, g=g) for i, (b, g) in enumerate(values)))
