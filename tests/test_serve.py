@@ -10,13 +10,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,87 +21,10 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
-from conftest import _PORTS, BIN, ROOT, run_python  # noqa: E402
+from conftest import run_python  # noqa: E402
+from serve_client import DRAFTS, KEY, REPEAT, Server, chat, complete, http  # noqa: E402
 
-KEY = "test-key"
 CONTEXT = 2048
-
-
-def http(url: str, body=None, headers=None, timeout: float = 30) -> tuple[int, str]:
-    """(status, body text) of a GET, or of a POST of `body` (bytes, or JSON)."""
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers=headers or {})
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server subprocess (its own process group), stopped at the end of the module."""
-
-    def __init__(self, ranks: int, model: Path, tmp: Path, *flags: str, launcher: str = "mlx"):
-        self.port = free_port()
-        args = ["-m", "llama_tp.serve", "--model", str(model), "--port", str(self.port)]
-        args += ["--api-key", KEY, *flags]
-        if ranks == 1:
-            cmd = [sys.executable, *args]
-        elif launcher == "llama_tp":  # blocks instead of spinning (--no-openblas: as one process)
-            cmd = [sys.executable, "-m", "llama_tp.launch", "--no-openblas", "-n", str(ranks)]
-            cmd += ["--starting-port", str(next(_PORTS)), "--", sys.executable, *args]
-        else:
-            cmd = [str(BIN / "mlx.launch"), "-n", str(ranks), "--starting-port", str(next(_PORTS))]
-            cmd += ["--", sys.executable, *args]
-        self.err_path = tmp / f"serve-{ranks}-{self.port}.err"
-        # mlx.launch spins once its stdin ends: give it a pipe that stays open.
-        self.read_end, self.write_end = os.pipe()
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdin=self.read_end,
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.err_path, "w"),
-            start_new_session=True,
-        )
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.stderr()
-            try:
-                if http(f"{self.base}/health", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"server not ready after {timeout} s: {self.stderr()}")
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.base}/v1", api_key=KEY, timeout=60, max_retries=0, **kw
-        )
-
-    def stderr(self) -> str:
-        return self.err_path.read_text()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        for fd in (self.read_end, self.write_end):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 @pytest.fixture(scope="module")
@@ -134,35 +53,6 @@ def servers(model_dir, tmp_path_factory):
     finally:
         one.close()
         two.close()
-
-
-def chat(client, prompt: str, stream: bool = False, **kw):
-    """(text, finish_reason, usage) of a one-message chat."""
-    messages = kw.pop("messages", None) or [{"role": "user", "content": prompt}]
-    kw.setdefault("max_tokens", 12)
-    kw.setdefault("temperature", 0)
-    if not stream:
-        r = client.chat.completions.create(model="m", messages=messages, **kw)
-        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
-    text, finish, usage = [], None, None
-    for c in client.chat.completions.create(
-        model="m", messages=messages, stream=True, stream_options={"include_usage": True}, **kw
-    ):
-        if c.usage is not None:
-            usage = c.usage
-        for ch in c.choices:
-            text.append(ch.delta.content or "")
-            finish = ch.finish_reason or finish
-    return "".join(text), finish, usage
-
-
-def complete(client, prompt: str, stream: bool = False, **kw) -> str:
-    kw.setdefault("max_tokens", 12)
-    kw.setdefault("temperature", 0)
-    if not stream:
-        return client.completions.create(model="m", prompt=prompt, **kw).choices[0].text
-    chunks = client.completions.create(model="m", prompt=prompt, stream=True, **kw)
-    return "".join(ch.text for c in chunks for ch in c.choices)
 
 
 def test_chat_and_completion_streaming_or_not_on_1_and_2_ranks(servers, model_dir):
@@ -321,10 +211,6 @@ def test_bad_requests_are_answered_and_the_server_keeps_serving(servers):
         codes = list(pool.map(lambda _: http(url, long_ok, auth, timeout=120)[0], range(12)))
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
     assert chat(s.client(), "hello")[0]
-
-
-REPEAT = "abc abc abc abc abc abc abc abc"  # prompt lookup finds drafts the model accepts
-DRAFTS = {"num_draft_tokens": 4}
 
 
 def test_spec_drafts_give_the_same_greedy_text_on_1_and_2_ranks(servers):

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import run_python
-from test_serve import DRAFTS, REPEAT, Server, chat, complete, http
+from serve_client import DRAFTS, REPEAT, Server, chat, complete, http
 
 from llama_tp.engine.batch import SamplingParams
 from llama_tp.server.scheduler import Scheduler
