@@ -1,6 +1,7 @@
 """The OpenAI-compatible server behind `python -m llama_tp.serve`.
 
-- `protocol`: request validation (errors naming the field) and response bodies;
+- `protocol`: request validation (errors naming the field);
+- `responses`: the response bodies and stream chunks;
 - `app`: the FastAPI routes, authentication and server-sent events;
 - `scheduler`: rank 0's queue and per-step decisions, and the step loop of every rank;
 - `runner`: `create_app` (in-process, one rank) and the command's run on every rank.

@@ -17,18 +17,15 @@ from typing import Any
 
 from .protocol import (
     Defaults,
-    Logprobs,
     Request,
     RequestError,
-    chunk,
-    completion_body,
     encode,
     error_body,
     fit,
     parse_chat,
     parse_completion,
-    usage_chunk,
 )
+from .responses import Logprobs, chunk, completion_body, usage_chunk
 from .scheduler import Failure, Scheduler
 
 POLL = 0.5  # seconds between checks that a non-streaming client is still connected

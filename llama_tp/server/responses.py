@@ -1,0 +1,119 @@
+"""The OpenAI response formats: the JSON bodies and stream chunks of chat and text
+completions, their usage and log-probabilities (for a `protocol.Request`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..engine.batch import Event
+from .protocol import Request
+
+
+def usage(e: Event, drafts: bool = False) -> dict[str, Any]:
+    """OpenAI's usage; for a request that asked for drafts, `completion_tokens_details`
+    says how many drafted tokens were accepted (each one generated without a forward of
+    its own, so completion_tokens - accepted is the number of decode forwards) and
+    rejected."""
+    u = {
+        "prompt_tokens": e.prompt_tokens,
+        "completion_tokens": e.completion_tokens,
+        "total_tokens": e.prompt_tokens + e.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": e.cached_tokens},
+    }
+    if drafts or e.drafted:
+        u["completion_tokens_details"] = {
+            "accepted_prediction_tokens": e.accepted,
+            "rejected_prediction_tokens": e.drafted - e.accepted,
+        }
+    return u
+
+
+class Logprobs:
+    """Collects a request's per-token log-probabilities in the endpoint's format."""
+
+    def __init__(self, chat: bool, decode):
+        self.chat, self.decode = chat, decode
+        self.content: list[dict] = []
+        self.legacy: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+
+    def add(self, e: Event) -> dict | None:
+        """Record `e`'s token; returns just this token's entry (for a stream chunk)."""
+        tok = self.decode(e.token)
+        tops = e.top_logprobs or []
+        if self.chat:
+            entry = {
+                "token": tok,
+                "logprob": e.logprob,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": self.decode(i), "logprob": v, "bytes": list(self.decode(i).encode())}
+                    for i, v in tops
+                ],
+            }
+            self.content.append(entry)
+            return {"content": [entry]}
+        top = {self.decode(i): v for i, v in tops} if e.top_logprobs is not None else None
+        self.legacy["tokens"].append(tok)
+        self.legacy["token_logprobs"].append(e.logprob)
+        self.legacy["top_logprobs"].append(top)
+        return {"tokens": [tok], "token_logprobs": [e.logprob], "top_logprobs": [top]}
+
+    def body(self) -> dict:
+        return {"content": self.content} if self.chat else self.legacy
+
+
+def completion_body(
+    req: Request, rid: str, model: str, text: str, finish: str, e: Event, lp: Logprobs | None
+) -> dict[str, Any]:
+    """The non-streaming answer of either endpoint."""
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+    else:
+        choice = {"index": 0, "text": text}
+    choice["logprobs"] = lp.body() if lp is not None else None
+    choice["finish_reason"] = finish
+    return _envelope(req, rid, model, [choice], "chat.completion", e)
+
+
+def chunk(
+    req: Request,
+    rid: str,
+    model: str,
+    text: str | None,
+    finish: str | None = None,
+    logprobs: dict | None = None,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One streamed chunk; chat deltas carry the role first, then content pieces."""
+    if req.chat:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta}
+    else:
+        choice = {"index": 0, "text": text or ""}
+    choice["logprobs"] = logprobs
+    choice["finish_reason"] = finish
+    return _envelope(req, rid, model, [choice], "chat.completion.chunk")
+
+
+def usage_chunk(req: Request, rid: str, model: str, e: Event) -> dict[str, Any]:
+    """The stream's last chunk with `stream_options.include_usage`: no choices, the usage."""
+    return _envelope(req, rid, model, [], "chat.completion.chunk", e)
+
+
+def _envelope(
+    req: Request, rid: str, model: str, choices: list, chat_object: str, e: Event | None = None
+) -> dict[str, Any]:
+    """What every answer and chunk carries around its choices (and the usage, given `e`)."""
+    body = {
+        "id": rid,
+        "object": chat_object if req.chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if e is not None:
+        body["usage"] = usage(e, req.params.num_draft_tokens > 0)
+    return body
