@@ -96,7 +96,9 @@ def load_model(
     sequence (`llama_tp.parallel.sequence`). `tp`, `pp` (and `pp_split`, e.g.
     "10,12") lay the ranks out as a tp x pp mesh: the model is then this rank's
     pipeline stage (`engine/pipeline.py`). A checkpoint pre-split by
-    `convert --shards N` is read from this rank's folder only. Returns the model,
+    `convert --shards N` (for a mesh: `--shards N --tp T --pp P`, loaded with the same
+    `tp`, `pp`) is read from this rank's folder only; a folder split for another mesh
+    is refused (`checkpoints.split.check_mesh`). Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
