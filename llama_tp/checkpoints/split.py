@@ -174,7 +174,7 @@ def check_mesh(
         raise CheckpointError(
             f"{root} is split into stages of {made} layers but --pp-split {pp_split} is "
             f"given: run it without --pp-split (or with --pp-split {made}), or convert "
-            f"again with --pp-split {pp_split}"
+            f"again with --shards {T * P} --tp {T} --pp {P} --pp-split {pp_split}"
         )
     if stages is not None and [list(r) for r in stages] != made_stages:
         raise CheckpointError(

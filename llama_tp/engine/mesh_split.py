@@ -83,7 +83,7 @@ def convert_mesh(
     for a mesh that cannot run (checked before anything is written); with one stage
     the plain tensor-parallel split (`checkpoints.convert.convert`). `quantize`,
     `group_size`, `dtype`, `progress` as for `convert`."""
-    T, P = mesh_shape(shards, tp, pp)
+    T, P = mesh_shape(shards, tp, pp, shards=True)
     kw = dict(quantize=quantize, group_size=group_size, dtype=dtype, progress=progress)
     if P == 1:
         if pp_split:

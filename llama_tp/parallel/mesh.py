@@ -44,22 +44,28 @@ class MeshError(ValueError):
     """A mesh or stage split that cannot run: a usage error."""
 
 
-def mesh_shape(world_size: int, tp: int | None, pp: int | None) -> tuple[int, int]:
-    """(T, P) from the flags: P defaults to 1, T to world_size // P; T * P must be the world."""
+def mesh_shape(
+    world_size: int, tp: int | None, pp: int | None, shards: bool = False
+) -> tuple[int, int]:
+    """(T, P) from the flags: P defaults to 1, T to world_size // P; T * P must be the world.
+    `shards`: the world is `convert --shards N` (a pre-split for N ranks), not running."""
     for flag, v in (("--tp", tp), ("--pp", pp)):
         if v is not None and v < 1:
             raise MeshError(f"{flag} must be at least 1, got {v}")
     p = pp or 1
+    plural = "s" * (world_size > 1)
     if tp is None:
         if world_size % p:
-            plural = "s" * (world_size > 1)
-            raise MeshError(f"--pp {p} does not divide the {world_size} running rank{plural}")
+            world = f"--shards {world_size}" if shards else f"the {world_size} running rank{plural}"
+            raise MeshError(f"--pp {p} does not divide {world}")
         return world_size // p, p
     if tp * p != world_size:
-        raise MeshError(
-            f"--tp {tp} x --pp {p} = {tp * p} rank{'s' * (tp * p > 1)}, "
-            f"but {world_size} {'are' if world_size > 1 else 'is'} running"
+        world = (
+            f"--shards is {world_size}"
+            if shards
+            else f"{world_size} {'are' if world_size > 1 else 'is'} running"
         )
+        raise MeshError(f"--tp {tp} x --pp {p} = {tp * p} rank{'s' * (tp * p > 1)}, but {world}")
     return tp, p
 
 
