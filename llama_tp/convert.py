@@ -46,7 +46,10 @@ def _parser():
         help="dequantize quantized weights (to float16 unless --dtype says otherwise)",
     )
     p.add_argument(
-        "--shards", type=int, help="write one folder per rank for a run on this many ranks"
+        "--shards",
+        type=int,
+        help="write one folder per rank for a run on this many ranks (with --pp: ranks of "
+        "the tp x pp mesh)",
     )
     p.add_argument(
         "--tp",
