@@ -32,6 +32,7 @@ MESHES = {  # folder -> (unsplit source, shards, tp, pp, pp_split)
     "m5-2x2-1,4": ("m5", 4, 2, 2, "1,4"),
     "tied-2x2": ("tied", 4, 2, 2, None),
     "q8-2x2": ("q8", 4, 2, 2, None),
+    "tied-2x2-whole": ("tied", 4, 2, 2, None),  # --no-vocab-parallel
     "m5-pp2": ("m5", 2, None, 2, None),
     "m5-pp2-1,4": ("m5", 2, None, 2, "1,4"),
 }
@@ -49,8 +50,17 @@ def models(tmp_path_factory):
     for name, (src, n, tp, pp, split) in MESHES.items():
         q = dict(quantize=8, group_size=32) if src == "q8" else {}
         source = out["m5"] if src == "q8" else out[src]
+        vp = not name.endswith("-whole")
         out[name] = convert_mesh(
-            source, root / name, shards=n, tp=tp, pp=pp, pp_split=split, progress=False, **q
+            source,
+            root / name,
+            shards=n,
+            tp=tp,
+            pp=pp,
+            pp_split=split,
+            progress=False,
+            vocab_parallel=vp,
+            **q,
         )
     return out
 
@@ -67,7 +77,8 @@ def test_each_folder_holds_only_its_stage(models, name):
     """Folder r: the layers of rank r's stage (the loader's stage split, the plan's
     bytes), the embedding on the first stage, the norm and head on the last."""
     src, n, tp, pp, split = MESHES[name]
-    plan = mesh_plan(open_checkpoint(models[src]), n, tp, pp, split)
+    vp = not name.endswith("-whole")
+    plan = mesh_plan(open_checkpoint(models[src]), n, tp, pp, split, vocab_parallel=vp)
     manifest = json.loads((models[name] / "manifest.json").read_text())
     assert manifest["mesh"] == {
         "tp": plan.tp,
@@ -77,6 +88,7 @@ def test_each_folder_holds_only_its_stage(models, name):
         "pp_split": split,
     }
     tied = src == "tied"
+    assert manifest["vocab_parallel"] == (vp and tp == 2)
     for r in plan.ranks:
         folder = models[name] / f"rank-{r.rank}"
         shard = json.loads((folder / "shard.json").read_text())
@@ -90,9 +102,9 @@ def test_each_folder_holds_only_its_stage(models, name):
         assert ("norm.weight" in held) == last
         assert ("output.weight" in held) == (last and not tied)
         assert manifest["ranks"][r.rank]["bytes"] == r.nbytes, r
-        if tp and tp > 1 and (first or last):  # vocabulary-parallel in the stage's group
+        if first or last:  # vocabulary-parallel in the stage's group (unless whole)
             table = held.get("output.weight") or held["tok_embeddings.weight"]
-            assert table[0] == len(r.vocab)
+            assert table[0] == (len(r.vocab) if r.vocab else 389), r
 
 
 def test_check_mesh(models):
@@ -166,7 +178,7 @@ def check(models, line: dict, name: str) -> None:
 
 
 def test_presplit_tp2_x_pp2_on_4_ranks(models):
-    names = ["m5-2x2", "tied-2x2", "q8-2x2"]
+    names = ["m5-2x2", "tied-2x2", "q8-2x2", "tied-2x2-whole"]
     lines = run_mesh(4, 2, 2, [f"{models[k]}={models[MESHES[k][0]]}" for k in names])
     for name, line in zip(names, lines, strict=True):
         check(models, line, name)
