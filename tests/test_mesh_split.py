@@ -107,6 +107,28 @@ def test_each_folder_holds_only_its_stage(models, name):
             assert table[0] == (len(r.vocab) if r.vocab else 389), r
 
 
+def test_folders_of_k_quant_blocks_load_with_the_split_they_were_written_with(tmp_path):
+    """A GGUF K-quant ffn_down (blocks of 256) splits its 768 columns 512 | 256 over 2
+    ranks, not 384 | 384: the folder records the block, so that loading plans the same."""
+    from gguf_writer import Q4_K, llama_vocabulary, tiny_llama_gguf
+
+    from llama_tp.checkpoints.build import empty_split_model
+    from llama_tp.parallel.shard import plan_for
+
+    kw = dict(hidden=768, layers=2, vocab=320, metadata=llama_vocabulary(320))
+    gguf = tiny_llama_gguf(tmp_path / "k.gguf", {"blk.*.ffn_down.weight": Q4_K}, **kw)
+    out = convert_mesh(gguf, tmp_path / "k-2x2", shards=4, tp=2, pp=2, progress=False)
+    for rank in range(4):
+        folder = open_checkpoint(out, rank, 4)
+        stage = json.loads((out / f"rank-{rank}" / "shard.json").read_text())["mesh"]
+        plan = plan_for(empty_split_model(folder), 2)  # what loading the folder plans
+        columns = len(plan.parts[stage["tp_rank"]].ffn)
+        assert columns == (512, 256)[stage["tp_rank"]]
+        layer = stage["layers"][0]
+        scales = folder.weights[f"layers.{layer}.feed_forward.w2.scales"]
+        assert scales.shape == (64, columns // 32)  # MLX groups of 32 values
+
+
 def test_check_mesh(models):
     """The refusals, one line each: what the folder is for, what runs, how to fix it."""
     mesh = models["m5-2x2"]

@@ -74,8 +74,10 @@ def split_vocab_parallel(ckpt: Checkpoint, vocab_parallel: bool, n: int) -> bool
 
 def empty_split_model(ckpt: Checkpoint) -> Transformer:
     """The whole model of a pre-split folder, lazily initialized (never evaluated: the
-    stored slices replace what a rank keeps), quantized where the folder's is."""
+    stored slices replace what a rank keeps), quantized where the folder's is, with the
+    source file's feed-forward block (GGUF K-quants: 256) for the plan's split."""
     model = Transformer(ckpt.args)
+    model.ffn_block = ckpt.metadata.get("ffn_block")  # as the plan that wrote the folder
     quantized = ckpt.metadata.get("quantized", {})
 
     def predicate(path: str, module: nn.Module):

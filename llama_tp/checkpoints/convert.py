@@ -355,6 +355,8 @@ def write_folders(
         "bos_token_id": bos,
         "eos_token_id": eos,
         "source": ckpt.path.name,
+        # The plan split the feed-forward on the file's blocks: loading must too.
+        "ffn_block": getattr(source.model, "ffn_block", None),
         "llama_tp": {"fingerprint": weights_fingerprint(ckpt) + source.changed},
     }
     return split.write(
