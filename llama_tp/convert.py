@@ -3,8 +3,10 @@
     python -m llama_tp.convert --out smollm2-mlx
     python -m llama_tp.convert --model smollm2-mlx --out smollm2-q8 --quantize 8
     python -m llama_tp.convert --model smollm2-mlx --out smollm2-tp2 --shards 2
+    python -m llama_tp.convert --model smollm2-mlx --out smollm2-2x2 --shards 4 --tp 2 --pp 2
 
-The conversion itself is `llama_tp.checkpoints.convert`.
+The conversion itself is `llama_tp.checkpoints.convert`; a split for a tp x pp mesh
+(`--pp` > 1) is `llama_tp.engine.mesh_split`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,27 @@ def _parser():
         help="dequantize quantized weights (to float16 unless --dtype says otherwise)",
     )
     p.add_argument(
-        "--shards", type=int, help="write one folder per rank for a run on this many ranks"
+        "--shards",
+        type=int,
+        help="write one folder per rank for a run on this many ranks (with --pp: ranks of "
+        "the tp x pp mesh)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="with --shards: ranks per stage of the tp x pp mesh the folders are for "
+        "(default: --shards / --pp)",
+    )
+    p.add_argument(
+        "--pp",
+        type=int,
+        help="with --shards: pipeline stages of that mesh; folder r holds rank r's stage "
+        "(default 1: plain tensor parallelism)",
+    )
+    p.add_argument(
+        "--pp-split",
+        metavar="N,N,...",
+        help="with --pp: layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
     )
     p.add_argument(
         "--no-vocab-parallel",
@@ -75,16 +97,24 @@ def main() -> int:
         raise UsageError("--quantize and --dtype/--dequantize exclude each other")
     if args.no_vocab_parallel and args.shards is None:
         raise UsageError("--no-vocab-parallel only applies with --shards")
-    convert(
-        Path(args.model) if args.model else default_model(),
-        out,
-        quantize=args.quantize,
-        group_size=args.group_size,
-        shards=args.shards,
-        vocab_parallel=not args.no_vocab_parallel,
-        dtype=dtype,
-        progress=not args.quiet,
-    )
+    mesh = [f for f in ("tp", "pp", "pp_split") if getattr(args, f) is not None]
+    if mesh and args.shards is None:
+        raise UsageError(f"--{mesh[0].replace('_', '-')} only applies with --shards")
+    src = Path(args.model) if args.model else default_model()
+    kw = dict(quantize=args.quantize, group_size=args.group_size, dtype=dtype)
+    kw.update(vocab_parallel=not args.no_vocab_parallel, progress=not args.quiet)
+    if not mesh:
+        convert(src, out, shards=args.shards, **kw)
+        return 0
+    from .engine.mesh_split import convert_mesh
+    from .parallel.mesh import MeshError
+
+    try:
+        convert_mesh(
+            src, out, shards=args.shards, tp=args.tp, pp=args.pp, pp_split=args.pp_split, **kw
+        )
+    except MeshError as e:  # the loader's one-line messages, as usage errors
+        raise UsageError(str(e)) from None
     return 0
 
 

@@ -1,11 +1,15 @@
 """Run under mlx.launch: a tp x pp mesh computes what one process computes.
 
     mlx.launch -n 4 -- python tests/mp_mesh.py --tp 2 --pp 2 DIR[@SPLIT] [DIR ...]
+    mlx.launch -n 4 -- python tests/mp_mesh.py --tp 2 --pp 2 PRESPLIT=DIR[@SPLIT]
 
 For each model (optionally with a `--pp-split` after `@`, e.g. DIR@1,3,1) every
 rank builds the unsharded reference and its own stage, runs both on the same
 tokens (a prefill, then cached single-token steps) and greedy-decodes a few
-tokens with both. Rank 0 prints one JSON line per model:
+tokens with both. `PRESPLIT=DIR` loads the stage from PRESPLIT (a folder pre-split
+for the mesh) and the reference from DIR, and also loads DIR on the mesh: "mesh_diff"
+is then max |logits of PRESPLIT - logits of DIR on the same mesh|.
+Rank 0 prints one JSON line per model:
 {"model", "diff" (max |logits - reference|), "same_tokens", "stages" (each rank's
 stage, tensor rank, global layer range, parameter bytes without the norms, layers
 built, all its parameter bytes), "full_bytes", ...}.
@@ -66,11 +70,18 @@ def main() -> int:
     world = mx.distributed.init()
     for spec in args.models:
         path, _, split = spec.partition("@")
-        ref = build_model(open_checkpoint(path))
-        model, _ = load_model(path, world, tp=args.tp, pp=args.pp, pp_split=split or None)
+        path, _, ref_path = path.partition("=")
+        ref = build_model(open_checkpoint(ref_path or path))
+        mesh_flags = dict(tp=args.tp, pp=args.pp, pp_split=split or None)
+        model, _ = load_model(path, world, **mesh_flags)
         x = np.random.default_rng(0).integers(0, ref.args.vocab_size, (1, args.tokens))
         x = mx.array(x, mx.int32)
-        diff = float(np.max(np.abs(last_logits(ref, x) - last_logits(model, x))))
+        got = last_logits(model, x)
+        diff = float(np.max(np.abs(last_logits(ref, x) - got)))
+        mesh_diff = None
+        if ref_path:  # the unsplit checkpoint on the same mesh
+            unsplit, _ = load_model(ref_path, world, **mesh_flags)
+            mesh_diff = float(np.max(np.abs(last_logits(unsplit, x) - got)))
         prompt = x[0].tolist()
         same = greedy(ref, prompt, 8) == greedy(model, prompt, 8)
         mesh = model.mesh
@@ -79,12 +90,13 @@ def main() -> int:
         mine = [mesh.stage, mesh.tp_rank, r.start, r.stop, non_norm_bytes(model), len(model.layers)]
         mine.append(held)
         stages = all_gather_object(mine, world)
-        ok = all_gather_object((diff, same), world)
+        ok = all_gather_object((diff, same, mesh_diff), world)
         if world.rank() == 0:
             line = {
                 "model": spec,
-                "diff": max(d for d, _ in ok),
-                "same_tokens": all(s for _, s in ok),
+                "diff": max(d for d, _, _ in ok),
+                "same_tokens": all(s for _, s, _ in ok),
+                "mesh_diff": None if mesh_diff is None else max(m for _, _, m in ok),
                 "stages": stages,
                 "full_bytes": non_norm_bytes(ref),
                 "n_layers": ref.args.n_layers,

@@ -60,6 +60,34 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, weights: list[tuple[str, mx
         raise CheckpointError(f"{ckpt.path}: weights do not match the config: {first}") from None
 
 
+def split_vocab_parallel(ckpt: Checkpoint, vocab_parallel: bool, n: int) -> bool:
+    """Whether a pre-split folder's embedding and head are vocabulary-parallel (over its
+    `n`-rank tensor group); refuses a vocabulary-parallel folder with `vocab_parallel` off."""
+    split = ckpt.metadata
+    if split["vocab_parallel"] and not vocab_parallel and n > 1:
+        raise CheckpointError(
+            f"{ckpt.path} was split with a vocabulary-parallel embedding and head; "
+            "convert with --no-vocab-parallel to keep them whole on every rank"
+        )
+    return bool(split["vocab_parallel"])
+
+
+def empty_split_model(ckpt: Checkpoint) -> Transformer:
+    """The whole model of a pre-split folder, lazily initialized (never evaluated: the
+    stored slices replace what a rank keeps), quantized where the folder's is, with the
+    source file's feed-forward block (GGUF K-quants: 256) for the plan's split."""
+    model = Transformer(ckpt.args)
+    model.ffn_block = ckpt.metadata.get("ffn_block")  # as the plan that wrote the folder
+    quantized = ckpt.metadata.get("quantized", {})
+
+    def predicate(path: str, module: nn.Module):
+        q = quantized.get(path)
+        return {"bits": q[0], "group_size": q[1]} if q else False
+
+    nn.quantize(model, class_predicate=predicate)
+    return model
+
+
 def build_split(
     ckpt: Checkpoint,
     group: mx.distributed.Group,
@@ -67,25 +95,18 @@ def build_split(
     sequence_parallel: bool = False,
 ):
     """One rank's folder of a pre-split checkpoint: shard an empty model the same
-    way, then put the stored slices in (their shapes must be what the plan gives)."""
-    split = ckpt.metadata
-    if split["vocab_parallel"] and not vocab_parallel and group.size() > 1:
-        raise CheckpointError(
-            f"{ckpt.path} was split with a vocabulary-parallel embedding and head; "
-            "convert with --no-vocab-parallel to keep them whole on every rank"
-        )
-    model = Transformer(ckpt.args)  # lazily initialized: replaced before evaluation
+    way, then put the stored slices in (their shapes must be what the plan gives).
+    A folder split for a tp x pp mesh is refused (`split.check_mesh`)."""
+    from .split import check_mesh
 
-    def predicate(path: str, module: nn.Module):
-        q = split.get("quantized", {}).get(path)
-        return {"bits": q[0], "group_size": q[1]} if q else False
-
-    nn.quantize(model, class_predicate=predicate)
+    check_mesh(ckpt, group.size(), 1)
+    vocab_parallel = split_vocab_parallel(ckpt, vocab_parallel, group.size())
+    model = empty_split_model(ckpt)
     if group.size() > 1:
         parallelize_model(
             model,
             group,
-            vocab_parallel=split["vocab_parallel"],
+            vocab_parallel=vocab_parallel,
             sequence_parallel=sequence_parallel,
         )
     load_weights(model, ckpt, list(ckpt.weights.items()))

@@ -9,7 +9,8 @@ GGUF file is converted tensor by tensor, `stream.py`), with per-module overrides
 `config.json` wherever a tensor's bits or group size differ from the dominant
 setting; `--quantize` re-quantizes (MLX affine). GGUF q/k rows keep their
 interleaved layout, hence `rope_traditional`. `--shards N` writes one folder
-per rank instead (see `split.py`).
+per rank instead (see `split.py`); `open_source`, `write_folders` and `Source.get`
+are also what `engine/mesh_split.py` writes the folders of a tp x pp mesh with.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import json
 import re
 import sys
 from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +221,65 @@ def _save_tokenizer(ckpt: Checkpoint, out: Path) -> None:
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+@dataclass
+class Source:
+    """A checkpoint opened for conversion: its model (lazy; re-quantized or cast as
+    asked) and the tensors to write, by the model's names."""
+
+    ckpt: Checkpoint
+    model: nn.Module
+    weights: dict[str, mx.array]
+    changed: str  # what the conversion does to the weights ("-q8g32", "-float16"; "")
+
+    @cached_property
+    def from_file(self) -> bool:
+        """The tensors are the file's own, readable in slices (not re-quantized or cast)."""
+        return not self.changed and all(k in self.ckpt.sources for k in self.weights)
+
+    def get(self, name: str, s: tuple[int, int, int] | None) -> mx.array:
+        """Tensor `name`, or its (axis, start, stop) slice: read as a slice from a
+        safetensors source (nothing else held), else sliced from the lazy tensor."""
+        if self.from_file:
+            file, stored = self.ckpt.sources[name]
+            return file.read(stored) if s is None else file.read(stored, *s)
+        v = self.weights[name]
+        if s is None:
+            return v
+        axis, start, stop = s
+        return mx.contiguous(v[start:stop] if axis == 0 else v[:, start:stop])
+
+
+def open_source(
+    src: Path, quantize: int | None = None, group_size: int = 64, dtype: str | None = None
+) -> Source:
+    """The checkpoint `src` ready to convert (see `convert`); nothing written yet."""
+    from .build import build_model
+
+    ckpt = open_checkpoint(Path(src))
+    if ckpt.format == "split":
+        raise CheckpointError(f"{src}: already split; convert the original checkpoint")
+    if quantize is not None and dtype is not None:
+        raise ValueError("quantize and dtype exclude each other: pick one")
+    # GGUF tensors are read from the file as they are written (whole: to re-quantize or cast)
+    whole = quantize is not None or dtype is not None
+    model = build_model(ckpt, whole) if quantize is None else requantize(ckpt, quantize, group_size)
+    if dtype is not None:
+        from ..parallel.cast import cast_model
+
+        cast_model(model, dtype)
+    from mlx.utils import tree_flatten
+
+    changed = (f"-q{quantize}g{group_size}" if quantize else "") + (f"-{dtype}" if dtype else "")
+    return Source(ckpt, model, dict(tree_flatten(model.parameters())), changed)
+
+
+def clear_out(out: Path) -> None:
+    """Create `out`; remove a previous conversion's weight files (they would be loaded too)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+
+
 def convert(
     src: Path,
     out: Path,
@@ -233,46 +295,16 @@ def convert(
 
     `quantize` (4 or 8 bits, `group_size` values per scale) re-quantizes it;
     `shards` writes one folder per rank of a `shards`-rank run instead of one
-    mlx-lm directory. `dtype` ("float32", "float16", "bfloat16") dequantizes every
-    quantized tensor and casts all weights to it. With `progress`, shows progress
-    and a `wrote ...` line on stderr.
+    mlx-lm directory (for a tp x pp mesh: `engine.mesh_split.convert_mesh`). `dtype`
+    ("float32", "float16", "bfloat16") dequantizes every quantized tensor and casts
+    all weights to it. With `progress`, shows progress and a `wrote ...` line on stderr.
     """
-    from .build import build_model
-    from .fingerprint import weights_fingerprint
-
     src, out = Path(src), Path(out)
-    ckpt = open_checkpoint(src)
-    if ckpt.format == "split":
-        raise CheckpointError(f"{src}: already split; convert the original checkpoint")
-    if quantize is not None and dtype is not None:
-        raise ValueError("quantize and dtype exclude each other: pick one")
-    # GGUF tensors are read from the file as they are written (whole: to re-quantize or cast)
-    whole = quantize is not None or dtype is not None
-    model = build_model(ckpt, whole) if quantize is None else requantize(ckpt, quantize, group_size)
-    if dtype is not None:
-        from ..parallel.cast import cast_model
-
-        cast_model(model, dtype)
-    from mlx.utils import tree_flatten
-
-    weights = dict(tree_flatten(model.parameters()))
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)  # a previous conversion's shards would be loaded too
+    source = open_source(src, quantize, group_size, dtype)
+    ckpt, model, weights = source.ckpt, source.model, source.weights
+    clear_out(out)
     if shards is not None:
-        fingerprint = weights_fingerprint(ckpt) + (f"-q{quantize}g{group_size}" if quantize else "")
-        fingerprint += f"-{dtype}" if dtype else ""
-        _write_split(
-            ckpt,
-            model,
-            weights,
-            out,
-            shards,
-            vocab_parallel,
-            fingerprint,
-            quantize is None and dtype is None,
-            progress,
-        )
+        _write_split(source, out, shards, vocab_parallel, progress)
         if progress:
             print(f"wrote {out} ({shards} rank folders)", file=sys.stderr)
         return out
@@ -281,7 +313,7 @@ def convert(
     (out / "config.json").write_text(json.dumps(config, indent=4) + "\n")
     _save_tokenizer(ckpt, out)
     n_tensors = len(hf_weights)
-    if ckpt.format == "gguf" and quantize is None and dtype is None:
+    if ckpt.format == "gguf" and not source.changed:
         # Tensor by tensor from the file: peak memory about the largest tensor.
         from .stream import write_streaming
 
@@ -303,59 +335,54 @@ def convert(
     return out
 
 
-def _write_split(
-    ckpt: Checkpoint,
-    model: nn.Module,
-    weights: dict[str, mx.array],
+def write_folders(
+    source: Source,
     out: Path,
-    n: int,
+    folders: list,
     vocab_parallel: bool,
-    fingerprint: str,
-    from_file: bool,
     progress: bool,
-) -> None:
-    """One folder per rank: its slices of every tensor, read as slices from a
-    safetensors source (nothing else held), else sliced from the lazy tensors."""
-    from ..parallel.partition import vocab_ranges
-    from ..parallel.shard import check_quantized_heads, plan_for
+    mesh: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the rank folders `folders` (`split.Folder`) of `source` into `out`, each with
+    the tokenizer, and the manifest (see `split.write`); returns the manifest."""
     from . import split
+    from .fingerprint import weights_fingerprint
 
-    plan = plan_for(model, n)
-    check_quantized_heads(model, plan)
-    vocab = vocab_ranges(ckpt.args.vocab_size, n) if vocab_parallel and n > 1 else None
-    # The model's tensors are the file's own unless re-quantized: read slices from the file.
-    ranged = from_file and all(k in ckpt.sources for k in weights)
-
-    def get(name: str, s: tuple[int, int, int] | None) -> mx.array:
-        if ranged:
-            file, stored = ckpt.sources[name]
-            return file.read(stored) if s is None else file.read(stored, *s)
-        v = weights[name]
-        if s is None:
-            return v
-        axis, start, stop = s
-        return mx.contiguous(v[start:stop] if axis == 0 else v[:, start:stop])
-
+    ckpt = source.ckpt
     bos, eos = _token_ids(ckpt)
     config = {
-        "quantized": {p: [b, g] for p, (g, b) in _quantized_modules(model).items()},
+        "quantized": {p: [b, g] for p, (g, b) in _quantized_modules(source.model).items()},
         "bos_token_id": bos,
         "eos_token_id": eos,
         "source": ckpt.path.name,
-        "llama_tp": {"fingerprint": fingerprint},
+        # The plan split the feed-forward on the file's blocks: loading must too.
+        "ffn_block": getattr(source.model, "ffn_block", None),
+        "llama_tp": {"fingerprint": weights_fingerprint(ckpt) + source.changed},
     }
-    shapes = {k: tuple(v.shape) for k, v in weights.items()}
-    split.write(
+    return split.write(
         out,
         ckpt.args,
-        get,
-        shapes,
-        plan,
-        vocab,
+        folders,
+        vocab_parallel,
         config,
         lambda tensors, folder: _write_weights(tensors, folder, progress),
         lambda folder: _save_tokenizer(ckpt, folder),
+        mesh,
     )
+
+
+def _write_split(source: Source, out: Path, n: int, vocab_parallel: bool, progress: bool) -> None:
+    """One folder per rank: its slices of every tensor (`Source.get`)."""
+    from ..parallel.partition import vocab_ranges
+    from ..parallel.shard import check_quantized_heads, plan_for
+    from .split import plan_folders
+
+    plan = plan_for(source.model, n)
+    check_quantized_heads(source.model, plan)
+    vocab = vocab_ranges(source.ckpt.args.vocab_size, n) if vocab_parallel and n > 1 else None
+    shapes = {k: tuple(v.shape) for k, v in source.weights.items()}
+    folders = plan_folders(plan, shapes, vocab, source.get)
+    write_folders(source, out, folders, vocab is not None, progress)
 
 
 def convert_gguf(src: Path, out: Path, progress: bool = True) -> Path:

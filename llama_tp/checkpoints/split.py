@@ -1,6 +1,6 @@
 """Pre-split checkpoints: one folder per rank holding exactly that rank's slices.
 
-    DIR/manifest.json        what was split, for how many ranks, and each folder's size
+    DIR/manifest.json        what was split, for how many ranks (and which mesh), folder sizes
     DIR/rank-0/shard.json    model config, shard count, this folder's rank, quantization
     DIR/rank-0/model.safetensors   rank 0's slices (by the model's names, sharded shapes)
     DIR/rank-0/tokenizer.json ...  the tokenizer, so that a folder works on its own
@@ -8,6 +8,15 @@
 `python -m llama_tp.convert --shards N` writes it; under `mlx.launch -n N`,
 `load(DIR)` makes each rank open only `DIR/rank-<its rank>`, so a folder can be
 copied alone to the host that runs that rank.
+
+`--shards N --tp T --pp P` splits for a tp x pp mesh instead (`engine/mesh_split.py`):
+folder r then holds what world rank r of that mesh loads, its stage's layers (under
+their global names, `layers.12....`) sliced for its tensor rank, with the embedding
+on stage 0 and the norm and head on the last stage. Its `shard.json` and the manifest
+record the mesh: `"mesh": {"tp", "pp", "stages", "split", "pp_split"}` (and the
+folder's own "stage", "tp_rank", "layers"). "stages" are the world ranks of each
+stage as `parallel.mesh.layout` places them in rank order (the placement on one
+host); `check_mesh` refuses a folder made for another mesh, split or placement.
 """
 
 from __future__ import annotations
@@ -15,13 +24,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from ..model import ModelArgs
-from ..parallel.partition import Plan, tensor_slice
+from ..parallel.mesh import parse_split
+from ..parallel.partition import Plan, RankPart, tensor_slice
 from .base import Checkpoint, CheckpointError
 from .safetensors import SafetensorsFile
 
@@ -52,11 +63,17 @@ def _json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _wrong_count(path: Path, shards: int, size: int) -> CheckpointError:
+def _wrong_count(
+    path: Path, shards: int, size: int, mesh: dict[str, Any] | None
+) -> CheckpointError:
+    made, launch = "", f"launch {shards} ranks"
+    if mesh:
+        made = f" (--tp {mesh.get('tp')} x --pp {mesh.get('pp')})"
+        launch += f" with --tp {mesh.get('tp')} --pp {mesh.get('pp')}"
     return CheckpointError(
-        f"{path} is split for {shards} rank{'s' * (shards != 1)} but {size} "
-        f"rank{'s' * (size != 1)} {'are' if size != 1 else 'is'} running: launch {shards} "
-        f"ranks, or convert again with --shards {size}"
+        f"{path} is split for {shards} rank{'s' * (shards != 1)}{made} but {size} "
+        f"rank{'s' * (size != 1)} {'are' if size != 1 else 'is'} running: {launch}, "
+        f"or convert again with --shards {size}"
     )
 
 
@@ -65,9 +82,9 @@ def rank_dir(path: Path, rank: int, size: int) -> Path:
     if (path / SHARD_CONFIG).is_file():
         return path
     if (path / MANIFEST).is_file():
-        shards = _json(path / MANIFEST).get("shards")
-        if shards != size:
-            raise _wrong_count(path, shards, size)
+        manifest = _json(path / MANIFEST)
+        if manifest.get("shards") != size:
+            raise _wrong_count(path, manifest.get("shards"), size, manifest.get("mesh"))
     folder = path / f"rank-{rank}"
     if not folder.is_dir():
         present = sorted(d.name for d in path.iterdir() if _RANK_DIR.match(d.name))
@@ -83,7 +100,7 @@ def read(folder: Path, rank: int, size: int) -> Checkpoint:
     """The checkpoint of one rank's folder; its shard count and rank must match."""
     config = _json(folder / SHARD_CONFIG)
     if config.get("shards") != size:
-        raise _wrong_count(folder, config.get("shards"), size)
+        raise _wrong_count(folder, config.get("shards"), size, config.get("mesh"))
     if config.get("rank") != rank:
         raise CheckpointError(
             f"{folder} holds rank {config.get('rank')}'s slices but this is rank {rank}"
@@ -107,53 +124,141 @@ def read(folder: Path, rank: int, size: int) -> Checkpoint:
     return Checkpoint(folder, "split", args, weights, config, files, sources)
 
 
-def write(
-    out: Path,
-    args: ModelArgs,
-    get: Callable[[str, tuple[int, int, int] | None], mx.array],
-    shapes: dict[str, tuple[int, ...]],
-    plan: Plan,
-    vocab: list[range] | None,
-    config: dict[str, Any],
-    write_weights: Callable[[dict[str, mx.array], Path], tuple[int, list[str]]],
-    save_tokenizer: Callable[[Path], None],
-) -> dict[str, Any]:
-    """Write one folder per rank of `plan` and the manifest; returns the manifest.
+def _root(path: Path) -> Path:
+    """The converted folder that `path` (a rank's folder, or the folder itself) belongs to."""
+    return path.parent if _RANK_DIR.match(path.name) else path
 
-    `get(name, slice)` returns a tensor or its (axis, start, stop) slice;
-    `shapes` are the full stored shapes; `vocab` the vocabulary rows of each rank
-    (None: embedding and head whole on every rank). `config` is stored in every
-    `shard.json` (quantization, token ids, fingerprint); `write_weights` writes a
-    dict of tensors into a folder and returns (bytes, file names).
-    """
-    ranks = []
-    for part in plan.parts:
-        folder = out / f"rank-{part.rank}"
-        folder.mkdir(parents=True, exist_ok=True)
+
+def _stages_text(stages: list[list[int]]) -> str:
+    return " | ".join(",".join(map(str, ranks)) for ranks in stages)
+
+
+def check_mesh(
+    ckpt: Checkpoint,
+    tp: int,
+    pp: int,
+    pp_split: str | None = None,
+    stages: list[list[int]] | None = None,
+) -> list[range] | None:
+    """Each stage's layers of a folder split for the running mesh `tp` x `pp` (None
+    when `pp` is 1, plain tensor parallelism). Raises CheckpointError, one line naming
+    what the folder was made for, what is running and how to fix it, when the folder
+    was split for another mesh, into other stages than `--pp-split` (None: the
+    folder's own split is used, balanced or not) or for other ranks in each stage
+    than the running mesh's `stages` (world ranks, in tensor-rank order)."""
+    root, config = _root(ckpt.path), ckpt.metadata
+    mesh = config.get("mesh")
+    try:
+        T, P = (int(mesh["tp"]), int(mesh["pp"])) if mesh else (int(config["shards"]), 1)
+        counts = [int(c) for c in mesh["split"]] if mesh else [ckpt.args.n_layers]
+        made_stages = [[int(r) for r in ranks] for ranks in mesh["stages"]] if mesh else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt.path / SHARD_CONFIG}: bad mesh record ({e!r})") from None
+    if (T, P) != (tp, pp):
+        fix = "without --pp" if P == 1 else f"with --tp {T} --pp {P}"
+        again = f"--shards {T * P}" + (f" --tp {tp} --pp {pp}" if pp > 1 else "")
+        raise CheckpointError(
+            f"{root} is split for --tp {T} x --pp {P} but --tp {tp} x --pp {pp} is running: "
+            f"run it {fix}, or convert again with {again}"
+        )
+    if P == 1:
+        return None
+    made = ",".join(map(str, counts))
+    if len(counts) != P or sum(counts) != ckpt.args.n_layers or min(counts) < 1:
+        raise CheckpointError(
+            f"{ckpt.path / SHARD_CONFIG}: bad mesh record (stages of {made} layers, "
+            f"{P} stages of a {ckpt.args.n_layers}-layer model)"
+        )
+    layers = parse_split(made, ckpt.args.n_layers, P)
+    if pp_split is not None and parse_split(pp_split, ckpt.args.n_layers, pp) != layers:
+        raise CheckpointError(
+            f"{root} is split into stages of {made} layers but --pp-split {pp_split} is "
+            f"given: run it without --pp-split (or with --pp-split {made}), or convert "
+            f"again with --shards {T * P} --tp {T} --pp {P} --pp-split {pp_split}"
+        )
+    if stages is not None and [list(r) for r in stages] != made_stages:
+        raise CheckpointError(
+            f"{root} is split for the stages {_stages_text(made_stages)} (world ranks in "
+            f"rank order) but this mesh places them on {_stages_text(stages)} (ranks "
+            "grouped by host): launch with LLAMA_TP_MESH_ORDER=rank, or list each host's "
+            "ranks together in the hostfile"
+        )
+    return layers
+
+
+@dataclass
+class Folder:
+    """One rank's folder to write: its tensors (made on demand, one folder at a time),
+    extra `shard.json` fields and extra fields of its manifest entry."""
+
+    rank: int
+    tensors: Callable[[], dict[str, mx.array]]
+    shard: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_folders(
+    plan: Plan,
+    shapes: dict[str, tuple[int, ...]],
+    vocab: list[range] | None,
+    get: Callable[[str, tuple[int, int, int] | None], mx.array],
+) -> list[Folder]:
+    """The folders of plain tensor parallelism over `plan.n` ranks: every tensor of
+    `shapes` (the full stored shapes), sliced by the plan; `vocab` the vocabulary rows
+    of each rank (None: embedding and head whole on every rank). `get(name, slice)`
+    returns a tensor or its (axis, start, stop) slice."""
+
+    def tensors(part: RankPart) -> dict[str, mx.array]:
         rows = None if vocab is None else vocab[part.rank]
-        tensors = {
+        return {
             name: get(name, tensor_slice(plan, part, name, shape, rows) if plan.n > 1 else None)
             for name, shape in shapes.items()
         }
-        nbytes, files = write_weights(tensors, folder)
+
+    return [Folder(part.rank, lambda part=part: tensors(part)) for part in plan.parts]
+
+
+def write(
+    out: Path,
+    args: ModelArgs,
+    folders: list[Folder],
+    vocab_parallel: bool,
+    config: dict[str, Any],
+    write_weights: Callable[[dict[str, mx.array], Path], tuple[int, list[str]]],
+    save_tokenizer: Callable[[Path], None],
+    mesh: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write one folder per entry of `folders` and the manifest; returns the manifest.
+
+    `config` is stored in every `shard.json` (quantization, token ids, fingerprint);
+    `write_weights` writes a dict of tensors into a folder and returns (bytes, file
+    names); `mesh` (tp x pp splits) goes into the manifest and every `shard.json`.
+    """
+    ranks = []
+    for f in folders:
+        folder = out / f"rank-{f.rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        nbytes, files = write_weights(f.tensors(), folder)
         shard = {
             "format": FORMAT,
             "version": 1,
-            "shards": plan.n,
-            "rank": part.rank,
-            "vocab_parallel": vocab is not None,
+            "shards": len(folders),
+            "rank": f.rank,
+            "vocab_parallel": vocab_parallel,
             "args": args.to_dict(),
             "files": files,
+            **({"mesh": {**mesh, **f.shard}} if mesh else {}),
             **config,
         }
         (folder / SHARD_CONFIG).write_text(json.dumps(shard, indent=2) + "\n")
         save_tokenizer(folder)
-        ranks.append({"folder": folder.name, "bytes": nbytes, "files": files})
+        ranks.append({"folder": folder.name, **f.summary, "bytes": nbytes, "files": files})
     manifest = {
         "format": FORMAT,
         "version": 1,
-        "shards": plan.n,
-        "vocab_parallel": vocab is not None,
+        "shards": len(folders),
+        **({"mesh": mesh} if mesh else {}),
+        "vocab_parallel": vocab_parallel,
         "fingerprint": (config.get("llama_tp") or {}).get("fingerprint"),
         "ranks": ranks,
     }

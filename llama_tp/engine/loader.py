@@ -102,7 +102,9 @@ def load_model(
     pipeline stage (`engine/pipeline.py`). `dp` > 1 (the server's replicas) loads D
     independent copies, each on its own T * P ranks; `ckpt.mesh` says which this rank's
     is (None without a mesh). A checkpoint pre-split by
-    `convert --shards N` is read from this rank's folder only. Returns the model,
+    `convert --shards N` (for a mesh: `--shards N --tp T --pp P`, loaded with the same
+    `tp`, `pp`) is read from this rank's folder only; a folder split for another mesh
+    is refused (`checkpoints.split.check_mesh`). Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.

@@ -6,7 +6,8 @@ Every stage is built as the loader builds it (`pipeline.stage_ranges` for the la
 split, `pipeline.stage_module`, the built-in plan over the stage's tensor group) and
 each rank's bytes are counted with the loader's own `tensor_slice`, so the plan shows
 what `load_model(..., tp=, pp=)` holds. Ranks are placed in rank order, as on one
-host; across hosts `parallel.mesh.layout` orders them by host first.
+host; across hosts `parallel.mesh.layout` orders them by host first. `convert --shards
+N --tp T --pp P` writes each rank's folder from this plan (`engine/mesh_split.py`).
 """
 
 from __future__ import annotations
@@ -78,13 +79,16 @@ def mesh_plan(
     pp: int | None,
     pp_split: str | None = None,
     vocab_parallel: bool = True,
+    full: nn.Module | None = None,
 ) -> MeshPlan:
     """The mesh of `n` ranks for `--tp`/`--pp`/`--pp-split`; MeshError (the loader's
-    one-line messages) when it cannot run."""
+    one-line messages) when it cannot run. `full`: the checkpoint's model, if already
+    built (e.g. re-quantized by `convert`); by default built lazily, for its shapes."""
     T, P = mesh_shape(n, tp, pp)
     if pp_split and P == 1:
         raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
-    full = build_model(ckpt, whole=False)  # lazy: shapes only
+    if full is None:
+        full = build_model(ckpt, whole=False)  # lazy: shapes only
     stages = layout(["one host"] * n, T, P, by_host=False)
     mesh = Mesh(T, P, 0, 0, stages, None, None, stage_ranges(full, P, pp_split))
     vocab_parallel = vocab_parallel and T > 1

@@ -21,7 +21,10 @@ on micro-batch i, and the keys and values of earlier micro-batches are in the ca
 by the time a later one attends to them, so the result is the same as one pass.
 
 Each rank builds only its stage (the other layers stay unread, lazy placeholders)
-and reads only its stage's slices of a safetensors checkpoint.
+and reads only its stage's slices of a safetensors checkpoint, or its folder of one
+pre-split for the mesh (`convert --shards N --tp T --pp P`, `engine/mesh_split.py`):
+folder r holds exactly world rank r's stage, and is refused (`split.check_mesh`) when
+made for another mesh, `--pp-split` or placement of the stages.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
 from ..checkpoints.base import Checkpoint, CheckpointError
-from ..checkpoints.build import build_model, load_weights
+from ..checkpoints.build import build_model, empty_split_model, load_weights, split_vocab_parallel
+from ..checkpoints.split import check_mesh
 from ..cluster.distributed import all_gather_object
 from ..model import ModelArgs
 from ..parallel.layers import shard_linear_range
@@ -223,18 +227,13 @@ def stage_module(full: nn.Module, mesh: Mesh) -> PipelineModel:
     return model
 
 
-def build_stage(
-    ckpt: Checkpoint, mesh: Mesh, pp_split: str | None, vocab_parallel: bool
-) -> PipelineModel:
-    """This rank's stage of the checkpoint: its layers, sharded over its tensor group,
-    with only its slices read (lazily built; the caller evaluates)."""
-    if ckpt.format == "split":
-        raise CheckpointError(
-            f"{ckpt.path} is pre-split for tensor parallelism only; "
-            "--pp needs the unsplit checkpoint"
-        )
-    full = build_model(ckpt, whole=False)  # lazy: only what the stage keeps is ever read
-    mesh.layers = stage_ranges(full, mesh.pp, pp_split)
+def shard_stage(
+    full: nn.Module, mesh: Mesh, vocab_parallel: bool
+) -> tuple[PipelineModel, Plan | None, range | None]:
+    """Stage `mesh.stage` of `full` (lazy), sharded over its tensor group by the built-in
+    plan, the embedding and head vocabulary-parallel there with `vocab_parallel`:
+    (the stage, its partition plan, this rank's vocabulary rows), both None with one
+    rank per stage. Nothing is read; `mesh.layers` must be set."""
     model = stage_module(full, mesh)
     plan, vocab = None, None
     if mesh.tp > 1:
@@ -250,8 +249,47 @@ def build_stage(
                 model.output = shard_linear_range(
                     model.output, "all-to-sharded", vocab.start, vocab.stop, mesh.tp_group
                 )
+    return model, plan, vocab
+
+
+def build_stage(
+    ckpt: Checkpoint, mesh: Mesh, pp_split: str | None, vocab_parallel: bool
+) -> PipelineModel:
+    """This rank's stage of the checkpoint: its layers, sharded over its tensor group,
+    with only its slices read (lazily built; the caller evaluates). A folder pre-split
+    for this mesh holds exactly that (`_build_split_stage`)."""
+    if ckpt.format == "split":
+        return _build_split_stage(ckpt, mesh, pp_split, vocab_parallel)
+    full = build_model(ckpt, whole=False)  # lazy: only what the stage keeps is ever read
+    mesh.layers = stage_ranges(full, mesh.pp, pp_split)
+    model, plan, vocab = shard_stage(full, mesh, vocab_parallel)
     if ckpt.sources:
         _read_stage_slices(model, ckpt, plan, mesh.tp_rank, vocab)
+    return model
+
+
+def _build_split_stage(
+    ckpt: Checkpoint, mesh: Mesh, pp_split: str | None, vocab_parallel: bool
+) -> PipelineModel:
+    """The stage from this rank's folder of a checkpoint pre-split for the mesh
+    (`convert --shards N --tp T --pp P`): the folder's stages (checked against the
+    running mesh and `pp_split`), an empty stage sharded the same way, the stored
+    slices put in. A folder holding any other tensor is refused."""
+    mesh.layers = check_mesh(ckpt, mesh.tp, mesh.pp, pp_split, mesh.stages)
+    vocab_parallel = split_vocab_parallel(ckpt, vocab_parallel, mesh.tp)
+    model, _, _ = shard_stage(empty_split_model(ckpt), mesh, vocab_parallel)
+    names = {global_name(k, model.first_layer): k for k, _ in tree_flatten(model.parameters())}
+    for what, extra in (
+        ("missing", set(names) - set(ckpt.weights)),
+        ("holds", set(ckpt.weights) - set(names)),
+    ):
+        if extra:
+            mine = mesh.layers[mesh.stage]
+            raise CheckpointError(
+                f"{ckpt.path}: {what} {sorted(extra)[0]} (stage {mesh.stage}: layers "
+                f"{mine.start}-{mine.stop - 1}); convert the checkpoint again"
+            )
+    load_weights(model, ckpt, [(local, ckpt.weights[name]) for name, local in names.items()])
     return model
 
 

@@ -50,25 +50,35 @@ class MeshError(ValueError):
 
 
 def mesh_shape(
-    world_size: int, tp: int | None, pp: int | None, dp: int | None = None
+    world_size: int,
+    tp: int | None,
+    pp: int | None,
+    dp: int | None = None,
+    shards: bool = False,
 ) -> tuple[int, int]:
     """(T, P) from the flags: P defaults to 1, T to world_size // (P * D); T * P * D must be
-    the world (D = --dp replicas, default 1)."""
+    the world (D = --dp replicas, default 1). `shards`: the world is `convert --shards N`
+    (a pre-split for N ranks), not running."""
     for flag, v in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if v is not None and v < 1:
             raise MeshError(f"{flag} must be at least 1, got {v}")
     p, d = pp or 1, dp or 1
-    running = f"{world_size} {'are' if world_size > 1 else 'is'} running"
+    plural = "s" * (world_size > 1)
     if tp is None:
         if world_size % (p * d):
             flags = " x ".join([f"--pp {p}"] * (d == 1 or p > 1) + [f"--dp {d}"] * (d > 1))
-            plural = "s" * (world_size > 1)
-            raise MeshError(f"{flags} does not divide the {world_size} running rank{plural}")
+            world = f"--shards {world_size}" if shards else f"the {world_size} running rank{plural}"
+            raise MeshError(f"{flags} does not divide {world}")
         return world_size // (p * d), p
     if tp * p * d != world_size:
         n = tp * p * d
         flags = f"--tp {tp} x --pp {p}" + (f" x --dp {d}" if d > 1 else "")
-        raise MeshError(f"{flags} = {n} rank{'s' * (n > 1)}, but {running}")
+        world = (
+            f"--shards is {world_size}"
+            if shards
+            else f"{world_size} {'are' if world_size > 1 else 'is'} running"
+        )
+        raise MeshError(f"{flags} = {n} rank{'s' * (n > 1)}, but {world}")
     return tp, p
 
 
