@@ -3,6 +3,7 @@
 python -m llama_tp.plan -n 3
 python -m llama_tp.plan -n 2 --sequence-parallel
 python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (engine/mesh_plan.py)
+python -m llama_tp.plan -n 4 --pp 2 --dp 2      # the server's replicas: each one's plan
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def main() -> int:
         metavar="N,N,...",
         help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
     )
+    p.add_argument(
+        "--dp", type=int, help="data-parallel replicas (llama_tp.serve): each replica's plan"
+    )
     args = p.parse_args()
     if args.n < 1:
         p.error(f"-n must be at least 1, got {args.n}")
@@ -39,11 +43,14 @@ def main() -> int:
     from .parallel.mesh import MeshError, mesh_shape
 
     try:
-        _, stages = mesh_shape(args.n, args.tp, args.pp)
+        _, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
         if args.pp_split and stages == 1:
             raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
     except MeshError as e:  # the loader's line, a usage error as there
         raise UsageError(str(e)) from None
+    if (args.dp or 1) > 1:
+        print(replicas_line(args.n, args.dp))
+        args.n //= args.dp
     if stages > 1:
         if args.sequence_parallel:
             raise UsageError("--tp/--pp take the built-in plan, without --sequence-parallel")
@@ -80,6 +87,19 @@ def main() -> int:
         for note in [*ckpt.notes, *split_notes(ckpt, plan)]:
             print(note)
     return 0
+
+
+def replicas_line(n: int, dp: int) -> str:
+    """'2 replicas (serve --dp 2) of 2 ranks each: ranks 0-1 | 2-3; ...' (rank order, as on
+    one host: parallel/mesh.py places replicas in host order)."""
+    per = n // dp
+    blocks = " | ".join(
+        f"{d * per}-{d * per + per - 1}" if per > 1 else str(d * per) for d in range(dp)
+    )
+    return (
+        f"{dp} replicas (serve --dp {dp}) of {per} rank{'s' * (per > 1)} each: ranks {blocks} "
+        "(in rank order, as on one host); the plan of each, its ranks numbered from 0:"
+    )
 
 
 def print_mesh(args) -> int:

@@ -79,3 +79,21 @@ def test_plan_refuses_a_mesh_the_loader_refuses():
     r = run_python(["-m", "llama_tp.plan", "-n", "2", "--pp", "2", "--pp-split", "10,10"])
     assert r.returncode == 2
     assert r.stderr.strip() == "error: --pp-split 10,10 sums to 20 layers, but the model has 30"
+
+
+def test_plan_of_the_servers_replicas():
+    r = run_python(["-m", "llama_tp.plan", "-n", "4", "--pp", "2", "--dp", "2"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == (
+        "2 replicas (serve --dp 2) of 2 ranks each: ranks 0-1 | 2-3 (in rank order, as on "
+        "one host); the plan of each, its ranks numbered from 0:"
+    )
+    # Then each replica's plan: what `plan -n 2 --pp 2` prints.
+    alone = run_python(["-m", "llama_tp.plan", "-n", "2", "--pp", "2"])
+    assert lines[1:] == alone.stdout.splitlines()
+    r = run_python(["-m", "llama_tp.plan", "-n", "4", "--dp", "3"])
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "error: --dp 3 does not divide the 4 running ranks"
+    )
