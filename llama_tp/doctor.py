@@ -2,11 +2,16 @@
 
     python -m llama_tp.doctor
     mlx.launch -n 2 -- python -m llama_tp.doctor [--json] [--quick]
+    python -m llama_tp.launch -n 4 -m llama_tp.doctor --tp 2 --pp 2   # and the mesh
 
 Reports, from rank 0: the MLX backend, the ranks with their hosts, process ids
 and versions, all-reduce latency and bus bandwidth for a few message sizes,
 whether MLX's CPU matrix product is the slow reference BLAS, and whether a tiny
-random Llama sharded over the ranks reproduces the single-process logits.
+random Llama sharded over the ranks reproduces the single-process logits. With
+--tp/--pp/--dp it also builds that mesh and reports where each rank lands (host,
+replica, stage, tensor rank), whether a tensor group spans hosts (a warning: its
+all-reduces would cross the network), and the latency of an 8 KB all-reduce in the
+tensor groups and of an 8 KB hand-off between stages 0 and 1.
 
 Every check runs on every rank and ends with `agree_ok`, so all ranks agree on
 its outcome and leave together. Any failed check: exit code 1. Under mlx.launch,
@@ -19,8 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import mlx.core as mx
@@ -28,23 +32,18 @@ import mlx.core as mx
 from .cluster import watchdog
 from .cluster.diagnostics import (
     VERSION_KEYS,
+    Check,
     backend_name,
     blas_on_this_rank,
     rank_info,
+    run_check,
     time_all_reduce,
     version_differences,
 )
-from .cluster.distributed import agree_ok, all_gather_object, print0, world
+from .cluster.distributed import all_gather_object, print0, world
 
 ALL_REDUCE_BYTES = (4, 8 << 10, 1 << 20, 16 << 20)
 LOGITS_ATOL = 1e-4  # fp32; sharding only changes the summation order
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # "ok", "warn" (reported, not a failure), "FAILED", "n/a"
-    detail: str
 
 
 class DoctorError(RuntimeError):
@@ -89,36 +88,24 @@ def plan_text(plan) -> str:
     return f"{kind} plan: query heads {heads}, ffn columns {ffn}"
 
 
-def run_check(name: str, fn: Callable[[], Any], group: mx.distributed.Group) -> tuple[Any, str]:
-    """fn() on every rank: (its value, "") or (None, the error), alike on every rank (a
-    failure on any rank is one on all: `agree_ok`). Under mlx.launch the watchdog ends
-    a rank whose check makes no progress (a stopped peer blocks collectives for ever)."""
-    with watchdog.stage(f"doctor check {name!r}"):
-        try:
-            value, error = fn(), None
-        except Exception as e:  # the check's outcome, on every rank
-            value, error = None, e
-        try:
-            agree_ok(error, group)
-        except Exception as e:
-            text = str(e).strip().splitlines()
-            return None, text[0] if text else type(e).__name__
-        return value, ""
-
-
 def diagnose(
     group: mx.distributed.Group,
     quick: bool = False,
     fault_rank: int | None = None,
+    mesh: tuple[int | None, int | None, int | None] | None = None,
 ) -> dict[str, Any]:
     """Run every check on every rank (all ranks must call this); the report, alike on
     every rank, as a JSON-able dict. `fault_rank` perturbs that rank's sharded model
-    (to test that a failing check fails everywhere)."""
+    (to test that a failing check fails everywhere); `mesh`: (tp, pp, dp) to check."""
     report: dict[str, Any] = {"backend": backend_name(group), "ranks": group.size()}
     checks = _check_ranks(group, report)
     checks.append(_check_blas(group, report, quick))
     checks.append(_check_all_reduce(group, report, quick))
     checks.append(_check_logits(group, fault_rank))
+    if mesh is not None:
+        from .engine.mesh_check import check_mesh
+
+        checks.append(check_mesh(group, report, *mesh, quick))
     report["checks"] = [asdict(c) for c in checks]
     report["ok"] = not any(c.status == "FAILED" for c in checks)
     return report
@@ -253,6 +240,9 @@ def format_report(report: dict[str, Any]) -> str:
             for r in report["all_reduce"]
         ]
         lines += _table(rows, right=True)
+    from .engine.mesh_check import mesh_lines
+
+    lines += mesh_lines(report.get("mesh"))
     lines.append("")
     for c in report["checks"]:
         if c["status"] == "warn" and c["name"] == "versions":
@@ -285,6 +275,9 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quick", action="store_true", help="fewer timing iterations")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per check (120)")
+    p.add_argument("--tp", type=int, help="also check this mesh: ranks per tensor group")
+    p.add_argument("--pp", type=int, help="... pipeline stages (default 1)")
+    p.add_argument("--dp", type=int, help="... data-parallel replicas (default 1)")
     # For the tests: perturb this rank's sharded model so that the logits check fails.
     p.add_argument("--inject-fault", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -293,9 +286,18 @@ def main() -> int:
         raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
     if args.inject_fault is not None and not 0 <= args.inject_fault < group.size():
         raise UsageError(f"--inject-fault must be a rank in 0..{group.size() - 1}")
+    mesh = None
+    if (args.tp, args.pp, args.dp) != (None, None, None):
+        from .parallel.mesh import MeshError, mesh_shape
+
+        try:  # the same flags fail alike on every rank, before any collective
+            mesh_shape(group.size(), args.tp, args.pp, args.dp)
+        except MeshError as e:
+            raise UsageError(str(e)) from None
+        mesh = (args.tp, args.pp, args.dp)
     watchdog.install(step_timeout=args.timeout, load_timeout=None)
     watchdog.set_group_size(group.size())
-    report = diagnose(group, args.quick, args.inject_fault)
+    report = diagnose(group, args.quick, args.inject_fault, mesh)
     print0(json.dumps(report, indent=2) if args.json else format_report(report), group=group)
     failed = [c for c in report["checks"] if c["status"] == "FAILED"]
     if failed:

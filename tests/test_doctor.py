@@ -182,3 +182,35 @@ def test_report_warns_when_versions_differ():
     lines = format_report(report).splitlines()
     assert f"WARNING: {detail}" in lines
     assert lines[-1] == "doctor: healthy: 1 ok, 1 warning(s), 0 failed"
+
+
+def test_doctor_checks_a_tp2_x_pp2_mesh():
+    r = launch(4, [*DOCTOR, "--json", "--tp", "2", "--pp", "2"], timeout=120)
+    assert_no_failed_rank(r)
+    report = json.loads(r.stdout)
+    mesh = report["mesh"]
+    assert (mesh["tp"], mesh["pp"], mesh["dp"]) == (2, 2, 1)
+    # One host: the stages in rank order, each tensor group on it.
+    places = [(x["rank"], x["replica"], x["stage"], x["tensor_rank"]) for x in mesh["ranks"]]
+    assert places == [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1)]
+    assert mesh["tensor_all_reduce_us"] > 0 and mesh["stage_hop_us"] > 0
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["mesh"] == {
+        "name": "mesh",
+        "status": "ok",
+        "detail": "--tp 2 x --pp 2: every tensor group on one host",
+    }
+    # A mesh that does not fit the ranks: the loader's line, before any collective.
+    r = run_python([*DOCTOR, "--pp", "2"], timeout=60)
+    assert (
+        r.returncode == 2 and r.stderr.strip() == "error: --pp 2 does not divide the 1 running rank"
+    )
+
+
+def test_tensor_groups_across_hosts_are_named():
+    from llama_tp.engine.mesh_check import spanning_groups
+
+    # Two Macs, ranks interleaved by the hostfile and placed in rank order: both split.
+    places = [(0, 0), (0, 0), (0, 1), (0, 1)]
+    assert spanning_groups(places, ["a", "b", "a", "b"]) == [(0, 0, ["a", "b"]), (0, 1, ["a", "b"])]
+    assert spanning_groups(places, ["a", "a", "b", "b"]) == []

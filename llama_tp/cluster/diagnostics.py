@@ -11,11 +11,14 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from .distributed import all_gather_object, launched_backend
+from . import watchdog
+from .distributed import agree_ok, all_gather_object, launched_backend
 
 SLOW_MATMUL_S = 0.15  # 1024^3 fp32 multiply-adds: reference BLAS ~0.4 s here, OpenBLAS ~0.03 s
 VERSION_KEYS = ("python", "mlx", "mlx-lm", "llama_tp")
@@ -135,3 +138,27 @@ def blas_on_this_rank(quick: bool) -> dict[str, Any]:
 def llama_tp_version() -> str:
     """llama_tp's installed version, from its package metadata."""
     return _version("llama_tp")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok", "warn" (reported, not a failure), "FAILED", "n/a"
+    detail: str
+
+
+def run_check(name: str, fn: Callable[[], Any], group: mx.distributed.Group) -> tuple[Any, str]:
+    """fn() on every rank: (its value, "") or (None, the error), alike on every rank (a
+    failure on any rank is one on all: `agree_ok`). Under mlx.launch the watchdog ends
+    a rank whose check makes no progress (a stopped peer blocks collectives for ever)."""
+    with watchdog.stage(f"doctor check {name!r}"):
+        try:
+            value, error = fn(), None
+        except Exception as e:  # the check's outcome, on every rank
+            value, error = None, e
+        try:
+            agree_ok(error, group)
+        except Exception as e:
+            text = str(e).strip().splitlines()
+            return None, text[0] if text else type(e).__name__
+        return value, ""
