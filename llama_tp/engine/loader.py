@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -216,31 +217,14 @@ def load(
     group: mx.distributed.Group | None = None,
     vocab_parallel: bool = True,
     dtype: str | None = None,
-    *,
-    plan: StylePlan | None = None,
-    sequence_parallel: bool = False,
-    tp: int | None = None,
-    pp: int | None = None,
-    pp_split: str | None = None,
-    dp: int | None = None,
+    **options: Any,
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
-    see `load_model`."""
+    `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp)."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()
-    model, ckpt = load_model(
-        path,
-        group,
-        vocab_parallel,
-        dtype,
-        plan=plan,
-        sequence_parallel=sequence_parallel,
-        tp=tp,
-        pp=pp,
-        pp_split=pp_split,
-        dp=dp,
-    )
+    model, ckpt = load_model(path, group, vocab_parallel, dtype, **options)
     return model, load_tokenizer(ckpt)
 
 
