@@ -208,18 +208,16 @@ def count_prefill_collectives(model: Any, length: int, mode: str = "count") -> d
     """The collectives of one prefill of `length` tokens, whole and in the first layer:
     op -> calls and bytes. Builds the graphs, never evaluates them (a pipeline stage:
     `mode="identity"`). With sequence parallelism a layer shows its all-gathers next to
-    the (reduce-scatter) all_sums. Attention run in query blocks (sequence parallelism)
-    builds them without evaluating each (`model.lazy_query_blocks`)."""
+    the (reduce-scatter) all_sums. Sequence-parallel attention evaluates each of its
+    query blocks as it builds them: call this inside `model.lazy_query_blocks()` (as
+    bench does) so that nothing runs."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..model import lazy_query_blocks
-
     tokens = mx.zeros((1, length), dtype=mx.int32)
-    with lazy_query_blocks():
-        with collectives(mode) as whole:
-            model(tokens, cache=make_prompt_cache(model))
-        cache = make_prompt_cache(model)
-        h = _layer_input(model, tokens)
-        with collectives(mode) as layer:
-            model.layers[0](h, "causal" if h.shape[1] > 1 else None, cache[0])
+    with collectives(mode) as whole:
+        model(tokens, cache=make_prompt_cache(model))
+    cache = make_prompt_cache(model)
+    h = _layer_input(model, tokens)
+    with collectives(mode) as layer:
+        model.layers[0](h, "causal" if h.shape[1] > 1 else None, cache[0])
     return {"tokens": length, "by_op": _summary(whole), "per_layer": _summary(layer)}
