@@ -10,6 +10,8 @@ Apart from the two `shard` methods, nothing here knows about ranks.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -22,6 +24,22 @@ from .parallel.llama_plan import attention_styles, feed_forward_styles
 from .parallel.parallelize import parallelize
 from .parallel.partition import RankPart
 from .parallel.styles import LossParallel, PlanError, VocabParallel
+
+# Chunked attention evaluates each query block before building the next (see
+# `Attention._attend`); off inside `lazy_query_blocks()`.
+_eval_query_blocks = True
+
+
+@contextmanager
+def lazy_query_blocks() -> Iterator[None]:
+    """Chunked attention only builds its query blocks' graphs, evaluating nothing:
+    for building a forward pass without running it (counting its collectives)."""
+    global _eval_query_blocks
+    saved, _eval_query_blocks = _eval_query_blocks, False
+    try:
+        yield
+    finally:
+        _eval_query_blocks = saved
 
 
 @dataclass
@@ -90,6 +108,8 @@ class Attention(nn.Module):
         # not map onto its KV heads as plain GQA (see plan.RankPart.kv_map).
         # Set with object.__setattr__ so that it is not a parameter.
         object.__setattr__(self, "_kv_index", None)
+        # Queries per block of a causal prefill (None: all at once); see `_attend`.
+        object.__setattr__(self, "query_chunk", None)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
@@ -108,9 +128,39 @@ class Attention(nn.Module):
             # its KV head and attend as plain multi-head attention.
             k = mx.take(k, self._kv_index, axis=1)
             v = mx.take(v, self._kv_index, axis=1)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = self._attend(q, k, v, mask, cache)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, nh * hd)
         return self.wo(out)
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any) -> mx.array:
+        """Attention of q (B, nh, L, hd) over k, v (B, nkv, S, hd), S = offset + L.
+
+        With `query_chunk` set and a causal mask, the queries go in blocks of that
+        many positions: block [a, b) attends to keys [0, offset + b) under a causal
+        mask (mlx aligns it to the lower right, so that is exactly its rows of the
+        whole mask). MLX's CPU attention is not fused: it builds (B, nh, L, S) scores
+        and probabilities, and blocks shrink them to (B, nh, chunk, S). Each block is
+        evaluated as soon as it is built (outside `lazy_query_blocks`): evaluated
+        together, the CPU backend allocates an op's output when it queues the op, so
+        the next block's scores (or the rest of the layer's buffers) would be
+        allocated while a block's scores are still alive. Other masks (an array:
+        batched left padding) and quantized caches keep the single call.
+        """
+        c, L = self.query_chunk, q.shape[2]
+        if c is None or L <= c or not isinstance(mask, str) or not isinstance(k, mx.array):
+            return scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        offset = k.shape[2] - L
+        blocks = []
+        for a in range(0, L, c):
+            b = min(a + c, L)
+            keys, values = k[:, :, : offset + b], v[:, :, : offset + b]
+            out = scaled_dot_product_attention(
+                q[:, :, a:b], keys, values, cache=cache, scale=self.scale, mask=mask
+            )
+            if _eval_query_blocks:
+                mx.eval(out)
+            blocks.append(out)
+        return mx.concatenate(blocks, axis=2)
 
     def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
         """Split the heads over `group`: wq/wk/wv by output rows, wo by input columns.

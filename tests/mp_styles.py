@@ -8,7 +8,8 @@ Rank 0 prints one JSON line: per model the max |difference| of the logits
   load (must be 0) and vs the whole model;
 - custom: attention sharded, feed-forward replicated (whole tensors read) vs whole;
 - sp: --sequence-parallel vs the plain tensor-parallel load, prefill logits of prompt
-  lengths N does and does not divide, and greedy tokens;
+  lengths N does and does not divide (also after a first prefill: a cache offset),
+  the query blocks attention runs in, and greedy tokens;
 and, with --einshard, what tests/mp_einshard.py checks.
 """
 
@@ -41,6 +42,36 @@ def prefill_logits(model, x: mx.array) -> np.ndarray:
     out = out if shard is None else shard.full_logits(out)
     mx.eval(out)
     return np.array(out)
+
+
+def prefill_after(model, first: mx.array, x: mx.array) -> np.ndarray:
+    """Logits of a prefill of `x` after one of `first` on the same cache (offset > 0)."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(first, cache=cache))
+    shard = vocab_shard(model)
+    out = model(x, cache=cache)[0].astype(mx.float32)
+    out = out if shard is None else shard.full_logits(out)
+    mx.eval(out)
+    return np.array(out)
+
+
+def query_lengths(model, x: mx.array) -> tuple[list[int], list]:
+    """The query lengths of every attention call of one prefill of `x` (all layers),
+    and each attention's `query_chunk` afterwards."""
+    import llama_tp.model as llama_model
+
+    seen, attend = [], llama_model.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append(q.shape[2])
+        return attend(q, k, v, **kwargs)
+
+    llama_model.scaled_dot_product_attention = spy
+    try:
+        mx.eval(model(x, cache=make_prompt_cache(model)))
+    finally:
+        llama_model.scaled_dot_product_attention = attend
+    return seen, [layer.attention.query_chunk for layer in model.layers]
 
 
 def greedy(model, prompt: list[int], n: int = 8) -> list[int]:
@@ -99,6 +130,16 @@ def main() -> int:
         for length in (2, n + 1, 4 * n, 4 * n + 1, 7 * n - 1):
             x = tokens(vocab, length)
             res[f"L{length}"] = diff(prefill_logits(plain, x), prefill_logits(sp, x))
+        first, x = tokens(vocab, 3 * n + 1), tokens(vocab, 4 * n + 1)
+        res["offset"] = diff(prefill_after(plain, first, x), prefill_after(sp, first, x))
+        # Attention takes its queries one sequence chunk (ceil(L / N)) at a time under
+        # sequence parallelism, all at once on the plain path; nothing stays set.
+        c, layers = -(-x.shape[1] // n), len(plain.layers)
+        blocks = [min(c, x.shape[1] - a) for a in range(0, x.shape[1], c)]
+        res["query_blocks"] = [
+            [query_lengths(sp, x), [blocks * layers, [None] * layers]],
+            [query_lengths(plain, x), [[x.shape[1]] * layers, [None] * layers]],
+        ]
         x = tokens(vocab, 12)
         res["decode"] = diff(logits_of(plain, x), logits_of(sp, x))
         # Active: the embedding hands each rank its chunk, ceil(L / N) positions.

@@ -98,3 +98,90 @@ def test_stream_generate_logprobs(tmp_path):
         assert abs(r.logprob - row[r.token]) < 1e-4
         assert [t for t, _ in r.top_logprobs] == list(np.argsort(-row)[:3])
         assert r.top_logprobs[0][0] == r.token  # greedy picks the most likely token
+
+
+def chunked_attention(kv_map: bool = False):
+    """One fp32 attention layer (8 query / 2 KV heads); `kv_map`: the irregular
+    grouping path (every query head its own copy of its KV head)."""
+    from llama_tp.model import Attention, ModelArgs
+
+    mx.random.seed(3)
+    args = ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab_size=16)
+    attn = Attention(args)
+    mx.eval(attn.parameters())
+    if kv_map:
+        object.__setattr__(attn, "_kv_index", mx.array([0, 0, 0, 1, 1, 1, 1, 0], mx.int32))
+    return attn
+
+
+def attend(attn, chunk, parts):
+    """Outputs of `attn` over consecutive prefill parts on one KV cache (the later ones
+    at an offset), with `query_chunk=chunk`."""
+    from mlx_lm.models.cache import KVCache
+
+    object.__setattr__(attn, "query_chunk", chunk)
+    cache, out = KVCache(), []
+    for x in parts:
+        out.append(attn(x, "causal" if x.shape[1] > 1 else None, cache))
+        mx.eval(out[-1])
+    object.__setattr__(attn, "query_chunk", None)
+    return [np.array(o) for o in out]
+
+
+@pytest.mark.parametrize("kv_map", [False, True])
+@pytest.mark.parametrize("chunk", [1, 3, 5, 12])
+def test_attention_query_chunks_match_one_call(monkeypatch, chunk, kv_map):
+    """Queries in blocks of `chunk` (a prompt's first prefill chunk, then a second
+    one at a cache offset of 7, then one decoded token) give the one call's outputs,
+    and do run in blocks: ceil(L / chunk) attention calls of those lengths."""
+    import llama_tp.model as llama_model
+
+    attn = chunked_attention(kv_map)
+    x = mx.random.normal((1, 7 + 11 + 1, 64), key=mx.random.key(4))
+    parts = [x[:, :7], x[:, 7:18], x[:, 18:]]
+    whole = attend(attn, None, parts)
+    seen, sdpa = [], llama_model.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(llama_model, "scaled_dot_product_attention", spy)
+    chunked = attend(attn, chunk, parts)
+    for a, b in zip(whole, chunked, strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    # (query length, key length) of each call: block [a, b) of a part at offset o
+    # attends to keys [0, o + b)
+    want = []
+    for offset, length in ((0, 7), (7, 11), (18, 1)):
+        if length <= chunk:
+            want.append((length, offset + length))
+            continue
+        for a in range(0, length, chunk):
+            b = min(a + chunk, length)
+            want.append((b - a, offset + b))
+    assert seen == want
+
+
+def test_attention_query_chunks_only_for_a_causal_mask(monkeypatch):
+    """An array mask (batched left padding) keeps the single call; inside
+    `lazy_query_blocks` the blocks are built but not evaluated."""
+    import llama_tp.model as llama_model
+
+    attn = chunked_attention()
+    object.__setattr__(attn, "query_chunk", 4)
+    x = mx.random.normal((1, 10, 64), key=mx.random.key(5))
+    mask = mx.tril(mx.ones((10, 10), mx.bool_))
+    np.testing.assert_allclose(
+        np.array(attn(x, mask)), np.array(attn(x, "causal")), atol=1e-5, rtol=0
+    )
+    evals, real_eval = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evals.append(a) or real_eval(*a))
+    attn(x, mask)
+    assert evals == []
+    attn(x, "causal")
+    assert len(evals) == 3  # blocks 0-3, 4-7, 8-9, each evaluated when built
+    evals.clear()
+    with llama_model.lazy_query_blocks():
+        out = attn(x, "causal")
+    assert evals == [] and out.shape == (1, 10, 64)

@@ -72,6 +72,9 @@ def check(out: dict) -> None:
         assert vs_whole <= ATOL and whole_ffn, (path, vs_whole, whole_ffn)
     for path, res in out["sp"].items():
         assert res.pop("greedy") and res.pop("chunk"), (path, res)
+        # [what ran, what should]: SP's attention in query chunks, the plain one whole
+        for got, want in res.pop("query_blocks"):
+            assert got == want, (path, got, want)
         assert all(v <= ATOL for v in res.values()), (path, res)
     if "einshard" in out:
         e = out["einshard"]

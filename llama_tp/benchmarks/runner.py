@@ -82,6 +82,7 @@ def bench_llama_tp(
     from ..engine.generation import decode_step, generate_step
     from ..engine.loader import load_model
     from ..engine.sampling import make_sampler, vocab_shard
+    from ..model import lazy_query_blocks
     from ..parallel.mesh import MeshError
 
     mx.reset_peak_memory()
@@ -153,7 +154,8 @@ def bench_llama_tp(
     # The run's peak above the weights: activations, KV cache, temporaries.
     res["weights_gb"] = [p[3] for p in peaks]
     res["activation_peak_gb"] = [p[1] - p[3] for p in peaks]
-    res["prefill_collectives"] = count_prefill_collectives(model, len(prompt) - 1, mode)
+    with lazy_query_blocks():  # graphs only: chunked attention evaluates nothing
+        res["prefill_collectives"] = count_prefill_collectives(model, len(prompt) - 1, mode)
     res.update(mesh_traffic(model, res["collectives"]["traffic"], group))
     res["rounds_per_token"] = (
         res["speculative"]["collectives_per_token"] if spec else res["mesh"]["rounds_per_token"]

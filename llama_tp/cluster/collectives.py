@@ -208,7 +208,9 @@ def count_prefill_collectives(model: Any, length: int, mode: str = "count") -> d
     """The collectives of one prefill of `length` tokens, whole and in the first layer:
     op -> calls and bytes. Builds the graphs, never evaluates them (a pipeline stage:
     `mode="identity"`). With sequence parallelism a layer shows its all-gathers next to
-    the (reduce-scatter) all_sums."""
+    the (reduce-scatter) all_sums. Sequence-parallel attention evaluates each of its
+    query blocks as it builds them: call this inside `model.lazy_query_blocks()` (as
+    bench does) so that nothing runs."""
     from mlx_lm.models.cache import make_prompt_cache
 
     tokens = mx.zeros((1, length), dtype=mx.int32)

@@ -134,7 +134,8 @@ class AttentionHeads(Style):
             if part.kv_map is not None:
                 object.__setattr__(module, "_kv_index", mx.array(part.kv_map, dtype=mx.int32))
         if self.input_layout == "sequence":
-            gather_input(module, ctx)
+            # The queries go in sequence chunks too (see `gather_input`).
+            gather_input(module, ctx, query_chunks=True)
         return module
 
 

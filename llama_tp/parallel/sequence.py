@@ -6,7 +6,9 @@ Between the sharded projections every rank keeps only its chunk of the sequence,
 - the layer that starts the residual stream (the embedding) keeps its own chunk
   (`SequenceContext.scatter`);
 - a module whose input must be whole (attention, feed-forward, the output head)
-  first gathers the chunks (`all_gather`, `SequenceContext.gather`);
+  first gathers the chunks (`all_gather`, `SequenceContext.gather`); attention then
+  takes its queries one chunk at a time (its `query_chunk`), so that MLX's unfused
+  CPU attention builds (L / N, L) scores per head instead of (L, L);
 - a sharded-to-all projection (`wo`, `w2`) ends in a reduce-scatter over the
   sequence. MLX 0.32's ring backend (CPU) has no `sum_scatter` ("[ring] sum_scatter
   not supported"), so it is the projection's `all_sum` followed by taking the chunk:
@@ -85,17 +87,30 @@ def _rewrap(module: nn.Module, kind: str, make: Callable[[type], dict[str, Any]]
     module.__class__ = _CLASSES[key]
 
 
-def gather_input(module: nn.Module, ctx: SequenceContext) -> None:
-    """`module(x, ...)` receives the whole sequence: its chunks are gathered first."""
+def gather_input(module: nn.Module, ctx: SequenceContext, query_chunks: bool = False) -> None:
+    """`module(x, ...)` receives the whole sequence: its chunks are gathered first.
+
+    `query_chunks` (attention): while sequence parallelism is active, the module's
+    `query_chunk` is the chunk size for the call, so that it attends one sequence
+    chunk of queries at a time (the (L, L) scores become (L / N, L)).
+    """
     object.__setattr__(module, "_sequence", ctx)
 
     def make(base: type) -> dict[str, Any]:
         def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
-            return base.__call__(self, self._sequence.gather(x), *args, **kwargs)
+            ctx = self._sequence
+            if not (query_chunks and ctx.active):
+                return base.__call__(self, ctx.gather(x), *args, **kwargs)
+            saved = getattr(self, "query_chunk", None)
+            object.__setattr__(self, "query_chunk", ctx.chunk())
+            try:
+                return base.__call__(self, ctx.gather(x), *args, **kwargs)
+            finally:
+                object.__setattr__(self, "query_chunk", saved)
 
         return {"__call__": __call__}
 
-    _rewrap(module, "SequenceGathered", make)
+    _rewrap(module, "SequenceChunked" if query_chunks else "SequenceGathered", make)
 
 
 def scatter_output(module: nn.Module, ctx: SequenceContext, begins: bool = False) -> None:
