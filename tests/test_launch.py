@@ -148,7 +148,8 @@ def test_the_launcher_sleeps_while_the_ranks_compute():
 
 def test_local_ranks_preload_openblas():
     """Debian's OpenBLAS (installed by .ci/run) is preloaded for local ranks, one BLAS
-    thread per rank's share of the cores, unless the user set LD_PRELOAD already."""
+    thread per rank's share of the cores (or the user's OPENBLAS_NUM_THREADS), unless
+    the user set LD_PRELOAD already."""
     from llama_tp.cluster.blas import find_openblas
 
     lib = find_openblas()
@@ -172,6 +173,17 @@ def test_local_ranks_preload_openblas():
         timeout=120,
     )
     assert sorted(off.stdout.split("\n")[:-1]) == ["0 None None", "1 None None"], off.stderr
+    # A thread count the user set is kept, and the library is still preloaded (it once
+    # turned the preload off: ranks then ran MLX's slow reference BLAS).
+    mine = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**env, "OPENBLAS_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sorted(mine.stdout.split("\n")[:-1]) == [f"{i} {lib} 1" for i in (0, 1)], mine.stderr
 
 
 def test_a_process_on_its_own_does_not_start_mpi(tmp_path):

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GRACE = 5.0  # seconds the other ranks get to end by themselves after one fails
-OPENBLAS_ENV = ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")
 
 
 @dataclass
@@ -233,20 +232,21 @@ def _value(flags: list[str], name: str) -> str | None:
 
 
 def openblas_env(flags: list[str]) -> list[str]:
-    """`--env` flags that preload Debian's OpenBLAS for local ranks on Linux (one BLAS
-    thread per rank's share of the cores), unless the user set them or gave hosts."""
+    """`--env` flags that preload Debian's OpenBLAS for local ranks on Linux, with one
+    BLAS thread per rank's share of the cores unless the user set OPENBLAS_NUM_THREADS
+    (theirs is kept); nothing when the user set LD_PRELOAD or gave hosts."""
     from .blas import find_openblas
 
     if _value(flags, "--hostfile") or _value(flags, "--hosts"):
         return []  # remote hosts may not have it at the same path
-    if any(k in os.environ for k in OPENBLAS_ENV):
-        return []
-    set_by_flags = {e.split("=", 1)[0] for e in _envs(flags)}
-    if set_by_flags & set(OPENBLAS_ENV):
+    given = {e.split("=", 1)[0] for e in _envs(flags)} | set(os.environ)
+    if "LD_PRELOAD" in given:
         return []
     lib = find_openblas()
     if lib is None:
         return []
+    if "OPENBLAS_NUM_THREADS" in given:  # the user's count reaches the ranks as it is
+        return ["--env", f"LD_PRELOAD={lib}"]
     n = int(_value(flags, "-n") or _value(flags, "--repeat-hosts") or 1)
     threads = max(1, (os.cpu_count() or 1) // n)
     return ["--env", f"LD_PRELOAD={lib}", "--env", f"OPENBLAS_NUM_THREADS={threads}"]
@@ -267,7 +267,8 @@ def run(argv: list[str], openblas: bool = True) -> int:
             command = [sys.executable, *command]  # mlx prefixes --python itself
     extra = openblas_env(flags) if openblas else []
     if extra and "--verbose" in flags:
-        print(f"launch: preloading {extra[1]} ({extra[3]})", file=sys.stderr, flush=True)
+        what = " ".join(extra[1::2])
+        print(f"launch: preloading {what}", file=sys.stderr, flush=True)
     real_io, real_run = launch._launch_with_io, launch.run
 
     def run_and_record(cmd, *args, **kwargs):  # mpirun's exit code (mlx drops it)

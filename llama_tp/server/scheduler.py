@@ -22,8 +22,9 @@ every replica applies its own decision and steps its own batch at the same time,
 and one `all_gather_object` over the world brings the replicas' events back to
 rank 0 (each replica's first rank sends them; the others send nothing). The
 replicas step in lockstep: a step takes as long as the slowest replica's. A replica
-with no sequence sleeps through most of the others' step (REST_SHARE of its last
-wait) before it joins the exchange, rather than spin in it.
+with no sequence sleeps through most of the others' step (REST_SHARE of the longest
+decode-only step the replicas reported in the last exchange) before it joins the
+exchange, rather than spin in it.
 
 The HTTP side runs on another thread (uvicorn's event loop); it hands in jobs
 with `submit` / `cancel`, and gets its events back through the job's asyncio
@@ -49,7 +50,7 @@ from .protocol import RequestError
 
 IDLE_TICK = 0.1  # seconds between idle decisions: the longest a new request waits
 IDLE_MARGIN = 0.01  # the other ranks wake this much earlier than rank 0 sends
-REST_SHARE = 0.8  # of its last wait, a replica with nothing to do sleeps before the exchange
+REST_SHARE = 0.8  # of the others' last decode step, a replica with nothing to do sleeps
 
 
 @dataclass
@@ -238,7 +239,7 @@ def run_steps(
     """
     rank0 = group.rank() == 0
     dp = mesh.dp if mesh is not None else 1
-    rest = 0.0  # seconds a replica with nothing to do last waited for the others
+    rest = 0.0  # seconds the replicas' last decode-only step took (the longest)
     try:
         while True:
             decisions = None
@@ -269,18 +270,21 @@ def run_steps(
                     events = engine.apply(decision)
             with watchdog.stage(f"generation step ({len(engine)} sequences)"):
                 resting = dp > 1 and not len(engine)  # other replicas are stepping
+                tic = time.perf_counter()
                 if not resting:
                     events += engine.step(decision.draft)
                 if dp > 1:  # each replica's first rank sends its events to rank 0
-                    tic = time.perf_counter()
+                    # A decode-only step's time, for the replicas that rest next time.
+                    took = None if resting or decision.joins else time.perf_counter() - tic
                     if resting:
-                        # Wait off the CPU for most of what the last wait took (the ring
+                        # Off the CPU for most of the others' last decode step (the ring
                         # backend spins inside a collective), then join the exchange.
                         time.sleep(REST_SHARE * rest)
                     sender = mesh.replica_group.rank() == 0
-                    gathered = all_gather_object(events if sender else [], group)
-                    events = [e for part in gathered for e in part]
-                    rest = time.perf_counter() - tic if resting else 0.0
+                    gathered = all_gather_object((events, took) if sender else ([], None), group)
+                    events = [e for part, _ in gathered for e in part]
+                    steps = [t for _, t in gathered if t is not None]
+                    rest = max(steps) if steps else rest
             if rank0:
                 scheduler.dispatch(events)
     except BaseException as e:
