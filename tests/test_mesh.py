@@ -191,6 +191,19 @@ def test_generate_tp2_x_pp2_prints_what_one_process_prints(tiny_dir):
     assert four.stderr.count("Mesh: ") == 1
 
 
+def test_builtin_model_on_2_stages_prints_what_one_process_prints():
+    """SmolLM2 (Q4_1) on --pp 2, with a prompt long enough for micro-batches (its 142
+    tokens with the chat template go through in 4): the same text as one process."""
+    prompt = "Summarize this in one sentence: " + " ".join(
+        f"Tensor parallel inference step {i} splits each layer across the ranks." for i in range(8)
+    )
+    args = ["-m", "llama_tp.generate", "--prompt", prompt, "--max-tokens", "24", "--temp", "0"]
+    one = run_python(args, timeout=180)
+    assert one.returncode == 0 and one.stdout.strip(), one.stderr
+    two = launch(2, [*args, "--pp", "2"], timeout=240)
+    assert two.stdout == one.stdout, two.stderr[-3000:]
+
+
 def test_chat_verbose_shows_the_mesh(tiny_dir):
     args = ["-m", "llama_tp.chat", "--model", str(tiny_dir), "--pp", "2", "--verbose"]
     r = launch(2, [*args, "--max-tokens", "4"], input="hi\n/quit\n", timeout=120)
