@@ -37,6 +37,7 @@ from .cluster.diagnostics import (
     blas_on_this_rank,
     rank_info,
     run_check,
+    text_table,
     time_all_reduce,
     version_differences,
 )
@@ -230,7 +231,7 @@ def format_report(report: dict[str, Any]) -> str:
     for i in report["hosts"]:
         matmul = f"{i['blas']['seconds']:.3f} s" if "blas" in i else "-"
         rows.append((str(i["rank"]), i["host"], str(i["pid"]), *map(i.get, VERSION_KEYS), matmul))
-    lines += _table(rows)
+    lines += text_table(rows)
     if report["all_reduce"]:
         lines += ["", "all-reduce (fp32 all_sum; latency of the slowest rank per iteration):"]
         rows = [("size", "iterations", "median", "p90", "bus bandwidth")]
@@ -239,7 +240,7 @@ def format_report(report: dict[str, Any]) -> str:
             + (_duration(r["p90_us"]), _rate(r["bus_gbps"]))
             for r in report["all_reduce"]
         ]
-        lines += _table(rows, right=True)
+        lines += text_table(rows, right=True)
     from .engine.mesh_check import mesh_lines
 
     lines += mesh_lines(report.get("mesh"))
@@ -247,7 +248,7 @@ def format_report(report: dict[str, Any]) -> str:
     for c in report["checks"]:
         if c["status"] == "warn" and c["name"] == "versions":
             lines.append(f"WARNING: {c['detail']}")
-    lines += _table([(c["name"], c["status"], c["detail"]) for c in report["checks"]])
+    lines += text_table([(c["name"], c["status"], c["detail"]) for c in report["checks"]])
     counts = {s: sum(c["status"] == s for c in report["checks"]) for s in ("ok", "warn", "FAILED")}
     verdict = "healthy" if report["ok"] else "FAILED"
     lines += [
@@ -256,12 +257,6 @@ def format_report(report: dict[str, Any]) -> str:
         f"{counts['FAILED']} failed",
     ]
     return "\n".join(lines)
-
-
-def _table(rows: list[tuple[str, ...]], right: bool = False) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    just = str.rjust if right else str.ljust
-    return ["  ".join(just(v, w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def main() -> int:

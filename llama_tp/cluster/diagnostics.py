@@ -162,3 +162,10 @@ def run_check(name: str, fn: Callable[[], Any], group: mx.distributed.Group) -> 
             text = str(e).strip().splitlines()
             return None, text[0] if text else type(e).__name__
         return value, ""
+
+
+def text_table(rows: list, right: bool = False) -> list[str]:
+    """Rows of strings as aligned lines (two spaces between columns; `right`: flush right)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    just = str.rjust if right else str.ljust
+    return ["  ".join(just(v, w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]

@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from ..cluster.diagnostics import Check, run_check, time_all_reduce
+from ..cluster.diagnostics import Check, run_check, text_table, time_all_reduce
 from ..cluster.distributed import all_gather_object
 from ..parallel.mesh import make_mesh
 
@@ -108,8 +108,7 @@ def mesh_lines(m: dict | None) -> list[str]:
         (str(r["rank"]), r["host"], str(r["replica"]), str(r["stage"]), str(r["tensor_rank"]))
         for r in m["ranks"]
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines += text_table(rows)
     if m["tensor_all_reduce_us"] is not None:
         lines.append(f"8 KB all-reduce in a tensor group: {m['tensor_all_reduce_us']:.0f} us")
     if m["stage_hop_us"] is not None:

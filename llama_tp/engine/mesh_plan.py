@@ -19,6 +19,7 @@ from mlx.utils import tree_flatten
 
 from ..checkpoints.base import Checkpoint
 from ..checkpoints.build import build_model
+from ..cluster.diagnostics import text_table
 from ..parallel.llama_plan import check_quantized_heads, llama_plan, plan_for
 from ..parallel.mesh import Mesh, MeshError, layout, mesh_shape
 from ..parallel.parallelize import format_plan_table
@@ -121,11 +122,6 @@ def stage_styles(mp: MeshPlan, s: int) -> dict[str, Style]:
     return table
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-
-
 def _vocab_cell(mp: MeshPlan, r: RankSlice) -> str:
     model = mp.models[r.stage]
     what = []
@@ -176,7 +172,7 @@ def format_mesh(mp: MeshPlan, name: str) -> str:
                 human_bytes(r.nbytes),
             ]
         )
-    lines += _table(rows)
+    lines += text_table(rows)
     lines.append(f"imbalance: {imbalance([r.nbytes for r in mp.ranks]):.1f}% of weight bytes")
     stage_lines = mp.mesh.describe().splitlines()
     if mp.tp == 1:  # every rank holds its layers whole: no tables
