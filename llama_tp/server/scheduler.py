@@ -139,14 +139,6 @@ class Scheduler:
             self.closed = self.closed or reason
             self._cond.notify()
 
-    def next_decision(self, active: int, wait: float = 0.25) -> Decision | None:
-        """The next step's decision; None after `wait` seconds idle (call again).
-
-        `active`: rows in the engine. Waiting requests join while the batch has room.
-        """
-        decisions = self.next_decisions([active], wait)
-        return None if decisions is None else decisions[0]
-
     def next_decisions(self, active: list[int], wait: float = 0.25) -> list[Decision] | None:
         """Each replica's decision for the next step; None after `wait` seconds idle.
 
