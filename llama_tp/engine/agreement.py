@@ -74,7 +74,7 @@ def local_facts(
         ),
         "world": group.size(),
         "config": config,
-        "mesh": mesh_facts(model, group, getattr(ckpt, "mesh", None)),
+        "mesh": mesh_facts(mesh, group),
         "plan": digest([repr(plan_for(model, tp)).encode()]),
         "weights": weights_fingerprint(ckpt),
         "tokenizer": tokenizer_fingerprint(ckpt, tokenizer),
@@ -82,10 +82,9 @@ def local_facts(
     }
 
 
-def mesh_facts(model: nn.Module, group: mx.distributed.Group, mesh: Any = None) -> dict[str, Any]:
-    """The mesh this rank built: --tp, --pp, the layers of each stage (as --pp-split) and
-    --dp (`mesh`: the loader's, when it made one)."""
-    mesh = getattr(model, "mesh", None) or mesh
+def mesh_facts(mesh: Any, group: mx.distributed.Group) -> dict[str, Any]:
+    """The mesh this rank built (`parallel.mesh.Mesh`, None: all ranks tensor-parallel):
+    --tp, --pp, the layers of each stage (as --pp-split) and --dp."""
     if mesh is None:  # all ranks tensor-parallel
         return {"--tp": group.size(), "--pp": 1, "--pp-split": None, "--dp": 1}
     split = ",".join(str(len(r)) for r in mesh.layers) if mesh.pp > 1 else None
