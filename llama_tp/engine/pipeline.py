@@ -90,7 +90,7 @@ class PipelineModel(nn.Module):
         mesh, (B, L) = self.mesh, tokens.shape
         if cache is None:
             cache = [None] * len(self.layers)
-        split = cache[0] is not None and not every_position
+        split = cache[0] is not None and not every_position and L >= 2 * MIN_MICRO
         bounds = micro_batches(L, mesh.pp) if split else [(0, L)]
         for a, b in bounds:
             if not mesh.first:
