@@ -202,32 +202,10 @@ def make_mesh(
     """
     T, P = mesh_shape(world.size(), tp, pp, dp)
     D, rank = dp or 1, world.rank()
-    if D > 1:
-        return _replicated_mesh(world, T, P, D)
-    if P == 1:
+    if D == 1 and P == 1:
         return Mesh(T, 1, 0, rank, [list(range(T))], world if T > 1 else None, None)
-    if T == 1:  # pure pipeline: stage s is rank s, the world is the pipeline group
+    if D == 1 and T == 1:  # pure pipeline: stage s is rank s, the world is the pipeline group
         return Mesh(1, P, rank, 0, [[r] for r in range(P)], None, world)
-    by_host = os.environ.get("LLAMA_TP_MESH_ORDER", "host") != "rank"
-    hosts = all_gather_object(socket.gethostname(), world)
-    stages = layout(hosts, T, P, by_host)
-    stage = next(s for s, ranks in enumerate(stages) if rank in ranks)
-    tp_rank = stages[stage].index(rank)
-    pipe = [stages[s][tp_rank] for s in range(P)]
-    try:
-        tp_group = world.split(stage, tp_rank)
-        pp_group = world.split(P + tp_rank, stage)
-    except RuntimeError as e:
-        if "split not supported" not in str(e):
-            raise
-        tp_group, pp_group = _ring_subgroups(world, [stages[stage], pipe])
-    return Mesh(T, P, stage, tp_rank, stages, tp_group, pp_group)
-
-
-def _replicated_mesh(world: mx.distributed.Group, T: int, P: int, D: int) -> Mesh:
-    """`make_mesh` with D > 1 replicas: the replica group always, a tensor group when
-    T > 1 and a pipeline group when P > 1 (the replica group itself when the other is 1)."""
-    rank = world.rank()
     by_host = os.environ.get("LLAMA_TP_MESH_ORDER", "host") != "rank"
     hosts = all_gather_object(socket.gethostname(), world)
     blocks = layout(hosts, T, P * D, by_host)  # (D * P, T): replica d is blocks dP .. dP + P - 1
@@ -236,22 +214,37 @@ def _replicated_mesh(world: mx.distributed.Group, T: int, P: int, D: int) -> Mes
     stages = blocks[replica * P : (replica + 1) * P]
     tp_rank = stages[stage].index(rank)
     replicas = [[r for s in blocks[d * P : (d + 1) * P] for r in s] for d in range(D)]
-    kinds = [replicas[replica]]  # replica rank = stage * T + tensor rank
+    # The groups to make, each with its split color and key: the replica's (D > 1; its
+    # rank = stage * T + tensor rank), and its stage's and its pipe when T, P > 1 (when one
+    # of them is 1, the other group is the replica's own).
+    members, colors = [], []
+    if D > 1:
+        members.append(replicas[replica])
+        colors.append((replica, stage * T + tp_rank))
     if T > 1 and P > 1:
-        kinds += [stages[stage], [stages[s][tp_rank] for s in range(P)]]
+        members += [stages[stage], [stages[s][tp_rank] for s in range(P)]]
+        colors += [(D + block, tp_rank), (D + D * P + replica * T + tp_rank, stage)]
+    made = _subgroups(world, members, colors)
+    group = made.pop(0) if D > 1 else world
+    tp_group = (made[0] if P > 1 else group) if T > 1 else None
+    pp_group = (made[1] if T > 1 else group) if P > 1 else None
+    replica_group = group if D > 1 else None
+    return Mesh(
+        T, P, stage, tp_rank, stages, tp_group, pp_group, [], D, replica, replicas, replica_group
+    )
+
+
+def _subgroups(
+    world: mx.distributed.Group, members: list[list[int]], colors: list[tuple[int, int]]
+) -> list[mx.distributed.Group]:
+    """One group per entry of `members` (world ranks, in their new order): `Group.split`
+    by (color, key) where the backend has it, rings of their own on the ring backend."""
     try:
-        made = [world.split(replica, stage * T + tp_rank)]
-        if len(kinds) > 1:
-            pipe = D + D * P + replica * T + tp_rank  # colors: replicas, blocks, then pipes
-            made += [world.split(D + block, tp_rank), world.split(pipe, stage)]
+        return [world.split(color, key) for color, key in colors]
     except RuntimeError as e:
         if "split not supported" not in str(e):
             raise
-        made = _ring_subgroups(world, kinds)
-    group = made[0]
-    tp_group = (made[1] if P > 1 else group) if T > 1 else None
-    pp_group = (made[2] if T > 1 else group) if P > 1 else None
-    return Mesh(T, P, stage, tp_rank, stages, tp_group, pp_group, [], D, replica, replicas, group)
+        return _ring_subgroups(world, members)
 
 
 def _clear_backends() -> None:
