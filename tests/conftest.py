@@ -18,8 +18,10 @@ BIN = Path(sys.executable).parent
 # Listening ports for launched ranks, 10 per launch, below Linux's ephemeral range
 # (32768-60999): a port there can be held by any outgoing connection (TIME_WAIT ones
 # from earlier tests' rings included) and the ring's bind then fails. Concurrent test
-# runs get different quarters by their pid.
-_PORTS = itertools.count(10000 + (os.getpid() % 4) * 5000, 10)
+# runs get different quarters by their pid; LLAMA_TP_TEST_PORT_BASE pins a base (one per
+# checkout when several checkouts run tests on one machine).
+_BASE = os.environ.get("LLAMA_TP_TEST_PORT_BASE")
+_PORTS = itertools.count(int(_BASE) if _BASE else 10000 + (os.getpid() % 4) * 5000, 10)
 
 
 def launch(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from conftest import _PORTS
 from mlx import nn
 
 from llama_tp.cluster.distributed import world
@@ -179,10 +180,10 @@ def test_evaluating_keeps_only_the_slice(group) -> None:
     assert sl.weight.shape == (16, 1024) and sc.weight.shape == (1024, 16)
 
 
-@pytest.mark.parametrize("n,port", [(2, 41000), (3, 41100)])
-def test_multi_rank(n: int, port: int) -> None:
+@pytest.mark.parametrize("n", [2, 3])
+def test_multi_rank(n: int) -> None:
     launcher = str(Path(sys.executable).parent / "mlx.launch")
-    cmd = [launcher, "-n", str(n), "--starting-port", str(port), sys.executable]
+    cmd = [launcher, "-n", str(n), "--starting-port", str(next(_PORTS)), sys.executable]
     cmd.append("tests/mp_layers_check.py")
     # mlx.launch exits 0 even when a rank fails, so check the output too.
     res = subprocess.run(
