@@ -58,33 +58,27 @@ def main() -> int:
 
     # Reading shapes is lazy: no weight is loaded to print the plan.
     from .checkpoints import open_checkpoint
-    from .checkpoints.build import build_model
+    from .checkpoints.build import skeleton
+    from .checkpoints.slices import model_shape
     from .engine.loader import default_model
-    from .parallel.llama_plan import llama_plan
     from .parallel.parallelize import format_plan_table
-    from .parallel.partition import format_plan, weight_bytes
-    from .parallel.shard import plan_for
+    from .parallel.partition import format_plan
+    from .parallel.placement import place
+    from .parallel.shard import builtin_plan
 
     ckpt = open_checkpoint(args.model or default_model())
-    model = build_model(ckpt, whole=False)
-    plan = plan_for(model, args.n)
-    styles = llama_plan(
-        model,
-        args.n,
-        vocab_parallel=not args.no_vocab_parallel,
-        sequence_parallel=args.sequence_parallel,
-        plan=plan,
-    )
-    tensors = {k: (tuple(v.shape), v.nbytes) for k, v in ckpt.weights.items()}
+    placement = place(model_shape(ckpt), args.n, vocab_parallel=not args.no_vocab_parallel)
+    model = skeleton(ckpt)  # for the style table: lazy, nothing read
+    styles = builtin_plan(model, placement, sequence_parallel=args.sequence_parallel)
     print(f"{ckpt.path.name}: the plan (path -> style -> each rank's slice)")
     print(format_plan_table(model, styles, args.n))
     print()
     print(f"{ckpt.path.name}:")
-    print(format_plan(plan, weight_bytes(plan, tensors)))
+    print(format_plan(placement.plan, [r.nbytes for r in placement.ranks]))
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
-        for note in [*ckpt.notes, *split_notes(ckpt, plan)]:
+        for note in [*ckpt.notes, *split_notes(ckpt, placement.plan)]:
             print(note)
     return 0
 
@@ -121,7 +115,7 @@ def print_mesh(args) -> int:
         from .checkpoints.gguf import split_notes
 
         print()
-        for note in [*ckpt.notes, *split_notes(ckpt, mp.partitions[0])]:
+        for note in [*ckpt.notes, *split_notes(ckpt, mp.placement.plan)]:
             print(note)
     return 0
 

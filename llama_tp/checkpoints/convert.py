@@ -246,7 +246,9 @@ class Source:
         if s is None:
             return v
         axis, start, stop = s
-        return mx.contiguous(v[start:stop] if axis == 0 else v[:, start:stop])
+        index = [slice(None)] * v.ndim
+        index[axis] = slice(start, stop)
+        return mx.contiguous(v[tuple(index)])
 
 
 def open_source(
@@ -372,17 +374,14 @@ def write_folders(
 
 
 def _write_split(source: Source, out: Path, n: int, vocab_parallel: bool, progress: bool) -> None:
-    """One folder per rank: its slices of every tensor (`Source.get`)."""
-    from ..parallel.partition import vocab_ranges
-    from ..parallel.shard import check_quantized_heads, plan_for
-    from .split import plan_folders
+    """One folder per rank: its placement's slices of every tensor (`Source.get`)."""
+    from ..parallel.placement import place
+    from ..parallel.shard import model_shape_of
+    from .split import placement_folders
 
-    plan = plan_for(source.model, n)
-    check_quantized_heads(source.model, plan)
-    vocab = vocab_ranges(source.ckpt.args.vocab_size, n) if vocab_parallel and n > 1 else None
-    shapes = {k: tuple(v.shape) for k, v in source.weights.items()}
-    folders = plan_folders(plan, shapes, vocab, source.get)
-    write_folders(source, out, folders, vocab is not None, progress)
+    placement = place(model_shape_of(source.model), n, vocab_parallel=vocab_parallel)
+    folders = placement_folders(placement, source.get)
+    write_folders(source, out, folders, placement.vocab_parallel, progress)
 
 
 def convert_gguf(src: Path, out: Path, progress: bool = True) -> Path:
