@@ -6,6 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..model import Transformer
+from ..models import build
 from . import quantization_of
 from .base import Checkpoint, CheckpointError
 
@@ -29,7 +30,7 @@ def build_model(ckpt: Checkpoint, whole: bool = True) -> Transformer:
     with `whole` they are read (whole) here; the loader passes False and reads each
     rank's slices after sharding, and shape-only users (the plan) read nothing.
     """
-    model = Transformer(ckpt.args)
+    model = build(ckpt.args)
     model.ffn_block = ckpt.ffn_block  # the plan splits the feed-forward on file blocks
     _quantize_like(model, ckpt.weights)
     load_weights(model, ckpt, list(ckpt.weights.items()))
@@ -70,7 +71,7 @@ def empty_split_model(ckpt: Checkpoint) -> Transformer:
     """The whole model of a pre-split folder, lazily initialized (never evaluated: the
     stored slices replace what a rank keeps), quantized where the folder's is, with the
     source file's feed-forward block (GGUF K-quants: 256) for the plan's split."""
-    model = Transformer(ckpt.args)
+    model = build(ckpt.args)
     model.ffn_block = ckpt.metadata.get("ffn_block")  # as the plan that wrote the folder
     quantized = ckpt.metadata.get("quantized", {})
 

@@ -29,7 +29,7 @@ from ..model import Transformer
 from ..parallel.cast import cast_model
 from ..parallel.mesh import Mesh
 from ..parallel.parallelize import Plan as StylePlan
-from ..parallel.placement import Placement, RankPlacement, place
+from ..parallel.placement import DEFAULT_MOE_SPLIT, Placement, RankPlacement, place
 from ..parallel.shard import parallelize_model, shard_placed, styles_placement
 from .agreement import check_mesh_flags
 
@@ -48,6 +48,7 @@ def _place(
     mesh: Mesh | None,
     pp_split: str | None,
     vocab_parallel: bool,
+    moe_split: str,
 ) -> Placement:
     """The placement of this copy of the model over `n` tensor-parallel ranks, or over
     the stages of `mesh`: pure, from the config, the stored shapes and the mesh. A
@@ -59,12 +60,14 @@ def _place(
         layers = check_mesh(ckpt, T, P, pp_split, stages)
         pp_split = ",".join(str(len(r)) for r in layers) if layers else None
         vocab_parallel = split_vocab_parallel(ckpt, vocab_parallel, T)
+        moe_split = ckpt.metadata.get("moe_split") or moe_split  # as the folder was cut
     return place(
         model_shape(ckpt),
         T,
         P,
         pp_split,
         vocab_parallel=vocab_parallel,
+        moe_split=moe_split,
         stages=mesh.stages if mesh is not None else None,
     )
 
@@ -121,6 +124,7 @@ def load_model(
     pp: int | None = None,
     pp_split: str | None = None,
     dp: int | None = None,
+    moe_split: str = DEFAULT_MOE_SPLIT,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
 
@@ -140,7 +144,9 @@ def load_model(
     is (None without a mesh). A checkpoint pre-split by
     `convert --shards N` (for a mesh: `--shards N --tp T --pp P`, loaded with the same
     `tp`, `pp`) is read from this rank's folder only; a folder split for another mesh
-    is refused (`checkpoints.split.check_mesh`). Returns the model,
+    is refused (`checkpoints.split.check_mesh`). `moe_split` ("tensor" or "expert")
+    splits a mixture-of-experts model's experts by their columns or whole experts per
+    rank (`parallel/experts.py`). Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
@@ -174,7 +180,7 @@ def load_model(
                 "checkpoint to use your own plan"
             )
         if plan is None:  # reader -> placement -> model, in one pass
-            placement = _place(ckpt, model_group.size(), mesh, pp_split, vocab_parallel)
+            placement = _place(ckpt, model_group.size(), mesh, pp_split, vocab_parallel, moe_split)
             ckpt.placement = placement
             mine = (
                 placement.at(mesh.stage, mesh.tp_rank)
@@ -266,7 +272,8 @@ def load(
     **options: Any,
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
-    `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp)."""
+    `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp,
+    moe_split)."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .experts import moe_styles
 from .partition import Plan, RankPart
 from .placement import ModelShape, partition
 from .sequence import gather_input
@@ -148,6 +149,27 @@ def _under(prefix: str, styles: dict[str, Style]) -> dict[str, Style]:
     return {f"{prefix}.{k}" if k else prefix: v for k, v in styles.items()}
 
 
+def _feed_forward_table(model: nn.Module, p: Plan, sequence: bool) -> dict[str, Style]:
+    """The feed-forward entries: dense layers by columns, mixture-of-experts layers by
+    tensor or by expert (`experts.moe_styles`). A model mixing the two names each layer's
+    module entry by its index (a wildcard would match both kinds)."""
+    kinds = ["switch_mlp" in layer.feed_forward for layer in model.layers]
+    table: dict[str, Style] = {}
+    for sparse in sorted(set(kinds)):
+        if sparse:
+            shared = any("shared_expert" in layer.feed_forward for layer in model.layers)
+            styles = moe_styles(p.parts, p.experts.split, shared, sequence)
+        else:
+            styles = feed_forward_styles(None if p.even_ffn else p.parts, sequence)
+        module = styles.pop("", None)
+        table |= _under("layers.*.feed_forward", styles)
+        if module is not None:
+            mixed = len(set(kinds)) > 1
+            for i in [i for i, k in enumerate(kinds) if k == sparse] if mixed else ["*"]:
+                table[f"layers.{i}.feed_forward"] = module
+    return table
+
+
 def llama_plan(
     model: nn.Module,
     n: int,
@@ -163,9 +185,7 @@ def llama_plan(
         "layers.*.attention",
         attention_styles(p.head_dim, None if p.even_attention else p.parts, sp),
     )
-    table |= _under(
-        "layers.*.feed_forward", feed_forward_styles(None if p.even_ffn else p.parts, sp)
-    )
+    table |= _feed_forward_table(model, p, sp)
     norm: Style = SequenceParallel() if sp else Replicate()
     table |= {"layers.*.attention_norm": norm, "layers.*.ffn_norm": norm, "norm": norm}
     seq: Layout = "sequence" if sp else "replicate"
