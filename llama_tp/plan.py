@@ -11,7 +11,7 @@ from __future__ import annotations
 
 def main() -> int:
     """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
-    from .console.cli import ArgumentParser
+    from .console.cli import ArgumentParser, add_moe_split_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.plan",
@@ -36,6 +36,7 @@ def main() -> int:
     p.add_argument(
         "--dp", type=int, help="data-parallel replicas (llama_tp.serve): each replica's plan"
     )
+    add_moe_split_arg(p)
     args = p.parse_args()
     if args.n < 1:
         p.error(f"-n must be at least 1, got {args.n}")
@@ -62,12 +63,17 @@ def main() -> int:
     from .checkpoints.slices import model_shape
     from .engine.loader import default_model
     from .parallel.parallelize import format_plan_table
-    from .parallel.partition import format_plan
     from .parallel.placement import place
+    from .parallel.plan_text import format_plan
     from .parallel.shard import builtin_plan
 
     ckpt = open_checkpoint(args.model or default_model())
-    placement = place(model_shape(ckpt), args.n, vocab_parallel=not args.no_vocab_parallel)
+    placement = place(
+        model_shape(ckpt),
+        args.n,
+        vocab_parallel=not args.no_vocab_parallel,
+        moe_split=args.moe_split,
+    )
     model = skeleton(ckpt)  # for the style table: lazy, nothing read
     styles = builtin_plan(model, placement, sequence_parallel=args.sequence_parallel)
     print(f"{ckpt.path.name}: the plan (path -> style -> each rank's slice)")
@@ -107,7 +113,15 @@ def print_mesh(args) -> int:
 
     ckpt = open_checkpoint(args.model or default_model())
     try:
-        mp = mesh_plan(ckpt, args.n, args.tp, args.pp, args.pp_split, not args.no_vocab_parallel)
+        mp = mesh_plan(
+            ckpt,
+            args.n,
+            args.tp,
+            args.pp,
+            args.pp_split,
+            not args.no_vocab_parallel,
+            moe_split=args.moe_split,
+        )
     except MeshError as e:
         raise UsageError(str(e)) from None
     print(format_mesh(mp, ckpt.path.name))

@@ -9,7 +9,8 @@ from fractions import Fraction
 
 import pytest
 
-from llama_tp.parallel.partition import Plan, format_plan, make_plan, weight_bytes
+from llama_tp.parallel.partition import Plan, make_plan, weight_bytes
+from llama_tp.parallel.plan_text import format_plan
 
 HEADS = [(8, 8), (8, 2), (9, 3), (12, 4), (14, 2), (32, 8), (6, 1)]
 HIDDEN = [7, 96, 352, 448, 1000, 1408, 4864, 14336]

@@ -19,7 +19,7 @@ def _fmt_gb(values: list[float]) -> str:
 def traffic_lines(ranks: list[dict[str, Any]]) -> list[str]:
     """One line per rank: its place in the mesh, its messages per generated token
     (group, op, count x bytes), the bytes it sends and its rounds."""
-    from ..parallel.partition import human_bytes
+    from ..parallel.plan_text import human_bytes
 
     lines = []
     for r in ranks:

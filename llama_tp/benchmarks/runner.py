@@ -91,7 +91,13 @@ def bench_llama_tp(
     mesh_flags = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split")}
     try:
         model, ckpt = load_model(
-            path, group, not args.no_vocab_parallel, args.dtype, sequence_parallel=sp, **mesh_flags
+            path,
+            group,
+            not args.no_vocab_parallel,
+            args.dtype,
+            sequence_parallel=sp,
+            moe_split=args.moe_split,
+            **mesh_flags,
         )
     except MeshError as e:  # the same on every rank
         raise UsageError(str(e)) from None

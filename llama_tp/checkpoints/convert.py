@@ -28,9 +28,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..parallel.placement import DEFAULT_MOE_SPLIT
 from . import open_checkpoint
 from .base import Checkpoint, CheckpointError
-from .hf import _RENAMES, to_model_name
+from .hf import _RENAMES, BLOCK_SPARSE_MOE, to_model_name
 
 MAX_SHARD_GB = 5  # as mlx_lm.utils.MAX_FILE_SIZE_GB
 
@@ -50,9 +51,11 @@ def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
 _TO_HF = [_invert(p, r) for p, r in _RENAMES]
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name of the model's tensor `name` (checked against the reader)."""
-    for pattern, repl in _TO_HF:
+def hf_name(name: str, model_type: str = "llama") -> str:
+    """The Hugging Face name (as mlx-lm stores it) of the model's tensor `name` in a
+    `model_type` model (checked against the reader)."""
+    first = "block_sparse_moe" if model_type in BLOCK_SPARSE_MOE else "mlp."
+    for pattern, repl in sorted(_TO_HF, key=lambda r: first not in r[1]):
         new, n = pattern.subn(repl, name)
         if n and to_model_name(new) == name:
             return new
@@ -100,7 +103,9 @@ def quantization(model: nn.Module) -> dict[str, Any] | None:
         return None
     (group_size, bits), _ = params.most_common(1)[0]
     block: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    for path, (g, b) in sorted((hf_name(f"{p}.weight"), s) for p, s in per_module.items()):
+    model_type = model.args.model_type
+    names = ((hf_name(f"{p}.weight", model_type), s) for p, s in per_module.items())
+    for path, (g, b) in sorted(names):
         if (g, b) != (group_size, bits):
             block[path.removesuffix(".weight")] = {"group_size": g, "bits": b}
     return block
@@ -137,13 +142,44 @@ def requantize(ckpt: Checkpoint, bits: int, group_size: int) -> nn.Module:
     return model
 
 
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def _experts_config(a: Any) -> dict[str, Any]:
+    """The mixture-of-experts keys of `config.json`, as the family's mlx-lm model reads them."""
+    if not a.n_experts:
+        return {}
+    if a.model_type == "mixtral":
+        return {"num_local_experts": a.n_experts, "num_experts_per_tok": a.n_experts_per_tok}
+    out = {
+        "num_experts": a.n_experts,
+        "num_experts_per_tok": a.n_experts_per_tok,
+        "moe_intermediate_size": a.moe_hidden_dim,
+        "norm_topk_prob": a.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(a.n_layers) if not a.is_sparse(i)],
+    }
+    if a.shared_expert_dim:
+        out["shared_expert_intermediate_size"] = a.shared_expert_dim
+    return out
+
+
 def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
-    """`config.json` for mlx-lm's `llama` model (and llama_tp's HF reader)."""
+    """`config.json` for mlx-lm's model of the family (and llama_tp's HF reader)."""
     a = ckpt.args
     bos, eos = _token_ids(ckpt)
+    qwen2 = a.model_type in ("qwen2", "qwen2_moe")  # q/k/v biases implied by the family
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [_ARCHITECTURES[a.model_type]],
+        "model_type": a.model_type,
         "hidden_size": a.dim,
         "num_hidden_layers": a.n_layers,
         "num_attention_heads": a.n_heads,
@@ -157,8 +193,9 @@ def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
         "rope_traditional": a.rope_traditional,
         "max_position_embeddings": a.max_position_embeddings,
         "tie_word_embeddings": a.tie_word_embeddings,
-        "attention_bias": a.qkv_bias,
+        "attention_bias": a.o_bias if qwen2 else a.qkv_bias,
         "mlp_bias": a.mlp_bias,
+        **_experts_config(a),
     }
     if a.rope_scaling:
         config["rope_scaling"] = a.rope_scaling
@@ -292,6 +329,7 @@ def convert(
     vocab_parallel: bool = True,
     progress: bool = True,
     dtype: str | None = None,
+    moe_split: str = DEFAULT_MOE_SPLIT,
 ) -> Path:
     """Convert the checkpoint `src` into the directory `out` (created; weight files replaced).
 
@@ -299,19 +337,21 @@ def convert(
     `shards` writes one folder per rank of a `shards`-rank run instead of one
     mlx-lm directory (for a tp x pp mesh: `engine.mesh_split.convert_mesh`). `dtype`
     ("float32", "float16", "bfloat16") dequantizes every quantized tensor and casts
-    all weights to it. With `progress`, shows progress and a `wrote ...` line on stderr.
+    all weights to it. `moe_split` ("tensor" or "expert"): how `shards` split a
+    mixture-of-experts model's experts. With `progress`, shows progress and a `wrote ...`
+    line on stderr.
     """
     src, out = Path(src), Path(out)
     source = open_source(src, quantize, group_size, dtype)
     ckpt, model, weights = source.ckpt, source.model, source.weights
     clear_out(out)
     if shards is not None:
-        _write_split(source, out, shards, vocab_parallel, progress)
+        _write_split(source, out, shards, vocab_parallel, progress, moe_split)
         if progress:
             print(f"wrote {out} ({shards} rank folders)", file=sys.stderr)
         return out
     config = hf_config(ckpt, model)
-    hf_weights = {hf_name(k): weights.pop(k) for k in sorted(weights)}
+    hf_weights = {hf_name(k, ckpt.args.model_type): weights.pop(k) for k in sorted(weights)}
     (out / "config.json").write_text(json.dumps(config, indent=4) + "\n")
     _save_tokenizer(ckpt, out)
     n_tensors = len(hf_weights)
@@ -324,7 +364,7 @@ def convert(
             return lambda: file.read(stored)
 
         streamed = {
-            hf_name(k): (tuple(v.shape), v.dtype, reader(k))
+            hf_name(k, ckpt.args.model_type): (tuple(v.shape), v.dtype, reader(k))
             for k, v in ckpt.weights.items()
             if k in ckpt.sources
         }
@@ -341,12 +381,13 @@ def write_folders(
     source: Source,
     out: Path,
     folders: list,
-    vocab_parallel: bool,
+    placement: Any,
     progress: bool,
     mesh: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the rank folders `folders` (`split.Folder`) of `source` into `out`, each with
-    the tokenizer, and the manifest (see `split.write`); returns the manifest."""
+    """Write the rank folders `folders` (`split.Folder`) of `source`'s `placement` into
+    `out`, each with the tokenizer, and the manifest (see `split.write`); returns the
+    manifest."""
     from . import split
     from .fingerprint import weights_fingerprint
 
@@ -359,13 +400,14 @@ def write_folders(
         "source": ckpt.path.name,
         # The plan split the feed-forward on the file's blocks: loading must too.
         "ffn_block": getattr(source.model, "ffn_block", None),
+        "moe_split": placement.moe_split,  # as the experts were cut
         "llama_tp": {"fingerprint": weights_fingerprint(ckpt) + source.changed},
     }
     return split.write(
         out,
         ckpt.args,
         folders,
-        vocab_parallel,
+        placement.vocab_parallel,
         config,
         lambda tensors, folder: _write_weights(tensors, folder, progress),
         lambda folder: _save_tokenizer(ckpt, folder),
@@ -373,15 +415,18 @@ def write_folders(
     )
 
 
-def _write_split(source: Source, out: Path, n: int, vocab_parallel: bool, progress: bool) -> None:
+def _write_split(
+    source: Source, out: Path, n: int, vocab_parallel: bool, progress: bool, moe_split: str
+) -> None:
     """One folder per rank: its placement's slices of every tensor (`Source.get`)."""
     from ..parallel.placement import place
     from ..parallel.shard import model_shape_of
     from .split import placement_folders
 
-    placement = place(model_shape_of(source.model), n, vocab_parallel=vocab_parallel)
+    shape = model_shape_of(source.model)
+    placement = place(shape, n, vocab_parallel=vocab_parallel, moe_split=moe_split)
     folders = placement_folders(placement, source.get)
-    write_folders(source, out, folders, placement.vocab_parallel, progress)
+    write_folders(source, out, folders, placement, progress)
 
 
 def convert_gguf(src: Path, out: Path, progress: bool = True) -> Path:

@@ -26,7 +26,7 @@ from ..checkpoints.split import check_mesh, split_vocab_parallel
 from ..cluster.distributed import agree_ok, barrier, world
 from ..cluster.progress import progress
 from ..model import Transformer
-from ..parallel.cast import cast_model
+from ..parallel.cast import cast_model, float32_experts
 from ..parallel.mesh import Mesh
 from ..parallel.parallelize import Plan as StylePlan
 from ..parallel.placement import DEFAULT_MOE_SPLIT, Placement, RankPlacement, place
@@ -208,6 +208,8 @@ def load_model(
         mx.eval(model.parameters())
         if dtype is not None:
             cast_model(model, dtype)
+        if mx.default_device().type == mx.cpu and float32_experts(model):
+            ckpt.notes.append("experts held as float32: MLX's CPU gather_mm takes float32 only")
     except Exception as e:
         error = e
     agree_ok(error, group)
@@ -240,6 +242,8 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
         weights = _read(ckpt, place(model_shape(ckpt)).ranks[0])  # every tensor whole, once
         model = skeleton(ckpt)
         load_weights(model, ckpt, weights)
+        if mx.default_device().type == mx.cpu:
+            float32_experts(model)
     except Exception as e:
         error = e
     agree_ok(error, group)

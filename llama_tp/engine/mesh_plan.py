@@ -22,8 +22,15 @@ from ..checkpoints.slices import model_shape
 from ..cluster.diagnostics import text_table
 from ..parallel.mesh import Mesh, MeshError, layout, mesh_shape
 from ..parallel.parallelize import format_plan_table
-from ..parallel.partition import format_kv_heads, format_ranges, human_bytes, imbalance
-from ..parallel.placement import Placement, RankPlacement, place
+from ..parallel.placement import DEFAULT_MOE_SPLIT, Placement, RankPlacement, place
+from ..parallel.plan_text import (
+    expert_cells,
+    expert_header,
+    format_kv_heads,
+    format_ranges,
+    human_bytes,
+    imbalance,
+)
 from ..parallel.shard import builtin_plan
 from .pipeline import PipelineModel, stage_module
 
@@ -61,6 +68,7 @@ def mesh_plan(
     pp_split: str | None = None,
     vocab_parallel: bool = True,
     full: nn.Module | None = None,
+    moe_split: str = DEFAULT_MOE_SPLIT,
 ) -> MeshPlan:
     """The mesh of `n` ranks for `--tp`/`--pp`/`--pp-split`; MeshError (the loader's
     one-line messages) when it cannot run. `full`: the checkpoint's model, if already
@@ -73,7 +81,9 @@ def mesh_plan(
         raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
     shape = model_shape(ckpt) if full is None else model_shape_of(full)
     stages = layout(["one host"] * n, T, P, by_host=False)
-    placement = place(shape, T, P, pp_split, vocab_parallel=vocab_parallel, stages=stages)
+    placement = place(
+        shape, T, P, pp_split, vocab_parallel=vocab_parallel, moe_split=moe_split, stages=stages
+    )
     full = skeleton(ckpt) if full is None else full
     mesh = Mesh(T, P, 0, 0, stages, None, None, list(placement.layers))
     models = [
@@ -111,6 +121,7 @@ def format_mesh(mp: MeshPlan, name: str) -> str:
             "q heads",
             "kv heads",
             "ffn columns",
+            *expert_header(mp.placement.plan),
             "vocabulary",
             "weights",
         ]
@@ -127,7 +138,8 @@ def format_mesh(mp: MeshPlan, name: str) -> str:
                 f"{r.tp_rank} of {mp.tp}",
                 f"{format_ranges(list(q))}{mapped} [{len(q)}]",
                 f"{format_kv_heads(kv, replicated)} [{len(kv)}]",
-                f"{f.start}-{f.stop - 1} [{len(f)}]",
+                f"{f.start}-{f.stop - 1} [{len(f)}]" if len(f) else "-",
+                *expert_cells(mp.placement.plan, r.part),
                 _vocab_cell(mp, r),
                 human_bytes(r.nbytes),
             ]

@@ -31,7 +31,7 @@ import mlx.core as mx
 from ..checkpoints.convert import clear_out, convert, open_source, write_folders
 from ..checkpoints.split import Folder
 from ..parallel.mesh import MeshError, mesh_shape
-from ..parallel.placement import RankPlacement
+from ..parallel.placement import DEFAULT_MOE_SPLIT, RankPlacement
 from .mesh_plan import MeshPlan, mesh_plan
 
 
@@ -69,6 +69,7 @@ def convert_mesh(
     vocab_parallel: bool = True,
     progress: bool = True,
     dtype: str | None = None,
+    moe_split: str = DEFAULT_MOE_SPLIT,
 ) -> Path:
     """Convert `src` into one folder per rank of the mesh `tp` x `pp` of `shards` ranks
     (`tp` defaults to shards // pp). MeshError, with the loader's one-line messages,
@@ -80,13 +81,17 @@ def convert_mesh(
     if P == 1:
         if pp_split:
             raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
-        return convert(src, out, shards=shards, vocab_parallel=vocab_parallel, **kw)
+        return convert(
+            src, out, shards=shards, vocab_parallel=vocab_parallel, moe_split=moe_split, **kw
+        )
     src, out = Path(src), Path(out)
     source = open_source(src, quantize, group_size, dtype)
-    mp = mesh_plan(source.ckpt, shards, T, P, pp_split, vocab_parallel, full=source.model)
+    mp = mesh_plan(
+        source.ckpt, shards, T, P, pp_split, vocab_parallel, full=source.model, moe_split=moe_split
+    )
     clear_out(out)
     folders = [rank_folder(r, source.get) for r in mp.ranks]
-    write_folders(source, out, folders, mp.vocab_parallel, progress, mesh_record(mp, pp_split))
+    write_folders(source, out, folders, mp.placement, progress, mesh_record(mp, pp_split))
     if progress:
         layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in mp.mesh.layers)
         print(

@@ -40,7 +40,7 @@ from mlx_lm.models.base import create_attention_mask
 from ..cluster.distributed import all_gather_object
 from ..model import ModelArgs
 from ..parallel.mesh import Mesh
-from ..parallel.partition import human_bytes
+from ..parallel.plan_text import human_bytes
 from ..parallel.vocab import VocabParallelEmbedding
 from .sampling import VocabShard
 
