@@ -72,6 +72,8 @@ def print_table(r: dict[str, Any]) -> None:
             "rank {i} {b:.0f} MB (weights {g:.2f} GB)",
             [(a * 1e3, w) for a, w in zip(t["activation_peak_gb"], t["weights_gb"], strict=True)],
         )
+    if "expert_load" in t:
+        print(f"llama_tp expert load {t['expert_load']['summary']}")
     if "prefill_collectives" in t:
         per = t["prefill_collectives"]["per_layer"]
         print(

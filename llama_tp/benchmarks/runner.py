@@ -134,6 +134,8 @@ def bench_llama_tp(
         return timed(((t, lg) for t, lg, _ in steps), len(prompt))
 
     res = run_trials(trial, args.num_trials)
+    if ckpt.placement is not None and ckpt.placement.plan.experts is not None:
+        res["expert_load"] = expert_routes(model, ckpt.placement, group, trial)
     if spec:  # the timed trials (the first was the warm-up)
         from ..engine.speculative import SpecStats
 
@@ -176,6 +178,19 @@ def bench_llama_tp(
     res["n_layers"] = len(model.layers)
     res["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self") else None
     return res, prompt
+
+
+def expert_routes(model: Any, placement: Any, group: mx.distributed.Group, trial) -> dict:
+    """The routes each rank's experts take in one more trial (counted apart from the timed
+    ones: counting adds small ops to every MoE layer)."""
+    from ..engine import expert_load
+    from ..models.moe import record_expert_load
+
+    expert_load.start(model)
+    trial()
+    load = expert_load.gather(model, placement, group)
+    record_expert_load(model, False)
+    return {**load.to_dict(), "summary": load.summary()}
 
 
 def mesh_traffic(model: Any, mine: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any]:

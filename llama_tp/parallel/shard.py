@@ -125,10 +125,10 @@ def styles_placement(done: Parallelized, shape: ModelShape) -> RankPlacement:
     return RankPlacement(done.rank, 0, done.rank, layers, None, None, slices, nbytes)
 
 
-def shard_model(model: nn.Module, group: mx.distributed.Group) -> Plan:
-    """Split attention and feed-forward by the built-in plan (the embedding and head
-    stay whole: see `Transformer.shard_vocab`); returns the partition plan."""
-    partition_ = plan_for(model, group.size())
+def shard_model(model: nn.Module, group: mx.distributed.Group, moe_split: str = "tensor") -> Plan:
+    """Split attention and feed-forward (experts: by `moe_split`) by the built-in plan (the
+    embedding and head stay whole: see `Transformer.shard_vocab`); returns the partition."""
+    partition_ = plan_for(model, group.size(), moe_split)
     table = llama_plan(model, group.size(), plan=partition_)
     parallelize(model, {k: v for k, v in table.items() if k.startswith("layers.")}, group)
     return partition_
