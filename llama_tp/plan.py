@@ -4,6 +4,7 @@ python -m llama_tp.plan -n 3
 python -m llama_tp.plan -n 2 --sequence-parallel
 python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (engine/mesh_plan.py)
 python -m llama_tp.plan -n 4 --pp 2 --dp 2      # the server's replicas: each one's plan
+python -m llama_tp.plan -n 2 --split 3:1        # rank 0 takes 3/4 (parallel/shares.py)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 def main() -> int:
     """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
-    from .console.cli import ArgumentParser, add_moe_split_arg
+    from .console.cli import ArgumentParser, add_moe_split_arg, add_split_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.plan",
@@ -30,24 +31,28 @@ def main() -> int:
     p.add_argument("--pp", type=int, help="pipeline stages (default 1: the plan over N ranks)")
     p.add_argument(
         "--pp-split",
-        metavar="N,N,...",
-        help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
+        metavar="N,N...|W:W...",
+        help="layers per stage, e.g. 10,12, or weights of the stages' bytes, e.g. 3:1 "
+        "(default: balanced by parameter bytes)",
     )
     p.add_argument(
         "--dp", type=int, help="data-parallel replicas (llama_tp.serve): each replica's plan"
     )
     add_moe_split_arg(p)
+    add_split_arg(p)
     args = p.parse_args()
     if args.n < 1:
         p.error(f"-n must be at least 1, got {args.n}")
     from .console.cli import UsageError
     from .parallel.mesh import MeshError, mesh_shape
+    from .parallel.shares import SplitError, fixed_weights
 
     try:
-        _, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
+        tp, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
         if args.pp_split and stages == 1:
             raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
-    except MeshError as e:  # the loader's line, a usage error as there
+        args.weights = fixed_weights(args.split, tp, "plan")
+    except (MeshError, SplitError) as e:  # the loader's line, a usage error as there
         raise UsageError(str(e)) from None
     if (args.dp or 1) > 1:
         print(replicas_line(args.n, args.dp))
@@ -68,19 +73,24 @@ def main() -> int:
     from .parallel.shard import builtin_plan
 
     ckpt = open_checkpoint(args.model or default_model())
-    placement = place(
-        model_shape(ckpt),
-        args.n,
-        vocab_parallel=not args.no_vocab_parallel,
-        moe_split=args.moe_split,
-    )
+    try:
+        placement = place(
+            model_shape(ckpt),
+            args.n,
+            vocab_parallel=not args.no_vocab_parallel,
+            moe_split=args.moe_split,
+            split=args.weights,
+        )
+    except SplitError as e:  # the loader's line, a usage error as there
+        raise UsageError(str(e)) from None
     model = skeleton(ckpt)  # for the style table: lazy, nothing read
     styles = builtin_plan(model, placement, sequence_parallel=args.sequence_parallel)
     print(f"{ckpt.path.name}: the plan (path -> style -> each rank's slice)")
     print(format_plan_table(model, styles, args.n))
     print()
     print(f"{ckpt.path.name}:")
-    print(format_plan(placement.plan, [r.nbytes for r in placement.ranks]))
+    vocab = [r.vocab for r in placement.ranks]
+    print(format_plan(placement.plan, [r.nbytes for r in placement.ranks], vocab))
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
@@ -110,6 +120,7 @@ def print_mesh(args) -> int:
     from .engine.loader import default_model
     from .engine.mesh_plan import format_mesh, mesh_plan
     from .parallel.mesh import MeshError
+    from .parallel.shares import SplitError
 
     ckpt = open_checkpoint(args.model or default_model())
     try:
@@ -121,8 +132,9 @@ def print_mesh(args) -> int:
             args.pp_split,
             not args.no_vocab_parallel,
             moe_split=args.moe_split,
+            split=args.weights,
         )
-    except MeshError as e:
+    except (MeshError, SplitError) as e:
         raise UsageError(str(e)) from None
     print(format_mesh(mp, ckpt.path.name))
     if ckpt.format == "gguf":

@@ -84,6 +84,7 @@ def bench_llama_tp(
     from ..engine.sampling import make_sampler, vocab_shard
     from ..model import lazy_query_blocks
     from ..parallel.mesh import MeshError
+    from ..parallel.shares import SplitError
 
     mx.reset_peak_memory()
     tic = time.perf_counter()
@@ -97,9 +98,10 @@ def bench_llama_tp(
             args.dtype,
             sequence_parallel=sp,
             moe_split=args.moe_split,
+            split=args.split,
             **mesh_flags,
         )
-    except MeshError as e:  # the same on every rank
+    except (MeshError, SplitError) as e:  # the same on every rank
         raise UsageError(str(e)) from None
     mesh = getattr(model, "mesh", None)  # a tp x pp mesh: this rank's pipeline stage
     load_s = time.perf_counter() - tic
@@ -107,7 +109,7 @@ def bench_llama_tp(
     weights = mx.get_active_memory() / 1e9  # what stays: the weights (and little else)
     prompt = bench_prompt(args, path, model, group)
     sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
-    drafter, spec = bench_drafter(args, path, model, group), []
+    drafter, spec = bench_drafter(args, path, model, group, ckpt.placement.plan.weights), []
 
     def trial(prompt=prompt, max_tokens=args.generation_tokens):
         if drafter is None:
@@ -243,8 +245,10 @@ def bench_prompt(args: Any, path: Path, model: Any, group: mx.distributed.Group)
     return broadcast_object(ids.tolist(), group)
 
 
-def bench_drafter(args: Any, path: Path, model: Any, group: mx.distributed.Group):
-    """The drafter of --draft ngram|PATH, or None."""
+def bench_drafter(
+    args: Any, path: Path, model: Any, group: mx.distributed.Group, split: Any = None
+):
+    """The drafter of --draft ngram|PATH, or None (a sharded draft by the model's `split`)."""
     from ..engine.drafters import NgramDrafter, load_draft, make_drafter
 
     if not args.draft:
@@ -255,7 +259,8 @@ def bench_drafter(args: Any, path: Path, model: Any, group: mx.distributed.Group
     from ..checkpoints.tokenizer import load_tokenizer
 
     tok = load_tokenizer(open_checkpoint(path, group.rank(), group.size()))
-    return make_drafter(load_draft(args.draft, model, tok, group, args.draft_sharded), model)
+    draft = load_draft(args.draft, model, tok, group, args.draft_sharded, split)
+    return make_drafter(draft, model)
 
 
 def pin(spec: str, rank: int) -> list[int]:

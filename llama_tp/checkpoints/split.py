@@ -33,6 +33,8 @@ import mlx.core as mx
 from ..model import ModelArgs
 from ..parallel.mesh import parse_split
 from ..parallel.placement import Placement
+from ..parallel.shares import MEMORY, SplitSpec, Weights, same_split, weights_text
+from ..parallel.shares import parse_split as parse_weights
 from .base import Checkpoint, CheckpointError
 from .safetensors import SafetensorsFile
 
@@ -170,7 +172,7 @@ def check_mesh(
             f"{P} stages of a {ckpt.args.n_layers}-layer model)"
         )
     layers = parse_split(made, ckpt.args.n_layers, P)
-    if pp_split is not None and parse_split(pp_split, ckpt.args.n_layers, pp) != layers:
+    if pp_split is not None and not _same_stages(pp_split, mesh.get("pp_split"), layers, P):
         raise CheckpointError(
             f"{root} is split into stages of {made} layers but --pp-split {pp_split} is "
             f"given: run it without --pp-split (or with --pp-split {made}), or convert "
@@ -184,6 +186,40 @@ def check_mesh(
             "ranks together in the hostfile"
         )
     return layers
+
+
+def check_split(ckpt: Checkpoint, split: SplitSpec, weights: Weights | None) -> Weights | None:
+    """The weights a pre-split folder was cut with (its "split" record; None: balanced).
+    `split` is the running --split as given (None: take the folder's), `weights` it
+    resolved; CheckpointError, one line, when they differ from the folder's (and for
+    `--split memory`: the folders fix each rank's share)."""
+    made = ckpt.metadata.get("split")
+    made = tuple(float(w) for w in made) if made else None
+    if split is None or (split != MEMORY and same_split(made, weights)):
+        return made
+    ours = "evenly" if made is None else weights_text(made)
+    shards = f"--shards {ckpt.metadata.get('shards')}"
+    if split == MEMORY:
+        asked, again = "--split memory", f"{shards} --split with the weights doctor suggests"
+    else:
+        asked = again = f"--split {weights_text(weights)}"
+        again = f"{shards} {asked}" if weights else shards
+    keep = "" if made is None else f" (or with --split {ours})"
+    raise CheckpointError(
+        f"{_root(ckpt.path)} is split {ours} but {asked} is given: run it without "
+        f"--split{keep}, or convert again with {again}"
+    )
+
+
+def _same_stages(pp_split: str, recorded: str | None, layers: list[range], pp: int) -> bool:
+    """Whether `--pp-split` (layer counts, or weights like 3:1) names the stages a folder
+    was made with (`layers`; weights: the same weights as its recorded --pp-split)."""
+    if ":" not in pp_split:
+        return parse_split(pp_split, sum(len(r) for r in layers), pp) == layers
+    mine = parse_weights(pp_split, pp, "--pp-split")
+    return bool(recorded and ":" in recorded) and same_split(
+        mine, parse_weights(recorded, pp, "--pp-split")
+    )
 
 
 def split_vocab_parallel(ckpt: Checkpoint, vocab_parallel: bool, n: int) -> bool:

@@ -54,9 +54,21 @@ def add_moe_split_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_split_arg(p: argparse.ArgumentParser) -> None:
+    """`--split 3:1|memory`: each tensor rank's share (parallel/shares.py)."""
+    p.add_argument(
+        "--split",
+        metavar="W:W...|memory",
+        default=None,
+        help="divide each tensor-parallel group unevenly: one weight per tensor rank, e.g. "
+        "3:1 (rank 0 takes 3/4 of the heads, columns, experts and vocabulary rows), or "
+        "'memory' (in proportion to each rank's available memory; default: balanced)",
+    )
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """How the model is loaded: --no-vocab-parallel, --dtype and --moe-split (every command
-    that loads)."""
+    """How the model is loaded: --no-vocab-parallel, --dtype, --moe-split and --split (every
+    command that loads)."""
     p.add_argument(
         "--no-vocab-parallel",
         action="store_true",
@@ -69,6 +81,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "Linux CPU float32 with OpenBLAS preloaded is the fast path; default: as stored",
     )
     add_moe_split_arg(p)
+    add_split_arg(p)
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
@@ -155,8 +168,9 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pp-split",
         default=None,
-        metavar="N,N,...",
-        help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
+        metavar="N,N...|W:W...",
+        help="layers per stage, e.g. 10,12, or weights of the stages' bytes, e.g. 3:1 "
+        "(default: balanced by parameter bytes)",
     )
     p.add_argument(
         "--dp",
@@ -231,16 +245,19 @@ def draft_source(args: argparse.Namespace) -> str | None:
     return source
 
 
-def load_draft_checked(args: argparse.Namespace, model, tokenizer, group: mx.distributed.Group):
+def load_draft_checked(
+    args: argparse.Namespace, model, tokenizer, group: mx.distributed.Group, split=None
+):
     """The `draft` argument of stream_generate / Chat for the command's flags: None,
-    'ngram', or the draft model (loaded whole on every rank, or sharded)."""
+    'ngram', or the draft model (loaded whole on every rank, or sharded, by the model's
+    `split` weights: the two must share vocabulary rows)."""
     from ..engine.drafters import load_draft
 
     source = draft_source(args)
     if source in (None, "ngram"):
         return source
     with watchdog.stage("loading the draft model", "load"):
-        return load_draft(source, model, tokenizer, group, sharded=args.draft_sharded)
+        return load_draft(source, model, tokenizer, group, args.draft_sharded, split)
 
 
 def check_model_args(args: argparse.Namespace) -> None:
@@ -328,6 +345,7 @@ def load_checked(args, group: mx.distributed.Group):
         error = e
     agree_ok(error, group)
     from ..parallel.mesh import MeshError
+    from ..parallel.shares import SplitError
 
     mesh = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split", "dp")}
     with watchdog.stage("loading the model", "load"):
@@ -339,9 +357,10 @@ def load_checked(args, group: mx.distributed.Group):
                 args.dtype,
                 sequence_parallel=getattr(args, "sequence_parallel", False),
                 moe_split=args.moe_split,
+                split=args.split,
                 **mesh,
             )
-        except MeshError as e:  # the same on every rank
+        except (MeshError, SplitError) as e:  # the same on every rank
             raise UsageError(str(e)) from None
     with watchdog.stage("start-up checks", "load"):
         tokenizer = error = None

@@ -61,7 +61,7 @@ class _LocalShard(VocabShard):
     """The whole vocabulary on this rank: the shard-aware samplers without collectives."""
 
     def __init__(self, size: int):
-        super().__init__(0, size, size, None)
+        super().__init__(0, size, size, None, ranges=((0, size),))
 
     def gather_rows(self, x: mx.array) -> mx.array:
         return x

@@ -226,16 +226,18 @@ def load_draft(
     tokenizer: Any,
     group: mx.distributed.Group,
     sharded: bool = False,
+    split: tuple[float, ...] | None = None,
 ) -> nn.Module:
     """Load the draft model at `path`: whole on every rank, or sharded over `group` with
-    the target's vocabulary setting; raises on every rank when its tokenizer differs."""
+    the target's vocabulary setting and `split` weights (its --split: the same vocabulary
+    rows per rank); raises on every rank when its tokenizer differs."""
     from ..checkpoints.tokenizer import load_tokenizer
     from ..cluster.distributed import agree_ok
     from .loader import load_model, load_whole
 
     if sharded:
         vocab_parallel = vocab_shard(target) is not None
-        model, ckpt = load_model(path, group, vocab_parallel)
+        model, ckpt = load_model(path, group, vocab_parallel, split=split)
     else:
         model, ckpt = load_whole(path, group)
     error = None

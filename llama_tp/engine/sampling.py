@@ -39,9 +39,24 @@ class VocabShard:
         size: int,
         group: mx.distributed.Group,
         embedding: nn.Module | None = None,
+        ranges: tuple[tuple[int, int], ...] | None = None,
     ):
         self.start, self.stop, self.size, self.group = start, stop, size, group
         self.embedding = embedding  # the VocabParallelEmbedding of these rows, if any
+        # Every rank's (start, stop), by rank: balanced, or weighted by --split.
+        self._ranges = ranges or getattr(embedding, "ranges", None)
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """Every rank's (start, stop): from the plan, else gathered once (collective)."""
+        if self._ranges is None:
+            mine = mx.array([[self.start, self.stop]], dtype=mx.int32)
+            rows = mx.distributed.all_gather(mine, group=self.group, stream=mx.cpu).tolist()
+            self._ranges = tuple((a, b) for a, b in rows)
+        return self._ranges
+
+    def fewest_rows(self) -> int:
+        """The smallest rank's row count: what every rank can send alike."""
+        return min(b - a for a, b in self.ranges())
 
     def gather_rows(self, x: mx.array) -> mx.array:
         """(B, k) from every rank -> (B, N * k), rank-major."""
@@ -50,13 +65,14 @@ class VocabShard:
         return g.reshape(n, x.shape[0], -1).transpose(1, 0, 2).reshape(x.shape[0], -1)
 
     def full_logits(self, logits: mx.array) -> mx.array:
-        """Every rank's logits concatenated: (B, V). The fallback; costs V floats per row."""
-        width = -(-self.size // self.group.size()) + 1  # ranges differ by at most one
+        """Every rank's logits concatenated: (B, V). The fallback; costs V floats per row
+        (padded to the largest rank's rows)."""
+        parts = self.ranges()
+        width = max(b - a for a, b in parts)
         pad = mx.full((logits.shape[0], width - logits.shape[1]), -math.inf, logits.dtype)
         rows = self.gather_rows(mx.concatenate([logits, pad], axis=1))  # (B, N * width)
-        parts = _ranges(self.size, self.group.size())
         return mx.concatenate(
-            [rows[:, i * width : i * width + len(r)] for i, r in enumerate(parts)], axis=1
+            [rows[:, i * width : i * width + b - a] for i, (a, b) in enumerate(parts)], axis=1
         )
 
     def logsumexp(self, logits: mx.array) -> mx.array:
@@ -102,12 +118,6 @@ class VocabShard:
     def local_gumbel(self, key: mx.array, rows: int) -> mx.array:
         """This rank's columns of Gumbel noise drawn for the whole vocabulary."""
         return mx.random.gumbel(shape=(rows, self.size), key=key)[:, self.start : self.stop]
-
-
-def _ranges(size: int, n: int) -> list[range]:
-    from ..parallel.partition import vocab_ranges
-
-    return vocab_ranges(size, n)
 
 
 def make_sampler(
@@ -170,7 +180,7 @@ class FoldedSampler:
 def _filtered_sample(logits, shard, temp, key, top_p, min_p, top_k) -> mx.array:
     """top-p -> min-p -> top-k (mlx-lm's order), then a temperature draw, on candidates."""
     B, local = logits.shape
-    m = min(local, max(CANDIDATES, top_k))
+    m = min(shard.fewest_rows(), max(CANDIDATES, top_k))  # the same count from every rank
     lse = shard.logsumexp(logits)  # (B, 1)
     idx = mx.argpartition(-logits, kth=m - 1, axis=-1)[:, :m] if m < local else None
     vals = mx.take_along_axis(logits, idx, axis=-1) if idx is not None else logits
@@ -239,7 +249,7 @@ def token_logprobs(
     chosen = mx.distributed.all_sum(mx.where(mine, picked, 0.0), group=shard.group) - lse[:, 0]
     if not top:
         return chosen, None, None
-    k = min(top, logits.shape[-1])
+    k = min(top, shard.fewest_rows())  # the same count from every rank
     idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
     vals = shard.gather_rows(mx.take_along_axis(logits, idx, axis=-1).astype(mx.float32))
     ids = shard.gather_rows((idx + shard.start).astype(mx.int32))

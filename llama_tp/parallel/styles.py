@@ -240,7 +240,8 @@ class VocabParallel(Style):
     def apply(self, module, group, ctx, split):
         a, b = split.ranges[group.rank()]
         if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
-            new = VocabParallelEmbedding(module, a, b, group)
+            rows = tuple(tuple(split.ranges[r]) for r in range(group.size()))
+            new = VocabParallelEmbedding(module, a, b, group, rows)
             if self.output_layout == "sequence":
                 scatter_output(new, ctx, begins=True)
             return new

@@ -21,11 +21,21 @@ def _rows(a: mx.array, start: int, stop: int) -> mx.array:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, stop) of a (vocab_size, dim) embedding table (plain or quantized)."""
+    """Rows [start, stop) of a (vocab_size, dim) embedding table (plain or quantized);
+    `ranges`: every rank's (start, stop), by rank."""
 
-    def __init__(self, table: nn.Module, start: int, stop: int, group: mx.distributed.Group):
+    def __init__(
+        self,
+        table: nn.Module,
+        start: int,
+        stop: int,
+        group: mx.distributed.Group,
+        ranges: tuple[tuple[int, int], ...] | None = None,
+    ):
         super().__init__()
         self.start, self.stop, self.group = start, stop, group
+        # every rank's rows, by rank (None: not known here; the samplers ask the group)
+        object.__setattr__(self, "ranges", ranges)
         self.vocab_size = table.weight.shape[0]
         self.weight = _rows(table.weight, start, stop)
         self.quantized = isinstance(table, nn.QuantizedEmbedding)
