@@ -164,7 +164,7 @@ def main() -> int:
         if weights is not None:  # --split (parallel/shares.py)
             from .parallel.shares import split_text
 
-            eprint0(f"Split: {split_text(weights)} of each tensor group")
+            eprint0(f"Weighted {split_text(weights)} of each tensor group")
         if ckpt.notes:
             eprint0(f"Weights: {'; '.join(ckpt.notes)}")
         if load_of_experts is not None:

@@ -17,6 +17,10 @@ record the mesh: `"mesh": {"tp", "pp", "stages", "split", "pp_split"}` (and the
 folder's own "stage", "tp_rank", "layers"). "stages" are the world ranks of each
 stage as `parallel.mesh.layout` places them in rank order (the placement on one
 host); `check_mesh` refuses a folder made for another mesh, split or placement.
+
+`--shards N --split 3:1` cuts every tensor group by those weights: `shard.json` and the
+manifest record them (`"split": [3.0, 1.0]`; null: balanced), loading takes them, and
+`check_split` refuses a folder run with another `--split` (or `--split memory`).
 """
 
 from __future__ import annotations
@@ -200,7 +204,7 @@ def check_split(ckpt: Checkpoint, split: SplitSpec, weights: Weights | None) -> 
     ours = "evenly" if made is None else weights_text(made)
     shards = f"--shards {ckpt.metadata.get('shards')}"
     if split == MEMORY:
-        asked, again = "--split memory", f"{shards} --split with the weights doctor suggests"
+        asked, again = "--split memory", f"{shards} --split W:W (doctor suggests the weights)"
     else:
         asked = again = f"--split {weights_text(weights)}"
         again = f"{shards} {asked}" if weights else shards
@@ -298,6 +302,7 @@ def write(
         "shards": len(folders),
         **({"mesh": mesh} if mesh else {}),
         "vocab_parallel": vocab_parallel,
+        "split": config.get("split"),  # --split weights of each tensor rank (None: balanced)
         "fingerprint": (config.get("llama_tp") or {}).get("fingerprint"),
         "ranks": ranks,
     }

@@ -54,9 +54,27 @@ class VocabShard:
             self._ranges = tuple((a, b) for a, b in rows)
         return self._ranges
 
-    def fewest_rows(self) -> int:
-        """The smallest rank's row count: what every rank can send alike."""
-        return min(b - a for a, b in self.ranges())
+    def most_rows(self) -> int:
+        """The largest rank's row count."""
+        return max(b - a for a, b in self.ranges())
+
+    def top_candidates(self, scores: mx.array, k: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Every rank's k best (B, V_local) scores and their global ids, gathered: (B, N * k)
+        each; a rank with fewer rows (an uneven or weighted split) sends all of them, padded
+        with -inf. Also this rank's best unsent score (B,): -inf when it sent every row."""
+        B, local = scores.shape
+        if k < local:
+            idx = mx.argpartition(-scores, kth=k - 1, axis=-1)[:, :k]
+            vals = mx.take_along_axis(scores, idx, axis=-1)
+            unsent = mx.min(vals, axis=-1)
+        else:
+            idx = mx.broadcast_to(mx.arange(local), (B, local))
+            vals, unsent = scores, mx.full((B,), -math.inf)
+            if local < k:
+                vals = mx.concatenate([vals, mx.full((B, k - local), -math.inf, vals.dtype)], 1)
+                idx = mx.concatenate([idx, mx.zeros((B, k - local), idx.dtype)], axis=1)
+        vals = self.gather_rows(vals.astype(mx.float32))
+        return vals, self.gather_rows((idx + self.start).astype(mx.int32)), unsent
 
     def gather_rows(self, x: mx.array) -> mx.array:
         """(B, k) from every rank -> (B, N * k), rank-major."""
@@ -179,16 +197,11 @@ class FoldedSampler:
 
 def _filtered_sample(logits, shard, temp, key, top_p, min_p, top_k) -> mx.array:
     """top-p -> min-p -> top-k (mlx-lm's order), then a temperature draw, on candidates."""
-    B, local = logits.shape
-    m = min(shard.fewest_rows(), max(CANDIDATES, top_k))  # the same count from every rank
+    m = min(shard.most_rows(), max(CANDIDATES, top_k))  # the same count from every rank
     lse = shard.logsumexp(logits)  # (B, 1)
-    idx = mx.argpartition(-logits, kth=m - 1, axis=-1)[:, :m] if m < local else None
-    vals = mx.take_along_axis(logits, idx, axis=-1) if idx is not None else logits
-    ids = (idx if idx is not None else mx.broadcast_to(mx.arange(local), (B, local))) + shard.start
-    cand = shard.gather_rows(vals.astype(mx.float32)) - lse  # (B, C) exact log-probabilities
-    cand_ids = shard.gather_rows(ids.astype(mx.int32))
+    cand, cand_ids, unsent = shard.top_candidates(logits, m)
+    cand = cand - lse  # (B, C) exact log-probabilities
     # The best log-probability a token that was not sent could have (per rank: its m-th value).
-    unsent = mx.min(vals, axis=-1) if idx is not None else mx.full((B,), -math.inf)
     bound = mx.max(shard.gather_rows(unsent[:, None].astype(mx.float32)), axis=-1) - lse[:, 0]
     kept = cand
     if top_p < 1.0:
@@ -249,10 +262,7 @@ def token_logprobs(
     chosen = mx.distributed.all_sum(mx.where(mine, picked, 0.0), group=shard.group) - lse[:, 0]
     if not top:
         return chosen, None, None
-    k = min(top, shard.fewest_rows())  # the same count from every rank
-    idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
-    vals = shard.gather_rows(mx.take_along_axis(logits, idx, axis=-1).astype(mx.float32))
-    ids = shard.gather_rows((idx + shard.start).astype(mx.int32))
+    vals, ids, _ = shard.top_candidates(logits, min(top, shard.most_rows()))
     order = mx.argsort(-vals, axis=-1)[:, :top]
     return (
         chosen,

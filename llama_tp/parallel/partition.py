@@ -86,7 +86,7 @@ def split_units(total: int, shares: list[float] | tuple[float, ...]) -> list[ran
         raise ValueError(f"cannot split {total} units over {n} ranks by shares {list(shares)}")
     quota = [total * s / whole for s in shares]
     sizes = [max(1, int(q)) for q in quota]
-    order = sorted(range(n), key=lambda i: (-(quota[i] - int(quota[i])), i))
+    order = sorted(range(n), key=lambda i: (-(quota[i] - sizes[i]), i))  # largest remainders
     i = 0
     while sum(sizes) < total:
         sizes[order[i % n]] += 1
