@@ -3,10 +3,14 @@
     python -m llama_tp.doctor
     mlx.launch -n 2 -- python -m llama_tp.doctor [--json] [--quick]
     python -m llama_tp.launch -n 4 -m llama_tp.doctor --tp 2 --pp 2   # and the mesh
+    python -m llama_tp.launch -n 2 -m llama_tp.doctor --model M       # do its weights fit?
 
 Reports, from rank 0: the MLX backend, the ranks with their hosts, process ids
 and versions, all-reduce latency and bus bandwidth for a few message sizes,
-whether MLX's CPU matrix product is the slow reference BLAS, and whether a tiny
+whether MLX's CPU matrix product is the slow reference BLAS, each rank's total and
+available memory with the `--split` weights that balance the time per step and the
+ones that fit memory (`engine/split_advice.py`; with --model, whether that model's
+weights fit, and the numbers when they cannot), and whether a tiny
 random Llama sharded over the ranks reproduces the single-process logits. With
 --tp/--pp/--dp it also builds that mesh and reports where each rank lands (host,
 replica, stage, tensor rank), whether a tensor group spans hosts (a warning: its
@@ -108,13 +112,18 @@ def diagnose(
     quick: bool = False,
     fault_rank: int | None = None,
     mesh: tuple[int | None, int | None, int | None] | None = None,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Run every check on every rank (all ranks must call this); the report, alike on
     every rank, as a JSON-able dict. `fault_rank` perturbs that rank's sharded model
-    (to test that a failing check fails everywhere); `mesh`: (tp, pp, dp) to check."""
+    (to test that a failing check fails everywhere); `mesh`: (tp, pp, dp) to check;
+    `model`: a checkpoint whose weights the split advice places."""
+    from .engine.split_advice import check_split
+
     report: dict[str, Any] = {"backend": backend_name(group), "ranks": group.size()}
     checks = _check_ranks(group, report)
     checks.append(_check_blas(group, report, quick))
+    checks.append(check_split(group, report, model, *(mesh or (None, None, None))))
     checks.append(_check_all_reduce(group, report, quick))
     checks.append(_check_logits(group, fault_rank))
     if mesh is not None:
@@ -263,6 +272,9 @@ def format_report(report: dict[str, Any]) -> str:
     from .engine.mesh_check import mesh_lines
 
     lines += mesh_lines(report.get("mesh"))
+    from .engine.split_advice import split_lines
+
+    lines += split_lines(report)
     lines.append("")
     for c in report["checks"]:
         if c["status"] == "warn" and c["name"] == "versions":
@@ -292,6 +304,11 @@ def main() -> int:
     p.add_argument("--tp", type=int, help="also check this mesh: ranks per tensor group")
     p.add_argument("--pp", type=int, help="... pipeline stages (default 1)")
     p.add_argument("--dp", type=int, help="... data-parallel replicas (default 1)")
+    p.add_argument(
+        "--model",
+        help="also check that this checkpoint's weights fit each rank's available memory, "
+        "balanced and under the suggested --split weights (nothing is loaded)",
+    )
     # For the tests: perturb this rank's sharded model so that the logits check fails.
     p.add_argument("--inject-fault", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -311,7 +328,7 @@ def main() -> int:
         mesh = (args.tp, args.pp, args.dp)
     watchdog.install(step_timeout=args.timeout, load_timeout=None)
     watchdog.set_group_size(group.size())
-    report = diagnose(group, args.quick, args.inject_fault, mesh)
+    report = diagnose(group, args.quick, args.inject_fault, mesh, args.model)
     print0(json.dumps(report, indent=2) if args.json else format_report(report), group=group)
     failed = [c for c in report["checks"] if c["status"] == "FAILED"]
     if failed:

@@ -98,14 +98,31 @@ def split_text(weights: Sequence[float] | None) -> str:
     return f"split {weights_text(weights)} ({percent})"
 
 
+def per_tensor_rank(values: Sequence[float], owner: Mapping[int, int], tp: int) -> list[float]:
+    """The least value of the ranks that hold each tensor rank's share (`owner`: rank ->
+    its tensor rank; with pipeline stages or replicas, several ranks share one)."""
+    return [min(v for r, v in enumerate(values) if owner[r] == t) for t in range(tp)]
+
+
 def memory_split(available: Sequence[int], owner: Mapping[int, int], tp: int) -> Weights | None:
-    """`--split memory`: each tensor rank's weight is its available memory, the least of
-    the ranks that hold its share (`owner`: rank -> its tensor rank; with pipeline stages
-    or replicas, several); None when all are equal (balanced)."""
-    least = [min(a for r, a in enumerate(available) if owner[r] == t) for t in range(tp)]
+    """`--split memory`: each tensor rank's weight is its available memory (the least of
+    its ranks: `per_tensor_rank`); None when all are equal (balanced)."""
+    least = per_tensor_rank(available, owner, tp)
     if min(least) <= 0:
         raise SplitError(f"--split memory: tensor rank {least.index(min(least))} has no memory")
     return None if len(set(least)) == 1 else tuple(float(a) for a in least)
+
+
+SIMILAR = 1.1  # suggested weights within 10% of each other: the balanced split
+
+
+def suggested(weights: Sequence[float]) -> Weights | None:
+    """Weights to suggest: the smallest as 1, one decimal (2.97:1 -> 3:1); None (balanced)
+    when they differ by less than `SIMILAR`."""
+    low = min(weights)
+    if max(weights) < SIMILAR * low:
+        return None
+    return tuple(round(w / low, 1) for w in weights)
 
 
 def speed_weights(seconds: Sequence[float]) -> Weights:

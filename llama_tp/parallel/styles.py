@@ -240,7 +240,12 @@ class VocabParallel(Style):
     def apply(self, module, group, ctx, split):
         a, b = split.ranges[group.rank()]
         if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
-            rows = tuple(tuple(split.ranges[r]) for r in range(group.size()))
+            n = group.size()
+            # every rank's rows, when the plan says them all (the samplers need them)
+            known = not isinstance(split.ranges, Mapping) or all(
+                r in split.ranges for r in range(n)
+            )
+            rows = tuple(tuple(split.ranges[r]) for r in range(n)) if known else None
             new = VocabParallelEmbedding(module, a, b, group, rows)
             if self.output_layout == "sequence":
                 scatter_output(new, ctx, begins=True)
