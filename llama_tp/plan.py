@@ -5,6 +5,7 @@ python -m llama_tp.plan -n 2 --sequence-parallel
 python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (engine/mesh_plan.py)
 python -m llama_tp.plan -n 4 --pp 2 --dp 2      # the server's replicas: each one's plan
 python -m llama_tp.plan -n 2 --split 3:1        # rank 0 takes 3/4 (parallel/shares.py)
+python -m llama_tp.plan --synthetic 70b-q4 -n 2 # a model's shape, no weights needed
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ def main() -> int:
         description="Show how a model's heads, feed-forward columns and weight bytes "
         "split over N ranks.",
     )
-    p.add_argument("--model", help="GGUF file or Hugging Face/MLX directory (default: built-in)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="GGUF file or Hugging Face/MLX directory (default: built-in)")
+    src.add_argument(
+        "--synthetic",
+        metavar="SIZE-DTYPE",
+        help="the shape of a synthetic model instead, e.g. 70b-q4 (Llama-3-70B's shape, MLX "
+        "4-bit): its tensors' shapes written once into the cache, no weights",
+    )
     p.add_argument("-n", type=int, required=True, help="number of ranks")
     p.add_argument(
         "--no-vocab-parallel", action="store_true", help="the plan with a whole embedding and head"
@@ -66,13 +74,12 @@ def main() -> int:
     from .checkpoints import open_checkpoint
     from .checkpoints.build import skeleton
     from .checkpoints.slices import model_shape
-    from .engine.loader import default_model
     from .parallel.parallelize import format_plan_table
     from .parallel.placement import place
     from .parallel.plan_text import format_plan
     from .parallel.shard import builtin_plan
 
-    ckpt = open_checkpoint(args.model or default_model())
+    ckpt = open_checkpoint(model_path(args))
     try:
         placement = place(
             model_shape(ckpt),
@@ -99,6 +106,22 @@ def main() -> int:
     return 0
 
 
+def model_path(args):
+    """--model, the shapes of --synthetic SIZE-DTYPE (`benchmarks/synthetic.py`), or the
+    built-in model."""
+    from .engine.loader import default_model
+
+    if args.synthetic:
+        from .benchmarks.synthetic import synthetic_dir
+        from .console.cli import UsageError
+
+        try:
+            return synthetic_dir(args.synthetic, shapes_only=True)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return args.model or default_model()
+
+
 def replicas_line(n: int, dp: int) -> str:
     """'2 replicas (serve --dp 2) of 2 ranks each: ranks 0-1 | 2-3; ...' (rank order, as on
     one host: parallel/mesh.py places replicas in host order)."""
@@ -117,12 +140,11 @@ def print_mesh(args) -> int:
     stage's plan table (engine/mesh_plan.py)."""
     from .checkpoints import open_checkpoint
     from .console.cli import UsageError
-    from .engine.loader import default_model
     from .engine.mesh_plan import format_mesh, mesh_plan
     from .parallel.mesh import MeshError
     from .parallel.shares import SplitError
 
-    ckpt = open_checkpoint(args.model or default_model())
+    ckpt = open_checkpoint(model_path(args))
     try:
         mp = mesh_plan(
             ckpt,

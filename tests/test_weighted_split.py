@@ -169,6 +169,19 @@ def test_pp_split_weights_balance_the_stages_bytes():
     assert balanced_split([1] * 8, 0, 0, 2, (1, 1)) == balanced_split([1] * 8, 0, 0, 2)
 
 
+def test_shapes_only_synthetic_has_the_real_ones_shapes(tmp_path):
+    """`--shapes-only` (what `plan --synthetic 70b-q4` reads): the same tensors, shapes and
+    bytes as the real synthetic checkpoint, its data a hole."""
+    from llama_tp.benchmarks.synthetic import synthetic_dir, write_synthetic
+
+    for spec in ("tiny-fp16", "tiny-q4"):
+        shapes = write_synthetic(spec, tmp_path / spec, shapes_only=True)
+        real = model_shape(open_checkpoint(synthetic_dir(spec))).tensors
+        assert model_shape(open_checkpoint(shapes)).tensors == real
+        size = (shapes / "model.safetensors").stat()
+        assert size.st_blocks * 512 < size.st_size / 4  # sparse: no room for the data
+
+
 def test_plan_prints_each_ranks_share(tiny_dir):
     r = run_python(["-m", "llama_tp.plan", "--model", str(tiny_dir), "-n", "3", "--split", "1:2:5"])
     assert r.returncode == 0, r.stderr
@@ -322,3 +335,17 @@ def test_a_split_that_leaves_a_rank_no_heads_is_one_line_on_every_rank(models):
         "error: --split 20:1 leaves rank 1 no query heads: its share of the 8 is 0.38, "
         "under half of one; give it a larger weight"
     ], r.stderr
+
+
+def test_ranks_started_with_different_splits(models, tmp_path):
+    """The start-up agreement compares --split before anything is loaded."""
+    from mp_ranks import Ranks
+
+    splits = ["2:1", "1:2"]
+    args = ["-m", "llama_tp.generate", "--model", str(models["dense"]), "--prompt", "hi"]
+    ranks = Ranks(2, lambda r: [*args, "--split", splits[r]], tmp_path)
+    r0, r1 = ranks.wait(60)
+    assert r0.error_lines() == [
+        'error: ranks disagree on the mesh (--split: rank 0 has "2:1", rank 1 has "1:2")'
+    ], r0.err
+    assert r0.code == r1.code == 1

@@ -151,6 +151,9 @@ def bench_llama_tp(
     )
     res.update(load_time_s=load_s, load_peak_memory_gb=[p[0] for p in peaks])
     res["load_bytes_read"] = [p[2] for p in peaks]  # from weight files, per rank
+    placement = ckpt.placement
+    res["split"] = list(placement.plan.weights) if placement and placement.plan.weights else None
+    res["placement_bytes"] = [r.nbytes for r in placement.ranks] if placement else None
     res["peak_memory_gb"] = [p[1] for p in peaks]
     rows = None
     if getattr(sampler, "sample_with_rows", None) and sampler.shard.embedding is not None:

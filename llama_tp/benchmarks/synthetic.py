@@ -1,15 +1,19 @@
 """Random-weight Llama checkpoints of realistic sizes, for benchmarks.
 
-    python -m llama_tp.synthetic 0.5b-fp16 --out DIR
+    python -m llama_tp.benchmarks.synthetic 0.5b-fp16 --out DIR
+    python -m llama_tp.benchmarks.synthetic 70b-q4 --shapes-only --out DIR   # for `plan`
 
 writes a Hugging Face directory (config.json, model.safetensors, a word-level
 tokenizer.json) that both `llama_tp.load` and `mlx_lm.load` open, so the two
-run the same weights. Specs are `SIZE-DTYPE`: sizes in `SIZES`, dtypes fp16,
-bf16, fp32 and q4 (MLX 4-bit, group 64, as mlx-community folders; the norms and
-the router stay float16). The `moe-*` sizes are Qwen3-MoE models with the experts
-stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's shape scaled down:
-128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). `synthetic_dir(spec)`
-writes one into the cache once and reuses it.
+run the same weights. `--shapes-only` writes the safetensors header of every tensor
+and leaves the data a sparse file of zeros (no disk space, nothing computed): what
+`python -m llama_tp.plan` needs to print how a model of that shape splits (the `70b`
+size is Llama-3-70B's shape), never a model to run. Specs are `SIZE-DTYPE`: sizes in
+`SIZES`, dtypes fp16, bf16, fp32 and q4 (MLX 4-bit, group 64, as mlx-community
+folders; the norms and the router stay float16). The `moe-*` sizes are Qwen3-MoE
+models with the experts stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's
+shape scaled down: 128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2).
+`synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ SIZES = {
     "0.1b": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=2816, vocab=32000),
     "tiny": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512),
     "1b": dict(dim=2048, n_layers=18, n_heads=16, n_kv_heads=8, hidden_dim=5632, vocab=32000),
+    # Llama-3-70B's shape: for `plan` on a --shapes-only directory (140 GB at fp16)
+    "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672, vocab=128256),
     # Qwen3-MoE: experts, experts per token, expert width (head_dim: qk-norm heads)
     "moe-tiny": dict(
         dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512,
@@ -89,42 +95,80 @@ def hf_config(s: dict, dtype_name: str) -> dict:
     }
 
 
+def _tensors(s: dict) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Every Hugging Face-named tensor: (name, shape, random: else ones, a norm)."""
+    d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
+    nh, nkv = s["n_heads"], s["n_kv_heads"]
+    out = [("model.embed_tokens.weight", (s["vocab"], d), True)]
+    out += [("lm_head.weight", (s["vocab"], d), True), ("model.norm.weight", (d,), False)]
+    for i in range(s["n_layers"]):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", (nh * hd, d), True),
+            (p + "self_attn.k_proj.weight", (nkv * hd, d), True),
+            (p + "self_attn.v_proj.weight", (nkv * hd, d), True),
+            (p + "self_attn.o_proj.weight", (d, nh * hd), True),
+        ]
+        if "experts" in s:  # stacked, as mlx-lm stores them
+            e, m = s["experts"], s["expert_dim"]
+            out += [
+                (p + "mlp.gate.weight", (e, d), True),
+                (p + "mlp.switch_mlp.gate_proj.weight", (e, m, d), True),
+                (p + "mlp.switch_mlp.up_proj.weight", (e, m, d), True),
+                (p + "mlp.switch_mlp.down_proj.weight", (e, d, m), True),
+                (p + "self_attn.q_norm.weight", (hd,), False),
+                (p + "self_attn.k_norm.weight", (hd,), False),
+            ]
+        else:
+            out += [
+                (p + "mlp.gate_proj.weight", (h, d), True),
+                (p + "mlp.up_proj.weight", (h, d), True),
+                (p + "mlp.down_proj.weight", (d, h), True),
+            ]
+        out += [(p + "input_layernorm.weight", (d,), False)]
+        out += [(p + "post_attention_layernorm.weight", (d,), False)]
+    return out
+
+
 def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
     """Hugging Face-named random weights, scaled so that activations stay O(1)."""
     key = mx.random.key(seed)
-    d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
-    nh, nkv = s["n_heads"], s["n_kv_heads"]
     out: dict[str, mx.array] = {}
-
-    def w(name: str, *shape: int) -> None:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        out[name] = (mx.random.normal(shape, key=sub) * shape[-1] ** -0.5).astype(dtype)
-
-    w("model.embed_tokens.weight", s["vocab"], d)
-    w("lm_head.weight", s["vocab"], d)
-    out["model.norm.weight"] = mx.ones((d,), dtype)
-    for i in range(s["n_layers"]):
-        p = f"model.layers.{i}."
-        w(p + "self_attn.q_proj.weight", nh * hd, d)
-        w(p + "self_attn.k_proj.weight", nkv * hd, d)
-        w(p + "self_attn.v_proj.weight", nkv * hd, d)
-        w(p + "self_attn.o_proj.weight", d, nh * hd)
-        if "experts" in s:  # stacked, as mlx-lm stores them
-            e, m = s["experts"], s["expert_dim"]
-            w(p + "mlp.gate.weight", e, d)
-            w(p + "mlp.switch_mlp.gate_proj.weight", e, m, d)
-            w(p + "mlp.switch_mlp.up_proj.weight", e, m, d)
-            w(p + "mlp.switch_mlp.down_proj.weight", e, d, m)
-            out[p + "self_attn.q_norm.weight"] = mx.ones((hd,), dtype)
-            out[p + "self_attn.k_norm.weight"] = mx.ones((hd,), dtype)
+    for name, shape, random in _tensors(s):
+        if random:
+            key, sub = mx.random.split(key)
+            out[name] = (mx.random.normal(shape, key=sub) * shape[-1] ** -0.5).astype(dtype)
         else:
-            w(p + "mlp.gate_proj.weight", h, d)
-            w(p + "mlp.up_proj.weight", h, d)
-            w(p + "mlp.down_proj.weight", d, h)
-        out[p + "input_layernorm.weight"] = mx.ones((d,), dtype)
-        out[p + "post_attention_layernorm.weight"] = mx.ones((d,), dtype)
+            out[name] = mx.ones(shape, dtype)
     return out
+
+
+_SAFETENSORS = {mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32", mx.uint32: "U32"}
+
+
+def _stored(s: dict, dtype: mx.Dtype, q4: bool) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+    """Every stored tensor's (shape, dtype), as `_weights` (and `_quantized`) make them."""
+    out = {}
+    for name, shape, _ in _tensors(s):
+        if q4 and len(shape) >= 2 and shape[-1] % Q4_GROUP == 0:
+            base = name.removesuffix(".weight")
+            out[name] = ((*shape[:-1], shape[-1] // 8), mx.uint32)  # 8 4-bit values per uint32
+            for k in ("scales", "biases"):
+                out[f"{base}.{k}"] = ((*shape[:-1], shape[-1] // Q4_GROUP), dtype)
+        else:
+            out[name] = (shape, dtype)
+    return out
+
+
+def _write_shapes_only(tensors: dict[str, tuple[tuple[int, ...], mx.Dtype]], path: Path) -> None:
+    """A safetensors file of `tensors` whose data is a hole: the header, then the file
+    extended to its full size (zeros; sparse where the file system allows it)."""
+    from ..checkpoints.stream import header
+
+    start, nbytes = header([(name, *tensors[name]) for name in sorted(tensors)])
+    with open(path, "wb") as f:
+        f.write(start)
+        f.truncate(len(start) + nbytes)
 
 
 Q4_GROUP = 64
@@ -161,16 +205,22 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_synthetic(spec: str, out: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the synthetic checkpoint `spec` (e.g. `0.5b-fp16`) into directory `out`."""
+def write_synthetic(
+    spec: str, out: str | os.PathLike, seed: int = 0, shapes_only: bool = False
+) -> Path:
+    """Write the synthetic checkpoint `spec` (e.g. `0.5b-fp16`) into directory `out`;
+    `shapes_only`: every tensor's shape, its data left zeros (see the module docstring)."""
     s, dtype = parse_spec(spec)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = _weights(s, dtype, seed)
-    if spec.endswith("-q4"):
-        weights = _quantized(weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    del weights
+    if shapes_only:
+        _write_shapes_only(_stored(s, dtype, spec.endswith("-q4")), out / "model.safetensors")
+    else:
+        weights = _weights(s, dtype, seed)
+        if spec.endswith("-q4"):
+            weights = _quantized(weights)
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+        del weights
     config = hf_config(s, spec.rpartition("-")[2])
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(out, s["vocab"])
@@ -182,20 +232,21 @@ def cache_root() -> Path:
     return Path(base) / "llama_tp" / "synthetic"
 
 
-def synthetic_dir(spec: str, seed: int = 0) -> Path:
-    """The cached directory of `spec`, written first if missing.
+def synthetic_dir(spec: str, seed: int = 0, shapes_only: bool = False) -> Path:
+    """The cached directory of `spec` (`shapes_only`: its shapes, for `plan`), written
+    first if missing.
 
     Written into a temporary directory and renamed, so that ranks racing to
     write it (each writes the same bytes) never see a half-written one.
     """
     parse_spec(spec)
-    path = cache_root() / f"{spec}-seed{seed}"
+    path = cache_root() / (f"{spec}-shapes" if shapes_only else f"{spec}-seed{seed}")
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec}-", dir=path.parent))
     try:
-        write_synthetic(spec, tmp, seed)
+        write_synthetic(spec, tmp, seed, shapes_only)
         os.rename(tmp, path)
     except OSError:
         if not (path / "config.json").is_file():
@@ -212,8 +263,13 @@ def main() -> int:
     p.add_argument("spec", help=f"SIZE-DTYPE, SIZE in {', '.join(SIZES)}; e.g. 0.5b-fp16")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shapes-only",
+        action="store_true",
+        help="write the tensors' shapes, their data a sparse file of zeros: for `plan`",
+    )
     args = p.parse_args()
-    path = write_synthetic(args.spec, args.out, args.seed)
+    path = write_synthetic(args.spec, args.out, args.seed, args.shapes_only)
     print(path, file=sys.stderr)
     return 0
 

@@ -26,6 +26,25 @@ _NAMES = {
 }
 
 
+def header(tensors: list[tuple[str, tuple[int, ...], mx.Dtype]]) -> tuple[bytes, int]:
+    """A safetensors file's start for `tensors` (name, shape, dtype) stored in this order:
+    the 8-byte length and the JSON header (mlx's metadata, the data 8-byte aligned), and
+    the bytes of their data that follow."""
+    out: dict = {"__metadata__": {"format": "mlx"}}
+    at = 0
+    for name, shape, dtype in tensors:
+        nbytes = math.prod(shape) * dtype.size
+        out[name] = {
+            "dtype": _NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [at, at + nbytes],
+        }
+        at += nbytes
+    blob = json.dumps(out, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob, at
+
+
 def _plan_files(sizes: list[int], max_bytes: int) -> list[int]:
     """File index of each tensor: consecutive tensors fill a file up to `max_bytes`."""
     out, index, used = [], 0, 0
@@ -65,20 +84,9 @@ def write_streaming(
     with bar:
         for i, file in enumerate(files):
             mine = [(k, s) for k, s, w in zip(names, sizes, which, strict=True) if w == i]
-            header: dict = {"__metadata__": {"format": "mlx"}}
-            at = 0
-            for k, s in mine:
-                shape, dtype, _ = tensors[k]
-                header[k] = {
-                    "dtype": _NAMES[dtype],
-                    "shape": list(shape),
-                    "data_offsets": [at, at + s],
-                }
-                at += s
-            blob = json.dumps(header, separators=(",", ":")).encode()
-            blob += b" " * (-len(blob) % 8)
+            start, _ = header([(k, *tensors[k][:2]) for k, _ in mine])
             with open(out / file, "wb") as f:
-                f.write(struct.pack("<Q", len(blob)) + blob)
+                f.write(start)
                 for k, s in mine:
                     shape, dtype, read = tensors[k]
                     v = read()

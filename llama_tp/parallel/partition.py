@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .shares import SplitError, weights_text
+from .shares import SplitError, split_units, weighted_units, weights_text
 from .shares import shares as fractions
 
 
@@ -77,49 +77,10 @@ class Plan:
         return {h: ranks for h, ranks in holders.items() if len(ranks) > 1}
 
 
-def split_units(total: int, shares: list[float] | tuple[float, ...]) -> list[range]:
-    """Split range(total) into one contiguous range per share, sized in proportion to
-    the shares (largest remainders first; ties to the lower rank), none empty.
-    Equal shares: sizes differ by at most one, larger ones first."""
-    n, whole = len(shares), sum(shares)
-    if n < 1 or total < n or whole <= 0 or min(shares) < 0:
-        raise ValueError(f"cannot split {total} units over {n} ranks by shares {list(shares)}")
-    quota = [total * s / whole for s in shares]
-    sizes = [max(1, int(q)) for q in quota]
-    order = sorted(range(n), key=lambda i: (-(quota[i] - sizes[i]), i))  # largest remainders
-    i = 0
-    while sum(sizes) < total:
-        sizes[order[i % n]] += 1
-        i += 1
-    while sum(sizes) > total:  # a share below one unit took a whole one
-        big = max(range(n), key=lambda j: (sizes[j] - quota[j], -j))
-        sizes[big] -= 1
-    out, start = [], 0
-    for size in sizes:
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
 def _balanced(total: int, n: int) -> list[range]:
     """Split range(total) into n contiguous ranges whose sizes differ by at most
     one, larger ones first."""
     return split_units(total, [1] * n)
-
-
-def weighted_units(total: int, weights: Sequence[float], what: str, unit: str = "") -> list[range]:
-    """range(total) split in proportion to `weights` (`split_units`); SplitError, with the
-    numbers, when a rank's share is under half a unit (it would get none: `what` names
-    the units, `unit` says what one is, e.g. ' (a group of 32 columns)')."""
-    whole = sum(weights)
-    for rank, w in enumerate(weights):
-        quota = total * w / whole
-        if quota < 0.5:
-            raise SplitError(
-                f"--split {weights_text(weights)} leaves rank {rank} no {what}: its share of "
-                f"the {total} is {quota:.2f}{unit}, under half of one; give it a larger weight"
-            )
-    return split_units(total, weights)
 
 
 def _shares(total: int, n: int, weights: Sequence[float] | None, what: str) -> list[range]:

@@ -6,12 +6,13 @@
                        groups where every rank gets at least one), quantization groups
                        and file blocks (`partition.make_plan`)
     --split memory     weights from each rank's available memory, gathered at start-up
-                       (`engine/split_memory.py`)
+                       (`engine.loader.split_weights`, `cluster/memory.py`)
     (no --split)       the balanced split, as before
 
 Pure Python: parsing and checking the flag (one-line `SplitError`s with the numbers),
-the shares of a count of units, the weights' text, and the weights `doctor` suggests
-(from each rank's matrix-product time or available memory).
+the shares of a count of units (`split_units`, `weighted_units`), the weights' text,
+and the weights `doctor` suggests (`engine/split_advice.py`: from each rank's
+matrix-product time or available memory).
 """
 
 from __future__ import annotations
@@ -27,6 +28,45 @@ SplitSpec = str | Sequence[float] | None  # as given: "3:1", (3, 1), "memory", N
 class SplitError(ValueError):
     """A --split that cannot be used (wrong length, a weight <= 0, a rank left with no
     head or column): a usage error."""
+
+
+def split_units(total: int, shares: list[float] | tuple[float, ...]) -> list[range]:
+    """Split range(total) into one contiguous range per share, sized in proportion to
+    the shares (largest remainders first; ties to the lower rank), none empty.
+    Equal shares: sizes differ by at most one, larger ones first."""
+    n, whole = len(shares), sum(shares)
+    if n < 1 or total < n or whole <= 0 or min(shares) < 0:
+        raise ValueError(f"cannot split {total} units over {n} ranks by shares {list(shares)}")
+    quota = [total * s / whole for s in shares]
+    sizes = [max(1, int(q)) for q in quota]
+    order = sorted(range(n), key=lambda i: (-(quota[i] - sizes[i]), i))  # largest remainders
+    i = 0
+    while sum(sizes) < total:
+        sizes[order[i % n]] += 1
+        i += 1
+    while sum(sizes) > total:  # a share below one unit took a whole one
+        big = max(range(n), key=lambda j: (sizes[j] - quota[j], -j))
+        sizes[big] -= 1
+    out, start = [], 0
+    for size in sizes:
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def weighted_units(total: int, weights: Sequence[float], what: str, unit: str = "") -> list[range]:
+    """range(total) split in proportion to `weights` (`split_units`); SplitError, with the
+    numbers, when a rank's share is under half a unit (it would get none: `what` names
+    the units, `unit` says what one is, e.g. ' (a group of 32 columns)')."""
+    whole = sum(weights)
+    for rank, w in enumerate(weights):
+        quota = total * w / whole
+        if quota < 0.5:
+            raise SplitError(
+                f"--split {weights_text(weights)} leaves rank {rank} no {what}: its share of "
+                f"the {total} is {quota:.2f}{unit}, under half of one; give it a larger weight"
+            )
+    return split_units(total, weights)
 
 
 def parse_split(spec: SplitSpec, n: int, flag: str = "--split") -> Weights | str | None:
