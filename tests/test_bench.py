@@ -296,3 +296,46 @@ def _blas_json(env: dict) -> dict:
     )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
+
+
+# docs/benchmarks.md section -> (driver in bench/, its function from the results to markdown,
+# and the results file when it is not the section's own)
+SECTIONS = {
+    "versus-mlx-lm": None,  # llama_tp.benchmarks.matrix_report.write_report
+    "launch-path": ("launch_path", "section"),
+    "graph-building": ("cpu_path", "overhead_section", "cpu-path"),
+    "cpu-path": ("cpu_path", "cpu_section"),
+    "serving": ("serving", "serve_section"),
+    "prompt-cache": ("serving", "cache_section"),
+    "speculative": ("speculative", "section"),
+    "sequence-parallel-memory": ("sequence_parallel_memory", "section"),
+    "mpi-backend": ("mpi_backend", "section"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SECTIONS))
+def test_each_benchmark_section_is_its_driver_output_of_its_results(name):
+    """docs/benchmarks.md's section NAME is what its driver writes from the results kept
+    beside it (docs/benchmarks/NAME.json): figures and page cannot drift apart."""
+    import importlib.util
+    import re
+
+    from llama_tp.benchmarks import sections
+
+    results = SECTIONS[name][2] if SECTIONS[name] and len(SECTIONS[name]) > 2 else name
+    res = json.loads((sections.DOCS / "benchmarks" / f"{results}.json").read_text())
+    if SECTIONS[name] is None:
+        from llama_tp.benchmarks.matrix_report import write_report
+
+        md = write_report(res, f"benchmarks/{name}.png")
+    else:
+        driver, fn = SECTIONS[name][:2]
+        path = Path(__file__).resolve().parent.parent / "bench" / f"{driver}.py"
+        spec = importlib.util.spec_from_file_location(f"bench_{driver}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        md = re.sub(r"\S*/f32\b", "F32_DIR", getattr(module, fn)(res))
+    page = sections.PAGE.read_text()
+    begin, end = sections.begin(name), sections.end(name)
+    assert begin in page, f"docs/benchmarks.md has no section {name}"
+    assert page[page.index(begin) + len(begin) : page.index(end)].strip() == md.strip()
