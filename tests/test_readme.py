@@ -431,7 +431,9 @@ def links(page: Path) -> list[tuple[int, str]]:
     return out
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "page", [*PAGES, ROOT / "hostfiles" / "README.md"], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_links_resolve(page):
     bad = []
     for n, target in links(page):
