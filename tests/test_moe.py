@@ -121,15 +121,22 @@ def test_three_ranks_both_splits(models):
     assert len(_lines(r)) == 2 * len(specs)
 
 
-def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
+def test_four_ranks_and_a_tp2_x_pp2_mesh(models, tmp_path):
     """4 ranks, both splits, and the same models as 2 stages of 2 tensor ranks (a
-    dense layer in one stage, expert layers in both)."""
+    dense layer in one stage, expert layers in both), also pre-split for that mesh."""
+    from llama_tp.engine.mesh_split import convert_mesh
+
+    src = models["qwen3_moe"]
+    folders = convert_mesh(
+        src, tmp_path / "mesh", shards=4, tp=2, pp=2, moe_split="expert", progress=False
+    )
     names = ("qwen3_moe", "mixtral", "qwen2_moe", "mixtral_g32.gguf")
     specs = [str(models[k]) for k in names[:3]] + [f"{models[k]}@2,2" for k in names[::3]]
+    specs.append(f"{folders}={src}@2,2")
     r = launch(4, ["tests/mp_moe.py", *specs, "--steps", "8"], timeout=600)
     lines = _lines(r)
     assert len(lines) == 2 * len(specs)
-    assert sum(x["mesh"] == [2, 2] for x in lines) == 4
+    assert sum(x["mesh"] == [2, 2] for x in lines) == 6
 
 
 def test_serve_concurrent_requests_on_two_ranks(tmp_path):
@@ -220,3 +227,19 @@ def test_refusal_on_every_rank(tmp_path):
     )
     for rank in range(3):
         assert re.search(rf"Node with rank {rank} exited with code (1|-15)\b", r.stderr)
+
+
+def test_plan_shows_experts_and_bytes_per_rank(models):
+    """`plan` prints each rank's experts (or columns of each expert) and bytes: the
+    placement the loader reads (the launches above assert the loader held exactly it)."""
+    path = str(models["qwen3_moe"])
+    by = run_python(["-m", "llama_tp.plan", "-n", "3", "--model", path, "--moe-split", "expert"])
+    assert by.returncode == 0, by.stderr
+    rows = [line.split() for line in by.stdout.splitlines() if line[:2] in ("0 ", "1 ", "2 ")]
+    assert [r[7:9] for r in rows] == [["0-2", "[3]"], ["3-4", "[2]"], ["5-6", "[2]"]]
+    assert "7 experts of 48 columns, split by expert" in by.stdout
+    assert all(r[-1] in ("KiB", "MiB") for r in rows)
+    assert "ShardInPlace(dim='experts', ranges)  experts 0-2 [3]" in by.stdout
+    by = run_python(["-m", "llama_tp.plan", "-n", "3", "--model", path])
+    rows = [line.split() for line in by.stdout.splitlines() if line[:2] in ("0 ", "1 ", "2 ")]
+    assert [r[7:11] for r in rows][0] == ["0-6", "[7]", "0-15", "[16]"]
