@@ -3,12 +3,16 @@
     python bench/moe.py [--spec moe-a3b-fp32] [-p 128 -g 64 -n 3] [--json docs/moe.json]
 
 One run, three `python -m llama_tp.bench` invocations on the synthetic Qwen3-MoE `--spec`
-(written once into the cache; `moe-a3b` is Qwen3-30B-A3B's shape scaled down):
+(written once into the cache; `moe-a3b` is Qwen3-30B-A3B's shape scaled down), then one
+process timing both engines in turns:
 
 1. 1 rank, with `--compare mlx-lm`: mlx-lm's own model and loop on the same weights;
 2. 2 ranks, experts split by tensor, with `--compare mlx-lm`: mlx-lm's own sharding
    (`sharded_load`, which supports qwen3_moe) on the same 2 ranks;
-3. 2 ranks, experts split by expert.
+3. 2 ranks, experts split by expert;
+4. llama_tp and mlx-lm loaded in one process, generating in turns for `--rounds`
+   rounds (the order swapped each round): on a shared machine the load that comes and
+   goes weighs on both alike; the 1-rank target is the median of the paired ratios.
 
 Ranks start through `python -m llama_tp.launch` (OpenBLAS preloaded, one thread per
 rank); the one process gets OpenBLAS with two threads. Every figure is bench's own:
@@ -52,6 +56,49 @@ def bench(spec: str, ranks: int, flags: list[str], args) -> dict:
     return json.loads(lines[-1])
 
 
+def interleaved(path: str, rounds: int, p: int, g: int) -> dict:
+    """llama_tp and mlx-lm on the same weights in one process, their generations taking
+    turns (the order swapped every round), so that the machine's other load weighs on
+    both alike: each engine's median tokens/s and the median of the paired ratios."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step as mlx_lm_step
+    from mlx_lm.generate import generation_stream
+
+    from llama_tp.benchmarks.runner import timed
+    from llama_tp.engine.generation import generate_step
+    from llama_tp.engine.loader import load_model
+    from llama_tp.engine.sampling import make_sampler
+
+    ours, _ = load_model(path)
+    theirs, _ = load(path)
+    prompt = mx.random.randint(0, ours.args.vocab_size, (p,), key=mx.random.key(0)).tolist()
+
+    def run(engine: str) -> dict:
+        if engine == "llama_tp":
+            return timed(generate_step(ours, prompt, make_sampler(0.0), g), p)[0]
+        steps = mlx_lm_step(mx.array(prompt), theirs, max_tokens=g, sampler=lambda x: x.argmax(-1))
+        return timed(steps, p, generation_stream)[0]
+
+    run("llama_tp"), run("mlx-lm")  # warm-up
+    trials: dict[str, list[dict]] = {"llama_tp": [], "mlx-lm": []}
+    for r in range(rounds):
+        for engine in ("llama_tp", "mlx-lm")[:: 1 if r % 2 == 0 else -1]:
+            trials[engine].append(run(engine))
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+    out: dict = {"rounds": rounds, "trials": trials}
+    for key in ("prompt_tps", "generation_tps"):
+        a = [t[key] for t in trials["llama_tp"]]
+        b = [t[key] for t in trials["mlx-lm"]]
+        out[key] = {"llama_tp": median(a), "mlx-lm": median(b)}
+        out[f"{key}_ratio"] = median([x / y for x, y in zip(a, b, strict=True)])
+    return out
+
+
 def _row(name: str, r: dict, engine: str = "llama_tp") -> str:
     x = r[engine]
     peak = " / ".join(f"{v:.2f}" for v in x["peak_memory_gb"])
@@ -63,6 +110,20 @@ def _row(name: str, r: dict, engine: str = "llama_tp") -> str:
     )
 
 
+def one_process(path: str, args) -> dict:
+    """`interleaved` in a child process with the one process's BLAS setup."""
+    cmd = [PY, __file__, "--one-process", path, "--rounds", str(args.rounds)]
+    cmd += ["-p", str(args.p), "-g", str(args.g)]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
+    if find_openblas():
+        env["LD_PRELOAD"] = find_openblas()
+    print(" ".join(cmd[1:]), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--spec", default="moe-a3b-fp32")
@@ -70,8 +131,13 @@ def main() -> int:
     p.add_argument("-g", type=int, default=64, help="generated tokens")
     p.add_argument("-n", type=int, default=3, help="trials")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved 1-process rounds")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--one-process", help=argparse.SUPPRESS)  # the interleaved run's child
     args = p.parse_args()
+    if args.one_process:
+        print(json.dumps(interleaved(args.one_process, args.rounds, args.p, args.g)))
+        return 0
     compare = ["--compare", "mlx-lm", "--collective-steps", "0"]
     runs = {
         "1 rank": bench(args.spec, 1, compare, args),
@@ -81,10 +147,11 @@ def main() -> int:
         ),
     }
     one, two = runs["1 rank"], runs["2 ranks, by tensor"]
+    runs["1 process, interleaved"] = side = one_process(one["model_path"], args)
     targets = {
-        "generation_vs_mlx_lm_1_rank": one["ratio"]["generation_tps"],
+        "generation_vs_mlx_lm_1_rank": side["generation_tps_ratio"],
         "peak_memory_2_ranks_over_1": max(
-            max(r["llama_tp"]["peak_memory_gb"]) for k, r in runs.items() if k != "1 rank"
+            max(r["llama_tp"]["peak_memory_gb"]) for k, r in runs.items() if k.startswith("2")
         )
         / one["llama_tp"]["peak_memory_gb"][0],
         "weights_2_ranks_over_1": max(two["llama_tp"]["weights_gb"])
@@ -96,10 +163,17 @@ def main() -> int:
     head += "routes per rank (by expert) |"
     lines = [head, "|" + "---|" * 6]
     for name, r in runs.items():
+        if name == "1 process, interleaved":
+            continue
         lines.append(_row(f"llama_tp, {name}", r))
         if "mlx_lm" in r and r["mlx_lm"].get("supported"):
             lines.append(_row(f"mlx-lm, {name.split(',')[0]}", r, "mlx_lm"))
     lines.append("")
+    g = side["generation_tps"]
+    lines.append(
+        f"1 process, {args.rounds} interleaved rounds: llama_tp {g['llama_tp']:.2f}, mlx-lm "
+        f"{g['mlx-lm']:.2f} generated tok/s (medians)"
+    )
     lines += [f"{k}: {v:.3f}" for k, v in targets.items()]
     print("\n".join(lines))
     if args.json:

@@ -98,14 +98,16 @@ def _lines(r) -> list[dict]:
 
 
 def test_two_ranks_every_format_both_splits(models, tmp_path):
-    """Every model and format, split by tensor and by expert, plus speculative decoding,
-    sequence parallelism and perplexity; a folder pre-split by expert (convert --shards)."""
+    """Every model and format (llama.cpp's Q4_K_M of a Qwen3-MoE included: its 256-wide
+    Q6_K down projections split inside a block), split by tensor and by expert, plus
+    speculative decoding, sequence parallelism and perplexity; a folder pre-split by
+    expert (convert --shards)."""
     from llama_tp.checkpoints.convert import convert
 
     split = convert(
         models["qwen3_moe"], tmp_path / "split", shards=2, moe_split="expert", progress=False
     )
-    specs = [str(p) for p in models.values()] + [f"{split}={models['qwen3_moe']}"]
+    specs = [str(p) for p in models.values()] + [str(K_QUANT), f"{split}={models['qwen3_moe']}"]
     lines = _lines(launch(2, ["tests/mp_moe.py", *specs, "--extras"], timeout=600))
     assert len(lines) == 2 * len(specs) + 1
     by = {(Path(x["path"]).name, x["split"]): x for x in lines if "split" in x}
