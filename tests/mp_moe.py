@@ -13,7 +13,8 @@ For every model and expert split, every rank loads the model sharded over the wo
 - logits of a prefill then cached single-token steps within 1e-4 (the mesh: the last
   position's, as a stage returns);
 - `--steps` (32) greedy tokens identical;
-- what the loader held: its placement's bytes, and, for a float checkpoint's stacked
+- what the loader read and held: its placement's bytes (read exactly, from
+  safetensors), and, for a float checkpoint's stacked
   experts, its share: E/N whole experts (larger first) split by expert, its balanced
   share of every expert's columns split by tensor (`--mesh`: of its stage's layers).
 
@@ -126,6 +127,10 @@ def check(spec: str, split: str, world, steps: int) -> dict:
         "experts": expert_bytes(sharded),
         "expected_experts": expected,
     }
+    # Safetensors files are read in slices: exactly the bytes held (GGUF blocks are
+    # smaller in the file than converted; a pre-split folder is read whole)
+    sliced = ckpt.format == "hf"
+    mine["read_is_held"] = stats["bytes_read"] == stats["bytes_held"] if sliced else True
     ranks = all_gather_object(mine, world)
     return {
         "path": path,
@@ -135,6 +140,7 @@ def check(spec: str, split: str, world, steps: int) -> dict:
         "diff": float(np.max(np.abs(ref - got))),
         "same_tokens": tokens == ref_tokens,
         "held_is_placement": all(m["held"] == m["placement"] for m in ranks),
+        "read_is_held": all(m["read_is_held"] for m in ranks),
         "experts_are_shares": all(
             m["expected_experts"] is None or m["experts"] == m["expected_experts"] for m in ranks
         ),
@@ -179,6 +185,7 @@ def main() -> int:
             line = check(path, split, world, args.steps)
             ok = line["diff"] <= ATOL and line["same_tokens"]
             ok = ok and line["held_is_placement"] and line["experts_are_shares"]
+            ok = ok and line["read_is_held"]
             failed |= not ok
             if world.rank() == 0:
                 print(json.dumps({"ok": ok, **line}), flush=True)
