@@ -313,6 +313,7 @@ SECTIONS = {
     "speculative": ("speculative", "section"),
     "sequence-parallel-memory": ("sequence_parallel_memory", "section"),
     "mpi-backend": ("mpi_backend", "section"),
+    "mixture-of-experts": ("moe", "section"),
 }
 
 

@@ -154,7 +154,8 @@ def shorter(c: Command, tiny: Path) -> list[str]:
         args = _set(args, ("--collective-steps",), "2")
         if "--synthetic" in args:
             i = args.index("--synthetic") + 1
-            args[i] = "tiny-" + args[i].split("-", 1)[1]
+            size, _, dtype = args[i].rpartition("-")
+            args[i] = ("moe-tiny-" if size.startswith("moe") else "tiny-") + dtype
     elif c.name == "perplexity":
         args = _set(args, ("--limit-tokens",), "24")
     elif c.name == "doctor" and "--quick" not in args:
