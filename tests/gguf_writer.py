@@ -215,11 +215,14 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def gguf_from_hf(hf_dir: Path, out: Path, quantized: dict[str, int] | None = None) -> Path:
+def gguf_from_hf(
+    hf_dir: Path, out: Path, quantized: dict[str, int] | None = None, **overrides: int
+) -> Path:
     """The Hugging Face fixture `hf_dir` (float32, per-expert tensors) as a GGUF file of its
     family, written with the gguf package: float32 tensors but for `quantized` (GGUF name
     pattern, `blk.*.` for every layer -> type id, quantized by gguf-py), the experts
-    stacked as llama.cpp stores them, q/k permuted for the llama architecture."""
+    stacked as llama.cpp stores them, q/k permuted for the llama architecture.
+    `overrides`: `{arch}.*` integers to write instead (e.g. expert_count=8)."""
     import json
 
     import gguf
@@ -244,6 +247,7 @@ def gguf_from_hf(hf_dir: Path, out: Path, quantized: dict[str, int] | None = Non
         "expert_used_count": config.get("num_experts_per_tok", 0),
         "expert_feed_forward_length": config.get("moe_intermediate_size", 0),
         "expert_shared_feed_forward_length": config.get("shared_expert_intermediate_size", 0),
+        **overrides,
     }
     for key, value in meta.items():
         if value:

@@ -80,7 +80,7 @@ def bench_llama_tp(
     from ..cluster.collectives import count_collectives, count_prefill_collectives, decode_share
     from ..console.cli import UsageError
     from ..engine.generation import decode_step, generate_step
-    from ..engine.loader import load_model
+    from ..engine.loader import load_model, max_rss
     from ..engine.sampling import make_sampler, vocab_shard
     from ..model import lazy_query_blocks
     from ..parallel.mesh import MeshError
@@ -181,6 +181,7 @@ def bench_llama_tp(
         res.update(decode_step_ms=step_ms, decode_step_ms_no_collectives=step_ms)
         res["collective_share"] = 0.0
     res["n_layers"] = len(model.layers)
+    res["max_rss_gb"] = [m / 1e9 for m in all_gather_object(max_rss(), group)]  # per rank
     res["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self") else None
     return res, prompt
 

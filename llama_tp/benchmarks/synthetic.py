@@ -10,7 +10,7 @@ and leaves the data a sparse file of zeros (no disk space, nothing computed): wh
 `python -m llama_tp.plan` needs to print how a model of that shape splits (the `70b`
 size is Llama-3-70B's shape), never a model to run. Specs are `SIZE-DTYPE`: sizes in
 `SIZES`, dtypes fp16, bf16, fp32 and q4 (MLX 4-bit, group 64, as mlx-community
-folders; the norms and the router stay float16). The `moe-*` sizes are Qwen3-MoE
+folders, with float32 scales and norms). The `moe-*` sizes are Qwen3-MoE
 models with the experts stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's
 shape scaled down: 128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
@@ -45,7 +45,8 @@ SIZES = {
         experts=64, top_k=8, expert_dim=384, head_dim=64,
     ),
 }  # fmt: skip
-DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32, "q4": mx.float16}
+# q4: quantized from float32 (float32 scales: MLX's CPU quantized kernels are slow in float16)
+DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32, "q4": mx.float32}
 
 
 def parse_spec(spec: str) -> tuple[dict, mx.Dtype]:
@@ -176,7 +177,7 @@ Q4_GROUP = 64
 
 def _quantized(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """MLX affine 4-bit (group 64) of every projection, expert and embedding table whose
-    width is a multiple of the group, as mlx-lm's convert does; norms stay float16."""
+    width is a multiple of the group, as mlx-lm's convert does; norms stay as they are."""
     out = {}
     for name, v in weights.items():
         if v.ndim >= 2 and v.shape[-1] % Q4_GROUP == 0:

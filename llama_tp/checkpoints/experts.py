@@ -85,24 +85,35 @@ def stack_experts(
     return out
 
 
-def check_experts(args: Any, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+def check_experts(
+    args: Any,
+    shapes: dict[str, tuple[int, ...]],
+    where: str,
+    stored: dict[str, str] | None = None,
+    count: str = "the config's expert count",
+) -> None:
     """One line with the numbers when a stacked expert tensor disagrees with the config:
     its expert count, or its rows (gate/up: the expert width; down: the model width).
-    `shapes`: the model's tensor names -> stored shapes; `where` names the file."""
+    `shapes`: the model's tensor names -> stored shapes; `where` names the file;
+    `stored`: the file's own tensor names (for the message); `count`: where the expert
+    count comes from (e.g. `qwen3moe.expert_count`)."""
     if not args.n_experts:
+        if any(".switch_mlp." in k for k in shapes):
+            raise CheckpointError(f"{where}: expert tensors, but {count} is 0")
         return
-    for name, shape in shapes.items():
+    for name, shape in sorted(shapes.items()):  # in name order: the same message each time
         m = re.match(r"^layers\.(\d+)\.feed_forward\.switch_mlp\.(\w+)\.weight$", name)
         if m is None:
             continue
+        label = (stored or {}).get(name, name)
         if len(shape) != 3 or shape[0] != args.n_experts:
             held = shape[0] if len(shape) == 3 else f"shape {list(shape)}"
             raise CheckpointError(
-                f"{where}: {name} holds {held} experts but the config says {args.n_experts}"
+                f"{where}: {label} holds {held} experts but {count} is {args.n_experts}"
             )
         rows = args.dim if m.group(2) == "down_proj" else args.moe_hidden_dim
         if shape[1] != rows:
             what = "model width" if m.group(2) == "down_proj" else "expert width"
             raise CheckpointError(
-                f"{where}: {name} has {shape[1]} rows per expert but the {what} is {rows}"
+                f"{where}: {label} has {shape[1]} rows per expert but the {what} is {rows}"
             )

@@ -282,7 +282,13 @@ def read(path: Path) -> Checkpoint:
             weights[name] = weights[name].reshape(1, -1)
             sources[name] = (_Row(*sources[name]), sources[name][1])
     args = args_from_metadata(header.metadata, weights, path)
-    check_experts(args, {k: tuple(v.shape) for k, v in weights.items()}, str(path))
+    check_experts(
+        args,
+        {k: tuple(v.shape) for k, v in weights.items()},
+        str(path),
+        {k: stored for k, (_, stored) in sources.items()},
+        f"{header.architecture}.expert_count",
+    )
     for name in [k for k in weights if k.startswith("rope_freqs.")]:
         del weights[name], sources[name]
     ckpt = Checkpoint(path, "gguf", args, weights, header.metadata, [path], sources)

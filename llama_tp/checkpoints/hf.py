@@ -215,5 +215,12 @@ def read(path: Path) -> Checkpoint:
         args.tie_word_embeddings = True
     if args.tie_word_embeddings:
         weights.pop("output.weight", None)
-    check_experts(args, {k: tuple(v.shape) for k, v in weights.items()}, str(path))
+    key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
+    check_experts(
+        args,
+        {k: tuple(v.shape) for k, v in weights.items()},
+        str(path),
+        {k: stored for k, (_, stored) in sources.items()},
+        f"config.json's {key}",
+    )
     return Checkpoint(path, "hf", args, weights, config, files, sources)

@@ -43,13 +43,17 @@ def read_tensor(ckpt: Checkpoint, name: str, s: Slice | None = None) -> mx.array
         return file.read(stored) if s is None else file.read(stored, *s)
     if name not in ckpt.weights:
         raise CheckpointError(f"{ckpt.path}: no tensor {name}")
-    v = ckpt.weights[name]
+    return sliced(ckpt.weights[name], s)
+
+
+def sliced(v: mx.array, s: Slice | None) -> mx.array:
+    """`v`, or its (axis, start, stop) slice as its own (lazy) buffer."""
     if s is None:
         return v
     axis, start, stop = s
     index = [slice(None)] * v.ndim
     index[axis] = slice(start, stop)
-    return mx.contiguous(v[tuple(index)])
+    return mx.contiguous(v[tuple(index)])  # a plain slice would keep all of `v` alive
 
 
 def read_slices(
