@@ -172,11 +172,11 @@ def test_pp_split_weights_balance_the_stages_bytes():
 def test_shapes_only_synthetic_has_the_real_ones_shapes(tmp_path):
     """`--shapes-only` (what `plan --synthetic 70b-q4` reads): the same tensors, shapes and
     bytes as the real synthetic checkpoint, its data a hole."""
-    from llama_tp.benchmarks.synthetic import synthetic_dir, write_synthetic
+    from llama_tp.benchmarks.synthetic import write_synthetic
 
     for spec in ("tiny-fp16", "tiny-q4"):
-        shapes = write_synthetic(spec, tmp_path / spec, shapes_only=True)
-        real = model_shape(open_checkpoint(synthetic_dir(spec))).tensors
+        shapes = write_synthetic(spec, tmp_path / f"{spec}-shapes", shapes_only=True)
+        real = model_shape(open_checkpoint(write_synthetic(spec, tmp_path / spec))).tensors
         assert model_shape(open_checkpoint(shapes)).tensors == real
         size = (shapes / "model.safetensors").stat()
         assert size.st_blocks * 512 < size.st_size / 4  # sparse: no room for the data
