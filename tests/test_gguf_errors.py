@@ -34,7 +34,8 @@ def bad_ggufs(default_gguf, tmp_path_factory):
     write(
         "gemma.gguf",
         data[:at] + b"gemma" + data[at + 5 :],
-        "GGUF architecture 'gemma' is not supported",
+        "unsupported GGUF architecture 'gemma' (supported: llama, qwen2, qwen3, qwen2moe, "
+        "qwen3moe)",
     )
     return files
 
