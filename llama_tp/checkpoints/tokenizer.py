@@ -112,10 +112,8 @@ def encode_prompt(
     system: str | None = None,
     use_chat_template: bool = True,
 ) -> list[int]:
-    """Token ids of `prompt`, wrapped in the chat template when the tokenizer has one."""
-    if use_chat_template and tokenizer.has_chat_template:
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    text = f"{system}\n{prompt}" if system else prompt
-    return list(tokenizer.encode(text))
+    """Token ids of the user message `prompt` (after `system`), through the tokenizer's
+    chat template, or the fallback of one without (`chat_template.PromptRenderer`)."""
+    from .chat_template import renderer_for
+
+    return renderer_for(tokenizer, use_chat_template).prompt(prompt, system)

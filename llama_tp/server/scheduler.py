@@ -2,11 +2,10 @@
 
 Rank 0 keeps the requests: a bounded queue of waiting ones and the admitted
 ones' event channels. Before every step it makes one `Decision` (which waiting
-requests join, which running ones are cancelled, or stop, and whether a batch of
-one sequence drafts tokens) and sends it to every rank with one
-`broadcast_object`; then every rank applies it and decodes one token for the
-whole batch, or verifies the drafts of the one sequence
-(`llama_tp.engine.batch.BatchEngine`). With nothing
+requests join, which running ones are cancelled, or stop) and sends it to every
+rank with one `broadcast_object`; then every rank applies it and decodes one
+token for the whole batch, or checks the drafts of a lone sequence that asked
+for them (`llama_tp.engine.batch.BatchEngine`). With nothing
 to do, rank 0 waits on a condition variable for up to `IDLE_TICK` and then sends
 an idle decision; the other ranks sleep for that long before they wait for the
 next one. MLX's ring backend spins while a rank waits in a collective, so ranks
@@ -96,15 +95,21 @@ class Scheduler:
         self._rng = random.SystemRandom()
         self.steps = 0
 
+    def unavailable(self) -> RequestError | None:
+        """Why requests cannot be served now (503: stopping, failed, or still loading),
+        or None: the one place that decides it, for the routes and /health alike."""
+        if self.closed:
+            return RequestError(self.closed, None, 503, "unavailable", "server_error")
+        if not self.ready:
+            return RequestError("the model is still loading", None, 503, "loading", "server_error")
+        return None
+
     def submit(self, prompt: list[int], params: SamplingParams, seed: int | None, loop) -> Job:
-        """Queue a request; RequestError 429 when the queue is full, 503 when closed."""
+        """Queue a request; RequestError 429 when the queue is full, 503 when unavailable."""
         with self._cond:
-            if self.closed:
-                raise RequestError(self.closed, None, 503, "unavailable", "server_error")
-            if not self.ready:
-                raise RequestError(
-                    "the model is still loading", None, 503, "loading", "server_error"
-                )
+            problem = self.unavailable()
+            if problem is not None:
+                raise problem
             if len(self._pending) >= self.max_queue:
                 raise RequestError(
                     f"the server is busy: {len(self._pending)} requests are waiting "
@@ -115,8 +120,8 @@ class Scheduler:
                     "rate_limit_error",
                 )
             # Rank 0 picks the seed of an unseeded request: every rank gets it in the decision.
-            params.seed = self._rng.randrange(2**31) if seed is None else seed
-            job = Job(next(self._uids), prompt, params, loop)
+            seed = self._rng.randrange(2**31) if seed is None else seed
+            job = Job(next(self._uids), prompt, params.but(seed=seed), loop)
             self._pending.append(job)
             self._cond.notify()
             return job
@@ -170,19 +175,7 @@ class Scheduler:
                 rows[d] += 1
                 self.served[d] += 1
             self.steps += 1
-            decisions = []
-            for d in range(len(active)):
-                # Drafts only when the step's batch is one sequence that asked for them:
-                # then a (K+1)-token forward costs little more than a 1-token one; a batch
-                # of several already shares each forward, and drafts would multiply its work.
-                live = [
-                    j
-                    for uid, j in self._running.items()
-                    if self._where[uid] == d and uid not in cancelled
-                ]
-                draft = live[0].params.num_draft_tokens if len(live) == 1 else 0
-                decisions.append(Decision(joins=joins[d], cancels=cancels[d], draft=draft))
-            return decisions
+            return [Decision(joins=joins[d], cancels=cancels[d]) for d in range(len(active))]
 
     def rows(self) -> list[int]:
         """Each replica's running sequences (its engine's rows after the last step)."""
@@ -264,7 +257,7 @@ def run_steps(
                 resting = dp > 1 and not len(engine)  # other replicas are stepping
                 tic = time.perf_counter()
                 if not resting:
-                    events += engine.step(decision.draft)
+                    events += engine.step()
                 if dp > 1:  # each replica's first rank sends its events to rank 0
                     # A decode-only step's time, for the replicas that rest next time.
                     took = None if resting or decision.joins else time.perf_counter() - tic
