@@ -70,11 +70,16 @@ def all_gather_bytes(data: bytes, group: mx.distributed.Group | None = None) -> 
     if group.size() == 1:
         return [data]
     n = mx.distributed.all_gather(mx.array([len(data)]), group=group, stream=mx.cpu).tolist()
-    buf = mx.zeros((max(n),), dtype=mx.uint8)
+    width = max(n)
+    if width == 0:
+        return [b""] * group.size()
+    buf = mx.zeros((width,), dtype=mx.uint8)
     if data:
-        buf[: len(data)] = mx.array(list(data), dtype=mx.uint8)
+        buf[: len(data)] = mx.array(data)  # bytes are uint8 already: no Python int per byte
     rows = mx.distributed.all_gather(buf[None], group=group, stream=mx.cpu)
-    return [bytes(rows[i, : n[i]].tolist()) for i in range(group.size())]
+    mx.eval(rows)
+    flat = memoryview(rows).cast("B")  # (N * width,) without copying through Python ints
+    return [bytes(flat[i * width : i * width + n[i]]) for i in range(group.size())]
 
 
 def all_gather_object(obj: Any, group: mx.distributed.Group | None = None) -> list[Any]:

@@ -104,6 +104,9 @@ class _Common(_Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    # not OpenAI's, but mlx-lm's server and others take them
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
     # a llama_tp extension: drafts (prompt lookup) checked per step while the request
     # decodes alone; the text is the same with or without
     num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
@@ -216,8 +219,8 @@ def _request(body: _Common, defaults: Defaults, chat: bool, max_tokens, logprobs
             max_tokens=max_tokens or defaults.max_tokens,
             temperature=_given(body.temperature, defaults.temperature),
             top_p=_given(body.top_p, defaults.top_p),
-            min_p=defaults.min_p,
-            top_k=defaults.top_k,
+            min_p=_given(body.min_p, defaults.min_p),
+            top_k=defaults.top_k if body.top_k is None else body.top_k,
             stop=tuple(
                 s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s
             ),

@@ -41,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.generate import wired_limit
 
 from ..cluster import watchdog
 from ..cluster.distributed import all_gather_object, broadcast_object
@@ -224,59 +225,65 @@ def run_steps(
     """
     rank0 = group.rank() == 0
     dp = mesh.dp if mesh is not None else 1
-    rest = 0.0  # seconds the replicas' last decode-only step took (the longest)
     try:
-        while True:
-            decisions = None
-            if rank0:
-                active = [len(engine)] if dp == 1 else scheduler.rows()
-                decisions = scheduler.next_decisions(active, wait=IDLE_TICK)
-                if decisions is None:
-                    if group.size() == 1:
-                        continue
-                    decisions = [Decision(idle=IDLE_TICK)]  # keeps the others sleeping
-            if group.size() > 1:
-                # The one exchange per step besides the model's own (unarmed: rank 0
-                # may still be deciding).
-                decisions = broadcast_object(decisions, group)
-            if decisions[0].idle:
-                if not rank0:  # rank 0 waits on its queue instead
-                    time.sleep(max(0.0, decisions[0].idle - IDLE_MARGIN))
-                continue
-            if decisions[0].stop:
-                if rank0:
-                    scheduler.fail_all("the server is shutting down")
-                return
-            decision = decisions[mesh.replica if dp > 1 else 0]
-            events = []
-            if decision.joins or decision.cancels:
-                n = sum(len(j.prompt) for j in decision.joins)
-                with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
-                    events = engine.apply(decision)
-            with watchdog.stage(f"generation step ({len(engine)} sequences)"):
-                resting = dp > 1 and not len(engine)  # other replicas are stepping
-                tic = time.perf_counter()
-                if not resting:
-                    events += engine.step()
-                if dp > 1:  # each replica's first rank sends its events to rank 0
-                    # A decode-only step's time, for the replicas that rest next time.
-                    took = None if resting or decision.joins else time.perf_counter() - tic
-                    if resting:
-                        # Off the CPU for most of the others' last decode step (the ring
-                        # backend spins inside a collective), then join the exchange.
-                        time.sleep(REST_SHARE * rest)
-                    sender = mesh.replica_group.rank() == 0
-                    gathered = all_gather_object((events, took) if sender else ([], None), group)
-                    events = [e for part, _ in gathered for e in part]
-                    steps = [t for _, t in gathered if t is not None]
-                    rest = max(steps) if steps else rest
-            if rank0:
-                scheduler.dispatch(events)
+        with wired_limit(engine.model):  # Metal: keep the weights resident (CPU: nothing)
+            _step_loop(engine, scheduler, group, mesh, rank0, dp)
     except BaseException as e:
         if rank0 and scheduler is not None:
             scheduler.fail_all(_failure_message(e))
             time.sleep(0.5)  # let the HTTP thread send the errors before the process ends
         raise
+
+
+def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
+    """run_steps' loop, until a stop decision."""
+    rest = 0.0  # seconds the replicas' last decode-only step took (the longest)
+    while True:
+        decisions = None
+        if rank0:
+            active = [len(engine)] if dp == 1 else scheduler.rows()
+            decisions = scheduler.next_decisions(active, wait=IDLE_TICK)
+            if decisions is None:
+                if group.size() == 1:
+                    continue
+                decisions = [Decision(idle=IDLE_TICK)]  # keeps the others sleeping
+        if group.size() > 1:
+            # The one exchange per step besides the model's own (unarmed: rank 0
+            # may still be deciding).
+            decisions = broadcast_object(decisions, group)
+        if decisions[0].idle:
+            if not rank0:  # rank 0 waits on its queue instead
+                time.sleep(max(0.0, decisions[0].idle - IDLE_MARGIN))
+            continue
+        if decisions[0].stop:
+            if rank0:
+                scheduler.fail_all("the server is shutting down")
+            return
+        decision = decisions[mesh.replica if dp > 1 else 0]
+        events = []
+        if decision.joins or decision.cancels:
+            n = sum(len(j.prompt) for j in decision.joins)
+            with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
+                events = engine.apply(decision)
+        with watchdog.stage(f"generation step ({len(engine)} sequences)"):
+            resting = dp > 1 and not len(engine)  # other replicas are stepping
+            tic = time.perf_counter()
+            if not resting:
+                events += engine.step()
+            if dp > 1:  # each replica's first rank sends its events to rank 0
+                # A decode-only step's time, for the replicas that rest next time.
+                took = None if resting or decision.joins else time.perf_counter() - tic
+                if resting:
+                    # Off the CPU for most of the others' last decode step (the ring
+                    # backend spins inside a collective), then join the exchange.
+                    time.sleep(REST_SHARE * rest)
+                sender = mesh.replica_group.rank() == 0
+                gathered = all_gather_object((events, took) if sender else ([], None), group)
+                events = [e for part, _ in gathered for e in part]
+                steps = [t for _, t in gathered if t is not None]
+                rest = max(steps) if steps else rest
+        if rank0:
+            scheduler.dispatch(events)
 
 
 def _failure_message(e: BaseException) -> str:
