@@ -101,6 +101,13 @@ def broadcast_text(text: str | None, group: mx.distributed.Group | None = None) 
     return broadcast_object(text, group)
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what
+    a rank reports of an error, and what an entry point prints."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class PeerError(RuntimeError):
     """Another rank failed at a point where all ranks compare their outcome."""
 
@@ -117,7 +124,7 @@ def agree_ok(error: BaseException | None, group: mx.distributed.Group | None = N
         if error is not None:
             raise error
         return
-    text = None if error is None else (str(error).strip().splitlines() or [type(error).__name__])[0]
+    text = None if error is None else first_line(error)
     failed = [(r, m) for r, m in enumerate(all_gather_object(text, group)) if m is not None]
     if not failed:
         return

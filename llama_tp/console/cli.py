@@ -18,7 +18,7 @@ from typing import NoReturn
 import mlx.core as mx
 
 from ..cluster import watchdog
-from ..cluster.distributed import agree_ok, is_rank0
+from ..cluster.distributed import agree_ok, first_line, is_rank0
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -304,8 +304,7 @@ def _report(e: Exception) -> None:
     except Exception:  # the group itself failed to form
         rank0 = watchdog.rank_label() == "0"
     if rank0:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {text}", file=sys.stderr, flush=True)
+        print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
 
 
 def load_checked(args, group: mx.distributed.Group):

@@ -44,7 +44,7 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
 from ..cluster import watchdog
-from ..cluster.distributed import all_gather_object, broadcast_object
+from ..cluster.distributed import all_gather_object, broadcast_object, first_line
 from ..engine.batch import BatchEngine, Decision, Event, Join, SamplingParams
 from .protocol import RequestError
 
@@ -289,7 +289,7 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
 def _failure_message(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "the server is shutting down"
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = first_line(e)
     if "connection to a peer was lost" in text:
         return f"a rank of the server failed: {watchdog.PEER_LOST}"
     return f"the server failed: {text}"
