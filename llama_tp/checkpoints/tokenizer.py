@@ -16,6 +16,7 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
+from ..cluster.distributed import first_line
 from .base import Checkpoint, CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -66,8 +67,7 @@ def meta_tokenizer(path: Path) -> TokenizerWrapper:
     try:
         sp = spm.SentencePieceProcessor(model_file=str(path))
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a sentencepiece model ({first})") from None
+        raise CheckpointError(f"{path}: not a sentencepiece model ({first_line(e)})") from None
     special = {
         name: sp.id_to_piece(i)
         for name, i in (
