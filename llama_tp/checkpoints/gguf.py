@@ -53,25 +53,13 @@ def to_model_name(name: str) -> str:
     return name
 
 
-def _scalar(meta: dict, key: str, default=None):
-    value = meta.get(key, default)
-    if isinstance(value, mx.array):
-        return value.item()
-    return value
-
-
 def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> ModelArgs:
     """ModelArgs from the `{arch}.*` metadata (the vocabulary size from the embedding
     if the metadata lacks it)."""
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})"
-        )
+    arch = meta["general.architecture"]  # one of ARCHITECTURES: `read` checked it
 
     def get(key, default=None):
-        return _scalar(meta, f"{arch}.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     n_heads = get("attention.head_count")
     dim = get("embedding_length")
