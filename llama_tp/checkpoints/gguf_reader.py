@@ -25,10 +25,10 @@ from . import gguf_quants as gq
 from .base import CheckpointError
 from .gguf_header import GGUFHeader
 from .gguf_header import TensorInfo as GGUFTensor
-from .safetensors import pread_into
+from .safetensors import DTYPES, pread_into, read_dense
 
 _CHUNK = 8 << 20  # source bytes converted at a time
-_MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+_MX = {k: DTYPES[k][1] for k in ("F32", "F16", "BF16")}  # GGUF's float types, as MLX reads them
 _PARTS = ("weight", "scales", "biases")
 
 
@@ -83,6 +83,8 @@ class GGUFFile:
             raise ValueError(f"{name}: bad slice [{start}, {stop}) of axis {axis} of {t.shape}")
         src = self.gguf[t.source]
         shape = tuple(reversed(src.shape))
+        if src.type_name in _MX:
+            return read_dense(self.path, src.offset, shape, src.type_name, axis, start, stop)
         if axis is None:
             rows, cols = (0, shape[0]), (0, shape[-1])
         elif axis == 0:
@@ -92,36 +94,12 @@ class GGUFFile:
             cols = (start * shape[1] // t.shape[1], stop * shape[1] // t.shape[1])
         key = (t.source, rows, cols)
         if key not in self._cache:
-            if src.type_name in _MX:
-                return self._read_float(src, shape, rows, cols)
             self._cache[key] = self._read_quantized(t.source, src, rows, cols)
         parts = self._cache[key]
         out = parts.pop(t.part)
         if not parts:
             del self._cache[key]
         return out
-
-    def _read_float(self, src: GGUFTensor, shape: tuple, rows: tuple, cols: tuple) -> mx.array:
-        dtype = _MX[src.type_name]
-        read_as = mx.uint16 if dtype == mx.bfloat16 else dtype
-        size = read_as.size
-        if len(shape) == 1:
-            out = mx.zeros((cols[1] - cols[0],), dtype=read_as)
-            mx.eval(out)
-            self._pread(memoryview(out).cast("B"), src.offset + cols[0] * size)
-            return out.view(dtype) if dtype != read_as else out
-        out = mx.zeros((rows[1] - rows[0], cols[1] - cols[0]), dtype=read_as)
-        mx.eval(out)
-        buf = memoryview(out).cast("B")
-        row, inner = shape[1] * size, (cols[1] - cols[0]) * size
-        first = src.offset + rows[0] * row + cols[0] * size
-        if inner == row:
-            self._pread(buf, first)
-        else:
-            with self._fd() as fd:
-                for i in range(rows[1] - rows[0]):
-                    self._pread(buf[i * inner : (i + 1) * inner], first + i * row, fd)
-        return out.view(dtype) if dtype != read_as else out
 
     def _read_quantized(
         self, name: str, src: GGUFTensor, rows: tuple, cols: tuple
@@ -153,11 +131,11 @@ class GGUFFile:
                 b = min(r1, a + step)
                 raw = np.empty((b - a, width), np.uint8)
                 if width == row_bytes:
-                    self._pread(memoryview(raw).cast("B"), src.offset + a * row_bytes, fd)
+                    pread_into(fd, memoryview(raw).cast("B"), src.offset + a * row_bytes, self.path)
                 else:
                     for i in range(b - a):
                         at = src.offset + (a + i) * row_bytes + b0 * size
-                        self._pread(memoryview(raw[i]), at, fd)
+                        pread_into(fd, memoryview(raw[i]), at, self.path)
                 try:
                     w, s, z = gq.to_mlx(src.type_name, raw)
                 except ValueError as e:
@@ -170,12 +148,6 @@ class GGUFFile:
 
     def _fd(self):
         return _File(self.path)
-
-    def _pread(self, buf: memoryview, offset: int, fd: int | None = None) -> None:
-        if fd is None:
-            with self._fd() as own:
-                return self._pread(buf, offset, own)
-        pread_into(fd, buf, offset, self.path)
 
 
 class _File:
