@@ -173,7 +173,11 @@ class Decoder:
         prefill(self.model, todo[:-1], cache, self.prefill_step_size)
         logits = self.model(mx.array(todo[-1:], dtype=mx.int32)[None], cache=cache)[:, -1, :]
         seq.fed = len(seq.tokens)
-        return self._sample(logits, [seq], [seq.n])
+        ahead = self._sample(logits, [seq], [seq.n])
+        # Started now, before any later graph: every rank must run its collectives in the
+        # same order, and on a pipeline the next forward's send waits for this token.
+        mx.async_eval(*ahead.arrays())
+        return ahead
 
     # -- one step -------------------------------------------------------------
 
