@@ -10,7 +10,9 @@ of a step (per-row text, stop strings, events) overlaps the computation;
 C sequences of the built-in model (distinct prompts, greedy, end-of-sequence
 ignored so every sequence makes `--tokens` tokens) are admitted at once and
 decoded to the end, in rounds that alternate the two modes in one process;
-reported: the median aggregate generated tokens/s of each mode and their ratio.
+reported: the median aggregate generated tokens/s of each mode, and the median of the
+rounds' ratios (each round's two runs are neighbours in time, so the ratio holds up
+better than the rates when the machine's speed drifts).
 Rank 0 prints a table, or one JSON object with --json.
 """
 
@@ -21,7 +23,7 @@ import json
 import statistics
 import time
 
-from llama_tp import encode_prompt, load, print0, world
+from llama_tp import encode_prompt, eprint0, load, print0, world
 from llama_tp.engine.batch import BatchEngine, Decision, Join, SamplingParams
 
 
@@ -61,12 +63,14 @@ def main() -> None:
             for overlap in (False, True):
                 runs[overlap].append(decode(model, tokenizer, prompts, args.tokens, overlap))
         before, after = statistics.median(runs[False]), statistics.median(runs[True])
+        ratio = statistics.median(a / b for a, b in zip(runs[True], runs[False], strict=True))
+        eprint0(f"C={c}: {before:.2f} tok/s reading first, {after:.2f} overlapped, x{ratio:.2f}")
         rows.append(
             {
                 "concurrency": c,
                 "tok_s_sequential": before,
                 "tok_s_overlapped": after,
-                "ratio": after / before,
+                "ratio": ratio,  # the median of the rounds' ratios
                 "runs_sequential": runs[False],
                 "runs_overlapped": runs[True],
             }

@@ -78,11 +78,7 @@ class Ahead:
     emb: mx.array | None = None  # (B, dim): the tokens' embedding rows (vocab-parallel)
 
     def arrays(self) -> list[mx.array]:
-        return [
-            a
-            for a in (self.tokens, self.logprob, self.top_ids, self.top_vals, self.emb)
-            if a is not None
-        ]
+        return [a for a in self._fields() if a is not None]
 
     def select(self, keep: list[int]) -> Ahead:
         idx = mx.array(keep, dtype=mx.int32)
