@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 
 # python -m llama_tp.launch: mlx.launch without its busy loop; it preloads Debian's
 # OpenBLAS for the ranks when installed, and then float32 weights are the fast CPU path
-# (2 ranks: 14.7 vs 9.5 generated tokens/s; docs/launch-bug.md, docs/benchmarks.md).
+# (2 ranks: 14.7 vs 9.5 generated tokens/s; docs/getting-started.md, docs/benchmarks.md).
 OPENBLAS := $(wildcard /usr/lib/*/openblas-pthread/libblas.so.3)
 
 demo: $(STAMP)

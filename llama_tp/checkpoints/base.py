@@ -31,3 +31,4 @@ class Checkpoint:
     ffn_block: int | None = None
     notes: list[str] = field(default_factory=list)  # what the reader converted (--verbose)
     mesh: Any = None  # the loader's parallel.mesh.Mesh (tp x pp x dp), when it made one
+    placement: Any = None  # the loader's parallel.placement.Placement (built-in plan)

@@ -127,7 +127,7 @@ class SafetensorsFile:
             self.tensors[name] = TensorInfo(dtype, shape, base + start, nbytes)
 
     def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
-        """Tensor `name`, whole (`axis` None) or its slice [start, stop) along axis 0 or 1."""
+        """Tensor `name`, whole (`axis` None) or its slice [start, stop) along `axis`."""
         t = self.tensors[name]
         try:
             return read_dense(self.path, t.offset, t.shape, t.dtype, axis, start, stop)
@@ -146,33 +146,31 @@ def read_dense(
 ) -> mx.array:
     """The row-major `dtype` tensor of `shape` at byte `offset` of `path` (safetensors
     tensors, GGUF float tensors), whole (`axis` None) or its slice [start, stop) along
-    axis 0 or 1: only those bytes are read, into the result's own buffer."""
+    `axis`: only those bytes are read, into the result's own buffer."""
     read_as, result = DTYPES[dtype]
     out_shape = list(shape)
     if axis is not None:
-        if axis not in (0, 1) or axis >= len(shape) or not 0 <= start < stop <= shape[axis]:
+        if not 0 <= axis < len(shape) or not 0 <= start < stop <= shape[axis]:
             raise ValueError(f"bad slice [{start}, {stop}) of axis {axis} of {list(shape)}")
         out_shape[axis] = stop - start
     # A fresh buffer of the result's size, filled in place by the reads below.
     out = mx.zeros(out_shape, dtype=read_as)
     mx.eval(out)
     buf = memoryview(out).cast("B")
-    nbytes = math.prod(shape) * read_as.size
+    if axis is None:
+        axis, start, stop = 0, 0, (shape[0] if shape else 1)
+    # The slice is `outer` runs of `(stop - start) * inner` bytes, one per index of the
+    # axes before `axis` (one run for axis 0; one per row for the columns of a matrix).
+    outer = math.prod(shape[:axis])
+    inner = math.prod(shape[axis + 1 :]) * read_as.size
+    run, stride = (stop - start) * inner, (shape[axis] if shape else 1) * inner
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     try:
-        if axis == 1:
-            # One range per row: `inner` bytes of every row of `row` bytes.
-            row = nbytes // shape[0]
-            inner = row // shape[1] * (stop - start)
-            skip = row // shape[1] * start
-            for i in range(shape[0]):
-                pread_into(fd, buf[i * inner : (i + 1) * inner], offset + i * row + skip, path)
-        else:
-            row = nbytes // shape[0] if shape else nbytes
-            pread_into(fd, buf, offset + (row * start if axis == 0 else 0), path)
+        for i in range(outer):
+            pread_into(fd, buf[i * run : (i + 1) * run], offset + i * stride + start * inner, path)
     finally:
         os.close(fd)
     return out.view(result) if result != read_as else out
