@@ -34,7 +34,7 @@ def bad_ggufs(default_gguf, tmp_path_factory):
     write(
         "gemma.gguf",
         data[:at] + b"gemma" + data[at + 5 :],
-        "GGUF architecture 'gemma' is not supported",
+        "unsupported GGUF architecture 'gemma'",
     )
     return files
 

@@ -10,12 +10,18 @@ messages' texts are joined by newlines and encoded as plain text.
 `PromptRenderer.eos` is the one end-of-sequence set of every driver: the
 tokenizer's end-of-sequence ids and the special token the template closes an
 assistant turn with (e.g. <|im_end|>, <|eot_id|>), found by rendering a turn.
+`wrap_tokenizer` gives a tokenizer built here (GGUF, Meta) the tool-call parser
+mlx-lm's loader infers from the template.
 """
 
 from __future__ import annotations
 
+import importlib
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 FALLBACK_TEMPLATE = (
     "{% for m in messages %}"
@@ -99,3 +105,23 @@ def renderer_for(tokenizer: Any, use_chat_template: bool = True) -> PromptRender
     if use_chat_template not in mine:
         mine[use_chat_template] = PromptRenderer(tokenizer, use_chat_template)
     return mine[use_chat_template]
+
+
+def wrap_tokenizer(hf: Any, detokenizer: Any, eos_token_ids: list[int] | None) -> TokenizerWrapper:
+    """mlx-lm's `TokenizerWrapper` for a tokenizer built here (GGUF, Meta), with the
+    tool-call parser mlx-lm's own loader infers from the chat template (thinking markers
+    the wrapper finds itself): the server's tool calls are mlx-lm's, whatever the format."""
+    from mlx_lm import tokenizer_utils
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    infer = getattr(tokenizer_utils, "_infer_tool_parser", lambda t: None)  # private
+    kind = infer(hf)
+    tools = {}
+    if kind is not None:
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{kind}")
+        tools = dict(
+            tool_parser=module.parse_tool_call,
+            tool_call_start=module.tool_call_start,
+            tool_call_end=module.tool_call_end,
+        )
+    return TokenizerWrapper(hf, detokenizer, eos_token_ids=eos_token_ids, **tools)

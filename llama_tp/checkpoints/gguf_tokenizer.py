@@ -21,7 +21,7 @@ from tokenizers import pre_tokenizers as pre
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
-from .tokenizer import wrap_tokenizer
+from .chat_template import wrap_tokenizer
 
 # Token types as stored in `tokenizer.ggml.token_type` (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

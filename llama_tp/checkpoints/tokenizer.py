@@ -8,18 +8,17 @@ loader, GGUF files through `gguf_tokenizer`.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import re
 from pathlib import Path
-from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
 from ..cluster.distributed import first_line
 from .base import Checkpoint, CheckpointError
+from .chat_template import wrap_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -39,25 +38,6 @@ def load_tokenizer(ckpt: Checkpoint) -> TokenizerWrapper:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     eos = ckpt.metadata.get("eos_token_id")
     return load_hf_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
-
-
-def wrap_tokenizer(hf: Any, detokenizer: Any, eos_token_ids: list[int] | None) -> TokenizerWrapper:
-    """mlx-lm's `TokenizerWrapper` for a tokenizer built here (GGUF, Meta), with the
-    tool-call parser mlx-lm's own loader infers from the chat template (thinking markers
-    the wrapper finds itself): the server's tool calls are mlx-lm's, whatever the format."""
-    from mlx_lm import tokenizer_utils
-
-    infer = getattr(tokenizer_utils, "_infer_tool_parser", lambda t: None)  # private
-    kind = infer(hf)
-    tools = {}
-    if kind is not None:
-        module = importlib.import_module(f"mlx_lm.tool_parsers.{kind}")
-        tools = dict(
-            tool_parser=module.parse_tool_call,
-            tool_call_start=module.tool_call_start,
-            tool_call_end=module.tool_call_end,
-        )
-    return TokenizerWrapper(hf, detokenizer, eos_token_ids=eos_token_ids, **tools)
 
 
 # A tiktoken BPE file (Llama 3): one "base64-token rank" pair per line.
