@@ -18,7 +18,7 @@ from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
 from ..cluster.distributed import first_line
 from .base import Checkpoint, CheckpointError
-from .chat_template import wrap_tokenizer
+from .chat_template import renderer_for, wrap_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -115,6 +115,4 @@ def encode_prompt(
 ) -> list[int]:
     """Token ids of the user message `prompt` (after `system`), through the tokenizer's
     chat template, or the fallback of one without (`chat_template.PromptRenderer`)."""
-    from .chat_template import renderer_for
-
     return renderer_for(tokenizer, use_chat_template).prompt(prompt, system)
