@@ -88,7 +88,7 @@ def run_logits(model, tokens: mx.array) -> mx.array:
     out = []
     for step in steps:
         logits = model(step, cache=cache)[0].astype(mx.float32)  # (l, V or V_local)
-        out.append(logits if shard is None else shard.full_logits(logits))
+        out.append(shard.full_logits(logits))
         mx.eval(out[-1])
     return mx.concatenate(out, axis=0)
 

@@ -36,7 +36,7 @@ def logits_of(model, x: mx.array) -> np.ndarray:
 
     def whole(logits: mx.array) -> mx.array:  # (1, L, V or V_local) -> (L, V)
         logits = logits[0].astype(mx.float32)
-        return logits if shard is None else shard.full_logits(logits)
+        return shard.full_logits(logits)
 
     out = [whole(model(x[:, :-3], cache=cache))]
     mx.eval(out)

@@ -38,7 +38,7 @@ def main() -> None:
         return logits[:, -1].astype(mx.float32)
 
     logits = last(model(mx.array([ids]), cache=cache))
-    first = np.array(logits[0] if shard is None else shard.full_logits(logits)[0])
+    first = np.array(shard.full_logits(logits)[0])
     tokens = [int(sampler(logits).item())]
     for _ in range(args.tokens - 1):
         tokens.append(int(sampler(last(model(mx.array([[tokens[-1]]]), cache=cache))).item()))

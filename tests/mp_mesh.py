@@ -42,7 +42,7 @@ def last_logits(model, x: mx.array) -> np.ndarray:
 
     def whole(logits: mx.array) -> mx.array:
         logits = logits[0, -1:].astype(mx.float32)
-        return logits if shard is None else shard.full_logits(logits)
+        return shard.full_logits(logits)
 
     out = [whole(model(x[:, :-3], cache=cache))]
     mx.eval(out[-1])

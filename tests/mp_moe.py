@@ -36,6 +36,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
+from llama_tp.checkpoints.tokenizer import load_tokenizer
 from llama_tp.cluster.distributed import all_gather_object
 from llama_tp.engine.generation import generate_step
 from llama_tp.engine.loader import load_model
@@ -48,27 +49,29 @@ def logits_of(model, x: mx.array) -> np.ndarray:
     """(L, vocab): a prefill, then three cached single-token steps, each evaluated alone
     (a pipeline stage returns the last position of each)."""
     cache = make_prompt_cache(model)
-    shard = vocab_shard(model)
+    shard = vocab_shard(model)  # the whole vocabulary is the one-shard case
     out = []
     for a, b in [(0, x.shape[1] - 3)] + [(i, i + 1) for i in range(x.shape[1] - 3, x.shape[1])]:
         logits = model(x[:, a:b], cache=cache)[0].astype(mx.float32)
-        logits = logits if shard is None else shard.full_logits(logits)
+        logits = shard.full_logits(logits)
         mx.eval(logits)
         out.append(np.array(logits))
     return np.concatenate(out, axis=0)
 
 
-def greedy(model, prompt: list[int], steps: int, draft=None) -> list[int]:
-    sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
-    if draft is None:
+def greedy(model, prompt: list[int], steps: int, tokenizer=None) -> list[int]:
+    """`steps` greedy tokens; with `tokenizer`, through prompt-lookup speculative decoding
+    (no end of sequence: as many tokens as the plain loop)."""
+    if tokenizer is None:
+        sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
         return [int(t) for t, _ in generate_step(model, prompt, sampler, steps)]
-    from llama_tp.engine.drafters import NgramDrafter
-    from llama_tp.engine.speculative import speculative_generate_step
+    from llama_tp.engine.generation import stream_generate
 
-    steps = speculative_generate_step(
-        model, prompt, NgramDrafter(), 4, steps, 0.0, vocab_shard(model), 0
-    )
-    return [int(t) for t, _, _ in steps]
+    out = stream_generate(
+        model, tokenizer, prompt, max_tokens=steps, draft="ngram", num_draft_tokens=4,
+        eos_token_ids=set(),
+    )  # fmt: skip
+    return [r.token for r in out]
 
 
 def expert_bytes(model) -> int:
@@ -154,10 +157,10 @@ def extras(path: str, world) -> dict:
     from llama_tp.engine.perplexity import perplexity
 
     whole = build_model(open_checkpoint(path))
-    sharded, _ = load_model(path, world)
+    sharded, ckpt = load_model(path, world)
     x = mx.array(np.random.default_rng(1).integers(0, whole.args.vocab_size, (1, 48)), mx.int32)
     prompt = ([5, 6, 7, 8] * 6)[:20]  # repeats: prompt lookup finds drafts
-    spec = greedy(sharded, prompt, 32, draft="ngram") == greedy(whole, prompt, 32)
+    spec = greedy(sharded, prompt, 32, load_tokenizer(ckpt)) == greedy(whole, prompt, 32)
     seq, _ = load_model(path, world, sequence_parallel=True)
     diff = float(np.max(np.abs(logits_of(seq, x) - logits_of(whole, x))))
     tokens = x[0].tolist()

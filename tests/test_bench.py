@@ -309,6 +309,7 @@ SECTIONS = {
     "graph-building": ("cpu_path", "overhead_section", "cpu-path"),
     "cpu-path": ("cpu_path", "cpu_section"),
     "serving": ("serving", "serve_section"),
+    "batch-step-overlap": ("batch_step_overlap", "section"),
     "prompt-cache": ("serving", "cache_section"),
     "speculative": ("speculative", "section"),
     "sequence-parallel-memory": ("sequence_parallel_memory", "section"),

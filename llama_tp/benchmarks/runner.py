@@ -110,6 +110,7 @@ def bench_llama_tp(
     prompt = bench_prompt(args, path, model, group)
     sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
     drafter, spec = bench_drafter(args, path, model, group, ckpt.placement.plan.weights), []
+    tokenizer = None if drafter is None else bench_tokenizer(path, group)
 
     def trial(prompt=prompt, max_tokens=args.generation_tokens):
         if drafter is None:
@@ -117,23 +118,26 @@ def bench_llama_tp(
                 model, prompt, sampler, max_tokens, prefill_step_size=args.prefill_step_size
             )
             return timed(steps, len(prompt))
-        from ..engine.speculative import SpecStats, speculative_generate_step
+        from ..engine.generation import stream_generate
 
-        drafter.reset()
-        spec.append(SpecStats())
-        steps = speculative_generate_step(
+        responses = stream_generate(
             model,
+            tokenizer,
             prompt,
-            drafter,
-            args.num_draft_tokens,
-            max_tokens,
-            0.0,
-            vocab_shard(model),
-            0,
-            stats=spec[-1],
+            max_tokens=max_tokens,
+            seed=0,
+            eos_token_ids=set(),
+            draft=drafter,
+            num_draft_tokens=args.num_draft_tokens,
             prefill_step_size=args.prefill_step_size,
         )
-        return timed(((t, lg) for t, lg, _ in steps), len(prompt))
+
+        def steps():
+            for r in responses:
+                yield r.token, None
+            spec.append(r.speculative)
+
+        return timed(steps(), len(prompt))
 
     res = run_trials(trial, args.num_trials)
     if ckpt.placement is not None and ckpt.placement.plan.experts is not None:
@@ -249,6 +253,14 @@ def bench_prompt(args: Any, path: Path, model: Any, group: mx.distributed.Group)
     return broadcast_object(ids.tolist(), group)
 
 
+def bench_tokenizer(path: Path, group: mx.distributed.Group):
+    """The tokenizer of the checkpoint at `path`."""
+    from ..checkpoints import open_checkpoint
+    from ..checkpoints.tokenizer import load_tokenizer
+
+    return load_tokenizer(open_checkpoint(path, group.rank(), group.size()))
+
+
 def bench_drafter(
     args: Any, path: Path, model: Any, group: mx.distributed.Group, split: Any = None
 ):
@@ -259,10 +271,7 @@ def bench_drafter(
         return None
     if args.draft == "ngram":
         return NgramDrafter()
-    from ..checkpoints import open_checkpoint
-    from ..checkpoints.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(open_checkpoint(path, group.rank(), group.size()))
+    tok = bench_tokenizer(path, group)
     draft = load_draft(args.draft, model, tok, group, args.draft_sharded, split)
     return make_drafter(draft, model)
 

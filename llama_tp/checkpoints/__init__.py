@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cluster.distributed import first_line
 from .base import Checkpoint, CheckpointError
 
 __all__ = ["Checkpoint", "CheckpointError", "open_checkpoint", "quantization_of"]
@@ -56,9 +57,9 @@ def _download(repo: str) -> Path:
     try:
         return Path(mlx_lm_download(repo))
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
-            f"{repo}: not a local path, and fetching it from the Hugging Face hub failed ({first})"
+            f"{repo}: not a local path, and fetching it from the Hugging Face hub failed "
+            f"({first_line(e)})"
         ) from None
 
 

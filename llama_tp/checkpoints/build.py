@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cluster.distributed import first_line
 from ..model import Transformer
 from ..models import build
 from . import quantization_of
@@ -63,8 +64,9 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, weights: list[tuple[str, mx
         model.load_weights(weights, strict=True)
     except ValueError as e:
         # mlx lists every mismatching name; keep the first line, it names the problem.
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"{ckpt.path}: weights do not match the config: {first}") from None
+        raise CheckpointError(
+            f"{ckpt.path}: weights do not match the config: {first_line(e)}"
+        ) from None
 
 
 def empty_split_model(ckpt: Checkpoint) -> Transformer:

@@ -75,13 +75,6 @@ def to_model_name(name: str) -> str:
     return name
 
 
-def _scalar(meta: dict, key: str, default=None):
-    value = meta.get(key, default)
-    if isinstance(value, mx.array):
-        return value.item()
-    return value
-
-
 def _experts(arch: str, get, weights: dict[str, mx.array], n_layers: int) -> dict:
     """The mixture-of-experts and qk-norm fields of ModelArgs from the metadata: the
     experts' widths, and which layers have them, from the tensors themselves."""
@@ -112,14 +105,10 @@ def _experts(arch: str, get, weights: dict[str, mx.array], n_layers: int) -> dic
 def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> ModelArgs:
     """ModelArgs from the `{arch}.*` metadata (the vocabulary size from the embedding
     if the metadata lacks it)."""
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: {unsupported('GGUF architecture', arch, GGUF_ARCHITECTURES)}"
-        )
+    arch = meta["general.architecture"]  # one of GGUF_ARCHITECTURES: `read` checked it
 
     def get(key, default=None):
-        return _scalar(meta, f"{arch}.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     n_heads = get("attention.head_count")
     dim = get("embedding_length")

@@ -27,10 +27,10 @@ from . import gguf_quants as gq
 from .base import CheckpointError
 from .gguf_header import GGUFHeader
 from .gguf_header import TensorInfo as GGUFTensor
-from .safetensors import pread_into
+from .safetensors import DTYPES, pread_into, read_dense
 
 _CHUNK = 8 << 20  # source bytes converted at a time
-_MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+_MX = {k: DTYPES[k][1] for k in ("F32", "F16", "BF16")}  # GGUF's float types, as MLX reads them
 _PARTS = ("weight", "scales", "biases")
 
 
@@ -90,15 +90,18 @@ class GGUFFile:
             shape = (1, *shape)
         *lead, R, C = shape
         E = lead[0] if lead else 1  # stacked experts: E matrices of R rows, one after another
-        rows, cols, n = [(0, E * R)], (0, C), E
+        rows, cols, n, dense = [(0, E * R)], (0, C), E, (None, 0, 0)
         if axis is not None and axis == len(t.shape) - 1:  # in the part's units: proportional
             cols = (start * C // t.shape[-1], stop * C // t.shape[-1])
+            dense = (len(shape) - 1, *cols)
         elif axis is not None and axis == len(t.shape) - 2:
             rows = [(e * R + start, e * R + stop) for e in range(E)]
+            dense = (len(shape) - 2, start, stop)
         elif axis is not None:  # whole experts
             rows, n = [(start * R, stop * R)], stop - start
+            dense = (0, start, stop)
         if src.type_name in _MX:
-            out = self._read_float(src, rows, cols)
+            out = read_dense(self.path, src.offset, shape, src.type_name, *dense)
         else:  # weight, scales and biases come from one read: kept until all are taken
             key = (t.source, tuple(rows), cols)
             if key not in self._cache:
@@ -111,30 +114,6 @@ class GGUFFile:
         if len(t.shape) == 1:
             return out.reshape(-1)
         return out.reshape(n, -1, out.shape[-1]) if len(t.shape) == 3 else out
-
-    def _read_float(self, src: GGUFTensor, rows: list[tuple], cols: tuple) -> mx.array:
-        """Value rows `rows` (ranges of the tensor seen as (rows, cols)) and columns `cols`."""
-        dtype = _MX[src.type_name]
-        read_as = mx.uint16 if dtype == mx.bfloat16 else dtype
-        size = read_as.size
-        width = src.shape[0]  # values per row (ggml's fastest dimension)
-        n = sum(b - a for a, b in rows)
-        out = mx.zeros((n, cols[1] - cols[0]), dtype=read_as)
-        mx.eval(out)
-        buf = memoryview(out).cast("B")
-        row, inner = width * size, (cols[1] - cols[0]) * size
-        done = 0
-        with self._fd() as fd:
-            for r0, r1 in rows:
-                first = src.offset + r0 * row + cols[0] * size
-                if inner == row:  # whole rows: one contiguous range
-                    self._pread(buf[done * inner : (done + r1 - r0) * inner], first, fd)
-                else:
-                    for i in range(r1 - r0):
-                        at = (done + i) * inner
-                        self._pread(buf[at : at + inner], first + i * row, fd)
-                done += r1 - r0
-        return out.view(dtype) if dtype != read_as else out
 
     def _read_quantized(
         self, name: str, src: GGUFTensor, rows: list[tuple], cols: tuple
@@ -170,11 +149,13 @@ class GGUFFile:
                     b = min(r1, a + step)
                     raw = np.empty((b - a, width), np.uint8)
                     if width == row_bytes:
-                        self._pread(memoryview(raw).cast("B"), src.offset + a * row_bytes, fd)
+                        pread_into(
+                            fd, memoryview(raw).cast("B"), src.offset + a * row_bytes, self.path
+                        )
                     else:
                         for i in range(b - a):
                             at = src.offset + (a + i) * row_bytes + b0 * size
-                            self._pread(memoryview(raw[i]), at, fd)
+                            pread_into(fd, memoryview(raw[i]), at, self.path)
                     try:
                         w, s, z = gq.to_mlx(src.type_name, raw)
                     except ValueError as e:
@@ -188,12 +169,6 @@ class GGUFFile:
 
     def _fd(self):
         return _File(self.path)
-
-    def _pread(self, buf: memoryview, offset: int, fd: int | None = None) -> None:
-        if fd is None:
-            with self._fd() as own:
-                return self._pread(buf, offset, own)
-        pread_into(fd, buf, offset, self.path)
 
 
 class _File:

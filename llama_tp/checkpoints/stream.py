@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+
+from ..cluster import progress as bars
 
 _NAMES = {
     mx.float32: "F32",
@@ -64,8 +65,6 @@ def write_streaming(
 ) -> tuple[int, list[str]]:
     """Write `tensors` (name -> (shape, dtype, read)) into `out` as mlx-lm names its files;
     returns (bytes, file names). `read()` is called once per tensor, in name order."""
-    from tqdm import tqdm  # a dependency of transformers and huggingface_hub
-
     names = sorted(tensors)
     sizes = [math.prod(tensors[k][0]) * tensors[k][1].size for k in names]
     which = _plan_files(sizes, max_bytes)
@@ -76,10 +75,7 @@ def write_streaming(
         else [f"model-{i:05d}-of-{n_files:05d}.safetensors" for i in range(1, n_files + 1)]
     )
     total = sum(sizes)
-    bar = tqdm(
-        total=total, unit="B", unit_scale=True, desc="converting", file=sys.stderr,
-        disable=not progress,
-    )  # fmt: skip
+    bar = bars.progress(desc="converting", total=total, enabled=progress, unit="B", unit_scale=True)
     weight_map: dict[str, str] = {}
     with bar:
         for i, file in enumerate(files):

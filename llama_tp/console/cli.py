@@ -18,7 +18,7 @@ from typing import NoReturn
 import mlx.core as mx
 
 from ..cluster import watchdog
-from ..cluster.distributed import agree_ok, is_rank0
+from ..cluster.distributed import agree_ok, first_line, is_rank0
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -219,8 +219,6 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 
 def draft_source(args: argparse.Namespace) -> str | None:
     """'ngram', a draft model's path, or None; UsageError for conflicting or bad flags."""
-    from ..engine.drafters import MAX_DRAFT_TOKENS
-
     if args.draft and args.draft_model:
         raise UsageError("give --draft or --draft-model, not both")
     source = args.draft or args.draft_model
@@ -228,20 +226,14 @@ def draft_source(args: argparse.Namespace) -> str | None:
         if args.draft_sharded:
             raise UsageError("--draft-sharded needs --draft-model PATH")
         return None
-    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+    if args.num_draft_tokens < 1:
+        from ..engine.settings import MAX_DRAFT_TOKENS
+
         raise UsageError(
             f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.num_draft_tokens}"
         )
     if source == "ngram" and args.draft_sharded:
         raise UsageError("--draft-sharded needs a draft model, not ngram")
-    if (
-        getattr(args, "top_p", 1.0) < 1
-        or getattr(args, "min_p", 0) > 0
-        or getattr(args, "top_k", 0)
-    ):
-        raise UsageError(
-            "speculative decoding samples with --temp only: drop --top-p, --min-p and --top-k"
-        )
     return source
 
 
@@ -260,19 +252,36 @@ def load_draft_checked(
         return load_draft(source, model, tokenizer, group, args.draft_sharded, split)
 
 
+# The sampling flags, by the name of the setting they give (engine/settings.py).
+SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "num_draft_tokens": "--num-draft-tokens",
+}
+
+
+def sampling_params(args: argparse.Namespace):
+    """The command's sampling flags as the engine's validated `SamplingParams` (the seed
+    left out: it is agreed at generation); UsageError naming the flag."""
+    from ..engine.settings import SamplingParams, SettingsError
+
+    try:
+        return SamplingParams(
+            args.max_tokens, args.temp, args.top_p, args.min_p, args.top_k,
+            num_draft_tokens=getattr(args, "num_draft_tokens", 0),
+        )  # fmt: skip
+    except SettingsError as e:
+        raise UsageError(e.named(SAMPLING_FLAGS.get(e.field, e.field))) from None
+
+
 def check_model_args(args: argparse.Namespace) -> None:
     """Raise UsageError, naming the value, for sampling flags out of range; apply --quiet."""
     quiet(args.quiet)
-    if args.max_tokens <= 0:
-        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
-    if args.temp < 0:
-        raise UsageError(f"--temp must be >= 0, got {args.temp}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.min_p <= 1:
-        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    sampling_params(args)
     check_mesh_args(args)
     if hasattr(args, "draft"):
         draft_source(args)
@@ -327,8 +336,7 @@ def _report(e: Exception) -> None:
     except Exception:  # the group itself failed to form
         rank0 = watchdog.rank_label() == "0"
     if rank0:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {text}", file=sys.stderr, flush=True)
+        print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
 
 
 def load_checked(args, group: mx.distributed.Group):

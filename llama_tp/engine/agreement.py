@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..checkpoints.fingerprint import digest, tokenizer_fingerprint, weights_fingerprint
-from ..cluster.distributed import all_gather_object, world
+from ..cluster.distributed import all_gather_object, first_line, world
 from ..parallel.shares import weights_text
 
 CHECK_EVERY = 16  # tokens between the ranks' comparisons of what they generated
@@ -185,7 +185,7 @@ def check_agreement(
         mine: dict[str, Any] = local_facts(model, ckpt, tokenizer, group)
         error = None
     except Exception as e:  # e.g. a weight file that cannot be read: tell the others
-        mine, error = {"error": str(e).strip().splitlines()[0] if str(e).strip() else repr(e)}, e
+        mine, error = {"error": first_line(e)}, e
     facts = all_gather_object(mine, group)
     if error is not None:
         raise error
