@@ -4,8 +4,11 @@ The loader's sliced reading (`engine/loader.py`) asks a source for `(stored name
 axis, start, stop)` in the units of the array it gets back; here every quantized
 GGUF tensor `X.weight` appears as the three MLX arrays `X.weight` (packed uint32),
 `X.scales` and `X.biases` (group size 32, see `gguf_quants.py`), and float tensors
-as themselves. A row slice reads one contiguous byte range; a column slice reads,
-per row, the blocks covering the columns (a block of 256 values that straddles
+as themselves. With `blocks` (the native kernels are on, `llama_tp.kernels`), a
+quantized tensor stays as the file stores it: `X.weight` uint8 (rows, blocks * bytes),
+sliced in value units (rows, columns) into the whole blocks covering them. A row
+slice reads one contiguous byte range; a column slice reads, per row, the blocks
+covering the columns (a block of 256 values that straddles
 the boundary is read by both neighbours and cut on the 32-value group boundary, so
 the result is exactly that slice of the whole tensor). Bytes are read with
 `os.preadv` into numpy buffers, converted in chunks of rows, and written straight
@@ -39,7 +42,7 @@ class Part:
     shape: tuple[int, ...]
     dtype: mx.Dtype
     source: str  # the GGUF tensor's name
-    part: str  # "weight", "scales" or "biases"
+    part: str  # "weight", "scales", "biases", or "blocks" (shape in values, not bytes)
 
 
 class GGUFFile:
@@ -47,10 +50,13 @@ class GGUFFile:
 
     `tensors` maps `name` (the GGUF name; `.scales`/`.biases` added for quantized
     ones) to a `Part` with the MLX shape. `bits[name]` is the MLX width of each
-    quantized GGUF tensor.
+    quantized GGUF tensor. With `blocks`, quantized tensors of the types the native
+    kernels compute are kept as stored (`Part.part == "blocks"`).
     """
 
-    def __init__(self, path: Path, header: GGUFHeader):
+    def __init__(self, path: Path, header: GGUFHeader, blocks: bool = False):
+        from ..kernels import GGUF_TYPES
+
         self.path = path
         self.gguf: dict[str, GGUFTensor] = header.tensors
         self.tensors: dict[str, Part] = {}
@@ -61,6 +67,9 @@ class GGUFFile:
             bits = gq.mlx_bits(t.type_name)
             if bits is None:
                 self.tensors[name] = Part(shape, _MX[t.type_name], name, "weight")
+                continue
+            if blocks and t.type_name in GGUF_TYPES and len(shape) == 2:
+                self.tensors[name] = Part(shape, mx.uint8, name, "blocks")
                 continue
             if len(shape) != 2 or shape[1] % gq.GROUP:
                 raise CheckpointError(f"{path}: tensor {name!r}: cannot hold shape {list(shape)}")
@@ -74,7 +83,14 @@ class GGUFFile:
     def placeholder(self, name: str) -> mx.array:
         """A lazy array of `name`'s shape and dtype (never evaluated: sources replace it)."""
         t = self.tensors[name]
+        if t.part == "blocks":
+            per, size = self.gguf[name].block
+            return mx.zeros((t.shape[0], t.shape[1] // per * size), dtype=mx.uint8)
         return mx.zeros(t.shape, dtype=t.dtype)
+
+    def block_type(self, name: str) -> str | None:
+        """The GGUF type of a tensor kept as stored blocks, else None."""
+        return self.gguf[name].type_name if self.tensors[name].part == "blocks" else None
 
     def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
         """Array `name`, whole (`axis` None) or its slice [start, stop) along axis 0 or 1."""
@@ -94,6 +110,8 @@ class GGUFFile:
         if key not in self._cache:
             if src.type_name in _MX:
                 return self._read_float(src, shape, rows, cols)
+            if t.part == "blocks":
+                return self._read_blocks(src, rows, cols)
             self._cache[key] = self._read_quantized(t.source, src, rows, cols)
         parts = self._cache[key]
         out = parts.pop(t.part)
@@ -122,6 +140,25 @@ class GGUFFile:
                 for i in range(rows[1] - rows[0]):
                     self._pread(buf[i * inner : (i + 1) * inner], first + i * row, fd)
         return out.view(dtype) if dtype != read_as else out
+
+    def _read_blocks(self, src: GGUFTensor, rows: tuple, cols: tuple) -> mx.array:
+        """Rows [r0, r1) of the whole blocks covering value columns [c0, c1), as stored."""
+        per, size = src.block
+        (r0, r1), (c0, c1) = rows, cols
+        b0, b1 = c0 // per, -(-c1 // per)
+        row_bytes = src.shape[0] // per * size
+        out = mx.zeros((r1 - r0, (b1 - b0) * size), dtype=mx.uint8)
+        mx.eval(out)
+        buf = memoryview(out).cast("B")
+        width = (b1 - b0) * size
+        if width == row_bytes:
+            self._pread(buf, src.offset + r0 * row_bytes)
+            return out
+        with self._fd() as fd:
+            for i in range(r1 - r0):
+                at = src.offset + (r0 + i) * row_bytes + b0 * size
+                self._pread(buf[i * width : (i + 1) * width], at, fd)
+        return out
 
     def _read_quantized(
         self, name: str, src: GGUFTensor, rows: tuple, cols: tuple

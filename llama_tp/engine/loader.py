@@ -16,8 +16,9 @@ from ..checkpoints import open_checkpoint
 from ..checkpoints.base import Checkpoint, CheckpointError
 from ..checkpoints.build import build_model, build_split, load_weights
 from ..checkpoints.safetensors import READ
-from ..cluster.distributed import agree_ok, barrier, world
+from ..cluster.distributed import agree_ok, all_gather_object, barrier, eprint0, world
 from ..cluster.progress import progress
+from ..kernels.layers import use_native
 from ..model import Transformer
 from ..parallel.cast import cast_model
 from ..parallel.parallelize import Parallelized
@@ -61,17 +62,43 @@ def _read_weights(model: Transformer, ckpt: Checkpoint, done: Parallelized | Non
 
 
 def _open(
-    path: str | Path, group: mx.distributed.Group, model_group: mx.distributed.Group
+    path: str | Path,
+    group: mx.distributed.Group,
+    model_group: mx.distributed.Group,
+    blocks: bool = False,
 ) -> Checkpoint:
     """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
     model); if any rank of `group` fails, every rank raises."""
     ckpt, error = None, None
     try:
-        ckpt = open_checkpoint(path, model_group.rank(), model_group.size())
+        ckpt = open_checkpoint(path, model_group.rank(), model_group.size(), blocks)
     except Exception as e:
         error = e
     agree_ok(error, group)
     return ckpt
+
+
+def native_kernels(dtype: str | None, group: mx.distributed.Group) -> bool:
+    """Whether quantized products take the native kernels (`llama_tp.kernels`): on the CPU,
+    weights kept quantized (no `dtype`), and the extension loaded on every rank of
+    `group` (all or none: the ranks hold the same layer kinds). The one fallback
+    warning, with its reason, goes to rank 0's stderr."""
+    from .. import kernels
+
+    if dtype is not None or mx.default_device() != mx.cpu:
+        return False
+    mine = kernels.status()
+    every = all_gather_object(mine.native, group) if group.size() > 1 else [mine.native]
+    if all(every):
+        kernels.set_threads(kernels.default_threads(group.size()))
+        return True
+    warning = kernels.fallback_warning()
+    if warning is None and mine.native:
+        off = [r for r, ok in enumerate(every) if not ok]
+        warning = f"warning: native kernels off on rank {off[0]}: MLX's kernel on every rank"
+    if warning:
+        eprint0(warning, group=group)
+    return False
 
 
 def load_model(
@@ -126,10 +153,11 @@ def load_model(
         mesh = whole_mesh if whole_mesh.pp > 1 else None
         if mesh is not None and (plan is not None or sequence_parallel):
             raise ValueError("--tp/--pp take the built-in plan, without --sequence-parallel")
+    native = native_kernels(dtype, group)
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
-    ckpt = _open(path, group, model_group)
+    ckpt = _open(path, group, model_group, blocks=native)
     ckpt.mesh = whole_mesh
     error = done = None
     try:
@@ -159,6 +187,8 @@ def load_model(
             _read_weights(model, ckpt, done)
         if dtype is not None:
             cast_model(model, dtype)
+        elif native:
+            use_native(model)
     except Exception as e:
         error = e
     agree_ok(error, group)
@@ -182,12 +212,15 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
     `group` fails, every rank raises."""
     group = group or world()
     model = ckpt = error = None
+    native = native_kernels(None, group)
     try:
-        ckpt = open_checkpoint(path, 0, 1)
+        ckpt = open_checkpoint(path, 0, 1, blocks=native)
         if ckpt.format == "split":
             raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
         model = build_model(ckpt, whole=False)
         _read_weights(model, ckpt, None)  # every tensor whole, read once
+        if native:
+            use_native(model)
     except Exception as e:
         error = e
     agree_ok(error, group)

@@ -54,8 +54,8 @@ def ffn_unit(model: nn.Module, n: int) -> int | None:
     another rank also reads) where the columns still split over `n` ranks in such units."""
     group = getattr(model.layers[0].feed_forward.w2, "group_size", None)
     block = getattr(model, "ffn_block", None)
-    if group and block:
-        unit = math.lcm(group, block)
+    if block:  # GGUF blocks as stored (no group size): any split is exact, blocks save memory
+        unit = math.lcm(group or 1, block)
         if model.args.hidden_dim % unit == 0 and model.args.hidden_dim // unit >= n:
             return unit
     return group

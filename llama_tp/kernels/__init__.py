@@ -1,0 +1,96 @@
+"""Native CPU kernels for quantized matrix products: an MLX extension, and its fallback.
+
+`quantized_matmul` is `mx.quantized_matmul` for the layers: on MLX's CPU stream, with the
+extension loaded (`native.status()`), MLX affine 4- and 8-bit weights (group size 32,
+64, 128) go to the native kernels; anything else (another device, mode or width) to
+MLX's. `gguf_matmul` / `gguf_dequantize` compute GGUF blocks as the file stores them
+(`GGUF_TYPES`): layers holding those exist only while the native path is on (the
+loader converts GGUF to MLX's layout otherwise). The C++ is in `src/` (qmv.h tells the
+method); `python -m llama_tp.kernels` builds, checks and reports.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .native import Status, default_threads, ext, fallback_warning, set_threads, status
+
+__all__ = [
+    "GGUF_TYPES",
+    "Status",
+    "default_threads",
+    "fallback_warning",
+    "gguf_dequantize",
+    "gguf_matmul",
+    "quantized_matmul",
+    "set_threads",
+    "status",
+]
+
+# GGUF types the kernels compute as stored: name -> (ggml type id, values, bytes per block)
+GGUF_TYPES = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q2_K": (10, 256, 84),
+    "Q3_K": (11, 256, 110),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+_AFFINE = {4: 1004, 8: 1008}  # MLX affine bits -> the kernels' format id
+
+
+def _on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+) -> mx.array:
+    """`mx.quantized_matmul`, through the native kernels where they apply:
+    x (..., in) @ W^T -> (..., out) for W (out, in * bits / 32) uint32."""
+    e = ext()
+    if (
+        e is not None
+        and transpose
+        and mode == "affine"
+        and biases is not None
+        and bits in _AFFINE
+        and group_size in (32, 64, 128)
+        and _on_cpu()
+    ):
+        return e.qmatmul(x, w, scales, biases, format=_AFFINE[bits], group_size=group_size)
+    return mx.quantized_matmul(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
+    )
+
+
+def gguf_matmul(x: mx.array, w: mx.array, type_name: str, lead: int = 0) -> mx.array:
+    """x (..., n) @ W^T -> (..., rows) for GGUF blocks w (rows, blocks * bytes) uint8, x's
+    values at columns [lead, lead + n) of the blocks (a column slice of the tensor)."""
+    return _native("gguf_matmul").qmatmul(x, w, format=GGUF_TYPES[type_name][0], lead=lead)
+
+
+def gguf_dequantize(
+    w: mx.array, type_name: str, lead: int, n: int, dtype: mx.Dtype = mx.float16
+) -> mx.array:
+    """Rows of GGUF blocks (..., blocks * bytes) uint8 -> their values [lead, lead + n)."""
+    code = GGUF_TYPES[type_name][0]
+    return _native("gguf_dequantize").dequantize(w, format=code, lead=lead, n=n, dtype=dtype)
+
+
+def _native(what: str):
+    e = ext()
+    if e is None:
+        raise RuntimeError(f"{what} needs the native kernels: {status().reason}")
+    return e

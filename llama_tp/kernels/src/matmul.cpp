@@ -1,0 +1,55 @@
+#include "matmul.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "pool.h"
+
+namespace lt {
+
+namespace {
+
+struct Job {
+  RowsFn fn;
+  const Matrix* w;
+  const std::vector<XRow>* xs;
+  int N, chunk;
+  float* y;
+};
+
+void run_chunk(void* ctx, int i) {
+  const Job& j = *static_cast<const Job*>(ctx);
+  int r0 = i * j.chunk, r1 = std::min(j.N, r0 + j.chunk);
+  // every activation row against this chunk's rows: the chunk's weights are read from
+  // memory once and from cache for the other rows
+  for (size_t b = 0; b < j.xs->size(); b++) j.fn(*j.w, (*j.xs)[b], r0, r1, j.y + b * j.N + r0);
+}
+
+}  // namespace
+
+void matmul(const Kernels& k, const Matrix& w, int N, const float* x, int B, int n, int lead,
+            float* y) {
+  thread_local std::vector<int16_t> q;
+  thread_local std::vector<float> d, m;
+  const int K = w.k;
+  q.resize((size_t)B * K);
+  d.resize((size_t)B * K / 32);
+  m.resize((size_t)B * K / 16);
+  std::vector<XRow> xs(B);
+  for (int b = 0; b < B; b++) {
+    int16_t* qb = q.data() + (size_t)b * K;
+    float* db = d.data() + (size_t)b * K / 32;
+    float* mb = m.data() + (size_t)b * K / 16;
+    quantize_row(x + (size_t)b * n, n, lead, K, order_of(w.format), qb, db, mb);
+    xs[b] = {qb, db, mb};
+  }
+  Pool& pool = Pool::get();
+  int threads = pool.threads();
+  // About 4 chunks per thread (uneven cores, other work), each at least 16 rows.
+  int chunk = std::max(16, (N + 4 * threads - 1) / (4 * threads));
+  chunk = (chunk + 3) / 4 * 4;
+  Job job{rows_fn(k, w.format), &w, &xs, N, chunk, y};
+  pool.run((N + chunk - 1) / chunk, run_chunk, &job);
+}
+
+}  // namespace lt
