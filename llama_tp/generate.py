@@ -157,6 +157,7 @@ def main() -> int:
         eprint0(f"Loading: {load}")
         if ckpt.notes:
             eprint0(f"Weights: {'; '.join(ckpt.notes)}")
+        eprint0(f"Matrix products: {ckpt.products}")
         if mesh is not None:
             eprint0(f"Mesh: --tp {mesh.tp} x --pp {mesh.pp}")
             eprint0("\n".join(stages))

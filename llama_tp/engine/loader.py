@@ -78,6 +78,21 @@ def _open(
     return ckpt
 
 
+def products_path(dtype: str | None, native: bool) -> str:
+    """What computes the model's matrix products, for --verbose."""
+    from .. import kernels
+
+    if dtype is not None:
+        return f"{dtype} weights, MLX's matmul"
+    if native:
+        return kernels.status().describe()
+    if mx.default_device() != mx.cpu:
+        return f"MLX's quantized_matmul on {mx.default_device()}"
+    if kernels.status().native:  # but not on every rank
+        return "MLX's quantized_matmul (the native kernels are off on another rank)"
+    return kernels.status().describe()
+
+
 def native_kernels(dtype: str | None, group: mx.distributed.Group) -> bool:
     """Whether quantized products take the native kernels (`llama_tp.kernels`): on the CPU,
     weights kept quantized (no `dtype`), and the extension loaded on every rank of
@@ -154,11 +169,13 @@ def load_model(
         if mesh is not None and (plan is not None or sequence_parallel):
             raise ValueError("--tp/--pp take the built-in plan, without --sequence-parallel")
     native = native_kernels(dtype, group)
+    products = products_path(dtype, native)
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
     ckpt = _open(path, group, model_group, blocks=native)
     ckpt.mesh = whole_mesh
+    ckpt.products = products
     error = done = None
     try:
         if mesh is not None:  # the stage reads its own layers' slices

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .native import Status, default_threads, ext, fallback_warning, set_threads, status
+from .native import Status, default_threads, ext, fallback_warning, off, set_threads, status
 
 __all__ = [
     "GGUF_TYPES",
@@ -22,6 +22,7 @@ __all__ = [
     "fallback_warning",
     "gguf_dequantize",
     "gguf_matmul",
+    "off",
     "quantized_matmul",
     "set_threads",
     "status",
@@ -78,7 +79,8 @@ def quantized_matmul(
 def gguf_matmul(x: mx.array, w: mx.array, type_name: str, lead: int = 0) -> mx.array:
     """x (..., n) @ W^T -> (..., rows) for GGUF blocks w (rows, blocks * bytes) uint8, x's
     values at columns [lead, lead + n) of the blocks (a column slice of the tensor)."""
-    return _native("gguf_matmul").qmatmul(x, w, format=GGUF_TYPES[type_name][0], lead=lead)
+    code = GGUF_TYPES[type_name][0]
+    return _native("gguf_matmul").qmatmul(x, w, format=code, lead=lead, stream=mx.cpu)
 
 
 def gguf_dequantize(
@@ -86,11 +88,13 @@ def gguf_dequantize(
 ) -> mx.array:
     """Rows of GGUF blocks (..., blocks * bytes) uint8 -> their values [lead, lead + n)."""
     code = GGUF_TYPES[type_name][0]
-    return _native("gguf_dequantize").dequantize(w, format=code, lead=lead, n=n, dtype=dtype)
+    e = _native("gguf_dequantize")
+    return e.dequantize(w, format=code, lead=lead, n=n, dtype=dtype, stream=mx.cpu)
 
 
 def _native(what: str):
-    e = ext()
-    if e is None:
+    from . import native
+
+    if native._ext is None:  # GGUF blocks as stored exist only where the module loaded
         raise RuntimeError(f"{what} needs the native kernels: {status().reason}")
-    return e
+    return native._ext

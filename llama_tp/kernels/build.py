@@ -89,9 +89,11 @@ def _find_cmake() -> str:
 
 def _check_tools() -> str:
     """The CMake to use; raises BuildError naming what is missing."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    cxx = cxx or shutil.which("clang++")
-    if not cxx:
+    given = os.environ.get("CXX")
+    if given:  # CMake takes $CXX when set
+        if not shutil.which(given.split()[0]):
+            raise BuildError(f"no C++ compiler ($CXX={given} not found): apt-get install g++")
+    elif not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         raise BuildError("no C++ compiler (c++, g++ or clang++): apt-get install g++")
     try:
         import nanobind  # noqa: F401

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -40,6 +42,8 @@ class Status:
 _status: Status | None = None
 _ext: ModuleType | None = None
 _warned = False
+_off = 0  # depth of `off()` blocks
+_OFF = Status(False, "turned off (llama_tp.kernels.off)")
 
 
 def default_threads(ranks_here: int = 1) -> int:
@@ -107,9 +111,24 @@ def _load() -> Status:
 def status() -> Status:
     """Which path quantized CPU products take (loading, or building, the module once)."""
     global _status
+    if _off:
+        return _OFF
     if _status is None:
         _status = _load()
     return _status
+
+
+@contextmanager
+def off() -> Iterator[None]:
+    """Inside: everything runs as without the extension (models loaded inside hold GGUF
+    converted to MLX's layout; products called inside use MLX's kernel). For comparing
+    the two paths in one process."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
 
 
 def ext() -> ModuleType | None:
@@ -129,7 +148,7 @@ def fallback_warning() -> str | None:
     call, when the native path is on, or when the user chose MLX's)."""
     global _warned
     st = status()
-    if st.native or _warned or st.reason == f"{ENV}=mlx":
+    if st.native or _warned or st is _OFF or st.reason == f"{ENV}=mlx":
         return None
     _warned = True
     return f"warning: quantized matrix products use MLX's slower kernel: {st.reason}"
