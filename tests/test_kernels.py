@@ -23,6 +23,7 @@ from conftest import ROOT, run_python
 
 from llama_tp import kernels
 from llama_tp.kernels import GGUF_TYPES, build, native
+from llama_tp.kernels.blocks import random_blocks
 
 KERNEL_RTOL = 2e-4  # max |kernel - reference| / max |reference|, per product
 
@@ -87,20 +88,6 @@ def test_affine_matches_mx_quantized_matmul(bits, group_size):
             assert _rel(got, exact) <= bound, (batch, dtype, _rel(got, exact))
 
 
-def _random_blocks(type_name: str, rows: int, blocks: int, rng) -> np.ndarray:
-    """(rows, blocks * bytes) of random GGUF blocks, their float16 fields sane."""
-    _, per, size = GGUF_TYPES[type_name]
-    raw = rng.integers(0, 256, size=(rows * blocks, size), dtype=np.uint8)
-    fields = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2)}
-    fields |= {"Q5_K": (0, 2), "Q6_K": (208,)}
-    for at in fields.get(type_name, (0,)):
-        scale = rng.uniform(0.001, 0.05, size=rows * blocks).astype(np.float16)
-        if type_name in ("Q4_1", "Q5_1") and at == 2:
-            scale = -scale * 8  # a minimum
-        raw[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, blocks * size)
-
-
 def _gguf_py(raw: np.ndarray, type_name: str) -> np.ndarray:
     import gguf
 
@@ -114,7 +101,7 @@ def test_gguf_blocks_match_gguf_py(ext, type_name):
     the product against gguf-py's dequantization in float64, and the dequantization."""
     rng = np.random.default_rng(GGUF_TYPES[type_name][0])
     _, per, size = GGUF_TYPES[type_name]
-    raw = _random_blocks(type_name, 37, 3, rng)
+    raw = random_blocks(type_name, 37, 3, rng)
     dense = _gguf_py(raw, type_name)  # (37, 3 * per)
     w = mx.array(raw)
     got = kernels.gguf_dequantize(w, type_name, 0, 3 * per, mx.float32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .blocks import GGUF_TYPES
 from .native import Status, default_threads, ext, fallback_warning, off, set_threads, status
 
 __all__ = [
@@ -28,19 +29,6 @@ __all__ = [
     "status",
 ]
 
-# GGUF types the kernels compute as stored: name -> (ggml type id, values, bytes per block)
-GGUF_TYPES = {
-    "Q4_0": (2, 32, 18),
-    "Q4_1": (3, 32, 20),
-    "Q5_0": (6, 32, 22),
-    "Q5_1": (7, 32, 24),
-    "Q8_0": (8, 32, 34),
-    "Q2_K": (10, 256, 84),
-    "Q3_K": (11, 256, 110),
-    "Q4_K": (12, 256, 144),
-    "Q5_K": (13, 256, 176),
-    "Q6_K": (14, 256, 210),
-}
 _AFFINE = {4: 1004, 8: 1008}  # MLX affine bits -> the kernels' format id
 
 

@@ -16,22 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 
-from . import GGUF_TYPES, gguf_dequantize, gguf_matmul, quantized_matmul
-
-
-def block_span(start: int, stop: int, type_name: str) -> tuple[int, int, int]:
-    """Columns [start, stop) of a GGUF row -> (first byte, end byte, lead): the blocks
-    covering them, and how many values of the first block come before `start`."""
-    _, per, size = GGUF_TYPES[type_name]
-    b0, b1 = start // per, -(-stop // per)
-    return b0 * size, b1 * size, start - b0 * per
-
-
-def row_bytes(cols: int, type_name: str) -> int:
-    _, per, size = GGUF_TYPES[type_name]
-    if cols % per:
-        raise ValueError(f"{type_name} rows hold whole blocks of {per} values, not {cols}")
-    return cols // per * size
+from . import gguf_dequantize, gguf_matmul, quantized_matmul
+from .blocks import GGUF_TYPES, row_bytes
 
 
 class GGUFLinear(nn.Module):

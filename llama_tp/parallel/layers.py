@@ -18,7 +18,8 @@ from mlx.nn.layers.distributed import sum_gradients
 
 from ..cluster.distributed import world
 from ..kernels import gguf_matmul, quantized_matmul
-from ..kernels.layers import GGUFLinear, block_span
+from ..kernels.blocks import block_span
+from ..kernels.layers import GGUFLinear
 
 _SHARDINGS = ("all-to-sharded", "sharded-to-all")
 

@@ -7,6 +7,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "matmul.h"
 #include "mlx/version.h"
 #include "pool.h"
 #include "primitive.h"
@@ -32,6 +33,8 @@ NB_MODULE(_ext, m) {
     return out;
   }, "(instruction set, this CPU runs it) for each one compiled in.");
   m.def("threads", [] { return lt::Pool::get().threads(); });
+  m.def("read_bandwidth", &lt::read_bandwidth, "bytes"_a, "reps"_a = 5,
+        "GB/s of reading a buffer of this many bytes over the pool's threads (best of reps).");
   m.def("set_threads", [](int n) { lt::Pool::get().set_threads(n); }, "n"_a);
   m.def("mlx_version", [] { return std::string(mlx::core::version()); },
         "The version of the MLX library this module is linked against.");

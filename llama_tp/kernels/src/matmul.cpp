@@ -1,6 +1,8 @@
 #include "matmul.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <vector>
 
 #include "pool.h"
@@ -50,6 +52,47 @@ void matmul(const Kernels& k, const Matrix& w, int N, const float* x, int B, int
   chunk = (chunk + 3) / 4 * 4;
   Job job{rows_fn(k, w.format), &w, &xs, N, chunk, y};
   pool.run((N + chunk - 1) / chunk, run_chunk, &job);
+}
+
+namespace {
+
+struct Read {
+  const uint64_t* data;
+  size_t words_per_chunk, words;
+  std::vector<uint64_t>* sums;
+};
+
+void read_chunk(void* ctx, int i) {
+  const Read& r = *static_cast<const Read*>(ctx);
+  size_t a = i * r.words_per_chunk, b = std::min(r.words, a + r.words_per_chunk);
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // the compiler vectorizes these sums
+  for (size_t j = a; j + 4 <= b; j += 4) {
+    s0 += r.data[j];
+    s1 += r.data[j + 1];
+    s2 += r.data[j + 2];
+    s3 += r.data[j + 3];
+  }
+  (*r.sums)[i] = s0 + s1 + s2 + s3;  // kept, so that the reads are not optimized away
+}
+
+}  // namespace
+
+double read_bandwidth(size_t bytes, int reps) {
+  std::vector<uint64_t> buf(bytes / 8);
+  std::memset(buf.data(), 1, buf.size() * 8);
+  Pool& pool = Pool::get();
+  int chunks = 64 * pool.threads();
+  std::vector<uint64_t> sums(chunks);
+  Read r{buf.data(), (buf.size() + chunks - 1) / chunks, buf.size(), &sums};
+  pool.run(chunks, read_chunk, &r);  // warm: pages touched, threads awake
+  double best = 0;
+  for (int i = 0; i < reps; i++) {
+    auto t0 = std::chrono::steady_clock::now();
+    pool.run(chunks, read_chunk, &r);
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, buf.size() * 8 / s / 1e9);
+  }
+  return best;
 }
 
 }  // namespace lt

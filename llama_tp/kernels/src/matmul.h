@@ -11,4 +11,8 @@ namespace lt {
 void matmul(const Kernels& k, const Matrix& w, int N, const float* x, int B, int n, int lead,
             float* y);
 
+// GB/s of reading `bytes` (a buffer of its own, filled first) `reps` times, split over the
+// pool's threads as the products are: the machine's read bandwidth, for comparison.
+double read_bandwidth(size_t bytes, int reps);
+
 }  // namespace lt
