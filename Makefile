@@ -28,13 +28,11 @@ kernels: $(STAMP)
 		{ apt-get update -qq && apt-get install -y -qq g++; } >/dev/null 2>&1; } || true
 	@$(PY) -m llama_tp.kernels build >/dev/null || echo "make: native kernels not built (see above); MLX's kernel runs instead"
 
-# python -m llama_tp.launch: mlx.launch without its busy loop; it preloads Debian's
-# OpenBLAS for the ranks when installed, and then float32 weights are the fast CPU path
-# (2 ranks: 14.7 vs 9.5 generated tokens/s; docs/launch-bug.md, docs/benchmarks.md).
-OPENBLAS := $(wildcard /usr/lib/*/openblas-pthread/libblas.so.3)
-
+# python -m llama_tp.launch: mlx.launch without its busy loop (docs/launch-bug.md). The
+# model runs quantized as stored: on the CPU llama_tp's native kernels compute it faster
+# than float32 weights with OpenBLAS (docs/cpu-kernels.md, docs/benchmarks.md).
 demo: $(STAMP) kernels
-	$(PY) -m llama_tp.launch -n 2 --starting-port 32323 -m llama_tp.generate --prompt "$(PROMPT)" --verbose$(if $(OPENBLAS), --dtype float32)
+	$(PY) -m llama_tp.launch -n 2 --starting-port 32323 -m llama_tp.generate --prompt "$(PROMPT)" --verbose
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -92,16 +92,25 @@ def make_q4_k_m(quantize: str, source: str, folder: str) -> str:
     return out
 
 
-def llama_tp_run(model: str, ranks: int, path: str, g: int) -> float:
-    """Generation tokens/s of one `llama_tp.bench` run."""
+def llama_tp_run(model: str, ranks: int, threads: int, path: str, g: int) -> float:
+    """Generation tokens/s of one `llama_tp.bench` run on `ranks` ranks with `threads`
+    threads each (the native kernels' pool, OpenBLAS's)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_TP_KERNEL")}
+    env["LLAMA_TP_KERNEL_THREADS"] = str(threads)
     args = ["-m", "llama_tp.bench", "--model", model, "-p", "16", "-g", str(g), "-n", "1"]
     args += ["--json", "--collective-steps", "0"]
     if path == "mlx":
         env["LLAMA_TP_KERNELS"] = "mlx"
     if path == "float32":
         args += ["--dtype", "float32"]
-    cmd = [PY, "-m", "llama_tp.launch", "-n", str(ranks), "--", PY, *args]
+    if ranks > 1:
+        cmd = [PY, "-m", "llama_tp.launch", "-n", str(ranks), "--", PY, *args]
+    else:  # one process, with what the launcher would give it
+        from llama_tp.cluster.blas import find_openblas
+
+        cmd = [PY, *args]
+        if find_openblas():
+            env |= {"LD_PRELOAD": find_openblas(), "OPENBLAS_NUM_THREADS": str(threads)}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     line = next((x for x in r.stdout.splitlines() if x.startswith("{")), None)
     if line is None:
@@ -142,40 +151,50 @@ def generation(models: dict[str, str], rounds: int, g: int) -> dict:
     except ImportError:
         have_llama_cpp = False
         print("llama-cpp-python not installed: its rows are left out", file=sys.stderr)
-    configs = []  # (model, what, ranks or threads, path)
+    configs = []  # (model, what, ranks, threads per rank, path)
     for name, path in models.items():
-        for n in (1, 2):
-            configs += [(name, kind, n, path) for kind in ("native", "mlx", "float32")]
-            if have_llama_cpp:
-                configs.append((name, "llama.cpp", n, path))
-    results: dict[tuple, list[float]] = {}
+        for ranks, threads in ROWS:
+            for kind in ("native", "mlx", "float32", "llama.cpp"):
+                if kind == "mlx" and threads > 1:
+                    continue  # MLX's kernel runs on one thread
+                if kind == "llama.cpp" and (ranks > 1 or not have_llama_cpp):
+                    continue  # llama.cpp runs one process (its 2-thread row is the yardstick)
+                configs.append((name, kind, ranks, threads, path))
+    results: dict[str, list[float]] = {}
     for i in range(rounds):
         order = configs if i % 2 == 0 else configs[::-1]  # alternate, to pair neighbours
-        for model, what, n, path in order:
+        for model, what, ranks, threads, path in order:
             if what == "llama.cpp":
-                tps = llama_cpp_run(path, n, g)
+                tps = llama_cpp_run(path, threads, g)
             else:
-                tps = llama_tp_run(path, n, what, g)
-            results.setdefault((model, what, n), []).append(tps)
-            print(f"round {i + 1}: {model}, {what}, {n}: {tps:.1f} tok/s", file=sys.stderr)
-    return {
-        f"{m}|{w}|{n}": {"median": statistics.median(v), "runs": v}
-        for (m, w, n), v in results.items()
-    }
+                tps = llama_tp_run(path, ranks, threads, what, g)
+            results.setdefault(f"{model}|{what}|{ranks}x{threads}", []).append(tps)
+            print(
+                f"round {i + 1}: {model}, {what}, {ranks}x{threads}: {tps:.1f} tok/s",
+                file=sys.stderr,
+            )
+    return {k: {"median": statistics.median(v), "runs": v} for k, v in results.items()}
+
+
+# (ranks, threads per rank) of the table's rows
+ROWS = ((1, 1), (1, 2), (2, 1))
 
 
 def table(res: dict) -> str:
     """The markdown of docs/benchmarks.md's section."""
     gen, bw = res["generation"], res["bandwidth"]
-    head = "| model | ranks (threads) | native kernels | MLX's kernel | float32 + OpenBLAS "
-    lines = [head + "| llama.cpp |", "|---|---|---|---|---|---|"]
+    head = "| model | ranks x threads | native kernels | MLX's kernel | float32 + OpenBLAS "
+    lines = [head + "| llama.cpp, same threads |", "|---|---|---|---|---|---|"]
     for model in res["models"]:
-        for n in (1, 2):
+        for ranks, threads in ROWS:
             cells = []
             for what in ("native", "mlx", "float32", "llama.cpp"):
-                r = gen.get(f"{model}|{what}|{n}")
+                key = f"{ranks}x1" if what == "mlx" else f"{ranks}x{threads}"
+                if what == "llama.cpp":
+                    key = f"1x{ranks * threads}"
+                r = gen.get(f"{model}|{what}|{key}")
                 cells.append(f"{r['median']:.1f}" if r else "-")
-            lines.append(f"| {model} | {n} | " + " | ".join(cells) + " |")
+            lines.append(f"| {model} | {ranks} x {threads} | " + " | ".join(cells) + " |")
     read = bw["read"]
     lines += ["", "| weights | 1 thread GB/s | 2 threads GB/s | of the read bandwidth, 2 threads |"]
     lines += ["|---|---|---|---|", f"| (memory read) | {read[1]:.1f} | {read[2]:.1f} | 100% |"]

@@ -158,3 +158,28 @@ def test_kernels_command_reports_the_path():
     r = run_python(["-m", "llama_tp.kernels", "status"])
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("quantized products on the CPU: native kernels (")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_rope_and_attention_match_mlx(ext, dtype):
+    """The native RoPE and attention (one primitive each) against MLX's composed ones:
+    traditional and half-split RoPE; attention of 1 and 5 queries (causal, aligned to the
+    last keys) over strided KV-cache views, grouped heads."""
+    from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
+
+    from llama_tp.kernels.layers import RoPE
+
+    rng = np.random.default_rng(0)
+    tol = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}[dtype]
+    x = mx.array(rng.normal(size=(2, 9, 3, 64)).astype(np.float32)).astype(dtype)
+    for traditional in (True, False):
+        rope = RoPE(64, traditional=traditional, base=100000)
+        ref = mx.fast.rope(x, 64, traditional=traditional, base=100000, scale=1.0, offset=37)
+        assert mx.allclose(rope(x, offset=37), ref, atol=tol).item()
+    cache = mx.array(rng.normal(size=(1, 3, 80, 64)).astype(np.float32)).astype(dtype)
+    k, v = cache[:, :, :50], cache[:, :, 20:70]  # views into a larger buffer
+    for queries, mask in ((1, None), (5, "causal")):
+        q = mx.array(rng.normal(size=(1, 9, queries, 64)).astype(np.float32)).astype(dtype)
+        got = kernels.scaled_dot_product_attention(q, k, v, None, 0.125, mask)
+        ref = mlx_lm_attention(q, k, v, None, scale=0.125, mask=mask)
+        assert mx.allclose(got, ref, atol=tol).item(), (queries, mask)

@@ -12,6 +12,7 @@ method); `python -m llama_tp.kernels` builds, checks and reports.
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 
 from .blocks import GGUF_TYPES
 from .native import Status, default_threads, ext, fallback_warning, off, set_threads, status
@@ -25,6 +26,7 @@ __all__ = [
     "gguf_matmul",
     "off",
     "quantized_matmul",
+    "scaled_dot_product_attention",
     "set_threads",
     "status",
 ]
@@ -62,6 +64,38 @@ def quantized_matmul(
     return mx.quantized_matmul(
         x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
     )
+
+
+# Query positions up to which attention takes the native kernel (decode and small batched
+# steps); a prefill's long blocks go to MLX's, whose matrix products use BLAS.
+ATTENTION_MAX_QUERIES = 16
+
+
+def scaled_dot_product_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache,
+    scale: float,
+    mask,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention`, through the native kernel (one primitive
+    instead of MLX's composed one) for a few query positions on the CPU with no mask or a
+    causal one: queries (B, Hq, L, D), keys and values (B, Hkv, S, D)."""
+    e = ext()
+    if (
+        e is not None
+        and (mask is None or (isinstance(mask, str) and mask == "causal"))
+        and sinks is None
+        and not hasattr(cache, "bits")  # a quantized KV cache
+        and isinstance(keys, mx.array)
+        and queries.ndim == 4
+        and queries.shape[2] <= ATTENTION_MAX_QUERIES
+        and _on_cpu()
+    ):
+        return e.attention(queries, keys, values, scale=scale, causal=mask is not None)
+    return mlx_lm_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
 def gguf_matmul(x: mx.array, w: mx.array, type_name: str, lead: int = 0) -> mx.array:

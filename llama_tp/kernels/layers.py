@@ -7,7 +7,7 @@ shards them).
 - `use_native(model)`: mlx's affine quantized layers (`nn.QuantizedLinear` and its
   sharded twins in `mlx.nn.layers.distributed`) replaced by subclasses whose forward
   calls `kernels.quantized_matmul` (the project's own range and vocabulary layers call
-  it directly).
+  it directly), and `nn.RoPE` by one that is a single native primitive on the CPU.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 
-from . import gguf_dequantize, gguf_matmul, quantized_matmul
+from . import _on_cpu, ext, gguf_dequantize, gguf_matmul, quantized_matmul
 from .blocks import GGUF_TYPES, row_bytes
 
 
@@ -111,7 +111,25 @@ class QuantizedShardedToAllLinear(dist.QuantizedShardedToAllLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+class RoPE(nn.RoPE):
+    """`nn.RoPE` as one native primitive on the CPU (MLX composes it of a dozen there)."""
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        e = ext()
+        if e is not None and isinstance(offset, int) and x.ndim == 4 and _on_cpu():
+            return e.rope(
+                x,
+                dims=self.dims,
+                traditional=self.traditional,
+                base=float(self.base),
+                scale=float(self.scale),
+                offset=offset,
+            )
+        return super().__call__(x, offset)
+
+
 _NATIVE = {
+    nn.RoPE: RoPE,
     nn.QuantizedLinear: QuantizedLinear,
     dist.QuantizedAllToShardedLinear: QuantizedAllToShardedLinear,
     dist.QuantizedShardedToAllLinear: QuantizedShardedToAllLinear,

@@ -23,6 +23,10 @@ NB_MODULE(_ext, m) {
         "x (..., n) @ W^T for quantized W: GGUF blocks or MLX affine 4/8-bit.");
   m.def("dequantize", &lt::dequantize, "w"_a, nb::kw_only(), "format"_a, "lead"_a, "n"_a,
         "dtype"_a, "stream"_a = nb::none(), "Rows of GGUF blocks -> values [lead, lead + n).");
+  m.def("rope", &lt::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+        "offset"_a, "stream"_a = nb::none(), "mx.fast.rope of (B, H, L, D), one primitive.");
+  m.def("attention", &lt::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a,
+        "stream"_a = nb::none(), "Attention of (B, Hq, L, D) over (B, Hkv, S, D), one primitive.");
   m.def("isa", &lt::isa, "The instruction set in use.");
   m.def("set_isa", &lt::set_isa, "name"_a, "Use another instruction set this CPU runs.");
   m.def("compiled_isas", [] {

@@ -21,7 +21,10 @@ inline int n_of(uint64_t w) { return (int)((w >> N_SHIFT) & MASK22); }
 inline int next_of(uint64_t w) { return (int)(w & MASK22); }
 // How long an idle worker spins before it sleeps: longer than the gap between two
 // products of one generation step, short enough not to hold a core between requests.
+// Past YIELD it spins with sched_yield, so that a busy machine's other work (or a rank's
+// own main thread) gets the core when it needs it.
 constexpr auto SPIN = std::chrono::milliseconds(2);
+constexpr auto YIELD = std::chrono::microseconds(50);
 }  // namespace
 
 Pool& Pool::get() {
@@ -69,7 +72,8 @@ void Pool::loop() {
     for (int i = 0;; i++) {
       gen = gen_of(word_.load());
       if (gen != seen || stop_) break;
-      if ((i & 1023) == 1023 && std::chrono::steady_clock::now() - start > SPIN) {
+      auto waited = std::chrono::steady_clock::now() - start;
+      if ((i & 255) == 255 && waited > SPIN) {
         std::unique_lock<std::mutex> lock(sleep_mutex_);
         sleepers_++;
         wake_.wait(lock, [&] { return gen_of(word_.load()) != seen || stop_; });
@@ -77,7 +81,11 @@ void Pool::loop() {
         gen = gen_of(word_.load());
         break;
       }
-      LT_PAUSE();
+      if (waited > YIELD) {
+        std::this_thread::yield();
+      } else {
+        LT_PAUSE();
+      }
     }
     if (stop_) return;
     seen = gen;
@@ -101,7 +109,15 @@ void Pool::run(int n, Fn fn, void* ctx) {
     wake_.notify_all();
   }
   work(gen);
-  while (done_.load() < n) LT_PAUSE();
+  // the last chunks are in other threads' hands: spin briefly, then yield the core (one
+  // of them may be waiting for it on a busy machine)
+  for (int i = 0; done_.load() < n; i++) {
+    if (i < 2000) {
+      LT_PAUSE();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 }  // namespace lt

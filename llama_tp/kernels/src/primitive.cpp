@@ -5,8 +5,10 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "matmul.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -228,6 +230,109 @@ void Dequantize::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&
 bool Dequantize::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Dequantize&>(other);
   return format_ == o.format_ && lead_ == o.lead_ && n_ == o.n_;
+}
+
+namespace {
+
+View4 view4(const mx::array& a) {
+  View4 v{a.data<void>(), {}, {}};
+  for (int i = 0; i < 4; i++) {
+    v.shape[i] = a.shape(i);
+    v.strides[i] = a.strides()[i];
+  }
+  return v;
+}
+
+void check_4d(const mx::array& a, const char* what) {
+  check_float(a, what);
+  if (a.ndim() != 4)
+    throw std::invalid_argument(std::string("llama_tp kernels: ") + what + " must be 4-D");
+}
+
+// Run `f(T*)` with T the C++ type of `dtype` (float32, float16 or bfloat16).
+template <typename F>
+void by_type(mx::Dtype dtype, F&& f) {
+  if (dtype == mx::float32) {
+    f(static_cast<float*>(nullptr));
+  } else if (dtype == mx::float16) {
+    f(static_cast<mx::float16_t*>(nullptr));
+  } else {
+    f(static_cast<mx::bfloat16_t*>(nullptr));
+  }
+}
+
+}  // namespace
+
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
+               int offset, mx::StreamOrDevice s) {
+  check_4d(x, "x");
+  if (dims < 2 || dims % 2 || dims > x.shape(3))
+    throw std::invalid_argument("llama_tp kernels: rope dims must be even and <= the last axis");
+  return mx::array(x.shape(), x.dtype(),
+                   std::make_shared<Rope>(mx::to_stream(s), dims, traditional, base, scale, offset),
+                   {x});
+}
+
+void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  enc.set_output_array(out);
+  enc.dispatch([x = view4(inputs[0]), dtype = out.dtype(), o = out.data<void>(), dims = dims_,
+                trad = traditional_, base = base_, scale = scale_, offset = offset_]() {
+    by_type(dtype, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      lt::rope<T>(x, dims, trad, base, scale, offset, static_cast<T*>(o));
+    });
+  });
+}
+
+void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+bool Rope::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Rope&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
+         scale_ == o.scale_ && offset_ == o.offset_;
+}
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, mx::StreamOrDevice s) {
+  check_4d(q, "q");
+  check_4d(k, "k");
+  check_4d(v, "v");
+  if (k.shape() != v.shape() || k.dtype() != q.dtype() || v.dtype() != q.dtype() ||
+      q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) || q.shape(1) % k.shape(1) ||
+      (causal && q.shape(2) > k.shape(2)))
+    throw std::invalid_argument("llama_tp kernels: attention shapes or dtypes do not match");
+  return mx::array(q.shape(), q.dtype(),
+                   std::make_shared<Attention>(mx::to_stream(s), scale, causal), {q, k, v});
+}
+
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([q = view4(inputs[0]), k = view4(inputs[1]), v = view4(inputs[2]),
+                dtype = out.dtype(), o = out.data<void>(), scale = scale_, causal = causal_]() {
+    by_type(dtype, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      lt::attention<T>(q, k, v, scale, causal, static_cast<T*>(o));
+    });
+  });
+}
+
+void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+bool Attention::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Attention&>(other);
+  return scale_ == o.scale_ && causal_ == o.causal_;
 }
 
 }  // namespace lt

@@ -47,6 +47,46 @@ class Dequantize : public mx::Primitive {
   int format_, lead_, n_;
 };
 
+// mx.fast.rope of x (B, H, L, D) with an integer offset; one primitive.
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
+               int offset, mx::StreamOrDevice s = {});
+
+// Attention of q (B, Hq, L, D) over k, v (B, Hkv, S, D): no mask, or causal (aligned to
+// the last keys, as MLX's); one primitive.
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, mx::StreamOrDevice s = {});
+
+class Rope : public mx::Primitive {
+ public:
+  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale, int offset)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base),
+        scale_(scale), offset_(offset) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+  int offset_;
+};
+
+class Attention : public mx::Primitive {
+ public:
+  Attention(mx::Stream stream, float scale, bool causal)
+      : mx::Primitive(stream), scale_(scale), causal_(causal) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
 // The instruction set in use ("avx512", "avx2", "neon", "scalar"); set_isa picks another
 // one this CPU runs (false if it does not).
 const char* isa();
