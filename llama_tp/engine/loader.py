@@ -94,14 +94,17 @@ def products_path(dtype: str | None, native: bool) -> str:
 
 
 def native_kernels(dtype: str | None, group: mx.distributed.Group) -> bool:
-    """Whether quantized products take the native kernels (`llama_tp.kernels`): on the CPU,
-    weights kept quantized (no `dtype`), and the extension loaded on every rank of
-    `group` (all or none: the ranks hold the same layer kinds). The one fallback
-    warning, with its reason, goes to rank 0's stderr."""
+    """Whether the native kernels (`llama_tp.kernels`) run: on the CPU, with the extension
+    loaded on every rank of `group` (all or none: the ranks hold the same layer kinds).
+    Quantized products take them when the weights stay quantized (no `dtype`); RoPE and
+    attention take them either way. The one fallback warning, with its reason, goes to
+    rank 0's stderr (only where quantized products lose them)."""
     from .. import kernels
 
-    if dtype is not None or mx.default_device() != mx.cpu:
+    if mx.default_device() != mx.cpu:
         return False
+    if dtype is not None and not kernels.status().native:
+        return False  # no warning: the products are float ones
     mine = kernels.status()
     every = all_gather_object(mine.native, group) if group.size() > 1 else [mine.native]
     if all(every):
@@ -169,11 +172,12 @@ def load_model(
         if mesh is not None and (plan is not None or sequence_parallel):
             raise ValueError("--tp/--pp take the built-in plan, without --sequence-parallel")
     native = native_kernels(dtype, group)
+    blocks = native and dtype is None  # GGUF held as stored, for the native products
     products = products_path(dtype, native)
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
-    ckpt = _open(path, group, model_group, blocks=native)
+    ckpt = _open(path, group, model_group, blocks=blocks)
     ckpt.mesh = whole_mesh
     ckpt.products = products
     error = done = None
@@ -204,7 +208,7 @@ def load_model(
             _read_weights(model, ckpt, done)
         if dtype is not None:
             cast_model(model, dtype)
-        elif native:
+        if native:
             use_native(model)
     except Exception as e:
         error = e
