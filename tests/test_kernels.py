@@ -95,10 +95,20 @@ def _gguf_py(raw: np.ndarray, type_name: str) -> np.ndarray:
     return values.astype(np.float64)
 
 
+@pytest.fixture
+def threads(ext):
+    """3 threads for the test (rows split over the pool), then as before."""
+    before = ext.threads()
+    ext.set_threads(3)
+    yield 3
+    ext.set_threads(before)
+
+
 @pytest.mark.parametrize("type_name", list(GGUF_TYPES))
-def test_gguf_blocks_match_gguf_py(ext, type_name):
-    """Rows and column slices (starting inside a block) of random blocks of every type:
-    the product against gguf-py's dequantization in float64, and the dequantization."""
+def test_gguf_blocks_match_gguf_py(ext, threads, type_name):
+    """Rows and column slices (starting inside a block) of random blocks of every type,
+    split over 3 threads: the product against gguf-py's dequantization in float64, and the
+    dequantization."""
     rng = np.random.default_rng(GGUF_TYPES[type_name][0])
     _, per, size = GGUF_TYPES[type_name]
     raw = random_blocks(type_name, 37, 3, rng)

@@ -105,6 +105,7 @@ def _load() -> Status:
         if missing:
             return Status(False, missing, isa="scalar")
     _ext = ext
+    ext.set_threads(default_threads())  # the loader narrows it to this rank's share
     return Status(True, "", ext.isa(), ext.threads(), str(path))
 
 

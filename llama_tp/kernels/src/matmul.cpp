@@ -32,18 +32,21 @@ void run_chunk(void* ctx, int i) {
 void matmul(const Kernels& k, const Matrix& w, int N, const float* x, int B, int n, int lead,
             float* y) {
   thread_local std::vector<int16_t> q;
-  thread_local std::vector<float> d, m;
+  thread_local std::vector<float> d, m, dm;
   const int K = w.k;
   q.resize((size_t)B * K);
   d.resize((size_t)B * K / 32);
   m.resize((size_t)B * K / 16);
+  dm.resize((size_t)B * K / 16);
+  int order = order_of(w.format) | (k.paired[slot(w.format)] ? PAIRED : 0);
   std::vector<XRow> xs(B);
   for (int b = 0; b < B; b++) {
     int16_t* qb = q.data() + (size_t)b * K;
     float* db = d.data() + (size_t)b * K / 32;
     float* mb = m.data() + (size_t)b * K / 16;
-    quantize_row(x + (size_t)b * n, n, lead, K, order_of(w.format), qb, db, mb);
-    xs[b] = {qb, db, mb};
+    float* dmb = dm.data() + (size_t)b * K / 16;
+    quantize_row(x + (size_t)b * n, n, lead, K, order, qb, db, mb, dmb);
+    xs[b] = {qb, db, mb, dmb};
   }
   Pool& pool = Pool::get();
   int threads = pool.threads();

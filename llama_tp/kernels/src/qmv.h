@@ -60,22 +60,28 @@ struct Matrix {
   size_t groups = 0;  // scale entries per row
 };
 
-// One activation row quantized in blocks of 32: q (k int16), d (k / 32 scales) and
-// m (k / 16: d times the sum of each 16 q's).
+// One activation row quantized in blocks of 32: q (k int16), d (k / 32 scales),
+// m (k / 16: d times the sum of each 16 q's) and dm (k / 16: d and the block's two m's
+// summed, interleaved per block: what a block's scale and offset multiply).
 struct XRow {
   const int16_t* q;
   const float* d;
   const float* m;
+  const float* dm;
 };
 
 // The order of each 32 values of q: natural, or (MLX 4-bit) the even positions first,
-// then the odd ones, matching the low and high nibbles of 16 packed bytes.
-enum Order : int { NATURAL = 0, EVEN_ODD = 1 };
+// then the odd ones, matching the low and high nibbles of 16 packed bytes. PAIRED adds,
+// for every two blocks (but a last odd one), their halves interleaved: block c's first
+// 16, block c + 1's first 16, c's second 16, c + 1's second 16 (AVX-512 takes two
+// blocks of 4-bit values per instruction so).
+enum Order : int { NATURAL = 0, EVEN_ODD = 1, PAIRED = 2 };
 
 // Quantize x[0, n) into a row of `k` >= lead + n values: zeros before `lead` and after
-// lead + n (a column slice that starts inside a block); q, d, m as in XRow.
+// lead + n (a column slice that starts inside a block); q, d, m, dm as in XRow. `order`:
+// NATURAL or EVEN_ODD, | PAIRED.
 void quantize_row(const float* x, int n, int lead, int k, int order, int16_t* q, float* d,
-                  float* m);
+                  float* m, float* dm);
 int order_of(int format);
 
 // y[i] = dot(row r0 + i, x) for r0 <= r0 + i < r1.
@@ -88,6 +94,7 @@ int slot(int format);
 struct Kernels {
   const char* isa;
   RowsFn rows[N_SLOTS];
+  int paired[N_SLOTS] = {};  // 1: the kernel reads its activations in PAIRED order
 };
 
 const Kernels& scalar_kernels();

@@ -64,10 +64,12 @@ int slot(int format) {
 int order_of(int format) { return format == AFFINE4 ? EVEN_ODD : NATURAL; }
 
 void quantize_row(const float* x, int n, int lead, int k, int order, int16_t* q, float* d,
-                  float* m) {
+                  float* m, float* dm) {
   float v[32];
   int u[32];
-  for (int c = 0; c < k / 32; c++) {
+  const bool even_odd = order & EVEN_ODD, paired = order & PAIRED;
+  const int nc = k / 32;
+  for (int c = 0; c < nc; c++) {
     float amax = 0.f;
     for (int i = 0; i < 32; i++) {
       int at = 32 * c + i - lead;
@@ -80,16 +82,22 @@ void quantize_row(const float* x, int n, int lead, int k, int order, int16_t* q,
       float t = v[i] * inv;
       u[i] = (int)(t + (t < 0.f ? -0.5f : 0.5f));  // to nearest, halves away from zero
     }
-    int16_t* out = q + 32 * c;
-    for (int i = 0; i < 32; i++) {
-      int from = order == EVEN_ODD ? (i < 16 ? 2 * i : 2 * (i - 16) + 1) : i;
-      out[i] = (int16_t)u[from];
-    }
     d[c] = dc;
     for (int h = 0; h < 2; h++) {
       int s = 0;
-      for (int i = 0; i < 16; i++) s += out[16 * h + i];
+      for (int i = 0; i < 16; i++) {
+        int from = even_odd ? 2 * i + h : 16 * h + i;  // position of the half's i-th value
+        s += u[from];
+      }
       m[2 * c + h] = dc * (float)s;
+    }
+    dm[2 * c] = dc;
+    dm[2 * c + 1] = m[2 * c] + m[2 * c + 1];
+    // where half h of block c goes: its own 16 slots, or interleaved with its pair's
+    bool in_pair = paired && (c % 2 == 1 || c + 1 < nc);
+    for (int h = 0; h < 2; h++) {
+      int16_t* out = in_pair ? q + 64 * (c / 2) + 32 * h + 16 * (c % 2) : q + 32 * c + 16 * h;
+      for (int i = 0; i < 16; i++) out[i] = (int16_t)u[even_odd ? 2 * i + h : 16 * h + i];
     }
   }
 }

@@ -6,6 +6,8 @@
 // scaled by A * dx in float, and the offsets B enter through the activation sums m.
 #include <immintrin.h>
 
+#include <vector>
+
 #include "formats.h"
 
 #ifndef LT_LEVEL
@@ -245,14 +247,157 @@ void rows_affine(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   }
 }
 
+#ifdef LT_512
+// Two blocks of 4-bit values per instruction (PAIRED activations): the 16 bytes of block
+// c and of block c + 1, widened to words: low nibbles (values 0-15 of both), high ones.
+inline void nibbles_pair(__m256i bytes, __m512i& lo, __m512i& hi) {
+  __m512i w = _mm512_cvtepu8_epi16(bytes);
+  lo = _mm512_and_si512(w, _mm512_set1_epi16(15));
+  hi = _mm512_srli_epi16(w, 4);
+}
+
+inline __m256i two16(const uint8_t* a, const uint8_t* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
+                                 _mm_loadu_si128((const __m128i*)b), 1);
+}
+
+// [A0, B0, A1, B1] (two blocks' scale and offset) times x.dm's [dx0, m0, dx1, m1]: the
+// offsets go into `off` (lanes 1 and 3), the factors come back as 8 lanes of A0 dx0 and
+// 8 of A1 dx1, the order of the pair's products.
+inline __m512 pair_factors(__m128 ab, const float* dm, __m128& off) {
+  __m128 p = _mm_mul_ps(ab, _mm_loadu_ps(dm));
+  off = _mm_add_ps(off, p);
+  const __m512i idx = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(p));
+}
+
+inline __m512 pair_dot(__m512i lo, __m512i hi, const int16_t* q) {
+  __m512i p = _mm512_add_epi32(_mm512_madd_epi16(lo, _mm512_loadu_si512((const void*)q)),
+                               _mm512_madd_epi16(hi, _mm512_loadu_si512((const void*)(q + 32))));
+  return _mm512_cvtepi32_ps(p);
+}
+
+inline float off_sum(__m128 off) {
+  return _mm_cvtss_f32(_mm_add_ss(_mm_shuffle_ps(off, off, 1), _mm_shuffle_ps(off, off, 3)));
+}
+
+template <int F>
+void rows_small_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  constexpr bool MIN = F == Q4_1 || F == Q5_1, FIVE = F == Q5_0 || F == Q5_1;
+  constexpr int AT = (MIN ? 4 : 2) + (FIVE ? 4 : 0);  // where the nibbles start
+  const int bytes = block_bytes(F), nc = w.k / 32;
+  const __m128 offset = _mm_setr_ps(1.f, FIVE ? -16.f : -8.f, 1.f, FIVE ? -16.f : -8.f);
+  const __m512i sixteen = _mm512_set1_epi16(16);
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* blk = w.data + (size_t)r * w.row_bytes;
+    __m512 acc = _mm512_setzero_ps();
+    __m128 off = _mm_setzero_ps();
+    int c = 0;
+    for (; c + 1 < nc; c += 2, blk += 2 * bytes) {
+      const uint8_t* b1 = blk + bytes;
+      __m512i lo, hi;
+      nibbles_pair(two16(blk + AT, b1 + AT), lo, hi);
+      if (FIVE) {  // bit i of a block's qh: value i's fifth bit
+        uint32_t h0, h1;
+        std::memcpy(&h0, blk + AT - 4, 4);
+        std::memcpy(&h1, b1 + AT - 4, 4);
+        lo = _mm512_mask_add_epi16(lo, (h0 & 0xFFFF) | (h1 << 16), lo, sixteen);
+        hi = _mm512_mask_add_epi16(hi, (h0 >> 16) | (h1 & 0xFFFF0000u), hi, sixteen);
+      }
+      __m128 ab;
+      if (MIN) {  // d, m of each block: 4 bytes at its start
+        uint32_t a, b;
+        std::memcpy(&a, blk, 4);
+        std::memcpy(&b, b1, 4);
+        ab = _mm_cvtph_ps(_mm_set_epi32(0, 0, (int)b, (int)a));
+      } else {  // d of each block, offset -8 d (-16 d)
+        uint32_t a = load_u16(blk), b = load_u16(b1);
+        ab = _mm_mul_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, (int)(b | b << 16), (int)(a | a << 16))),
+                        offset);
+      }
+      acc = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), pair_factors(ab, x.dm + 2 * c, off),
+                            acc);
+    }
+    float rest = 0.f;
+    if (c < nc) {  // a last block on its own (activations in the base order)
+      Acc one = acc_zero();
+      __m256i u = nibbles16(blk + AT);
+      if (FIVE) u = _mm256_or_si256(u, fifth_bits(blk + AT - 4));
+      float d = f16(blk);
+      one = fma_same(chunk_dot<false>(u, x.q + 32 * c), d * x.d[c], one);
+      float b = MIN ? f16(blk + 2) : -d * (FIVE ? 16.f : 8.f);
+      rest = acc_sum(one) + b * x.dm[2 * c + 1];
+    }
+    y[r - r0] = _mm512_reduce_add_ps(acc) + off_sum(off) + rest;
+  }
+}
+
+// [A_g, B_g, A_h, B_h] of groups g and h of one row's scales and biases
+template <int S>
+inline __m128 affine_ab(const void* sc, const void* bi, size_t g, size_t h) {
+  if (S == F16) {
+    const uint16_t *s = static_cast<const uint16_t*>(sc), *b = static_cast<const uint16_t*>(bi);
+    return _mm_cvtph_ps(_mm_setr_epi16((short)s[g], (short)b[g], (short)s[h], (short)b[h], 0, 0,
+                                       0, 0));
+  }
+  return _mm_setr_ps(scale<S>(sc, g), scale<S>(bi, g), scale<S>(sc, h), scale<S>(bi, h));
+}
+
+template <int S>
+void rows_affine4_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  const int nc = w.k / 32;
+  const int shift = w.group_size == 32 ? 0 : w.group_size == 64 ? 1 : 2;  // chunk -> group
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* row = w.data + (size_t)r * w.row_bytes;
+    size_t g0 = (size_t)r * w.groups;
+    __m512 acc = _mm512_setzero_ps();
+    __m128 off = _mm_setzero_ps();
+    int c = 0;
+    for (; c + 1 < nc; c += 2) {
+      __m512i lo, hi;
+      nibbles_pair(_mm256_loadu_si256((const __m256i*)(row + 16 * c)), lo, hi);
+      __m128 ab = affine_ab<S>(w.scales, w.biases, g0 + (c >> shift), g0 + ((c + 1) >> shift));
+      acc = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), pair_factors(ab, x.dm + 2 * c, off),
+                            acc);
+    }
+    float rest = 0.f;
+    if (c < nc) {
+      size_t g = g0 + (c >> shift);
+      Acc one = fma_same(chunk_dot<false>(nibbles16(row + 16 * c), x.q + 32 * c),
+                         scale<S>(w.scales, g) * x.d[c], acc_zero());
+      rest = acc_sum(one) + scale<S>(w.biases, g) * x.dm[2 * c + 1];
+    }
+    y[r - r0] = _mm512_reduce_add_ps(acc) + off_sum(off) + rest;
+  }
+}
+
+void rows_affine4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  switch (w.scale_type) {
+    case F32: return rows_affine4_paired<F32>(w, x, r0, r1, y);
+    case F16: return rows_affine4_paired<F16>(w, x, r0, r1, y);
+    default: return rows_affine4_paired<BF16>(w, x, r0, r1, y);
+  }
+}
+#endif
+
 }  // namespace
 
+#ifdef LT_512
+extern const Kernels kernels = {
+    LT_STR(LT_LEVEL),
+    {rows_small_paired<Q4_0>, rows_small_paired<Q4_1>, rows_small_paired<Q5_0>,
+     rows_small_paired<Q5_1>, rows_small<Q8_0>, rows_k<Q2_K>, rows_k<Q3_K>, rows_k<Q4_K>,
+     rows_k<Q5_K>, rows_k<Q6_K>, rows_affine4_512, rows_affine<AFFINE8>},
+    {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0},
+};
+#else
 extern const Kernels kernels = {
     LT_STR(LT_LEVEL),
     {rows_small<Q4_0>, rows_small<Q4_1>, rows_small<Q5_0>, rows_small<Q5_1>, rows_small<Q8_0>,
      rows_k<Q2_K>, rows_k<Q3_K>, rows_k<Q4_K>, rows_k<Q5_K>, rows_k<Q6_K>,
      rows_affine<AFFINE4>, rows_affine<AFFINE8>},
 };
+#endif
 
 }  // namespace LT_NS
 }  // namespace lt
