@@ -219,12 +219,14 @@ def main() -> int:
         "generation_tokens": args.generation_tokens,
         "rounds": args.rounds,
     }
+    res["load_average_before"] = os.getloadavg()  # other work on the machine, for the record
     res["bandwidth"] = bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
         models = {"Q4_1 (built-in)": str(default_model())}
         models["Q4_K_M"] = make_q4_k_m(args.quantize, models["Q4_1 (built-in)"], tmp)
         res["models"] = list(models)
         res["generation"] = generation(models, args.rounds, args.generation_tokens)
+    res["load_average_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(table(res))
     return 0
