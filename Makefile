@@ -28,7 +28,7 @@ kernels: $(STAMP)
 		{ apt-get update -qq && apt-get install -y -qq g++; } >/dev/null 2>&1; } || true
 	@$(PY) -m llama_tp.kernels build >/dev/null || echo "make: native kernels not built (see above); MLX's kernel runs instead"
 
-# python -m llama_tp.launch: mlx.launch without its busy loop (docs/launch-bug.md). The
+# python -m llama_tp.launch: mlx.launch without its busy loop. The
 # model runs quantized as stored: on the CPU llama_tp's native kernels compute it faster
 # than float32 weights with OpenBLAS (docs/cpu-kernels.md, docs/benchmarks.md).
 demo: $(STAMP) kernels

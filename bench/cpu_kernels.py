@@ -13,9 +13,12 @@ float32 + OpenBLAS and llama.cpp; and the kernels' weight bandwidth against the 
   threads per rank = cores / ranks) with the native kernels, with MLX's kernel
   (LLAMA_TP_KERNELS=mlx) and with --dtype float32; llama.cpp through llama-cpp-python with
   1 and 2 threads on the same files, greedy, G tokens. Every configuration runs once per
-  round, in turn, so that a busy machine slows them alike; the median of the rounds.
+  round, in turn, the order reversed every other round, so that a busy machine (this one
+  is shared with other jobs) slows them alike; medians of the rounds, and the targets as
+  medians of each round's ratio.
 
-Writes docs/benchmarks-cpu-kernels.json (--out) and prints the markdown table.
+Rewrites the section "cpu-kernels" of docs/benchmarks.md and keeps the raw results in
+docs/benchmarks/cpu-kernels.json (`llama_tp.benchmarks.sections`); prints the section.
 llama-cpp-python's build (its flags are reported with its figures):
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON" pip install llama-cpp-python
 """
@@ -33,15 +36,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from llama_tp.benchmarks import sections
+
 ROOT = Path(__file__).resolve().parent.parent
+NAME = "cpu-kernels"
 PY = sys.executable
 LLAMA_CPP_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"
 FORMATS = ("Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K", "affine4")  # what the two files hold
 WEIGHT_BYTES = 130 << 20
 
 
-def bandwidth() -> dict:
-    """GB/s of reading memory and of each format's product, at 1 and 2 threads."""
+def bandwidth(rounds: int) -> dict:
+    """GB/s of reading memory and of each format's product, at 1 and 2 threads (medians
+    of `rounds`, and of each round's ratio to the read bandwidth)."""
     import mlx.core as mx
     import numpy as np
 
@@ -72,16 +79,28 @@ def bandwidth() -> dict:
             products[f] = ((w,), w.nbytes, dict(format=code))
     x = mx.array(rng.normal(size=(1, k)).astype(np.float16))
     mx.eval(x, *[a for arrays, _, _ in products.values() for a in arrays])
+    runs: dict[str, list[float]] = {}
+    for i in range(rounds):  # read and products in turn, the order reversed every round
+        jobs = [(t, f) for t in (1, 2) for f in ("read", *products)]
+        for t, f in jobs if i % 2 == 0 else jobs[::-1]:
+            ext.set_threads(t)
+            if f == "read":
+                gbs = ext.read_bandwidth(512 << 20, 5)
+            else:
+                arrays, nbytes, kw = products[f]
+                times = []
+                for _ in range(12):
+                    tic = time.perf_counter()
+                    mx.eval(ext.qmatmul(x, *arrays, **kw))
+                    times.append(time.perf_counter() - tic)
+                gbs = nbytes / statistics.median(times[2:]) / 1e9
+            runs.setdefault(f"{f}|{t}", []).append(gbs)
     for t in (1, 2):
-        ext.set_threads(t)
-        out["read"][t] = ext.read_bandwidth(512 << 20, 5)
-        for f, (arrays, nbytes, kw) in products.items():
-            times = []
-            for _ in range(12):
-                tic = time.perf_counter()
-                mx.eval(ext.qmatmul(x, *arrays, **kw))
-                times.append(time.perf_counter() - tic)
-            out["formats"].setdefault(f, {})[t] = nbytes / statistics.median(times[2:]) / 1e9
+        out["read"][t] = statistics.median(runs[f"read|{t}"])
+        for f in products:
+            ratios = [a / b for a, b in zip(runs[f"{f}|{t}"], runs[f"read|{t}"], strict=True)]
+            out["formats"].setdefault(f, {})[t] = statistics.median(runs[f"{f}|{t}"])
+            out["formats"][f][f"of_read_{t}"] = statistics.median(ratios)
     return out
 
 
@@ -131,12 +150,17 @@ print(g / (time.perf_counter() - tic))
 """
 
 
-def llama_cpp_run(model: str, threads: int, g: int) -> float:
+def llama_cpp_run(model: str, threads: int, g: int, passive: bool = False) -> float:
+    """Generation tokens/s of llama.cpp on `threads` threads; `passive`: its OpenMP threads
+    sleep at barriers instead of spinning (OMP_WAIT_POLICY=passive), which a machine
+    shared with other work favours."""
+    env = os.environ | {"OMP_WAIT_POLICY": "passive"} if passive else None
     r = subprocess.run(
         [PY, "-c", LLAMA_CPP, model, str(threads), str(g)],
         capture_output=True,
         text=True,
         timeout=1800,
+        env=env,
     )
     if r.returncode:
         raise RuntimeError(f"llama-cpp-python failed:\n{r.stderr[-2000:]}")
@@ -144,30 +168,27 @@ def llama_cpp_run(model: str, threads: int, g: int) -> float:
 
 
 def generation(models: dict[str, str], rounds: int, g: int) -> dict:
-    try:
-        import llama_cpp  # noqa: F401
-
-        have_llama_cpp = True
-    except ImportError:
-        have_llama_cpp = False
-        print("llama-cpp-python not installed: its rows are left out", file=sys.stderr)
-    configs = []  # (model, what, ranks, threads per rank, path)
-    for name, path in models.items():
+    """Generation tokens/s of every configuration, `rounds` times in turn: each one's
+    runs and median, keyed "model|path|ranks x threads"."""
+    configs = []  # (model, path, ranks, threads per rank, file)
+    for name, file in models.items():
         for ranks, threads in ROWS:
-            for kind in ("native", "mlx", "float32", "llama.cpp"):
+            for kind in PATHS:
                 if kind == "mlx" and threads > 1:
                     continue  # MLX's kernel runs on one thread
-                if kind == "llama.cpp" and (ranks > 1 or not have_llama_cpp):
+                if kind.startswith("llama.cpp") and ranks > 1:
                     continue  # llama.cpp runs one process (its 2-thread row is the yardstick)
-                configs.append((name, kind, ranks, threads, path))
+                if kind == PASSIVE and threads == 1:
+                    continue  # no barriers to wait at
+                configs.append((name, kind, ranks, threads, file))
     results: dict[str, list[float]] = {}
     for i in range(rounds):
         order = configs if i % 2 == 0 else configs[::-1]  # alternate, to pair neighbours
-        for model, what, ranks, threads, path in order:
-            if what == "llama.cpp":
-                tps = llama_cpp_run(path, threads, g)
+        for model, what, ranks, threads, file in order:
+            if what.startswith("llama.cpp"):
+                tps = llama_cpp_run(file, threads, g, passive=what == PASSIVE)
             else:
-                tps = llama_tp_run(path, ranks, threads, what, g)
+                tps = llama_tp_run(file, ranks, threads, what, g)
             results.setdefault(f"{model}|{what}|{ranks}x{threads}", []).append(tps)
             print(
                 f"round {i + 1}: {model}, {what}, {ranks}x{threads}: {tps:.1f} tok/s",
@@ -176,59 +197,137 @@ def generation(models: dict[str, str], rounds: int, g: int) -> dict:
     return {k: {"median": statistics.median(v), "runs": v} for k, v in results.items()}
 
 
-# (ranks, threads per rank) of the table's rows
+# (ranks, threads per rank) of the table's rows, and the paths of its columns
 ROWS = ((1, 1), (1, 2), (2, 1))
+PASSIVE = "llama.cpp, passive"
+PATHS = ("native", "mlx", "float32", "llama.cpp", PASSIVE)
 
 
-def table(res: dict) -> str:
-    """The markdown of docs/benchmarks.md's section."""
+def _ratio(gen: dict, a: str, b: str) -> float | None:
+    """The median over rounds of run a / run b (same round: neighbours in time)."""
+    if b not in gen:
+        return None
+    ra, rb = gen[a]["runs"], gen[b]["runs"]
+    return statistics.median(x / y for x, y in zip(ra, rb, strict=True))
+
+
+def targets(res: dict) -> list[tuple[str, str, float, float]]:
+    """The issue's targets: (what, model, measured, target)."""
     gen, bw = res["generation"], res["bandwidth"]
-    head = "| model | ranks x threads | native kernels | MLX's kernel | float32 + OpenBLAS "
-    lines = [head + "| llama.cpp, same threads |", "|---|---|---|---|---|---|"]
+    out = []
+    worst = min(bw["formats"].items(), key=lambda kv: kv[1]["of_read_2"])
+    out.append((f"kernel bandwidth / read bandwidth, 2 threads (worst: {worst[0]})", "-",
+                worst[1]["of_read_2"], 0.5))  # fmt: skip
+    for model in res["models"]:
+        for mine, theirs, goal, what in (
+            ("1x1", "1x1", 0.5, "1 rank, 1 thread / llama.cpp, 1 thread"),
+            ("1x2", "1x2", 0.5, "1 rank, 2 threads / llama.cpp, 2 threads"),
+            ("2x1", "1x2", 1 / 3, "2 ranks / llama.cpp, 2 threads"),
+        ):
+            a = f"{model}|native|{mine}"
+            # against the faster of llama.cpp's two ways of waiting (spinning, sleeping)
+            ratios = [_ratio(gen, a, f"{model}|{p}|{theirs}") for p in PATHS[3:]]
+            out.append((what, model, min(r for r in ratios if r is not None), goal))
+    return out
+
+
+def section(res: dict) -> str:
+    """The section "cpu-kernels" of docs/benchmarks.md, from the results."""
+    gen, bw = res["generation"], res["bandwidth"]
+    md = [
+        "### Native CPU kernels: generation tokens/s (prompt 16, generate "
+        f"{res['generation_tokens']})",
+        "",
+        "Generated by `python bench/cpu_kernels.py` (raw results: "
+        "[benchmarks/cpu-kernels.json](benchmarks/cpu-kernels.json)). One run: every "
+        f"configuration once per round, {res['rounds']} rounds, the order reversed every "
+        "other round; medians. The machine is shared with other jobs (load average "
+        f"{res['load_average_before'][0]:.1f} before, {res['load_average_after'][0]:.1f} "
+        "after): single runs vary by up to 2x, medians and paired ratios less. llama.cpp: "
+        f"llama-cpp-python {res['llama_cpp_version']} built with "
+        f'`CMAKE_ARGS="{res["llama_cpp_build"]}"` (a native build crashes on this host).',
+        "",
+        "| model | ranks x threads per rank | native kernels | MLX's kernel | "
+        "float32 + OpenBLAS | llama.cpp, same threads in all | llama.cpp, passive |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for model in res["models"]:
         for ranks, threads in ROWS:
             cells = []
-            for what in ("native", "mlx", "float32", "llama.cpp"):
-                key = f"{ranks}x1" if what == "mlx" else f"{ranks}x{threads}"
-                if what == "llama.cpp":
-                    key = f"1x{ranks * threads}"
+            for what in PATHS:
+                llama = what.startswith("llama.cpp")
+                key = f"1x{ranks * threads}" if llama else f"{ranks}x{threads}"
                 r = gen.get(f"{model}|{what}|{key}")
                 cells.append(f"{r['median']:.1f}" if r else "-")
-            lines.append(f"| {model} | {ranks} x {threads} | " + " | ".join(cells) + " |")
-    read = bw["read"]
-    lines += ["", "| weights | 1 thread GB/s | 2 threads GB/s | of the read bandwidth, 2 threads |"]
-    lines += ["|---|---|---|---|", f"| (memory read) | {read[1]:.1f} | {read[2]:.1f} | 100% |"]
+            md.append(f"| {model} | {ranks} x {threads} | " + " | ".join(cells) + " |")
+    md += [
+        "",
+        "MLX's kernel is single-threaded: no 1 x 2 row. llama.cpp, passive: with "
+        "`OMP_WAIT_POLICY=passive` (its threads sleep at barriers instead of spinning, "
+        "which is faster when another job holds a core); the targets compare with the "
+        "faster of the two. Weight bandwidth of one "
+        "matrix-vector product per format on ~130 MB of random weights (scales included), "
+        "against reading memory (`read_bandwidth`, 512 MB), the same threads, in turn:",
+        "",
+        "| weights | 1 thread GB/s | 2 threads GB/s | of the read bandwidth, 2 threads |",
+        "| --- | --- | --- | --- |",
+        f"| (memory read) | {bw['read']['1']:.1f} | {bw['read']['2']:.1f} | 100% |",
+    ]
     for f, v in bw["formats"].items():
-        lines.append(f"| {f} | {v[1]:.1f} | {v[2]:.1f} | {100 * v[2] / read[2]:.0f}% |")
-    return "\n".join(lines)
+        md.append(f"| {f} | {v['1']:.1f} | {v['2']:.1f} | {100 * v['of_read_2']:.0f}% |")
+    md += ["", "| target | model | measured | wanted | met |", "| --- | --- | --- | --- | --- |"]
+    for what, model, got, goal in targets(res):
+        ok = "yes" if got >= goal else "no"
+        md.append(f"| {what} | {model} | {got:.2f} | >= {goal:.2f} | {ok} |")
+    g = res["generation_tokens"]
+    run = f"python -m llama_tp.bench --model MODEL -p 16 -g {g} -n 1 --json --collective-steps 0"
+    md += [
+        "",
+        "```sh",
+        f"{run}   # native kernels (LLAMA_TP_KERNEL_THREADS=T)",
+        f"LLAMA_TP_KERNELS=mlx {run}   # MLX's kernel",
+        f"LD_PRELOAD=$OPENBLAS OPENBLAS_NUM_THREADS=T {run} --dtype float32",
+        f"python -m llama_tp.launch -n 2 -- python -m llama_tp.bench --model MODEL -p 16 -g {g} "
+        "-n 1 --json --collective-steps 0   # each of the three on 2 ranks",
+        "# llama.cpp: Llama(MODEL, n_threads=T).eval(...) in bench/cpu_kernels.py",
+        "# MODEL: the built-in Q4_1 file, or its Q4_K_M: llama-quantize --allow-requantize "
+        "IN OUT Q4_K_M",
+        "```",
+    ]
+    return "\n".join(md)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quantize", required=True, help="llama.cpp's llama-quantize")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("-g", "--generation-tokens", type=int, default=64)
-    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks-cpu-kernels.json"))
+    p.add_argument("--out", default=str(sections.PAGE), help="the page whose section to rewrite")
     args = p.parse_args()
+    import llama_cpp
+
     from llama_tp.engine.loader import default_model
 
-    res = {
-        "command": "python bench/cpu_kernels.py " + " ".join(sys.argv[1:]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "llama_cpp_build": LLAMA_CPP_FLAGS,
-        "generation_tokens": args.generation_tokens,
-        "rounds": args.rounds,
-    }
-    res["load_average_before"] = os.getloadavg()  # other work on the machine, for the record
-    res["bandwidth"] = bandwidth()
+    res = sections.run_facts("bench/cpu_kernels.py")
+    res.update(
+        cpu=platform.processor() or platform.machine(),
+        llama_cpp_build=LLAMA_CPP_FLAGS,
+        llama_cpp_version=llama_cpp.__version__,
+        generation_tokens=args.generation_tokens,
+        rounds=args.rounds,
+        load_average_before=os.getloadavg(),  # other work on the machine, for the record
+    )
+    res["bandwidth"] = bandwidth(args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         models = {"Q4_1 (built-in)": str(default_model())}
         models["Q4_K_M"] = make_q4_k_m(args.quantize, models["Q4_1 (built-in)"], tmp)
         res["models"] = list(models)
         res["generation"] = generation(models, args.rounds, args.generation_tokens)
     res["load_average_after"] = os.getloadavg()
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(table(res))
+    res = json.loads(json.dumps(res))  # as the results file holds it (string keys)
+    sections.write_results(NAME, res)
+    sections.replace_section(NAME, section(res), Path(args.out))
+    print(section(res))
     return 0
 
 

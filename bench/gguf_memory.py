@@ -1,6 +1,6 @@
 """GGUF loading and conversion: bytes read and peak memory per rank.
 
-    .venv/bin/python bench/gguf_memory.py     # adds the GGUF section to docs/loading.md
+    .venv/bin/python bench/gguf_memory.py   # its section of docs/benchmarks.md, "Loading"
 
 Writes synthetic GGUF files of the 0.5B shape used by `bench/load_memory.py` (hidden
 2048, 8 layers, 16 query / 8 KV heads, FFN 5632, vocabulary 32000) with random valid
@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from llama_tp.benchmarks.sections import PAGE, replace_section
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -107,7 +109,7 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=str(Path.home() / ".cache/llama_tp/gguf_memory"))
-    p.add_argument("--out", default=str(ROOT / "docs/loading.md"))
+    p.add_argument("--out", default=str(PAGE), help="the page whose section to rewrite")
     p.add_argument("--ranks", default="1,2,4")
     args = p.parse_args()
     base = Path(args.dir)
@@ -145,15 +147,12 @@ def main() -> int:
     return 0
 
 
-MARK = "## GGUF files"
-
-
 def write_section(out: Path, rows: list, conv: dict) -> None:
     def mb(x: float) -> str:
         return f"{x / 1e6:.1f}"
 
     lines = [
-        MARK,
+        "### GGUF files",
         "",
         "Regenerate with `.venv/bin/python bench/gguf_memory.py` (about 10 minutes here).",
         "",
@@ -187,11 +186,7 @@ def write_section(out: Path, rows: list, conv: dict) -> None:
         f"{conv['max_rss'] / conv['size']:.2f} of the file.",
         "",
     ]
-    text = out.read_text() if out.is_file() else ""
-    if MARK in text:
-        text = text[: text.index(MARK)]
-    out.write_text(text.rstrip("\n") + "\n\n" + "\n".join(lines))
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {replace_section('gguf-memory', chr(10).join(lines), out)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

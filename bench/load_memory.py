@@ -1,8 +1,8 @@
 """Measure what each rank reads and holds while loading: sliced and pre-split loading.
 
-    .venv/bin/python bench/load_memory.py            # writes docs/loading.md
+    .venv/bin/python bench/load_memory.py   # its section of docs/benchmarks.md, "Loading"
 
-Writes the synthetic ~1 GB fp16 checkpoint (`python -m llama_tp.synthetic
+Writes the synthetic ~1 GB fp16 checkpoint (`python -m llama_tp.benchmarks.synthetic
 0.5b-fp16`) and its pre-split copies for 2 and 4 ranks, then loads each on
 1, 2 and 4 ranks (`mlx.launch`) and records per rank: bytes read from weight
 files (the loader's count, and the kernel's `rchar` for the whole process),
@@ -18,6 +18,8 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from llama_tp.benchmarks.sections import PAGE, replace_section
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -64,7 +66,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--dir", default=str(Path.home() / ".cache/llama_tp/load_memory"))
-    p.add_argument("--out", default=str(ROOT / "docs/loading.md"))
+    p.add_argument("--out", default=str(PAGE), help="the page whose section to rewrite")
     args = p.parse_args()
     if args.worker:
         worker(args.worker)
@@ -112,11 +114,12 @@ def write_report(out: Path, src: Path, total: int, replicated: int, rows: list) 
         return f"{x / 1e6:.1f}"
 
     lines = [
-        "# Loading: bytes read and memory per rank",
+        "### Sliced and pre-split safetensors",
         "",
         "Regenerate with `.venv/bin/python bench/load_memory.py` (about 5 minutes here).",
         "",
-        f"Checkpoint: `python -m llama_tp.synthetic 0.5b-fp16` ({src.name}): hidden 2048, "
+        f"Checkpoint: `python -m llama_tp.benchmarks.synthetic 0.5b-fp16` ({src.name}): "
+        "hidden 2048, "
         f"8 layers, 16 query / 8 KV heads, FFN 5632, vocabulary 32000, fp16; "
         f"W = {mb(total)} MB of weights, of which {mb(replicated)} MB (norms) are "
         "replicated on every rank. Embedding and output head are vocabulary-parallel.",
@@ -142,12 +145,7 @@ def write_report(out: Path, src: Path, total: int, replicated: int, rows: list) 
             f"{mb(s['peak_memory'])} | {mb(s['rss_growth'])} | {mb(share)} | "
             f"{s['bytes_read'] / share:.3f} | {s['peak_memory'] / share:.3f} |"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    kept = ""  # the GGUF section bench/gguf_memory.py writes
-    if out.is_file() and "## GGUF files" in out.read_text():
-        kept = "\n" + out.read_text()[out.read_text().index("## GGUF files") :]
-    out.write_text("\n".join(lines) + "\n" + kept)
-    print(f"wrote {out}", file=sys.stderr)
+    print(f"wrote {replace_section('load-memory', chr(10).join(lines), out)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

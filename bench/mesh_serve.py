@@ -21,14 +21,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import run  # noqa: E402
-
-from llama_tp.cluster.blas import find_openblas  # noqa: E402
+from llama_tp.benchmarks.serve_clients import run
+from llama_tp.benchmarks.servers import wait_ready
+from llama_tp.cluster.blas import find_openblas
 
 PY = sys.executable
 LAUNCH = [PY, "-m", "llama_tp.launch", "-n", "2"]
@@ -46,14 +42,8 @@ def serve(model: str, mesh: list[str], port: int) -> subprocess.Popen:
     if not mesh and find_openblas():  # as the launcher does for its ranks
         env["LD_PRELOAD"] = find_openblas()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return p
-        except OSError:
-            time.sleep(0.5)
+    if wait_ready(f"http://127.0.0.1:{port}/health"):
+        return p
     os.killpg(p.pid, signal.SIGKILL)
     raise TimeoutError(f"server {mesh} not ready")
 

@@ -5,7 +5,7 @@
     chat = Chat(model, tokenizer)           # multi-turn chat; see llama_tp.engine.conversation
 
 The top level holds what you run (`python -m llama_tp.generate`, `.chat`, `.serve`, ...)
-and this public API; the subpackages hold how it works (see the README's module map).
+and this public API; the subpackages hold how it works (see docs/architecture.md's module map).
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ def parser():
     src.add_argument(
         "--synthetic",
         metavar="SPEC",
-        help="a random-weight Llama written once into the cache, e.g. 0.5b-fp16 "
-        "(SIZE 0.5b, 0.1b or tiny; DTYPE fp16, bf16 or fp32)",
+        help="a random-weight model written once into the cache, e.g. 0.5b-fp16 or "
+        "moe-a3b-fp32 (SIZE 0.5b, 0.1b, 1b, tiny, or the Qwen3-MoE moe-tiny, moe-a3b; "
+        "DTYPE fp16, bf16, fp32 or q4)",
     )
     p.add_argument("--prompt-tokens", "-p", type=int, default=512, help="prompt length")
     p.add_argument("--generation-tokens", "-g", type=int, default=128, help="tokens to generate")

@@ -73,8 +73,12 @@ def main() -> int:
     start_watchdog(args)  # armed during loading and replies, not while waiting for input
     group = world()
     watchdog.set_group_size(group.size())
-    model, tokenizer, _ = load_checked(args, group)
+    model, tokenizer, ckpt = load_checked(args, group)
     draft = load_draft_checked(args, model, tokenizer, group)
+    if args.verbose:
+        from .engine import expert_load
+
+        expert_load.start(model)  # routes per rank of each reply (mixture-of-experts models)
     if args.verbose and getattr(model, "mesh", None) is not None:  # tp x pp mesh
         from .cluster.distributed import eprint0
         from .engine.pipeline import describe_stages
@@ -140,12 +144,15 @@ def main() -> int:
             stats = chat.last_stats
             console.write("\n[interrupted]\n" if stats.finish_reason == "interrupted" else "\n")
             if args.verbose:  # after the reply, in order with it when at a terminal
+                load = expert_load.gather(model, ckpt.placement, group)  # every rank
+                expert_load.start(model)
                 console.info(
                     f"[prompt {stats.prompt_tokens} tokens ({stats.prefilled_tokens} prefilled, "
                     f"{stats.prompt_tps:.1f} tok/s), generated {stats.generated_tokens} "
                     f"({stats.generation_tps:.1f} tok/s), {stats.finish_reason}, "
                     f"context {stats.context_tokens}"
                     + (f"; {stats.speculative.summary()}" if stats.speculative else "")
+                    + (f"; expert load {load.summary()}" if load else "")
                     + "]"
                 )
     return 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def _parser():
-    from .console.cli import ArgumentParser
+    from .console.cli import ArgumentParser, add_moe_split_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.convert",
@@ -73,6 +73,7 @@ def _parser():
         action="store_true",
         help="with --shards: keep the embedding and output head whole in every folder",
     )
+    add_moe_split_arg(p)
     p.add_argument(
         "--quiet", action="store_true", help="no progress bar and no 'wrote' line on stderr"
     )
@@ -103,6 +104,7 @@ def main() -> int:
     src = Path(args.model) if args.model else default_model()
     kw = dict(quantize=args.quantize, group_size=args.group_size, dtype=dtype)
     kw.update(vocab_parallel=not args.no_vocab_parallel, progress=not args.quiet)
+    kw.update(moe_split=args.moe_split)
     if not mesh:
         convert(src, out, shards=args.shards, **kw)
         return 0

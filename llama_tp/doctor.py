@@ -53,13 +53,20 @@ class DoctorError(RuntimeError):
 
 
 def tiny_model(seed: int = 0):
-    """A random fp32 Llama small enough to run everywhere: 4 query / 2 KV heads, so that
-    3 ranks get an uneven plan (replicated KV heads), vocabulary 97 (no N divides it)."""
-    from .model import ModelArgs, Transformer
+    """A random fp32 Qwen3-MoE small enough to run everywhere: 4 query / 2 KV heads, so
+    that 3 ranks get an uneven plan (replicated KV heads), per-head q/k norms, a dense
+    layer then a mixture of 5 experts (2 per token: no N > 1 divides them), vocabulary
+    97 (no N divides it)."""
+    from .model import ModelArgs
+    from .models import build
 
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=97)
+    args = ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=97,
+        model_type="qwen3_moe", qk_norm=True, n_experts=5, n_experts_per_tok=2,
+        moe_hidden_dim=48, norm_topk_prob=True, sparse_layers=[1],
+    )  # fmt: skip
     mx.random.seed(seed)
-    model = Transformer(args)
+    model = build(args)
     mx.eval(model.parameters())
     return model
 
@@ -84,10 +91,17 @@ def run_logits(model, tokens: mx.array) -> mx.array:
 
 
 def plan_text(plan) -> str:
+    from .parallel.partition import split_units
+
     heads = "+".join(str(len(p.q_heads)) for p in plan.parts)
     ffn = "+".join(str(len(p.ffn)) for p in plan.parts)
     kind = "even" if plan.even_attention and plan.even_ffn else "uneven"
-    return f"{kind} plan: query heads {heads}, ffn columns {ffn}"
+    columns = "+".join(str(len(p.expert_ffn)) for p in plan.parts)
+    whole = "+".join(map(str, (len(r) for r in split_units(plan.experts.n_experts, [1] * plan.n))))
+    return (
+        f"{kind} plan: query heads {heads}, ffn columns {ffn}; experts by tensor (columns "
+        f"{columns}) and by expert ({whole})"
+    )
 
 
 def diagnose(
@@ -191,29 +205,34 @@ def _check_logits(group: mx.distributed.Group, fault_rank: int | None) -> Check:
     from .parallel.partition import vocab_ranges
     from .parallel.shard import shard_model
 
-    def build():  # local work only: a failure here cannot leave a peer in a collective
-        whole = tiny_model()
+    def shard(whole, split: str):
         sharded = tiny_model()
         sharded.load_weights(tree_flatten(whole.parameters()))  # same weights, whatever the seed
         plan = None
         if group.size() > 1:
-            plan = shard_model(sharded, group)
+            plan = shard_model(sharded, group, split)
             rows = vocab_ranges(sharded.args.vocab_size, group.size())[group.rank()]
             sharded.shard_vocab(group, rows.start, rows.stop)
         if fault_rank == group.rank():
             sharded.norm.weight = sharded.norm.weight * 1.01  # --inject-fault: this rank is off
         mx.eval(sharded.parameters())
-        return whole, sharded, plan
+        return sharded, plan
+
+    def build():  # local work only: a failure here cannot leave a peer in a collective
+        whole = tiny_model()
+        # the experts split by tensor (every expert's columns) and by expert (whole ones)
+        (by_tensor, plan), (by_expert, _) = shard(whole, "tensor"), shard(whole, "expert")
+        return whole, [by_tensor, by_expert], plan
 
     built, err = run_check("logits", build, group)
     if err:
         return Check("logits", "FAILED", f"could not shard the tiny model: {err}")
-    whole, sharded, plan = built
+    whole, sharded_models, plan = built
     tokens = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]], dtype=mx.int32)
 
     def compare() -> float:
         ref = run_logits(whole, tokens)
-        diff = mx.max(mx.abs(run_logits(sharded, tokens) - ref)).item()
+        diff = max(mx.max(mx.abs(run_logits(m, tokens) - ref)).item() for m in sharded_models)
         if not diff <= LOGITS_ATOL:  # also catches NaN
             raise ValueError(
                 f"sharded logits differ from the single process: max abs diff {diff:.3g} "

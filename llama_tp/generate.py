@@ -115,6 +115,10 @@ def main() -> int:
     draft = load_draft_checked(args, model, tokenizer, group)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     max_tokens = fit_context(len(ids), args.max_tokens, model.args.max_position_embeddings, group)
+    if args.verbose:
+        from .engine import expert_load
+
+        expert_load.start(model)  # routes per rank, for a mixture-of-experts model
     r = None
     for r in stream_generate(
         model,
@@ -141,6 +145,7 @@ def main() -> int:
                 (mx.get_peak_memory(), vocab_bytes(model), ckpt.load_stats), group
             )
             stages = describe_stages(model, group) if mesh is not None else []
+            load_of_experts = expert_load.gather(model, ckpt.placement, group)
         eprint0(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec")
         eprint0(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec")
         if r.speculative is not None:
@@ -158,6 +163,8 @@ def main() -> int:
         if ckpt.notes:
             eprint0(f"Weights: {'; '.join(ckpt.notes)}")
         eprint0(f"Matrix products: {ckpt.products}")
+        if load_of_experts is not None:
+            eprint0(f"Expert load {load_of_experts.summary()}")
         if mesh is not None:
             eprint0(f"Mesh: --tp {mesh.tp} x --pp {mesh.pp}")
             eprint0("\n".join(stages))

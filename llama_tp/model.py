@@ -63,6 +63,17 @@ class ModelArgs:
     qkv_bias: bool = False  # Qwen2-style checkpoints
     o_bias: bool = False
     mlp_bias: bool = False
+    # The family (`llama_tp/models/registry.py`); the blocks follow the fields below.
+    model_type: str = "llama"
+    qk_norm: bool = False  # Qwen3: RMSNorm on every query and key head before RoPE
+    # Mixture-of-experts layers (`models/moe.py`); n_experts 0: a dense model.
+    n_experts: int = 0
+    n_experts_per_tok: int = 0  # top-k
+    moe_hidden_dim: int = 0  # each expert's intermediate size
+    shared_expert_dim: int = 0  # Qwen2-MoE's shared expert (0: none)
+    norm_topk_prob: bool = False  # renormalise the k router weights to sum to 1
+    router: str = "softmax_topk"  # Qwen: softmax over all, top-k; Mixtral: "topk_softmax"
+    sparse_layers: list[int] | None = None  # the layers with experts (None: all of them)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -77,6 +88,32 @@ class ModelArgs:
                 f"model config: {self.n_heads} query heads are not a multiple of "
                 f"{self.n_kv_heads} KV heads"
             )
+        if self.n_experts:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        e, k = self.n_experts, self.n_experts_per_tok
+        if e < 0 or not 1 <= k <= e:
+            raise ValueError(
+                f"model config: {k} experts per token (top-k) with {e} experts: "
+                "need 1 <= top-k <= experts"
+            )
+        if self.moe_hidden_dim <= 0:
+            raise ValueError(
+                f"model config: expert intermediate size must be positive, got "
+                f"{self.moe_hidden_dim}"
+            )
+        if self.router not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"model config: unknown router {self.router!r}")
+        bad = [i for i in self.sparse_layers or [] if not 0 <= i < self.n_layers]
+        if bad:
+            raise ValueError(
+                f"model config: expert layer {bad[0]} of a {self.n_layers}-layer model"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is a mixture of experts."""
+        return self.n_experts > 0 and (self.sparse_layers is None or layer in self.sparse_layers)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
@@ -112,13 +149,19 @@ class Attention(nn.Module):
         # Queries per block of a causal prefill (None: all at once); see `_attend`.
         object.__setattr__(self, "query_chunk", None)
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """x (B, L, dim) -> q (B, nh, L, hd), k and v (B, nkv, L, hd), before RoPE. Head
+        counts follow the (maybe sharded) projections."""
         B, L, _ = x.shape
-        # Head counts follow the (maybe sharded) projections: (B, nh, L, hd), (B, nkv, L, hd).
         hd = self.head_dim
         q = self.wq(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
         k = self.wk(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
         v = self.wv(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q, k, v = self.project(x)
         offset = cache.offset if cache is not None else 0
         q = self.rope(q, offset=offset)
         k = self.rope(k, offset=offset)
@@ -179,11 +222,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden_dim: int | None = None):
+        """SwiGLU of `hidden_dim` columns (default `args.hidden_dim`)."""
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down
-        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up
+        hidden = hidden_dim or args.hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=args.mlp_bias)  # gate
+        self.w2 = nn.Linear(hidden, args.dim, bias=args.mlp_bias)  # down
+        self.w3 = nn.Linear(args.dim, hidden, bias=args.mlp_bias)  # up
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.w2(nn.silu(self.w1(x)) * self.w3(x))
@@ -196,10 +241,17 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(
+        self,
+        args: ModelArgs,
+        attention: nn.Module | None = None,
+        feed_forward: nn.Module | None = None,
+    ):
+        """A pre-norm block; `attention` and `feed_forward` default to the Llama core's
+        (the other families pass their own: `llama_tp/models/`)."""
         super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args)
+        self.attention = attention or Attention(args)
+        self.feed_forward = feed_forward or FeedForward(args)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
@@ -209,11 +261,13 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layers: list[nn.Module] | None = None):
+        """The Llama core; `layers` (default: core blocks) for the other families
+        (`llama_tp.models.build(args)` builds any of them)."""
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = [TransformerBlock(args) for _ in range(args.n_layers)]
+        self.layers = layers or [TransformerBlock(args) for _ in range(args.n_layers)]
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         if not args.tie_word_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 def main() -> int:
     """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
-    from .console.cli import ArgumentParser
+    from .console.cli import ArgumentParser, add_moe_split_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.plan",
@@ -36,6 +36,7 @@ def main() -> int:
     p.add_argument(
         "--dp", type=int, help="data-parallel replicas (llama_tp.serve): each replica's plan"
     )
+    add_moe_split_arg(p)
     args = p.parse_args()
     if args.n < 1:
         p.error(f"-n must be at least 1, got {args.n}")
@@ -58,33 +59,32 @@ def main() -> int:
 
     # Reading shapes is lazy: no weight is loaded to print the plan.
     from .checkpoints import open_checkpoint
-    from .checkpoints.build import build_model
+    from .checkpoints.build import skeleton
+    from .checkpoints.slices import model_shape
     from .engine.loader import default_model
-    from .parallel.llama_plan import llama_plan
     from .parallel.parallelize import format_plan_table
-    from .parallel.partition import format_plan, weight_bytes
-    from .parallel.shard import plan_for
+    from .parallel.placement import place
+    from .parallel.plan_text import format_plan
+    from .parallel.shard import builtin_plan
 
     ckpt = open_checkpoint(args.model or default_model())
-    model = build_model(ckpt, whole=False)
-    plan = plan_for(model, args.n)
-    styles = llama_plan(
-        model,
+    placement = place(
+        model_shape(ckpt),
         args.n,
         vocab_parallel=not args.no_vocab_parallel,
-        sequence_parallel=args.sequence_parallel,
-        plan=plan,
+        moe_split=args.moe_split,
     )
-    tensors = {k: (tuple(v.shape), v.nbytes) for k, v in ckpt.weights.items()}
+    model = skeleton(ckpt)  # for the style table: lazy, nothing read
+    styles = builtin_plan(model, placement, sequence_parallel=args.sequence_parallel)
     print(f"{ckpt.path.name}: the plan (path -> style -> each rank's slice)")
     print(format_plan_table(model, styles, args.n))
     print()
     print(f"{ckpt.path.name}:")
-    print(format_plan(plan, weight_bytes(plan, tensors)))
+    print(format_plan(placement.plan, [r.nbytes for r in placement.ranks]))
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
-        for note in [*ckpt.notes, *split_notes(ckpt, plan)]:
+        for note in [*ckpt.notes, *split_notes(ckpt, placement.plan)]:
             print(note)
     return 0
 
@@ -113,7 +113,15 @@ def print_mesh(args) -> int:
 
     ckpt = open_checkpoint(args.model or default_model())
     try:
-        mp = mesh_plan(ckpt, args.n, args.tp, args.pp, args.pp_split, not args.no_vocab_parallel)
+        mp = mesh_plan(
+            ckpt,
+            args.n,
+            args.tp,
+            args.pp,
+            args.pp_split,
+            not args.no_vocab_parallel,
+            moe_split=args.moe_split,
+        )
     except MeshError as e:
         raise UsageError(str(e)) from None
     print(format_mesh(mp, ckpt.path.name))
@@ -121,7 +129,7 @@ def print_mesh(args) -> int:
         from .checkpoints.gguf import split_notes
 
         print()
-        for note in [*ckpt.notes, *split_notes(ckpt, mp.partitions[0])]:
+        for note in [*ckpt.notes, *split_notes(ckpt, mp.placement.plan)]:
             print(note)
     return 0
 

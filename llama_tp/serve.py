@@ -4,7 +4,7 @@ on every rank of an mlx.launch (rank 0 listens; all ranks compute).
     python -m llama_tp.serve --port 8080
     mlx.launch -n 2 -- python -m llama_tp.serve --model path/to/model
 
-See llama_tp.server for the pieces and README.md ("Serving") for the API.
+See llama_tp.server for the pieces and docs/serving.md for the API.
 """
 
 from __future__ import annotations

@@ -162,3 +162,81 @@ def pytest_collection_modifyitems(config, items):
         fns += [d.func for name in item.fixturenames for d in defs.get(name, ())]
         if any(s in _source(f) for f in fns for s in starters):
             item.add_marker(pytest.mark.ranks)
+
+
+# -- optional system components: skipped with the install line, required under CI -------
+
+
+def _has_mpi() -> bool:
+    import ctypes
+    import shutil
+
+    if not shutil.which("mpirun"):
+        return False
+    try:
+        ctypes.CDLL("libmpi.so")  # the name MLX's MPI backend opens
+    except OSError:
+        return False
+    return True
+
+
+def _has_openblas() -> bool:
+    from llama_tp.cluster.blas import find_openblas
+
+    return find_openblas() is not None
+
+
+def _has(*programs: str):
+    def check() -> bool:
+        import shutil
+
+        return all(shutil.which(p) for p in programs)
+
+    return check
+
+
+# name -> (is it there, what it adds, how to install it on Debian/Ubuntu)
+COMPONENTS = {
+    "mpi": (_has_mpi, "Open MPI (mpirun, libmpi.so)", "apt-get install openmpi-bin libopenmpi-dev"),
+    "openblas": (_has_openblas, "Debian's OpenBLAS", "apt-get install libopenblas0-pthread"),
+    "iproute2": (_has("ip", "tc"), "ip and tc (network namespaces)", "apt-get install iproute2"),
+    "compiler": (_has("c++", "cmake"), "a C++ compiler and CMake", "apt-get install g++ cmake"),
+    "arm64-cross": (
+        _has("aarch64-linux-gnu-g++", "qemu-aarch64"),
+        "an arm64 cross-compiler and qemu-user",
+        "apt-get install g++-aarch64-linux-gnu qemu-user",
+    ),
+    "chromium": (_has("chromium"), "Chromium", "apt-get install chromium"),
+}
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def requires(*components: str) -> pytest.MarkDecorator:
+    """Mark a test that needs optional system components (names in COMPONENTS): where one
+    is missing it is skipped with the install line, or fails under CI (`CI=true`, which
+    .ci/run sets, after installing them), so CI still proves every backend."""
+    unknown = [c for c in components if c not in COMPONENTS]
+    assert not unknown, f"unknown component(s) {unknown}; known: {sorted(COMPONENTS)}"
+    return pytest.mark.requires(*components)
+
+
+def missing_components(names) -> list[str]:
+    """The components of `names` that are not installed, each as 'what (install line)'."""
+    out = []
+    for name in names:
+        present, what, install = COMPONENTS[name]
+        if not present():
+            out.append(f"{what} is not installed ({install})")
+    return out
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("requires"):
+        missing = missing_components(mark.args)
+        if missing and _in_ci():
+            pytest.fail("; ".join(missing) + " and CI=true: .ci/run installs it", pytrace=False)
+        if missing:
+            pytest.skip("; ".join(missing))

@@ -75,10 +75,13 @@ def hf_config(
     tie: bool = False,
     rope_scaling: dict | None = None,
     rope_traditional: bool = False,
+    **extra,
 ) -> dict:
+    """config.json of a tiny model; `extra` adds keys (the experts of a MoE family: see
+    `moe_config`)."""
     config = {
         "model_type": model_type,
-        "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [ARCHITECTURES.get(model_type, "LlamaForCausalLM")],
         "hidden_size": dim,
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
@@ -98,7 +101,64 @@ def hf_config(
         config["rope_scaling"] = rope_scaling
     if rope_traditional:
         config["rope_traditional"] = True
-    return config
+    if model_type in ("qwen3", "qwen3_moe") and not head_dim:
+        config["head_dim"] = dim // n_heads  # required by mlx-lm's qwen3 models
+    return {**config, **extra}
+
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+
+def moe_config(
+    model_type: str,
+    experts: int,
+    top_k: int,
+    expert_dim: int,
+    shared_dim: int = 0,
+    norm_topk_prob: bool = True,
+    dense_layers: tuple[int, ...] = (),
+) -> dict:
+    """The expert keys of a mixture-of-experts config.json, by family."""
+    if model_type == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    out = {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_dim,
+        "norm_topk_prob": norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(dense_layers),
+    }
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = shared_dim
+    return out
+
+
+def _experts(config: dict) -> tuple[int, int, int]:
+    """(experts, expert width, shared-expert width) of a config (0, 0, 0: dense)."""
+    t = config["model_type"]
+    if t == "mixtral":
+        return config["num_local_experts"], config["intermediate_size"], 0
+    if t in ("qwen2_moe", "qwen3_moe"):
+        shared = config.get("shared_expert_intermediate_size", 0)
+        return config["num_experts"], config["moe_intermediate_size"], shared
+    return 0, 0, 0
+
+
+def _sparse(config: dict, layer: int) -> bool:
+    if not _experts(config)[0]:
+        return False
+    if config["model_type"] == "mixtral":
+        return True
+    step = config.get("decoder_sparse_step", 1)
+    return layer not in config.get("mlp_only_layers", []) and (layer + 1) % step == 0
 
 
 def random_weights(config: dict, seed: int = 0, dtype=mx.float32) -> dict[str, mx.array]:
@@ -107,7 +167,12 @@ def random_weights(config: dict, seed: int = 0, dtype=mx.float32) -> dict[str, m
     d, h = config["hidden_size"], config["intermediate_size"]
     nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or d // nh
-    bias = config["model_type"] == "qwen2"
+    bias = config["model_type"] in ("qwen2", "qwen2_moe")
+    qk_norm = config["model_type"] in ("qwen3", "qwen3_moe")
+    n_experts, expert_dim, shared_dim = _experts(config)
+    moe = "block_sparse_moe" if config["model_type"] == "mixtral" else "mlp"
+    # Mixtral names its experts' projections as Meta does
+    projs = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"} if moe != "mlp" else {}
 
     def w(*shape):
         return (mx.random.normal(shape) * shape[-1] ** -0.5).astype(dtype)
@@ -127,9 +192,27 @@ def random_weights(config: dict, seed: int = 0, dtype=mx.float32) -> dict[str, m
                 out[p + f"self_attn.{n}_proj.bias"] = (0.1 * mx.random.normal((size,))).astype(
                     dtype
                 )
-        out[p + "mlp.gate_proj.weight"] = w(h, d)
-        out[p + "mlp.up_proj.weight"] = w(h, d)
-        out[p + "mlp.down_proj.weight"] = w(d, h)
+        if qk_norm:
+            for n in ("q_norm", "k_norm"):
+                out[p + f"self_attn.{n}.weight"] = (1 + 0.1 * mx.random.normal((hd,))).astype(dtype)
+        if _sparse(config, i):
+            out[p + f"{moe}.gate.weight"] = w(n_experts, d)
+            for e in range(n_experts):
+                for proj, shape in (
+                    ("gate_proj", (expert_dim, d)),
+                    ("up_proj", (expert_dim, d)),
+                    ("down_proj", (d, expert_dim)),
+                ):
+                    out[p + f"{moe}.experts.{e}.{projs.get(proj, proj)}.weight"] = w(*shape)
+            if shared_dim:
+                out[p + "mlp.shared_expert.gate_proj.weight"] = w(shared_dim, d)
+                out[p + "mlp.shared_expert.up_proj.weight"] = w(shared_dim, d)
+                out[p + "mlp.shared_expert.down_proj.weight"] = w(d, shared_dim)
+                out[p + "mlp.shared_expert_gate.weight"] = w(1, d)
+        else:
+            out[p + "mlp.gate_proj.weight"] = w(h, d)
+            out[p + "mlp.up_proj.weight"] = w(h, d)
+            out[p + "mlp.down_proj.weight"] = w(d, h)
         for n in ("input_layernorm", "post_attention_layernorm"):
             out[p + f"{n}.weight"] = (1 + 0.1 * mx.random.normal((d,))).astype(dtype)
     return out

@@ -168,3 +168,131 @@ def tiny_llama_gguf(
             tensors[name] = (F32, ggml_shape, values.tobytes())
     write_gguf(path, meta, tensors)
     return path
+
+
+# --- any supported family, from a Hugging Face fixture, with the gguf package ------------
+
+GGUF_ARCH = {
+    "llama": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
+_HF_TO_GGUF = [
+    (r"^model\.embed_tokens\.", "token_embd."),
+    (r"^model\.norm\.", "output_norm."),
+    (r"^lm_head\.", "output."),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_proj\.", r"blk.\1.attn_q."),
+    (r"^model\.layers\.(\d+)\.self_attn\.k_proj\.", r"blk.\1.attn_k."),
+    (r"^model\.layers\.(\d+)\.self_attn\.v_proj\.", r"blk.\1.attn_v."),
+    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"blk.\1.attn_output."),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_norm\.", r"blk.\1.attn_q_norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.k_norm\.", r"blk.\1.attn_k_norm."),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"blk.\1.attn_norm."),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blk.\1.ffn_norm."),
+    (r"^model\.layers\.(\d+)\.mlp\.gate_proj\.", r"blk.\1.ffn_gate."),
+    (r"^model\.layers\.(\d+)\.mlp\.up_proj\.", r"blk.\1.ffn_up."),
+    (r"^model\.layers\.(\d+)\.mlp\.down_proj\.", r"blk.\1.ffn_down."),
+    (r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.", r"blk.\1.ffn_gate_inp."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.gate_proj\.", r"blk.\1.ffn_gate_shexp."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.up_proj\.", r"blk.\1.ffn_up_shexp."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj\.", r"blk.\1.ffn_down_shexp."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.", r"blk.\1.ffn_gate_inp_shexp."),
+]
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
+_EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
+_EXPERT_GGUF |= {"down_proj": "down", "w2": "down"}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: q/k rows reordered for interleaved (GGUF llama) RoPE."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def gguf_from_hf(
+    hf_dir: Path, out: Path, quantized: dict[str, int] | None = None, **overrides: int
+) -> Path:
+    """The Hugging Face fixture `hf_dir` (float32, per-expert tensors) as a GGUF file of its
+    family, written with the gguf package: float32 tensors but for `quantized` (GGUF name
+    pattern, `blk.*.` for every layer -> type id, quantized by gguf-py), the experts
+    stacked as llama.cpp stores them, q/k permuted for the llama architecture.
+    `overrides`: `{arch}.*` integers to write instead (e.g. expert_count=8)."""
+    import json
+
+    import gguf
+    import mlx.core as mx
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    mtype = config["model_type"]
+    arch = GGUF_ARCH[mtype]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    meta = {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "expert_count": config.get("num_experts", config.get("num_local_experts", 0)),
+        "expert_used_count": config.get("num_experts_per_tok", 0),
+        "expert_feed_forward_length": config.get("moe_intermediate_size", 0),
+        "expert_shared_feed_forward_length": config.get("shared_expert_intermediate_size", 0),
+        **overrides,
+    }
+    for key, value in meta.items():
+        if value:
+            w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    w.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
+    vocab = llama_vocabulary(config["vocab_size"])
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_array("tokenizer.ggml.tokens", vocab["tokenizer.ggml.tokens"])
+    w.add_array("tokenizer.ggml.scores", vocab["tokenizer.ggml.scores"])
+    w.add_array("tokenizer.ggml.token_type", vocab["tokenizer.ggml.token_type"])
+    for key in ("bos", "eos", "unknown"):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, v in mx.load(str(hf_dir / "model.safetensors")).items():
+        a = np.array(v.astype(mx.float32))
+        if m := _EXPERT.match(name):
+            layer, e, proj = m.groups()
+            experts.setdefault((layer, _EXPERT_GGUF[proj]), {})[int(e)] = a
+            continue
+        new = name
+        for pat, repl in _HF_TO_GGUF:
+            new, hit = re.subn(pat, repl, name)
+            if hit:
+                break
+        if arch == "llama" and new.endswith(("attn_q.weight", "attn_k.weight")):
+            a = _permute(a, heads if "attn_q" in new else kv)
+        if new.endswith("ffn_gate_inp_shexp.weight"):
+            a = a.reshape(-1)  # llama.cpp's (n_embd,) vector
+        tensors[new] = a
+    for (layer, proj), by_expert in experts.items():
+        tensors[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack(
+            [by_expert[e] for e in range(len(by_expert))]
+        )
+    quantized = quantized or {}
+    for name, a in tensors.items():
+        kind = quantized.get(name, quantized.get(re.sub(r"^blk\.\d+\.", "blk.*.", name)))
+        if kind is None:
+            w.add_tensor(name, a.astype(np.float32))
+        else:
+            qtype = gguf.GGMLQuantizationType(kind)
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

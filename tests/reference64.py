@@ -1,10 +1,14 @@
-"""A float64 Llama forward pass over gguf-py's dequantized GGUF weights: the reference
-llama_tp's GGUF loading is held to (issue 18).
+"""A float64 forward pass over gguf-py's dequantized GGUF weights: the reference
+llama_tp's GGUF loading is held to (issues 18 and 26).
 
 It reads the file with llama.cpp's own Python library (`gguf.GGUFReader` and
 `gguf.quants.dequantize`), shares no code with llama_tp, and follows llama.cpp's
-layout: weights as stored (rows = outputs), the interleaved RoPE GGUF's Q and K rows are
-permuted for (pairs 2i, 2i+1 rotate together), grouped KV heads, RMSNorm, SwiGLU.
+layout: weights as stored (rows = outputs); RoPE on interleaved pairs for the llama
+architecture (its Q and K rows are permuted for it) and on the halves of each head for
+qwen2/qwen3/qwen2moe/qwen3moe; q/k biases where the file has them; Qwen3's per-head
+q/k RMSNorm; grouped KV heads, RMSNorm, SwiGLU; mixtures of experts as llama.cpp's
+build_moe_ffn computes them (softmax over all experts, top-k, renormalised but for
+qwen2moe, plus qwen2moe's shared expert behind a sigmoid gate).
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from gguf.quants import dequantize
 
 
 def read(path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """(metadata key -> value, tensor name -> float64 array in (rows, cols))."""
+    """(metadata key -> value, tensor name -> float64 array in (rows, cols) or, stacked
+    experts, (experts, rows, cols))."""
     reader = gguf.GGUFReader(path)
     meta = {}
     for key, field in reader.fields.items():
-        if key.startswith("llama.") and field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
+        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
             meta[key] = field.contents()
     weights = {}
     for t in reader.tensors:
@@ -32,12 +37,16 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, theta: float) -> np.ndarray:
-    """(L, heads, hd) rotated by position, adjacent pairs together (llama.cpp's 'normal')."""
+def _rope(x: np.ndarray, theta: float, neox: bool) -> np.ndarray:
+    """(L, heads, hd) rotated by position: adjacent pairs together (llama.cpp's 'normal',
+    the llama architecture) or the two halves of each head ('neox': the Qwen ones)."""
     L, _, hd = x.shape
     freqs = theta ** (-np.arange(0, hd, 2) / hd)  # (hd/2,)
     angle = np.arange(L)[:, None] * freqs[None, :]  # (L, hd/2)
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    if neox:
+        a, b = x[..., : hd // 2], x[..., hd // 2 :]
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
     a, b = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = a * cos - b * sin
@@ -45,36 +54,85 @@ def _rope(x: np.ndarray, theta: float) -> np.ndarray:
     return out
 
 
+def _swiglu(h: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    g = h @ gate.T
+    return (g / (1 + np.exp(-g)) * (h @ up.T)) @ down.T
+
+
+def _experts(h: np.ndarray, w: dict, p: str, k: int, norm: bool) -> np.ndarray:
+    """llama.cpp's build_moe_ffn: softmax over all experts, the top k, their weights
+    renormalised (`norm`), each chosen expert's SwiGLU; plus the shared expert behind
+    its sigmoid gate (Qwen2-MoE)."""
+    logits = h @ w[p + "ffn_gate_inp.weight"].T  # (L, E)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        top = np.argsort(-probs[t])[:k]
+        weights = probs[t, top] / (probs[t, top].sum() if norm else 1.0)
+        for e, wt in zip(top, weights, strict=True):
+            out[t] += (
+                wt
+                * _swiglu(
+                    h[t : t + 1],
+                    w[p + "ffn_gate_exps.weight"][e],
+                    w[p + "ffn_up_exps.weight"][e],
+                    w[p + "ffn_down_exps.weight"][e],
+                )[0]
+            )
+    if p + "ffn_gate_shexp.weight" in w:
+        gate = h @ w[p + "ffn_gate_inp_shexp.weight"].reshape(-1)  # (L,)
+        shared = _swiglu(
+            h, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+            w[p + "ffn_down_shexp.weight"],
+        )  # fmt: skip
+        out += (1 / (1 + np.exp(-gate)))[:, None] * shared
+    return out
+
+
 def logits(path: str, tokens: list[int]) -> np.ndarray:
     """Logits (L, vocab) in float64 for `tokens`, every position (causal)."""
     meta, w = read(path)
-    heads = int(meta["llama.attention.head_count"])
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
-    eps = float(meta["llama.attention.layer_norm_rms_epsilon"])
-    theta = float(meta.get("llama.rope.freq_base", 10000.0))
-    layers = int(meta["llama.block_count"])
+    arch = meta["general.architecture"]
+    heads = int(meta[f"{arch}.attention.head_count"])
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    eps = float(meta[f"{arch}.attention.layer_norm_rms_epsilon"])
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    layers = int(meta[f"{arch}.block_count"])
+    top_k = int(meta.get(f"{arch}.expert_used_count", 0))
+    norm_topk = arch != "qwen2moe"  # llama.cpp: Mixtral and Qwen3-MoE renormalise
+    neox = arch != "llama"
     x = w["token_embd.weight"][tokens]  # (L, dim)
     L, dim = x.shape
-    hd = dim // heads
+    hd = int(meta.get(f"{arch}.attention.key_length", dim // heads))
     mask = np.triu(np.full((L, L), -np.inf), 1)
     for i in range(layers):
         p = f"blk.{i}."
+
+        def proj(h, name, out_heads, p=p):
+            y = h @ w[p + name + ".weight"].T + w.get(p + name + ".bias", 0.0)
+            return y.reshape(L, out_heads, hd)
+
         h = _rms(x, w[p + "attn_norm.weight"], eps)
-        q = _rope((h @ w[p + "attn_q.weight"].T).reshape(L, heads, hd), theta)
-        k = _rope((h @ w[p + "attn_k.weight"].T).reshape(L, kv_heads, hd), theta)
-        v = (h @ w[p + "attn_v.weight"].T).reshape(L, kv_heads, hd)
+        q, k, v = proj(h, "attn_q", heads), proj(h, "attn_k", kv_heads), proj(h, "attn_v", kv_heads)
+        if p + "attn_q_norm.weight" in w:  # Qwen3: each head normalised before RoPE
+            q = _rms(q, w[p + "attn_q_norm.weight"], eps)
+            k = _rms(k, w[p + "attn_k_norm.weight"], eps)
+        q, k = _rope(q, theta, neox), _rope(k, theta, neox)
         k = np.repeat(k, heads // kv_heads, axis=1)
         v = np.repeat(v, heads // kv_heads, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(L, dim)
+        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(L, heads * hd)
         x = x + attn @ w[p + "attn_output.weight"].T
         h = _rms(x, w[p + "ffn_norm.weight"], eps)
-        gate = h @ w[p + "ffn_gate.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ w[p + "ffn_up.weight"].T)) @ (
-            w[p + "ffn_down.weight"].T
-        )
+        if p + "ffn_gate_exps.weight" in w:
+            x = x + _experts(h, w, p, top_k, norm_topk)
+        else:
+            x = x + _swiglu(
+                h, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"]
+            )
     x = _rms(x, w["output_norm.weight"], eps)
     head = w.get("output.weight", w["token_embd.weight"])
     return x @ head.T

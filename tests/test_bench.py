@@ -9,7 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from conftest import launch, run_python
+from conftest import launch, requires, run_python
 
 from llama_tp.benchmarks.report import print_table
 from llama_tp.benchmarks.synthetic import parse_spec
@@ -266,16 +266,21 @@ def test_blas_hint_without_openblas():
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="LD_PRELOAD and MLX's bundled BLAS: Linux")
-def test_blas_detection_follows_ld_preload():
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    plain = _blas_json(env)
+def test_blas_detection_names_the_reference_blas():
+    plain = _blas_json({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
     if "mlx_cpu.libs" in (plain["library"] or ""):  # the CPU wheel's bundled reference BLAS
         assert plain["reference"] is True
+        hint = blas.hint(blas.BlasInfo(**plain))  # how to preload OpenBLAS, or install it
+        assert hint and "LD_PRELOAD=" in hint, hint
+        if plain["openblas"] is None:
+            assert "apt-get install libopenblas0-pthread" in hint
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="LD_PRELOAD and MLX's bundled BLAS: Linux")
+@requires("openblas")
+def test_blas_detection_follows_ld_preload():
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     openblas = blas.find_openblas()
-    if openblas is None:
-        if plain["reference"]:
-            assert "apt-get install libopenblas0-pthread" in blas.hint(blas.BlasInfo(**plain))
-        return
     preloaded = _blas_json({**env, "LD_PRELOAD": openblas})
     assert preloaded["reference"] is False
     assert os.path.realpath(preloaded["library"]) == os.path.realpath(openblas)
@@ -294,3 +299,48 @@ def _blas_json(env: dict) -> dict:
     )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
+
+
+# docs/benchmarks.md section -> (driver in bench/, its function from the results to markdown,
+# and the results file when it is not the section's own)
+SECTIONS = {
+    "versus-mlx-lm": None,  # llama_tp.benchmarks.matrix_report.write_report
+    "launch-path": ("launch_path", "section"),
+    "graph-building": ("cpu_path", "overhead_section", "cpu-path"),
+    "cpu-path": ("cpu_path", "cpu_section"),
+    "serving": ("serving", "serve_section"),
+    "prompt-cache": ("serving", "cache_section"),
+    "speculative": ("speculative", "section"),
+    "sequence-parallel-memory": ("sequence_parallel_memory", "section"),
+    "mpi-backend": ("mpi_backend", "section"),
+    "mixture-of-experts": ("moe", "section"),
+    "cpu-kernels": ("cpu_kernels", "section"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SECTIONS))
+def test_each_benchmark_section_is_its_driver_output_of_its_results(name):
+    """docs/benchmarks.md's section NAME is what its driver writes from the results kept
+    beside it (docs/benchmarks/NAME.json): figures and page cannot drift apart."""
+    import importlib.util
+    import re
+
+    from llama_tp.benchmarks import sections
+
+    results = SECTIONS[name][2] if SECTIONS[name] and len(SECTIONS[name]) > 2 else name
+    res = json.loads((sections.DOCS / "benchmarks" / f"{results}.json").read_text())
+    if SECTIONS[name] is None:
+        from llama_tp.benchmarks.matrix_report import write_report
+
+        md = write_report(res, f"benchmarks/{name}.png")
+    else:
+        driver, fn = SECTIONS[name][:2]
+        path = Path(__file__).resolve().parent.parent / "bench" / f"{driver}.py"
+        spec = importlib.util.spec_from_file_location(f"bench_{driver}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        md = re.sub(r"\S*/f32\b", "F32_DIR", getattr(module, fn)(res))
+    page = sections.PAGE.read_text()
+    begin, end = sections.begin(name), sections.end(name)
+    assert begin in page, f"docs/benchmarks.md has no section {name}"
+    assert page[page.index(begin) + len(begin) : page.index(end)].strip() == md.strip()

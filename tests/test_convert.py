@@ -9,7 +9,8 @@ import mlx.core as mx
 import pytest
 from conftest import run_python
 
-from llama_tp.checkpoints.convert import convert_gguf, hf_name
+from llama_tp.checkpoints.convert import convert_gguf
+from llama_tp.checkpoints.hf_config import hf_name
 from llama_tp.checkpoints.tokenizer import encode_prompt
 from llama_tp.engine.generation import generate_step
 from llama_tp.engine.loader import load

@@ -44,11 +44,11 @@ def _parse(r) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict[str, dict]]:
+    """Rank count -> file name -> what mp_gguf_logits.py printed (one launch each)."""
     from llama_tp import kernels
 
     st = kernels.status()
     assert st.native, f"the native kernels must be built here (make kernels): {st.reason}"
-    """Rank count -> file name -> what mp_gguf_logits.py printed (one launch each)."""
     args = ["tests/mp_gguf_logits.py", *_files()]
     return {1: _parse(run_python(args, timeout=120)), 2: _parse(launch(2, args, timeout=240))}
 

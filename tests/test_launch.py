@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
-from conftest import _PORTS, ROOT, launch, run_python
+from conftest import _PORTS, ROOT, launch, requires, run_python
 
 GREEDY = ["--temp", "0", "--max-tokens", "12"]
 
@@ -57,10 +56,8 @@ def test_bad_arguments_are_one_line():
     assert r.stderr.strip() == "error: -m needs a module name, e.g. -m llama_tp.generate"
 
 
+@requires("mpi")
 def test_mpi_backend_gives_the_ring_text(tiny_dir, tmp_path):
-    assert shutil.which("mpirun"), (
-        "mpirun is missing: apt-get install openmpi-bin libopenmpi-dev (.ci/run does)"
-    )
     # mpirun refuses root and more ranks than cores unless told; its session directory
     # goes under tmp_path (/tmp/ompi.HOST.UID keeps what MPI singletons leave behind).
     env = {
@@ -146,6 +143,7 @@ def test_the_launcher_sleeps_while_the_ranks_compute():
     assert cpu[0] < 0.2 * wall, (cpu[0], wall)
 
 
+@requires("openblas")
 def test_local_ranks_preload_openblas():
     """Debian's OpenBLAS (installed by .ci/run) is preloaded for local ranks, one BLAS
     thread per rank's share of the cores (or the user's OPENBLAS_NUM_THREADS), unless
@@ -153,7 +151,6 @@ def test_local_ranks_preload_openblas():
     from llama_tp.cluster.blas import find_openblas
 
     lib = find_openblas()
-    assert lib, "OpenBLAS is missing: apt-get install libopenblas0-pthread (.ci/run does)"
     code = "import os; e = os.environ; os.write(1, f\"{e['MLX_RANK']} {e.get('LD_PRELOAD')} "
     code += "{e.get('OPENBLAS_NUM_THREADS')} {e.get('LLAMA_TP_KERNEL_THREADS')}\\n\".encode())"
     cmd = [sys.executable, "-m", "llama_tp.launch", "-n", "2", "--verbose"]
@@ -189,6 +186,7 @@ def test_local_ranks_preload_openblas():
     assert sorted(mine.stdout.split("\n")[:-1]) == want, mine.stderr
 
 
+@requires("mpi")
 def test_a_process_on_its_own_does_not_start_mpi(tmp_path):
     """world() outside a launcher is the ring backend's group of one: no MPI singleton
     (0.3 s and a session directory per start where Open MPI is installed)."""

@@ -1,9 +1,9 @@
-"""The package's imports flow one way (the README's module map), with no cycles.
+"""The package's imports flow one way (docs/architecture.md's module map), with no cycles.
 
 Layers, lowest first; a module may import its own package's modules and any lower
 layer, never a higher one:
 
-    cluster < parallel < model < checkpoints < engine < console < server, benchmarks
+    cluster < parallel < model < models < checkpoints < engine < console < server, benchmarks
             < the commands at the top (generate, chat, serve, ...)
 
 Every import counts, including those inside functions (they are real dependencies,
@@ -14,6 +14,7 @@ nothing at import time but its lazy table, and nothing imports it.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -25,13 +26,14 @@ LAYERS = {
     "kernels": 0,  # below everything that computes (imports only mlx)
     "parallel": 1,
     "model": 2,
-    "checkpoints": 3,
-    "engine": 4,
-    "console": 5,
-    "server": 6,
-    "benchmarks": 6,
+    "models": 3,  # the other families, built on the core model
+    "checkpoints": 4,
+    "engine": 5,
+    "console": 6,
+    "server": 7,
+    "benchmarks": 7,
 }
-TOP = 7  # the commands: llama_tp/<name>.py
+TOP = 8  # the commands: llama_tp/<name>.py
 
 
 def module_name(path: Path) -> str:
@@ -136,7 +138,7 @@ def test_the_top_level_stays_small():
     "edges, expected",
     [
         # an upward import: the engine reaching into a command
-        ({"llama_tp.engine.loader": {"llama_tp.generate"}}, "layer 4) imports llama_tp.generate"),
+        ({"llama_tp.engine.loader": {"llama_tp.generate"}}, "layer 5) imports llama_tp.generate"),
         # the model importing the engine
         ({"llama_tp.model": {"llama_tp.engine.sampling"}}, "layer 2) imports"),
         # cluster importing the parallel layers
@@ -177,12 +179,20 @@ def test_old_import_paths_still_work():
     assert encode_prompt is llama_tp.encode_prompt
 
 
-def test_the_readme_module_map_names_every_module():
-    """Every module below a subpackage is named in the README's module table."""
-    readme = (ROOT / "README.md").read_text()
-    missing = [
+def test_the_module_map_names_every_module_and_no_other():
+    """docs/architecture.md's module table (its first column) names every module of the
+    package (`__init__.py` of the subpackages aside), and nothing that does not exist."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    table = page[page.index("| module | what |") :].split("\n\n", 1)[0]
+    listed = {
+        name
+        for row in table.splitlines()[2:]
+        for name in re.findall(r"`([\w/]+\.py)`", row.split(" | ")[0])
+    }
+    modules = {
         p.relative_to(PACKAGE).as_posix()
-        for p in sorted(PACKAGE.glob("*/*.py"))
-        if p.name != "__init__.py" and f"`{p.relative_to(PACKAGE).as_posix()}`" not in readme
-    ]
-    assert missing == [], f"add these to the README's module map: {missing}"
+        for p in PACKAGE.rglob("*.py")
+        if p.parent == PACKAGE or p.name != "__init__.py"
+    }
+    assert sorted(modules - listed) == [], "add these to docs/architecture.md's module map"
+    assert sorted(listed - modules) == [], "docs/architecture.md's module map names these"

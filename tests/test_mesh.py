@@ -15,7 +15,7 @@ from llama_tp.engine.agreement import disagreement
 from llama_tp.engine.mesh_plan import mesh_plan
 from llama_tp.engine.pipeline import MIN_MICRO, micro_batches
 from llama_tp.parallel.mesh import MeshError, balanced_split, layout, mesh_shape, parse_split
-from llama_tp.parallel.partition import human_bytes
+from llama_tp.parallel.plan_text import human_bytes
 
 # --- pure Python: shapes, placement, splits ---
 

@@ -2,7 +2,8 @@
 
 Each rank runs in its own namespace (`ip netns exec NS env MLX_RANK=r ... python ...`)
 on its own address, so the ranks talk over a real (virtual) link that a test can
-take down. Needs root and namespaces: skipped, with the reason, where creating one
+take down. Needs iproute2 (`ip`, `tc`: skipped with the install line where missing, a
+failure under CI) and root with namespaces: skipped, with the reason, where creating one
 fails.
 """
 
@@ -17,8 +18,10 @@ import subprocess
 import time
 
 import pytest
-from conftest import run_python
+from conftest import requires, run_python
 from mp_ranks import Ranks
+
+pytestmark = requires("iproute2")
 
 PEER_LOST = "lost the connection to a peer rank (it crashed or was stopped)"
 NO_PROGRESS = (

@@ -1,11 +1,14 @@
-"""README.md runs as written, by the conventions its Quick start states:
+"""README.md and every docs/*.md page run as written, by docs/conventions.md:
 
-- ```python blocks run, each in a fresh process in an empty directory;
+- ```python blocks run, each in a fresh process in an empty directory (a fragment is
+  compiled; one labelled `<!-- with server: CMD -->` runs while CMD serves);
 - ```bash blocks hold only llama_tp commands, run line by line from (a copy of the
-  top of) the repository, with the documented reductions (SHORTER below);
-- ```sh blocks: each llama_tp command's flags must parse (a dry run), a --hostfile exist;
+  top of) the repository, with the documented reductions (`shorter` below);
+- ```sh blocks: each llama_tp command's flags must parse (a dry run), a --hostfile exist,
+  a `python bench/NAME.py` driver exist and take its flags;
 - ```text blocks are labelled `<!-- example output -->` or `<!-- output of: CMD -->`
-  (then they are exactly what CMD prints).
+  (then they are exactly what CMD prints);
+- links between pages (relative paths and #anchors) resolve.
 
 A broken snippet fails here: a flag renamed, a function moved, a command that errors.
 """
@@ -24,11 +27,12 @@ from pathlib import Path
 import pytest
 from conftest import _PORTS, BIN, ROOT
 
-README = ROOT / "README.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 WARN = "exited with code"
 PYTHONS = ("python", "python3", ".venv/bin/python")
 EXAMPLE = "<!-- example output -->"
 OUTPUT_OF = re.compile(r"<!-- output of: (.+) -->")
+WITH_SERVER = re.compile(r"<!-- with server: (.+) -->")
 
 
 @dataclass
@@ -37,9 +41,14 @@ class Block:
     text: str
     line: int  # of the opening fence, 1-based
     label: str  # the HTML comment on the line before, or ""
+    page: str = "README.md"  # relative to the repository
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
 
 
-def parse(markdown: str) -> list[Block]:
+def parse(markdown: str, page: str = "README.md") -> list[Block]:
     lines, blocks, i = markdown.splitlines(), [], 0
     while i < len(lines):
         m = re.match(r"^```(\S*)\s*$", lines[i])
@@ -53,12 +62,12 @@ def parse(markdown: str) -> list[Block]:
             i += 1
         before = [line for line in lines[:start] if line.strip()][-1:]
         label = before[0].strip() if before and before[0].strip().startswith("<!--") else ""
-        blocks.append(Block(m.group(1), "\n".join(body) + "\n", start + 1, label))
+        blocks.append(Block(m.group(1), "\n".join(body) + "\n", start + 1, label, page))
         i += 1
     return blocks
 
 
-BLOCKS = parse(README.read_text(encoding="utf-8"))
+BLOCKS = [b for p in PAGES for b in parse(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))]
 
 
 @dataclass
@@ -78,6 +87,8 @@ def command(line: str) -> Command | None:
     tokens = shlex.split(cmd, comments=True)
     while tokens and re.match(r"^[A-Z_]+=", tokens[0]):
         tokens.pop(0)  # environment assignments
+    if tokens[:1] == ["mpirun"]:  # mpirun's own flags, then the command
+        tokens = tokens[next((i for i, t in enumerate(tokens) if t in PYTHONS), len(tokens)) :]
     launcher, via = None, "mlx.launch"
     if len(tokens) >= 3 and tokens[0] in PYTHONS and tokens[1:3] == ["-m", "llama_tp.launch"]:
         from llama_tp.cluster.launcher import split_argv
@@ -103,6 +114,16 @@ def lines_of(block: Block) -> list[str]:
     """The block's command lines, with backslash continuations joined."""
     text = block.text.replace("\\\n", " ")
     return [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def simple_commands(line: str) -> list[str]:
+    """A shell line's simple commands: split at `;`, `&`, `&&`, `||`, with `do` dropped
+    (so `for r in ...; do CMD & done; wait` gives CMD)."""
+    parts = re.split(r"\s*(?:&&|\|\||;|&(?!&))\s*", line.split(" #", 1)[0])
+    return [re.sub(r"^(do|then)\s+", "", p) for p in parts if p.strip()]
+
+
+DRIVER = re.compile(r"^(?:[A-Z_]+=\S*\s+)*(?:python3?|\.venv/bin/python)\s+(bench/\w+\.py)(.*)$")
 
 
 def _set(args: list[str], flags: tuple[str, ...], value: str) -> list[str]:
@@ -133,7 +154,8 @@ def shorter(c: Command, tiny: Path) -> list[str]:
         args = _set(args, ("--collective-steps",), "2")
         if "--synthetic" in args:
             i = args.index("--synthetic") + 1
-            args[i] = "tiny-" + args[i].split("-", 1)[1]
+            size, _, dtype = args[i].rpartition("-")
+            args[i] = ("moe-tiny-" if size.startswith("moe") else "tiny-") + dtype
     elif c.name == "perplexity":
         args = _set(args, ("--limit-tokens",), "24")
     elif c.name == "doctor" and "--quick" not in args:
@@ -208,37 +230,101 @@ def by_lang(lang: str) -> list:
         marks = [pytest.mark.slow] if lang == "bash" else []
         launched = "mlx.launch" in b.text or "llama_tp.launch" in b.text
         marks += [pytest.mark.ranks] if lang == "bash" and launched else []
-        params.append(pytest.param(b, id=f"line{b.line}", marks=marks))
+        served = lang == "python" and WITH_SERVER.fullmatch(b.label)
+        marks += [pytest.mark.slow, pytest.mark.ranks] if served else []
+        params.append(pytest.param(b, id=f"{Path(b.page).stem}-line{b.line}", marks=marks))
     return params
 
 
 def test_every_block_follows_the_conventions():
-    assert {b.lang for b in BLOCKS} <= {"python", "bash", "sh", "text", "json", ""}, BLOCKS
+    langs = {b.lang for b in BLOCKS}
+    assert langs <= {"python", "bash", "sh", "text", "json", ""}, langs
     assert sum(b.lang == "bash" for b in BLOCKS) >= 5 and sum(b.lang == "python" for b in BLOCKS)
     for b in BLOCKS:
         if b.lang == "bash":
             for line in lines_of(b):
-                assert command(line), f"README line {b.line}: bash blocks hold llama_tp commands"
+                c = command(line)
+                assert c, f"{b.where}: bash blocks hold llama_tp commands: {line}"
+                assert c.name != "serve", f"{b.where}: serve runs until stopped: use sh"
         if b.lang == "text":
             assert b.label == EXAMPLE or OUTPUT_OF.fullmatch(b.label), (
-                f"README line {b.line}: a text block needs {EXAMPLE} or <!-- output of: CMD -->"
+                f"{b.where}: a text block needs {EXAMPLE} or <!-- output of: CMD -->"
+            )
+        if WITH_SERVER.fullmatch(b.label):
+            c = command(WITH_SERVER.fullmatch(b.label).group(1))
+            assert c and c.name == "serve", (
+                f"{b.where}: <!-- with server: --> needs a serve command"
             )
 
 
+_PY_RESULTS: dict[str, subprocess.CompletedProcess] = {}
+
+
 @pytest.mark.parametrize("block", by_lang("python"))
-def test_python_block(block, tmp_path):
-    if block.label == "<!-- fragment -->":  # needs a server, several ranks or a model
-        compile(block.text, f"README.md:{block.line}", "exec")
+def test_python_block(block, tmp_path, request):
+    if block.label == "<!-- fragment -->":  # needs several ranks, a model or other names
+        compile(block.text, f"{block.page}:{block.line}", "exec")
         return
-    r = subprocess.run(
-        [sys.executable, "-c", block.text],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, f"README line {block.line}:\n{r.stderr[-3000:]}"
+    code = block.text
+    served = WITH_SERVER.fullmatch(block.label)
+    if served:
+        server, port = start_server(command(served.group(1)), request.getfixturevalue("tiny_dir"))
+        code = code.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
+    try:
+        if code not in _PY_RESULTS:  # the same block on two pages runs once
+            _PY_RESULTS[code] = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        r = _PY_RESULTS[code]
+    finally:
+        if served:
+            stop_server(server)
+    assert r.returncode == 0, f"{block.where}:\n{r.stderr[-3000:]}"
     assert r.stdout.strip(), r.stderr[-3000:]
+
+
+def start_server(c: Command, tiny: Path) -> tuple[subprocess.Popen, int]:
+    """`c` (a serve command, shortened) on a free port, once its /health answers 200."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    c = Command(c.name, _set(c.args, ("--port",), str(port)), c.launcher, c.feed, c.via)
+    p = subprocess.Popen(
+        argv(c, shorter(c, tiny)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and p.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return p, port
+        except OSError:
+            time.sleep(0.5)
+    stop_server(p)
+    pytest.fail(f"the server did not start: {p.stderr.read()[-3000:]}")
+
+
+def stop_server(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 @pytest.mark.parametrize("block", by_lang("bash"))
@@ -246,7 +332,7 @@ def test_bash_block(block, workdir, tiny_dir):
     for line in lines_of(block):
         c = command(line)
         r = run_line(c, workdir, tiny_dir)
-        where = f"README line {block.line}: {line}\n$ {r.args}\n"
+        where = f"{block.where}: {line}\n$ {r.args}\n"
         assert r.returncode == 0 and WARN not in r.stderr, where + r.stderr[-3000:]
         assert "Traceback" not in r.stderr and "error:" not in r.stderr, where + r.stderr[-3000:]
 
@@ -256,38 +342,50 @@ class _DryRun(Exception):
 
 
 def test_sh_blocks_parse(monkeypatch, capsys):
-    """Each llama_tp command of a sh block: its flags parse (nothing runs)."""
+    """Each llama_tp command and bench/ driver of a sh block: its flags parse (nothing
+    runs)."""
+    import argparse
     import importlib
+    import runpy
 
-    from llama_tp.console import cli
-
-    parse = cli.ArgumentParser.parse_args
+    parse = argparse.ArgumentParser.parse_args
 
     def dry(self, *a, **kw):
         parse(self, *a, **kw)
         raise _DryRun
 
-    monkeypatch.setattr(cli.ArgumentParser, "parse_args", dry)
-    checked = 0
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", dry)
+    checked = drivers = 0
     for b in BLOCKS:
         if b.lang != "sh":
             continue
-        for line in lines_of(b):
+        for line in (part for ln in lines_of(b) for part in simple_commands(ln)):
+            if d := DRIVER.match(line):
+                assert (ROOT / d.group(1)).is_file(), f"{b.where}: no {d.group(1)}"
+                argv = [d.group(1), *shlex.split(d.group(2))]
+                monkeypatch.setattr(sys, "argv", argv)
+                with pytest.raises(_DryRun):
+                    try:
+                        runpy.run_path(str(ROOT / d.group(1)), run_name="__main__")
+                    except SystemExit as e:
+                        pytest.fail(f"{b.where}: {line}\n{capsys.readouterr().err}{e}")
+                drivers += 1
+                continue
             c = command(line)
             if c is None:
                 continue
             if c.launcher and "--hostfile" in c.launcher:
                 hostfile = c.launcher[c.launcher.index("--hostfile") + 1]
-                assert (ROOT / hostfile).is_file(), f"README line {b.line}: no {hostfile}"
+                assert (ROOT / hostfile).is_file(), f"{b.where}: no {hostfile}"
             monkeypatch.setattr(sys, "argv", [f"llama_tp.{c.name}", *c.args])
             main = importlib.import_module(f"llama_tp.{c.name}").main
             with pytest.raises(_DryRun):
                 try:
                     main()
                 except SystemExit as e:
-                    pytest.fail(f"README line {b.line}: {line}\n{capsys.readouterr().err}{e}")
+                    pytest.fail(f"{b.where}: {line}\n{capsys.readouterr().err}{e}")
             checked += 1
-    assert checked >= 8
+    assert checked >= 8 and drivers >= 5, (checked, drivers)
 
 
 @pytest.mark.parametrize(
@@ -298,4 +396,58 @@ def test_text_block_is_the_output_of_its_command(block, workdir, tiny_dir):
     c = command(line)
     r = run_line(c, workdir, tiny_dir)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == block.text, f"README line {block.line}: {line} now prints\n{r.stdout}"
+    assert r.stdout == block.text, f"{block.where}: {line} now prints\n{r.stdout}"
+
+
+# -- links between pages ---------------------------------------------------------------
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings (outside code blocks)."""
+    out, fenced = set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^#{1,6}\s+(.*?)\s*$", line)):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+def links(page: Path) -> list[tuple[int, str]]:
+    """(line, target) of every relative link of `page`, outside code blocks."""
+    out, fenced = [], False
+    for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        for m in LINK.finditer(re.sub(r"`[^`]*`", "", line)):
+            target = m.group(1) or m.group(2)
+            if not re.match(r"^[a-z]+:", target):
+                out.append((n, target))
+    return out
+
+
+@pytest.mark.parametrize(
+    "page", [*PAGES, ROOT / "hostfiles" / "README.md"], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_links_resolve(page):
+    bad = []
+    for n, target in links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"line {n}: {target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+            bad.append(f"line {n}: {target}: no heading #{anchor} in {dest.name}")
+    assert not bad, f"{page.relative_to(ROOT)}:\n" + "\n".join(bad)
+
+
+def test_the_readme_indexes_every_docs_page():
+    listed = {(ROOT / t.partition("#")[0]).resolve() for _, t in links(ROOT / "README.md")}
+    missing = [p.name for p in PAGES[1:] if p.resolve() not in listed]
+    assert not missing, f"README.md links no page {missing}: add it to The manual"

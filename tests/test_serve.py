@@ -257,7 +257,7 @@ def test_spec_bad_num_draft_tokens_gets_a_400(servers):
             continue
         assert code == 400, (bad, text)
         assert json.loads(text)["error"]["param"] == "num_draft_tokens", text
-    # Sampled requests do not draft (see README): asking for drafts there is a 400.
+    # Sampled requests do not draft (see docs/serving.md): asking for drafts there is a 400.
     code, text = http(url, {**ok, "num_draft_tokens": 4, "temperature": 0.7}, auth)
     assert code == 400 and json.loads(text)["error"]["param"] == "num_draft_tokens", text
     assert http(url, {**ok, "num_draft_tokens": 0, "temperature": 0.7}, auth)[0] == 200

@@ -19,7 +19,7 @@ def _fmt_gb(values: list[float]) -> str:
 def traffic_lines(ranks: list[dict[str, Any]]) -> list[str]:
     """One line per rank: its place in the mesh, its messages per generated token
     (group, op, count x bytes), the bytes it sends and its rounds."""
-    from ..parallel.partition import human_bytes
+    from ..parallel.plan_text import human_bytes
 
     lines = []
     for r in ranks:
@@ -72,6 +72,8 @@ def print_table(r: dict[str, Any]) -> None:
             "rank {i} {b:.0f} MB (weights {g:.2f} GB)",
             [(a * 1e3, w) for a, w in zip(t["activation_peak_gb"], t["weights_gb"], strict=True)],
         )
+    if "expert_load" in t:
+        print(f"llama_tp expert load {t['expert_load']['summary']}")
     if "prefill_collectives" in t:
         per = t["prefill_collectives"]["per_layer"]
         print(

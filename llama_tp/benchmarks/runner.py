@@ -80,7 +80,7 @@ def bench_llama_tp(
     from ..cluster.collectives import count_collectives, count_prefill_collectives, decode_share
     from ..console.cli import UsageError
     from ..engine.generation import decode_step, generate_step
-    from ..engine.loader import load_model
+    from ..engine.loader import load_model, max_rss
     from ..engine.sampling import make_sampler, vocab_shard
     from ..model import lazy_query_blocks
     from ..parallel.mesh import MeshError
@@ -91,7 +91,13 @@ def bench_llama_tp(
     mesh_flags = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split")}
     try:
         model, ckpt = load_model(
-            path, group, not args.no_vocab_parallel, args.dtype, sequence_parallel=sp, **mesh_flags
+            path,
+            group,
+            not args.no_vocab_parallel,
+            args.dtype,
+            sequence_parallel=sp,
+            moe_split=args.moe_split,
+            **mesh_flags,
         )
     except MeshError as e:  # the same on every rank
         raise UsageError(str(e)) from None
@@ -128,6 +134,8 @@ def bench_llama_tp(
         return timed(((t, lg) for t, lg, _ in steps), len(prompt))
 
     res = run_trials(trial, args.num_trials)
+    if ckpt.placement is not None and ckpt.placement.plan.experts is not None:
+        res["expert_load"] = expert_routes(model, ckpt.placement, group, trial)
     if spec:  # the timed trials (the first was the warm-up)
         from ..engine.speculative import SpecStats
 
@@ -168,8 +176,22 @@ def bench_llama_tp(
         res.update(decode_step_ms=step_ms, decode_step_ms_no_collectives=step_ms)
         res["collective_share"] = 0.0
     res["n_layers"] = len(model.layers)
+    res["max_rss_gb"] = [m / 1e9 for m in all_gather_object(max_rss(), group)]  # per rank
     res["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self") else None
     return res, prompt
+
+
+def expert_routes(model: Any, placement: Any, group: mx.distributed.Group, trial) -> dict:
+    """The routes each rank's experts take in one more trial (counted apart from the timed
+    ones: counting adds small ops to every MoE layer)."""
+    from ..engine import expert_load
+    from ..models.moe import record_expert_load
+
+    expert_load.start(model)
+    trial()
+    load = expert_load.gather(model, placement, group)
+    record_expert_load(model, False)
+    return {**load.to_dict(), "summary": load.summary()}
 
 
 def mesh_traffic(model: Any, mine: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any]:

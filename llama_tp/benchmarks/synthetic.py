@@ -5,7 +5,11 @@
 writes a Hugging Face directory (config.json, model.safetensors, a word-level
 tokenizer.json) that both `llama_tp.load` and `mlx_lm.load` open, so the two
 run the same weights. Specs are `SIZE-DTYPE`: sizes in `SIZES`, dtypes fp16,
-bf16 and fp32. `synthetic_dir(spec)` writes one into the cache once and reuses it.
+bf16, fp32 and q4 (MLX 4-bit, group 64, as mlx-community folders, with float32 scales
+and norms). The `moe-*` sizes are Qwen3-MoE models with the experts
+stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's shape scaled down:
+128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). `synthetic_dir(spec)`
+writes one into the cache once and reuses it.
 """
 
 from __future__ import annotations
@@ -25,13 +29,23 @@ SIZES = {
     "0.1b": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=2816, vocab=32000),
     "tiny": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512),
     "1b": dict(dim=2048, n_layers=18, n_heads=16, n_kv_heads=8, hidden_dim=5632, vocab=32000),
-}
-DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32}
+    # Qwen3-MoE: experts, experts per token, expert width (head_dim: qk-norm heads)
+    "moe-tiny": dict(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512,
+        experts=8, top_k=2, expert_dim=32, head_dim=16,
+    ),
+    "moe-a3b": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, hidden_dim=3072, vocab=32000,
+        experts=64, top_k=8, expert_dim=384, head_dim=64,
+    ),
+}  # fmt: skip
+# q4: quantized from float32 (float32 scales: MLX's CPU quantized kernels are slow in float16)
+DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32, "q4": mx.float32}
 
 
 def parse_spec(spec: str) -> tuple[dict, mx.Dtype]:
     """`0.5b-fp16` -> (size dict, dtype); ValueError naming the choices otherwise."""
-    size, _, dtype = spec.partition("-")
+    size, _, dtype = spec.rpartition("-")
     if size not in SIZES or dtype not in DTYPES:
         raise ValueError(
             f"synthetic model {spec!r}: expected SIZE-DTYPE with SIZE in {', '.join(SIZES)} "
@@ -41,6 +55,21 @@ def parse_spec(spec: str) -> tuple[dict, mx.Dtype]:
 
 
 def hf_config(s: dict, dtype_name: str) -> dict:
+    moe = {}
+    if "experts" in s:
+        moe = {
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "num_experts": s["experts"],
+            "num_experts_per_tok": s["top_k"],
+            "moe_intermediate_size": s["expert_dim"],
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "head_dim": s["head_dim"],
+        }
+    if dtype_name == "q4":
+        moe["quantization"] = {"group_size": Q4_GROUP, "bits": 4, "mode": "affine"}
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -54,16 +83,17 @@ def hf_config(s: dict, dtype_name: str) -> dict:
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": False,
-        "torch_dtype": {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[dtype_name],
+        "torch_dtype": {"fp16": "float16", "bf16": "bfloat16"}.get(dtype_name, "float32"),
         "bos_token_id": 1,
         "eos_token_id": 2,
+        **moe,
     }
 
 
 def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
     """Hugging Face-named random weights, scaled so that activations stay O(1)."""
     key = mx.random.key(seed)
-    d, h, hd = s["dim"], s["hidden_dim"], s["dim"] // s["n_heads"]
+    d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]
     out: dict[str, mx.array] = {}
 
@@ -81,11 +111,36 @@ def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
         w(p + "self_attn.k_proj.weight", nkv * hd, d)
         w(p + "self_attn.v_proj.weight", nkv * hd, d)
         w(p + "self_attn.o_proj.weight", d, nh * hd)
-        w(p + "mlp.gate_proj.weight", h, d)
-        w(p + "mlp.up_proj.weight", h, d)
-        w(p + "mlp.down_proj.weight", d, h)
+        if "experts" in s:  # stacked, as mlx-lm stores them
+            e, m = s["experts"], s["expert_dim"]
+            w(p + "mlp.gate.weight", e, d)
+            w(p + "mlp.switch_mlp.gate_proj.weight", e, m, d)
+            w(p + "mlp.switch_mlp.up_proj.weight", e, m, d)
+            w(p + "mlp.switch_mlp.down_proj.weight", e, d, m)
+            out[p + "self_attn.q_norm.weight"] = mx.ones((hd,), dtype)
+            out[p + "self_attn.k_norm.weight"] = mx.ones((hd,), dtype)
+        else:
+            w(p + "mlp.gate_proj.weight", h, d)
+            w(p + "mlp.up_proj.weight", h, d)
+            w(p + "mlp.down_proj.weight", d, h)
         out[p + "input_layernorm.weight"] = mx.ones((d,), dtype)
         out[p + "post_attention_layernorm.weight"] = mx.ones((d,), dtype)
+    return out
+
+
+Q4_GROUP = 64
+
+
+def _quantized(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """MLX affine 4-bit (group 64) of every projection, expert and embedding table whose
+    width is a multiple of the group, as mlx-lm's convert does; norms stay as they are."""
+    out = {}
+    for name, v in weights.items():
+        if v.ndim >= 2 and v.shape[-1] % Q4_GROUP == 0:
+            base = name.removesuffix(".weight")
+            out[name], out[f"{base}.scales"], out[f"{base}.biases"] = mx.quantize(v, Q4_GROUP, 4)
+        else:
+            out[name] = v
     return out
 
 
@@ -113,9 +168,11 @@ def write_synthetic(spec: str, out: str | os.PathLike, seed: int = 0) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights = _weights(s, dtype, seed)
+    if spec.endswith("-q4"):
+        weights = _quantized(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     del weights
-    config = hf_config(s, spec.partition("-")[2])
+    config = hf_config(s, spec.rpartition("-")[2])
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(out, s["vocab"])
     return out

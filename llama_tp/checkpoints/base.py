@@ -34,3 +34,4 @@ class Checkpoint:
     blocks: dict[str, str] = field(default_factory=dict)
     products: str = ""  # what computes the matrix products (the loader's; --verbose)
     mesh: Any = None  # the loader's parallel.mesh.Mesh (tp x pp x dp), when it made one
+    placement: Any = None  # the loader's parallel.placement.Placement (built-in plan)

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..model import Transformer
-from ..parallel.shard import parallelize_model
+from ..models import build
 from . import quantization_of
 from .base import Checkpoint, CheckpointError
 
@@ -51,7 +51,7 @@ def build_model(ckpt: Checkpoint, whole: bool = True) -> Transformer:
     with `whole` they are read (whole) here; the loader passes False and reads each
     rank's slices after sharding, and shape-only users (the plan) read nothing.
     """
-    model = Transformer(ckpt.args)
+    model = build(ckpt.args)
     model.ffn_block = ckpt.ffn_block  # the plan splits the feed-forward on file blocks
     _blocks_like(model, ckpt.blocks)
     _quantize_like(model, ckpt.weights)
@@ -59,6 +59,13 @@ def build_model(ckpt: Checkpoint, whole: bool = True) -> Transformer:
     if whole:
         read_all(model, ckpt)
     return model
+
+
+def skeleton(ckpt: Checkpoint) -> Transformer:
+    """The checkpoint's model with nothing read (lazy placeholders of the stored shapes,
+    quantized where the checkpoint is), for the loader to shard and fill with the slices
+    each rank reads. A pre-split folder's is the whole model its slices were cut from."""
+    return empty_split_model(ckpt) if ckpt.format == "split" else build_model(ckpt, whole=False)
 
 
 def read_all(model: nn.Module, ckpt: Checkpoint) -> None:
@@ -82,23 +89,11 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, weights: list[tuple[str, mx
         raise CheckpointError(f"{ckpt.path}: weights do not match the config: {first}") from None
 
 
-def split_vocab_parallel(ckpt: Checkpoint, vocab_parallel: bool, n: int) -> bool:
-    """Whether a pre-split folder's embedding and head are vocabulary-parallel (over its
-    `n`-rank tensor group); refuses a vocabulary-parallel folder with `vocab_parallel` off."""
-    split = ckpt.metadata
-    if split["vocab_parallel"] and not vocab_parallel and n > 1:
-        raise CheckpointError(
-            f"{ckpt.path} was split with a vocabulary-parallel embedding and head; "
-            "convert with --no-vocab-parallel to keep them whole on every rank"
-        )
-    return bool(split["vocab_parallel"])
-
-
 def empty_split_model(ckpt: Checkpoint) -> Transformer:
     """The whole model of a pre-split folder, lazily initialized (never evaluated: the
     stored slices replace what a rank keeps), quantized where the folder's is, with the
     source file's feed-forward block (GGUF K-quants: 256) for the plan's split."""
-    model = Transformer(ckpt.args)
+    model = build(ckpt.args)
     model.ffn_block = ckpt.metadata.get("ffn_block")  # as the plan that wrote the folder
     quantized = ckpt.metadata.get("quantized", {})
 
@@ -107,29 +102,4 @@ def empty_split_model(ckpt: Checkpoint) -> Transformer:
         return {"bits": q[0], "group_size": q[1]} if q else False
 
     nn.quantize(model, class_predicate=predicate)
-    return model
-
-
-def build_split(
-    ckpt: Checkpoint,
-    group: mx.distributed.Group,
-    vocab_parallel: bool,
-    sequence_parallel: bool = False,
-):
-    """One rank's folder of a pre-split checkpoint: shard an empty model the same
-    way, then put the stored slices in (their shapes must be what the plan gives).
-    A folder split for a tp x pp mesh is refused (`split.check_mesh`)."""
-    from .split import check_mesh
-
-    check_mesh(ckpt, group.size(), 1)
-    vocab_parallel = split_vocab_parallel(ckpt, vocab_parallel, group.size())
-    model = empty_split_model(ckpt)
-    if group.size() > 1:
-        parallelize_model(
-            model,
-            group,
-            vocab_parallel=vocab_parallel,
-            sequence_parallel=sequence_parallel,
-        )
-    load_weights(model, ckpt, list(ckpt.weights.items()))
     return model

@@ -1,8 +1,8 @@
 """Convert a checkpoint into a Hugging Face / MLX directory or a pre-split one.
 
 Sources: GGUF files, Hugging Face / MLX directories, original Meta checkpoints.
-The plain directory (`config.json`, `model.safetensors`, `tokenizer.json`,
-`tokenizer_config.json`) opens with both `llama_tp.load(DIR)` and
+The plain directory (`config.json`, `model.safetensors` by mlx-lm's names: see
+`hf_config.py`; `tokenizer.json`, `tokenizer_config.json`) opens with both `llama_tp.load(DIR)` and
 `mlx_lm.load(DIR)`. Quantized tensors are copied as they are (GGUF blocks as the
 loader converts them: MLX affine group-32 quantization, see `gguf_quants.py`; a
 GGUF file is converted tensor by tensor, `stream.py`), with per-module overrides in
@@ -16,9 +16,7 @@ are also what `engine/mesh_split.py` writes the folders of a tp x pp mesh with.
 from __future__ import annotations
 
 import json
-import re
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -26,84 +24,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
+from ..parallel.placement import DEFAULT_MOE_SPLIT
 from . import open_checkpoint
 from .base import Checkpoint, CheckpointError
-from .hf import _RENAMES, to_model_name
+from .hf_config import hf_config, hf_name, quantized_modules, token_ids
 
 MAX_SHARD_GB = 5  # as mlx_lm.utils.MAX_FILE_SIZE_GB
-
-
-def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
-    r"""Swap the sides of one rename.
-
-    `^model\.layers\.(\d+)\.x\.` -> `layers.\1.y.` becomes
-    `^layers\.(\d+)\.y\.` -> `model.layers.\1.x.`.
-    """
-    src = "^" + re.escape(repl).replace(re.escape("\\1"), r"(\d+)")
-    dst = pattern.pattern.removeprefix("^").replace(r"(\d+)", r"\1").replace("\\.", ".")
-    return re.compile(src), dst
-
-
-# The model's names -> Hugging Face names: the HF reader's table, inverted.
-_TO_HF = [_invert(p, r) for p, r in _RENAMES]
-
-
-def hf_name(name: str) -> str:
-    """The Hugging Face name of the model's tensor `name` (checked against the reader)."""
-    for pattern, repl in _TO_HF:
-        new, n = pattern.subn(repl, name)
-        if n and to_model_name(new) == name:
-            return new
-    raise CheckpointError(f"tensor {name!r} has no Hugging Face name")
-
-
-def _f32(x: float) -> float:
-    """The shortest decimal that is the same float32 (GGUF stores 1e-5 as 9.99999974e-06)."""
-    return float(str(np.float32(x)))
-
-
-def _token_ids(ckpt: Checkpoint) -> tuple[int | None, int | list[int] | None]:
-    """(bos, eos) ids: GGUF metadata keys, or the source's own config."""
-    if ckpt.format != "gguf":
-        return ckpt.metadata.get("bos_token_id"), ckpt.metadata.get("eos_token_id")
-    meta = ckpt.metadata
-
-    def get(key: str) -> int | None:
-        value = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if value is None else int(value.item() if hasattr(value, "item") else value)
-
-    eos = list(dict.fromkeys(i for i in map(get, ("eos", "eot", "eom")) if i is not None))
-    return get("bos"), (eos[0] if len(eos) == 1 else eos or None)
-
-
-def _quantized_modules(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Module path -> (group_size, bits) of every quantized layer."""
-    out = {}
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            if m.mode != "affine":
-                raise CheckpointError(f"{path}: unsupported quantization mode {m.mode!r}")
-            out[path] = (m.group_size, m.bits)
-    return out
-
-
-def quantization(model: nn.Module) -> dict[str, Any] | None:
-    """mlx-lm's `quantization` block: the dominant setting plus per-module overrides."""
-    per_module = _quantized_modules(model)
-    params: Counter[tuple[int, int]] = Counter()
-    for path, m in model.named_modules():
-        if path in per_module:
-            params[per_module[path]] += m.weight.size * 32 // m.bits
-    if not params:
-        return None
-    (group_size, bits), _ = params.most_common(1)[0]
-    block: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
-    for path, (g, b) in sorted((hf_name(f"{p}.weight"), s) for p, s in per_module.items()):
-        if (g, b) != (group_size, bits):
-            block[path.removesuffix(".weight")] = {"group_size": g, "bits": b}
-    return block
 
 
 def requantize(ckpt: Checkpoint, bits: int, group_size: int) -> nn.Module:
@@ -135,41 +62,6 @@ def requantize(ckpt: Checkpoint, bits: int, group_size: int) -> nn.Module:
 
     nn.quantize(model, group_size, bits, class_predicate=predicate)
     return model
-
-
-def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
-    """`config.json` for mlx-lm's `llama` model (and llama_tp's HF reader)."""
-    a = ckpt.args
-    bos, eos = _token_ids(ckpt)
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": a.dim,
-        "num_hidden_layers": a.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads,
-        "intermediate_size": a.hidden_dim,
-        "vocab_size": a.vocab_size,
-        "head_dim": a.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(a.norm_eps),
-        "rope_theta": _f32(a.rope_theta),
-        "rope_traditional": a.rope_traditional,
-        "max_position_embeddings": a.max_position_embeddings,
-        "tie_word_embeddings": a.tie_word_embeddings,
-        "attention_bias": a.qkv_bias,
-        "mlp_bias": a.mlp_bias,
-    }
-    if a.rope_scaling:
-        config["rope_scaling"] = a.rope_scaling
-    if bos is not None:
-        config["bos_token_id"] = bos
-    if eos is not None:
-        config["eos_token_id"] = eos
-    if (quant := quantization(model)) is not None:
-        # mlx-lm's save_config writes the block under both names (for HF tooling).
-        config["quantization"] = config["quantization_config"] = quant
-    return dict(sorted(config.items()))
 
 
 def _write_weights(
@@ -242,11 +134,9 @@ class Source:
         if self.from_file:
             file, stored = self.ckpt.sources[name]
             return file.read(stored) if s is None else file.read(stored, *s)
-        v = self.weights[name]
-        if s is None:
-            return v
-        axis, start, stop = s
-        return mx.contiguous(v[start:stop] if axis == 0 else v[:, start:stop])
+        from .slices import sliced
+
+        return sliced(self.weights[name], s)
 
 
 def open_source(
@@ -290,6 +180,7 @@ def convert(
     vocab_parallel: bool = True,
     progress: bool = True,
     dtype: str | None = None,
+    moe_split: str = DEFAULT_MOE_SPLIT,
 ) -> Path:
     """Convert the checkpoint `src` into the directory `out` (created; weight files replaced).
 
@@ -297,19 +188,21 @@ def convert(
     `shards` writes one folder per rank of a `shards`-rank run instead of one
     mlx-lm directory (for a tp x pp mesh: `engine.mesh_split.convert_mesh`). `dtype`
     ("float32", "float16", "bfloat16") dequantizes every quantized tensor and casts
-    all weights to it. With `progress`, shows progress and a `wrote ...` line on stderr.
+    all weights to it. `moe_split` ("tensor" or "expert"): how `shards` split a
+    mixture-of-experts model's experts. With `progress`, shows progress and a `wrote ...`
+    line on stderr.
     """
     src, out = Path(src), Path(out)
     source = open_source(src, quantize, group_size, dtype)
     ckpt, model, weights = source.ckpt, source.model, source.weights
     clear_out(out)
     if shards is not None:
-        _write_split(source, out, shards, vocab_parallel, progress)
+        _write_split(source, out, shards, vocab_parallel, progress, moe_split)
         if progress:
             print(f"wrote {out} ({shards} rank folders)", file=sys.stderr)
         return out
     config = hf_config(ckpt, model)
-    hf_weights = {hf_name(k): weights.pop(k) for k in sorted(weights)}
+    hf_weights = {hf_name(k, ckpt.args.model_type): weights.pop(k) for k in sorted(weights)}
     (out / "config.json").write_text(json.dumps(config, indent=4) + "\n")
     _save_tokenizer(ckpt, out)
     n_tensors = len(hf_weights)
@@ -322,7 +215,7 @@ def convert(
             return lambda: file.read(stored)
 
         streamed = {
-            hf_name(k): (tuple(v.shape), v.dtype, reader(k))
+            hf_name(k, ckpt.args.model_type): (tuple(v.shape), v.dtype, reader(k))
             for k, v in ckpt.weights.items()
             if k in ckpt.sources
         }
@@ -339,31 +232,33 @@ def write_folders(
     source: Source,
     out: Path,
     folders: list,
-    vocab_parallel: bool,
+    placement: Any,
     progress: bool,
     mesh: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the rank folders `folders` (`split.Folder`) of `source` into `out`, each with
-    the tokenizer, and the manifest (see `split.write`); returns the manifest."""
+    """Write the rank folders `folders` (`split.Folder`) of `source`'s `placement` into
+    `out`, each with the tokenizer, and the manifest (see `split.write`); returns the
+    manifest."""
     from . import split
     from .fingerprint import weights_fingerprint
 
     ckpt = source.ckpt
-    bos, eos = _token_ids(ckpt)
+    bos, eos = token_ids(ckpt)
     config = {
-        "quantized": {p: [b, g] for p, (g, b) in _quantized_modules(source.model).items()},
+        "quantized": {p: [b, g] for p, (g, b) in quantized_modules(source.model).items()},
         "bos_token_id": bos,
         "eos_token_id": eos,
         "source": ckpt.path.name,
         # The plan split the feed-forward on the file's blocks: loading must too.
         "ffn_block": getattr(source.model, "ffn_block", None),
+        "moe_split": placement.moe_split,  # as the experts were cut
         "llama_tp": {"fingerprint": weights_fingerprint(ckpt) + source.changed},
     }
     return split.write(
         out,
         ckpt.args,
         folders,
-        vocab_parallel,
+        placement.vocab_parallel,
         config,
         lambda tensors, folder: _write_weights(tensors, folder, progress),
         lambda folder: _save_tokenizer(ckpt, folder),
@@ -371,18 +266,18 @@ def write_folders(
     )
 
 
-def _write_split(source: Source, out: Path, n: int, vocab_parallel: bool, progress: bool) -> None:
-    """One folder per rank: its slices of every tensor (`Source.get`)."""
-    from ..parallel.partition import vocab_ranges
-    from ..parallel.shard import check_quantized_heads, plan_for
-    from .split import plan_folders
+def _write_split(
+    source: Source, out: Path, n: int, vocab_parallel: bool, progress: bool, moe_split: str
+) -> None:
+    """One folder per rank: its placement's slices of every tensor (`Source.get`)."""
+    from ..parallel.placement import place
+    from ..parallel.shard import model_shape_of
+    from .split import placement_folders
 
-    plan = plan_for(source.model, n)
-    check_quantized_heads(source.model, plan)
-    vocab = vocab_ranges(source.ckpt.args.vocab_size, n) if vocab_parallel and n > 1 else None
-    shapes = {k: tuple(v.shape) for k, v in source.weights.items()}
-    folders = plan_folders(plan, shapes, vocab, source.get)
-    write_folders(source, out, folders, vocab is not None, progress)
+    shape = model_shape_of(source.model)
+    placement = place(shape, n, vocab_parallel=vocab_parallel, moe_split=moe_split)
+    folders = placement_folders(placement, source.get)
+    write_folders(source, out, folders, placement, progress)
 
 
 def convert_gguf(src: Path, out: Path, progress: bool = True) -> Path:

@@ -21,12 +21,24 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..model import ModelArgs
+from ..models.registry import GGUF_ARCHITECTURES, unsupported
 from . import gguf_quants as gq
 from .base import Checkpoint, CheckpointError
+from .experts import check_experts
 from .gguf_header import GGUFHeader, read_header
 from .gguf_reader import _MX, GGUFFile
 
-ARCHITECTURES = ("llama",)
+# llama.cpp rotates the halves of each head (NEOX) in these: their q/k rows are not
+# permuted for interleaved pairs as the llama converter does
+_NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe")
+# GGUF architecture -> the family's model_type (llama with experts: Mixtral)
+_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+}
 
 _RENAMES = [
     (r"^token_embd\.", "tok_embeddings."),
@@ -41,6 +53,16 @@ _RENAMES = [
     (r"^blk\.(\d+)\.ffn_up\.", r"layers.\1.feed_forward.w3."),
     (r"^blk\.(\d+)\.attn_norm\.", r"layers.\1.attention_norm."),
     (r"^blk\.(\d+)\.ffn_norm\.", r"layers.\1.ffn_norm."),
+    (r"^blk\.(\d+)\.attn_q_norm\.", r"layers.\1.attention.q_norm."),
+    (r"^blk\.(\d+)\.attn_k_norm\.", r"layers.\1.attention.k_norm."),
+    (r"^blk\.(\d+)\.ffn_gate_inp\.", r"layers.\1.feed_forward.router."),
+    (r"^blk\.(\d+)\.ffn_gate_exps\.", r"layers.\1.feed_forward.switch_mlp.gate_proj."),
+    (r"^blk\.(\d+)\.ffn_up_exps\.", r"layers.\1.feed_forward.switch_mlp.up_proj."),
+    (r"^blk\.(\d+)\.ffn_down_exps\.", r"layers.\1.feed_forward.switch_mlp.down_proj."),
+    (r"^blk\.(\d+)\.ffn_gate_shexp\.", r"layers.\1.feed_forward.shared_expert.w1."),
+    (r"^blk\.(\d+)\.ffn_up_shexp\.", r"layers.\1.feed_forward.shared_expert.w3."),
+    (r"^blk\.(\d+)\.ffn_down_shexp\.", r"layers.\1.feed_forward.shared_expert.w2."),
+    (r"^blk\.(\d+)\.ffn_gate_inp_shexp\.", r"layers.\1.feed_forward.shared_expert_gate."),
 ]
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 
@@ -60,14 +82,40 @@ def _scalar(meta: dict, key: str, default=None):
     return value
 
 
+def _experts(arch: str, get, weights: dict[str, mx.array], n_layers: int) -> dict:
+    """The mixture-of-experts and qk-norm fields of ModelArgs from the metadata: the
+    experts' widths, and which layers have them, from the tensors themselves."""
+    n_experts = get("expert_count") or 0
+    sparse = sorted(
+        int(k.split(".")[1]) for k in weights if k.endswith("switch_mlp.gate_proj.weight")
+    )
+    model_type = _MODEL_TYPES[arch] if arch != "llama" or not n_experts else "mixtral"
+    out: dict = {"model_type": model_type, "qk_norm": "layers.0.attention.q_norm.weight" in weights}
+    if not n_experts and not sparse:
+        return out
+    gate = weights.get(f"layers.{sparse[0]}.feed_forward.switch_mlp.gate_proj.weight")
+    shared = weights.get(f"layers.{sparse[0]}.feed_forward.shared_expert.w1.weight")
+    return out | {
+        "n_experts": n_experts,
+        "n_experts_per_tok": get("expert_used_count") or 0,
+        "moe_hidden_dim": get("expert_feed_forward_length")
+        or (gate.shape[1] if gate is not None else 0),
+        "shared_expert_dim": get("expert_shared_feed_forward_length")
+        or (shared.shape[0] if shared is not None else 0),
+        # llama.cpp renormalises the top-k weights of Mixtral and Qwen3-MoE, not Qwen2-MoE's
+        "norm_topk_prob": bool(get("expert_weights_norm", arch != "qwen2moe")),
+        "router": "topk_softmax" if model_type == "mixtral" else "softmax_topk",
+        "sparse_layers": None if len(sparse) == n_layers else sparse,
+    }
+
+
 def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> ModelArgs:
     """ModelArgs from the `{arch}.*` metadata (the vocabulary size from the embedding
     if the metadata lacks it)."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(
-            f"{path}: GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})"
+            f"{path}: {unsupported('GGUF architecture', arch, GGUF_ARCHITECTURES)}"
         )
 
     def get(key, default=None):
@@ -87,21 +135,25 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
             "long-context outputs of Llama-3.1-style models may differ",
             stacklevel=2,
         )
+    experts = _experts(arch, get, weights, get("block_count"))
     try:
         return ModelArgs(
             dim=dim,
             n_layers=get("block_count"),
             n_heads=n_heads,
             n_kv_heads=get("attention.head_count_kv") or n_heads,
-            hidden_dim=get("feed_forward_length"),
+            # Without dense layers (Qwen3-MoE files may say 0): the experts' width
+            hidden_dim=get("feed_forward_length") or experts.get("moe_hidden_dim", 0),
             vocab_size=vocab,
             head_dim=get("attention.key_length") or dim // n_heads,
             norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=get("rope.freq_base", 10000.0),
-            rope_traditional=True,
+            rope_traditional=arch not in _NEOX,
             rope_scaling=scaling,
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings="output.weight" not in weights,
+            qkv_bias="layers.0.attention.wq.bias" in weights,
+            **experts,
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: {e}") from None
@@ -149,13 +201,27 @@ def describe(file: GGUFFile) -> list[str]:
     return out
 
 
+class _Row:
+    """A vector source read as a (1, n) matrix (the shared expert's gate)."""
+
+    def __init__(self, file: GGUFFile, stored: str):
+        self.file = file
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0):
+        if axis == 0:
+            return self.file.read(name).reshape(1, -1)
+        return self.file.read(name, None if axis is None else 0, start, stop).reshape(1, -1)
+
+
+_DOWN = ("ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+
 def ffn_block(file: GGUFFile) -> int | None:
-    """Values per GGUF block along ffn_down's rows (the feed-forward split axis), as one
-    unit for every layer (256 for K-quants); None when ffn_down is not quantized."""
+    """Values per GGUF block along the down projections' rows (the feed-forward and
+    expert split axis), as one unit for every layer (256 for K-quants); None when no
+    down projection is quantized."""
     blocks = [
-        t.block[0]
-        for n, t in file.gguf.items()
-        if n.endswith("ffn_down.weight") and t.type_name in gq.BLOCKS
+        t.block[0] for n, t in file.gguf.items() if n.endswith(_DOWN) and t.type_name in gq.BLOCKS
     ]
     return math.lcm(*blocks) if blocks else None
 
@@ -204,10 +270,10 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         raise CheckpointError(f"{path}: {e}") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-    if header.architecture not in ARCHITECTURES:
+    if header.architecture not in GGUF_ARCHITECTURES:
+        kind = "GGUF architecture"
         raise CheckpointError(
-            f"{path}: GGUF architecture {header.architecture!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})"
+            f"{path}: {unsupported(kind, header.architecture, GGUF_ARCHITECTURES)}"
         )
     check_types(header, path)
     file = GGUFFile(path, header, blocks)
@@ -218,7 +284,18 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         sources[name] = (file, stored)
         if file.block_type(stored):
             kept[name] = file.block_type(stored)
+    for name in [k for k in weights if k.endswith("shared_expert_gate.weight")]:
+        if weights[name].ndim == 1:  # llama.cpp stores the (1, dim) gate as a vector
+            weights[name] = weights[name].reshape(1, -1)
+            sources[name] = (_Row(*sources[name]), sources[name][1])
     args = args_from_metadata(header.metadata, weights, path)
+    check_experts(
+        args,
+        {k: tuple(v.shape) for k, v in weights.items()},
+        str(path),
+        {k: stored for k, (_, stored) in sources.items()},
+        f"{header.architecture}.expert_count",
+    )
     for name in [k for k in weights if k.startswith("rope_freqs.")]:
         del weights[name], sources[name]
     ckpt = Checkpoint(path, "gguf", args, weights, header.metadata, [path], sources)

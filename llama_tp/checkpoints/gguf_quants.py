@@ -10,7 +10,7 @@ the `bits`-bit values packed as one little-endian bit stream per row, and `scale
 - Requantized: Q6_K, Q3_K, Q2_K have 16-value sub-blocks, which MLX groups cannot
   hold. They are dequantized (exactly, in float32) and requantized per group of 32
   with min-max affine quantization at `REQUANT_BITS`; the error is bounded by half
-  a step of the new grid (see README "Formats" for the measured bound).
+  a step of the new grid (docs/models.md, "Formats", has the measured bound).
 
 Every group of 32 is converted on its own, so a slice of a tensor that starts and
 stops on a 32-value boundary converts to exactly that slice of the whole tensor.

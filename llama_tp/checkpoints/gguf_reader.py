@@ -1,14 +1,15 @@
 """Read whole tensors or row/column slices of a GGUF file, converted to MLX, counting bytes.
 
-The loader's sliced reading (`engine/loader.py`) asks a source for `(stored name,
+The loader's sliced reading (`checkpoints/slices.py`) asks a source for `(stored name,
 axis, start, stop)` in the units of the array it gets back; here every quantized
 GGUF tensor `X.weight` appears as the three MLX arrays `X.weight` (packed uint32),
 `X.scales` and `X.biases` (group size 32, see `gguf_quants.py`), and float tensors
-as themselves. With `blocks` (the native kernels are on, `llama_tp.kernels`), a
-quantized tensor stays as the file stores it: `X.weight` uint8 (rows, blocks * bytes),
-sliced in value units (rows, columns) into the whole blocks covering them. A row
-slice reads one contiguous byte range; a column slice reads, per row, the blocks
-covering the columns (a block of 256 values that straddles
+as themselves; stacked experts (E, rows, cols) read as E matrices one after another
+(whole experts, or the same rows or columns of each). With `blocks` (the native kernels
+are on, `llama_tp.kernels`), a quantized matrix stays as the file stores it: `X.weight`
+uint8 (rows, blocks * bytes), sliced in value units (rows, columns) into the whole
+blocks covering them. A row slice reads one contiguous byte range; a column slice reads,
+per row, the blocks covering the columns (a block of 256 values that straddles
 the boundary is read by both neighbours and cut on the 32-value group boundary, so
 the result is exactly that slice of the whole tensor). Bytes are read with
 `os.preadv` into numpy buffers, converted in chunks of rows, and written straight
@@ -71,14 +72,14 @@ class GGUFFile:
             if blocks and t.type_name in GGUF_TYPES and len(shape) == 2:
                 self.tensors[name] = Part(shape, mx.uint8, name, "blocks")
                 continue
-            if len(shape) != 2 or shape[1] % gq.GROUP:
+            if len(shape) not in (2, 3) or shape[-1] % gq.GROUP:
                 raise CheckpointError(f"{path}: tensor {name!r}: cannot hold shape {list(shape)}")
             self.bits[name] = bits
-            rows, cols = shape
+            *lead, cols = shape  # (rows, cols), or stacked experts' (E, rows, cols)
             base = name.removesuffix(".weight")
-            self.tensors[name] = Part((rows, cols * bits // 32), mx.uint32, name, "weight")
+            self.tensors[name] = Part((*lead, cols * bits // 32), mx.uint32, name, "weight")
             for p in ("scales", "biases"):
-                self.tensors[f"{base}.{p}"] = Part((rows, cols // gq.GROUP), mx.float16, name, p)
+                self.tensors[f"{base}.{p}"] = Part((*lead, cols // gq.GROUP), mx.float16, name, p)
 
     def placeholder(self, name: str) -> mx.array:
         """A lazy array of `name`'s shape and dtype (never evaluated: sources replace it)."""
@@ -93,80 +94,98 @@ class GGUFFile:
         return self.gguf[name].type_name if self.tensors[name].part == "blocks" else None
 
     def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
-        """Array `name`, whole (`axis` None) or its slice [start, stop) along axis 0 or 1."""
+        """Array `name`, whole (`axis` None) or its slice [start, stop) along `axis`: rows
+        or columns of a matrix; whole experts, rows or columns of stacked experts."""
         t = self.tensors[name]
         if axis is not None and not (0 <= axis < len(t.shape) and 0 <= start < stop):
             raise ValueError(f"{name}: bad slice [{start}, {stop}) of axis {axis} of {t.shape}")
         src = self.gguf[t.source]
         shape = tuple(reversed(src.shape))
-        if axis is None:
-            rows, cols = (0, shape[0]), (0, shape[-1])
-        elif axis == 0:
-            rows, cols = (start, stop), (0, shape[-1])
-        else:  # in value columns: the part's columns are proportional to them
-            rows = (0, shape[0])
-            cols = (start * shape[1] // t.shape[1], stop * shape[1] // t.shape[1])
-        key = (t.source, rows, cols)
-        if key not in self._cache:
-            if src.type_name in _MX:
-                return self._read_float(src, shape, rows, cols)
-            if t.part == "blocks":
-                return self._read_blocks(src, rows, cols)
-            self._cache[key] = self._read_quantized(t.source, src, rows, cols)
-        parts = self._cache[key]
-        out = parts.pop(t.part)
-        if not parts:
-            del self._cache[key]
-        return out
+        if len(shape) == 1:  # a vector: its "columns"
+            shape = (1, *shape)
+        *lead, R, C = shape
+        E = lead[0] if lead else 1  # stacked experts: E matrices of R rows, one after another
+        rows, cols, n = [(0, E * R)], (0, C), E
+        if axis is not None and axis == len(t.shape) - 1:  # in the part's units: proportional
+            cols = (start * C // t.shape[-1], stop * C // t.shape[-1])
+        elif axis is not None and axis == len(t.shape) - 2:
+            rows = [(e * R + start, e * R + stop) for e in range(E)]
+        elif axis is not None:  # whole experts
+            rows, n = [(start * R, stop * R)], stop - start
+        if src.type_name in _MX:
+            out = self._read_float(src, rows, cols)
+        elif t.part == "blocks":  # (rows, value columns): the whole blocks covering them
+            out = self._read_blocks(src, rows, cols)
+        else:  # weight, scales and biases come from one read: kept until all are taken
+            key = (t.source, tuple(rows), cols)
+            if key not in self._cache:
+                self._cache[key] = self._read_quantized(t.source, src, rows, cols)
+            parts = self._cache[key]
+            out = parts.pop(t.part)
+            if not parts:
+                del self._cache[key]
+        # (n * rows, ...) -> the part's shape: (rows, ...) or (n, rows per expert, ...)
+        if len(t.shape) == 1:
+            return out.reshape(-1)
+        return out.reshape(n, -1, out.shape[-1]) if len(t.shape) == 3 else out
 
-    def _read_float(self, src: GGUFTensor, shape: tuple, rows: tuple, cols: tuple) -> mx.array:
+    def _read_float(self, src: GGUFTensor, rows: list[tuple], cols: tuple) -> mx.array:
+        """Value rows `rows` (ranges of the tensor seen as (rows, cols)) and columns `cols`."""
         dtype = _MX[src.type_name]
         read_as = mx.uint16 if dtype == mx.bfloat16 else dtype
         size = read_as.size
-        if len(shape) == 1:
-            out = mx.zeros((cols[1] - cols[0],), dtype=read_as)
-            mx.eval(out)
-            self._pread(memoryview(out).cast("B"), src.offset + cols[0] * size)
-            return out.view(dtype) if dtype != read_as else out
-        out = mx.zeros((rows[1] - rows[0], cols[1] - cols[0]), dtype=read_as)
+        width = src.shape[0]  # values per row (ggml's fastest dimension)
+        n = sum(b - a for a, b in rows)
+        out = mx.zeros((n, cols[1] - cols[0]), dtype=read_as)
         mx.eval(out)
         buf = memoryview(out).cast("B")
-        row, inner = shape[1] * size, (cols[1] - cols[0]) * size
-        first = src.offset + rows[0] * row + cols[0] * size
-        if inner == row:
-            self._pread(buf, first)
-        else:
-            with self._fd() as fd:
-                for i in range(rows[1] - rows[0]):
-                    self._pread(buf[i * inner : (i + 1) * inner], first + i * row, fd)
+        row, inner = width * size, (cols[1] - cols[0]) * size
+        done = 0
+        with self._fd() as fd:
+            for r0, r1 in rows:
+                first = src.offset + r0 * row + cols[0] * size
+                if inner == row:  # whole rows: one contiguous range
+                    self._pread(buf[done * inner : (done + r1 - r0) * inner], first, fd)
+                else:
+                    for i in range(r1 - r0):
+                        at = (done + i) * inner
+                        self._pread(buf[at : at + inner], first + i * row, fd)
+                done += r1 - r0
         return out.view(dtype) if dtype != read_as else out
 
-    def _read_blocks(self, src: GGUFTensor, rows: tuple, cols: tuple) -> mx.array:
-        """Rows [r0, r1) of the whole blocks covering value columns [c0, c1), as stored."""
+    def _read_blocks(self, src: GGUFTensor, rows: list[tuple], cols: tuple) -> mx.array:
+        """The row ranges `rows` of the whole blocks covering value columns [c0, c1), as
+        stored: uint8 (rows, blocks * bytes)."""
         per, size = src.block
-        (r0, r1), (c0, c1) = rows, cols
+        c0, c1 = cols
         b0, b1 = c0 // per, -(-c1 // per)
         row_bytes = src.shape[0] // per * size
-        out = mx.zeros((r1 - r0, (b1 - b0) * size), dtype=mx.uint8)
+        width = (b1 - b0) * size
+        out = mx.zeros((sum(r1 - r0 for r0, r1 in rows), width), dtype=mx.uint8)
         mx.eval(out)
         buf = memoryview(out).cast("B")
-        width = (b1 - b0) * size
-        if width == row_bytes:
-            self._pread(buf, src.offset + r0 * row_bytes)
-            return out
+        done = 0
         with self._fd() as fd:
-            for i in range(r1 - r0):
-                at = src.offset + (r0 + i) * row_bytes + b0 * size
-                self._pread(buf[i * width : (i + 1) * width], at, fd)
+            for r0, r1 in rows:
+                if width == row_bytes:  # whole rows: one contiguous range
+                    at = src.offset + r0 * row_bytes
+                    self._pread(buf[done * width : (done + r1 - r0) * width], at, fd)
+                else:
+                    for i in range(r1 - r0):
+                        at = src.offset + (r0 + i) * row_bytes + b0 * size
+                        j = (done + i) * width
+                        self._pread(buf[j : j + width], at, fd)
+                done += r1 - r0
         return out
 
     def _read_quantized(
-        self, name: str, src: GGUFTensor, rows: tuple, cols: tuple
+        self, name: str, src: GGUFTensor, rows: list[tuple], cols: tuple
     ) -> dict[str, mx.array]:
-        """weight, scales, biases of rows [r0, r1) and value columns [c0, c1) (32-aligned)."""
+        """weight, scales, biases of the row ranges `rows` (of the tensor seen as (rows,
+        cols)) and value columns [c0, c1) (32-aligned)."""
         per, size = src.block
         bits = self.bits[name]
-        (r0, r1), (c0, c1) = rows, cols
+        c0, c1 = cols
         if c0 % gq.GROUP or c1 % gq.GROUP:
             raise CheckpointError(
                 f"{self.path}: tensor {name!r}: columns [{c0}, {c1}) do not fall on groups of "
@@ -175,7 +194,7 @@ class GGUFFile:
         b0, b1 = c0 // per, -(-c1 // per)  # the blocks covering the columns
         row_bytes = src.shape[0] // per * size
         width = (b1 - b0) * size
-        n = r1 - r0
+        n = sum(b - a for a, b in rows)
         out = {
             "weight": mx.zeros((n, (c1 - c0) * bits // 32), dtype=mx.uint32),
             "scales": mx.zeros((n, (c1 - c0) // gq.GROUP), dtype=mx.float16),
@@ -184,25 +203,29 @@ class GGUFFile:
         mx.eval(*out.values())
         views = {k: np.asarray(memoryview(v)) for k, v in out.items()}
         lead = c0 - b0 * per  # values to drop at the start of each row
+        g0, g1 = lead // gq.GROUP, (lead + c1 - c0) // gq.GROUP
         step = max(1, _CHUNK // width)
+        done = 0  # rows of the output filled
         with self._fd() as fd:
-            for a in range(r0, r1, step):
-                b = min(r1, a + step)
-                raw = np.empty((b - a, width), np.uint8)
-                if width == row_bytes:
-                    self._pread(memoryview(raw).cast("B"), src.offset + a * row_bytes, fd)
-                else:
-                    for i in range(b - a):
-                        at = src.offset + (a + i) * row_bytes + b0 * size
-                        self._pread(memoryview(raw[i]), at, fd)
-                try:
-                    w, s, z = gq.to_mlx(src.type_name, raw)
-                except ValueError as e:
-                    raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
-                g0, g1 = lead // gq.GROUP, (lead + c1 - c0) // gq.GROUP
-                views["weight"][a - r0 : b - r0] = w[:, g0 * bits : g1 * bits]
-                views["scales"][a - r0 : b - r0] = s[:, g0:g1]
-                views["biases"][a - r0 : b - r0] = z[:, g0:g1]
+            for r0, r1 in rows:
+                for a in range(r0, r1, step):
+                    b = min(r1, a + step)
+                    raw = np.empty((b - a, width), np.uint8)
+                    if width == row_bytes:
+                        self._pread(memoryview(raw).cast("B"), src.offset + a * row_bytes, fd)
+                    else:
+                        for i in range(b - a):
+                            at = src.offset + (a + i) * row_bytes + b0 * size
+                            self._pread(memoryview(raw[i]), at, fd)
+                    try:
+                        w, s, z = gq.to_mlx(src.type_name, raw)
+                    except ValueError as e:
+                        raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
+                    at = slice(done, done + b - a)
+                    views["weight"][at] = w[:, g0 * bits : g1 * bits]
+                    views["scales"][at] = s[:, g0:g1]
+                    views["biases"][at] = z[:, g0:g1]
+                    done += b - a
         return out
 
     def _fd(self):

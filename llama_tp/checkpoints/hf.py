@@ -13,11 +13,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..model import ModelArgs
+from ..models.registry import MODEL_TYPES, unsupported
 from .base import Checkpoint, CheckpointError
+from .experts import check_experts, per_expert, stack_experts
 from .safetensors import SafetensorsFile
-
-# Architectures that are the Llama block under another name.
-MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 # Hugging Face parameter names -> the model's names.
 _RENAMES = [
@@ -33,7 +32,36 @@ _RENAMES = [
     (r"^model\.layers\.(\d+)\.mlp\.up_proj\.", r"layers.\1.feed_forward.w3."),
     (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attention_norm."),
     (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.ffn_norm."),
+    # Qwen3's per-head norms
+    (r"^model\.layers\.(\d+)\.self_attn\.q_norm\.", r"layers.\1.attention.q_norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.k_norm\.", r"layers.\1.attention.k_norm."),
+    # Mixtures of experts (experts stacked as mlx-lm stores them; Mixtral's block after Qwen's)
+    (r"^model\.layers\.(\d+)\.mlp\.gate\.", r"layers.\1.feed_forward.router."),
+    (r"^model\.layers\.(\d+)\.mlp\.switch_mlp\.", r"layers.\1.feed_forward.switch_mlp."),
+    (
+        r"^model\.layers\.(\d+)\.mlp\.shared_expert\.gate_proj\.",
+        r"layers.\1.feed_forward.shared_expert.w1.",
+    ),
+    (
+        r"^model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj\.",
+        r"layers.\1.feed_forward.shared_expert.w2.",
+    ),
+    (
+        r"^model\.layers\.(\d+)\.mlp\.shared_expert\.up_proj\.",
+        r"layers.\1.feed_forward.shared_expert.w3.",
+    ),
+    (
+        r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.",
+        r"layers.\1.feed_forward.shared_expert_gate.",
+    ),
+    (r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.", r"layers.\1.feed_forward.router."),
+    (
+        r"^model\.layers\.(\d+)\.block_sparse_moe\.switch_mlp\.",
+        r"layers.\1.feed_forward.switch_mlp.",
+    ),
 ]
+# The families whose mixture-of-experts block mlx-lm names `block_sparse_moe` (not `mlp`)
+BLOCK_SPARSE_MOE = ("mixtral",)
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 # Precomputed rotary frequencies some checkpoints carry; the model computes its own.
 _DROP = re.compile(r"rotary_emb\.inv_freq$")
@@ -61,19 +89,46 @@ def read_config(path: Path) -> dict:
     return config
 
 
+def moe_fields(config: dict, model_type: str) -> dict:
+    """The mixture-of-experts and qk-norm fields of ModelArgs for `model_type`'s config."""
+    out: dict = {"model_type": model_type, "qk_norm": model_type in ("qwen3", "qwen3_moe")}
+    if model_type == "mixtral":
+        out |= {
+            "n_experts": config.get("num_local_experts", 8),
+            "n_experts_per_tok": config.get("num_experts_per_tok", 2),
+            "moe_hidden_dim": config["intermediate_size"],
+            "router": "topk_softmax",
+        }
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        n_layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step", 1) or 1
+        dense = set(config.get("mlp_only_layers") or [])
+        sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
+        out |= {
+            "n_experts": config.get("num_experts", 0),
+            "n_experts_per_tok": config.get("num_experts_per_tok", 0),
+            "moe_hidden_dim": config.get("moe_intermediate_size", 0),
+            "shared_expert_dim": config.get("shared_expert_intermediate_size", 0),
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+            "sparse_layers": None if len(sparse) == n_layers else sparse,
+        }
+    return out
+
+
 def args_from_config(config: dict, path: Path) -> ModelArgs:
     """ModelArgs from a Hugging Face `config.json` dictionary."""
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(
-            f"{path / 'config.json'}: unsupported model_type {model_type!r} "
-            f"(supported: {', '.join(MODEL_TYPES)})"
+            f"{path / 'config.json'}: {unsupported('model_type', model_type, MODEL_TYPES)}"
         )
     missing = [
         k
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
         if k not in config
     ]
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        missing += [k for k in keys if k not in config]
     if missing:
         raise CheckpointError(f"{path / 'config.json'}: missing {', '.join(missing)}")
     quant = config.get("quantization") or {}
@@ -99,9 +154,10 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             # Qwen2 has q/k/v biases and no output bias; Llama's flag covers all four.
-            qkv_bias=model_type == "qwen2" or attention_bias,
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
+            **moe_fields(config, model_type),
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
@@ -128,7 +184,7 @@ def load_weights(
 ) -> tuple[dict[str, mx.array], dict[str, tuple[SafetensorsFile, str]]]:
     """Lazily load safetensors files, keyed by the model's names; and where each
     tensor lives, for reading slices of it (headers are checked against the sizes)."""
-    weights, sources = {}, {}
+    weights, sources, experts = {}, {}, {}
     for f in files:
         header = SafetensorsFile(f)  # a truncated file fails here, with the numbers
         try:
@@ -136,10 +192,16 @@ def load_weights(
         except Exception as e:  # mlx raises RuntimeError/ValueError with a terse text
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
         for name, value in tensors.items():
+            if stacked := per_expert(name):  # one expert's tensor: stacked below
+                experts.setdefault(stacked[0], {})[stacked[1]] = (header, name, value)
+                continue
             new = to_model_name(name)
             if new is not None:
                 weights[new] = value
                 sources[new] = (header, name)
+    for name, (value, source) in stack_experts(experts, files[0].parent).items():
+        new = to_model_name(name)
+        weights[new], sources[new] = value, (source, name)
     return weights, sources
 
 
@@ -153,4 +215,12 @@ def read(path: Path) -> Checkpoint:
         args.tie_word_embeddings = True
     if args.tie_word_embeddings:
         weights.pop("output.weight", None)
+    key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
+    check_experts(
+        args,
+        {k: tuple(v.shape) for k, v in weights.items()},
+        str(path),
+        {k: stored for k, (_, stored) in sources.items()},
+        f"config.json's {key}",
+    )
     return Checkpoint(path, "hf", args, weights, config, files, sources)

@@ -126,31 +126,29 @@ class SafetensorsFile:
             self.tensors[name] = TensorInfo(dtype, shape, base + start, nbytes)
 
     def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
-        """Tensor `name`, whole (`axis` None) or its slice [start, stop) along axis 0 or 1."""
+        """Tensor `name`, whole (`axis` None) or its slice [start, stop) along `axis`."""
         t = self.tensors[name]
         read_as, result = _DTYPES[t.dtype]
         shape = list(t.shape)
         if axis is not None:
-            if axis not in (0, 1) or axis >= len(shape) or not 0 <= start < stop <= shape[axis]:
+            if not 0 <= axis < len(shape) or not 0 <= start < stop <= shape[axis]:
                 raise ValueError(f"{name}: bad slice [{start}, {stop}) of axis {axis} of {shape}")
             shape[axis] = stop - start
         # A fresh buffer of the result's size, filled in place by the reads below.
         out = mx.zeros(shape, dtype=read_as)
         mx.eval(out)
         buf = memoryview(out).cast("B")
+        if axis is None:
+            axis, start, stop = 0, 0, (t.shape[0] if t.shape else 1)
+        # The slice is `outer` runs of `(stop - start) * inner` bytes, one per index of the
+        # axes before `axis` (one run for axis 0; one per row for the columns of a matrix).
+        outer = math.prod(t.shape[:axis])
+        inner = math.prod(t.shape[axis + 1 :]) * t.itemsize
+        run, stride = (stop - start) * inner, (t.shape[axis] if t.shape else 1) * inner
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            if axis == 1:
-                # One range per row: `inner` bytes of every row of `row` bytes.
-                row = t.nbytes // t.shape[0]
-                inner = row // t.shape[1] * (stop - start)
-                skip = row // t.shape[1] * start
-                for i in range(t.shape[0]):
-                    self._pread(fd, buf[i * inner : (i + 1) * inner], t.offset + i * row + skip)
-            else:
-                row = t.nbytes // t.shape[0] if shape else t.nbytes
-                first = t.offset + (row * start if axis == 0 else 0)
-                self._pread(fd, buf, first)
+            for i in range(outer):
+                self._pread(fd, buf[i * run : (i + 1) * run], t.offset + i * stride + start * inner)
         finally:
             os.close(fd)
         return out.view(result) if result != read_as else out

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from ..model import ModelArgs
 from ..parallel.mesh import parse_split
-from ..parallel.partition import Plan, RankPart, tensor_slice
+from ..parallel.placement import Placement
 from .base import Checkpoint, CheckpointError
 from .safetensors import SafetensorsFile
 
@@ -186,6 +186,18 @@ def check_mesh(
     return layers
 
 
+def split_vocab_parallel(ckpt: Checkpoint, vocab_parallel: bool, n: int) -> bool:
+    """Whether a pre-split folder's embedding and head are vocabulary-parallel (over its
+    `n`-rank tensor group); refuses a vocabulary-parallel folder with `vocab_parallel` off."""
+    split = ckpt.metadata
+    if split["vocab_parallel"] and not vocab_parallel and n > 1:
+        raise CheckpointError(
+            f"{ckpt.path} was split with a vocabulary-parallel embedding and head; "
+            "convert with --no-vocab-parallel to keep them whole on every rank"
+        )
+    return bool(split["vocab_parallel"])
+
+
 @dataclass
 class Folder:
     """One rank's folder to write: its tensors (made on demand, one folder at a time),
@@ -197,25 +209,16 @@ class Folder:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def plan_folders(
-    plan: Plan,
-    shapes: dict[str, tuple[int, ...]],
-    vocab: list[range] | None,
-    get: Callable[[str, tuple[int, int, int] | None], mx.array],
+def placement_folders(
+    placement: Placement, get: Callable[[str, tuple[int, int, int] | None], mx.array]
 ) -> list[Folder]:
-    """The folders of plain tensor parallelism over `plan.n` ranks: every tensor of
-    `shapes` (the full stored shapes), sliced by the plan; `vocab` the vocabulary rows
-    of each rank (None: embedding and head whole on every rank). `get(name, slice)`
-    returns a tensor or its (axis, start, stop) slice."""
+    """The folders of plain tensor parallelism: each rank's placement's slices of every
+    tensor. `get(name, slice)` returns a tensor or its (axis, start, stop) slice."""
 
-    def tensors(part: RankPart) -> dict[str, mx.array]:
-        rows = None if vocab is None else vocab[part.rank]
-        return {
-            name: get(name, tensor_slice(plan, part, name, shape, rows) if plan.n > 1 else None)
-            for name, shape in shapes.items()
-        }
+    def tensors(r) -> dict[str, mx.array]:
+        return {name: get(name, s) for name, s in r.slices.items()}
 
-    return [Folder(part.rank, lambda part=part: tensors(part)) for part in plan.parts]
+    return [Folder(r.rank, lambda r=r: tensors(r)) for r in placement.ranks]
 
 
 def write(

@@ -5,7 +5,7 @@ that calls `select()` with each rank's stdin pipe in the write set: an empty pip
 is always writable, so the select returns at once and the thread spins; its main
 loop spins again once its own stdin reaches end of file (select on a closed
 stdin is always readable). On a 2-core machine that takes a core from the ranks
-(docs/launch-bug.md has the measurement and the fix for upstream).
+(docs/getting-started.md, "Why not plain mlx.launch", has the measurement and the fix for upstream).
 
 Everything else is mlx's own: its argument parser, hostfiles, backends, the ssh
 and mpirun plumbing, the hostfile it writes for the ranks. `main()` runs mlx's

@@ -41,8 +41,22 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+def add_moe_split_arg(p: argparse.ArgumentParser) -> None:
+    """`--moe-split tensor|expert`: how a mixture-of-experts model's experts split."""
+    from ..parallel.placement import DEFAULT_MOE_SPLIT
+
+    p.add_argument(
+        "--moe-split",
+        choices=("tensor", "expert"),
+        default=DEFAULT_MOE_SPLIT,
+        help="mixture-of-experts models on several ranks: 'tensor' gives every rank a slice "
+        "of every expert, 'expert' whole experts per rank (default %(default)s)",
+    )
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """How the model is loaded: --no-vocab-parallel and --dtype (every command that loads)."""
+    """How the model is loaded: --no-vocab-parallel, --dtype and --moe-split (every command
+    that loads)."""
     p.add_argument(
         "--no-vocab-parallel",
         action="store_true",
@@ -54,6 +68,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         help="dequantize and cast the weights at load (each rank its own slices): on a "
         "Linux CPU float32 with OpenBLAS preloaded is the fast path; default: as stored",
     )
+    add_moe_split_arg(p)
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
@@ -323,6 +338,7 @@ def load_checked(args, group: mx.distributed.Group):
                 not args.no_vocab_parallel,
                 args.dtype,
                 sequence_parallel=getattr(args, "sequence_parallel", False),
+                moe_split=args.moe_split,
                 **mesh,
             )
         except MeshError as e:  # the same on every rank

@@ -63,11 +63,9 @@ def local_facts(
     import mlx_lm
 
     from ..cluster.diagnostics import llama_tp_version
-    from ..parallel.shard import plan_for
 
     config = model.args.to_dict()
     mesh = getattr(ckpt, "mesh", None) or getattr(model, "mesh", None)
-    tp = group.size() if mesh is None else mesh.tp
     return {
         "versions": (
             f"llama_tp {llama_tp_version()}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"
@@ -75,7 +73,7 @@ def local_facts(
         "world": group.size(),
         "config": config,
         "mesh": mesh_facts(mesh, group),
-        "plan": digest([repr(plan_for(model, tp)).encode()]),
+        "plan": digest([repr(getattr(ckpt, "placement", None)).encode()]),
         "weights": weights_fingerprint(ckpt),
         "tokenizer": tokenizer_fingerprint(ckpt, tokenizer),
         "path": str(ckpt.path),

@@ -1,7 +1,11 @@
-"""load(path) and load_model(path, group): checkpoint -> (sharded) model -> tokenizer.
+"""load(path) and load_model(path, group): checkpoint -> placement -> (sharded) model.
 
-Order matters for memory: build the model with lazy weights, shard it, and
-only then evaluate, so that each rank materializes only its own slices.
+One pass, one way: open the checkpoint (its config and stored shapes, nothing read);
+compute every rank's placement once (`parallel/placement.py`: its stage and layers,
+its part of every layer, its vocabulary rows, the slice of every tensor); read exactly
+this rank's slices (`checkpoints/slices.py`); build the model lazily, shard it as the
+placement says (`parallel/shard.py`) and put the slices in. No rank ever holds a
+tensor it does not keep, and `python -m llama_tp.plan` prints the same placement.
 """
 
 from __future__ import annotations
@@ -11,54 +15,88 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..checkpoints import open_checkpoint
 from ..checkpoints.base import Checkpoint, CheckpointError
-from ..checkpoints.build import build_model, build_split, load_weights
+from ..checkpoints.build import load_weights, skeleton
 from ..checkpoints.safetensors import READ
+from ..checkpoints.slices import model_shape, read_slices
+from ..checkpoints.split import check_mesh, split_vocab_parallel
 from ..cluster.distributed import agree_ok, all_gather_object, barrier, eprint0, world
 from ..cluster.progress import progress
 from ..kernels.layers import use_native
 from ..model import Transformer
-from ..parallel.cast import cast_model
-from ..parallel.parallelize import Parallelized
+from ..parallel.cast import cast_model, float32_experts
+from ..parallel.mesh import Mesh
 from ..parallel.parallelize import Plan as StylePlan
-from ..parallel.shard import parallelize_model
+from ..parallel.placement import DEFAULT_MOE_SPLIT, Placement, RankPlacement, place
+from ..parallel.shard import parallelize_model, shard_placed, styles_placement
 from .agreement import check_mesh_flags
 
 
-def _read_own_slices(model: Transformer, ckpt: Checkpoint, done: Parallelized | None, bar) -> None:
-    """Replace every (lazy, unread) parameter by exactly the bytes this rank keeps,
-    read straight from the file: no rank ever holds a whole split tensor. The slices
-    are the plan's (a replicated layer reads its whole tensors)."""
-    from mlx.utils import tree_flatten
-
-    weights = []
-    for name, _ in tree_flatten(model.parameters()):
-        file, stored = ckpt.sources[name]
-        shape = file.tensors[stored].shape
-        s = None if done is None else done.tensor_slice(name, shape)
-        weights.append((name, file.read(stored) if s is None else file.read(stored, *s)))
-        bar.update(weights[-1][1].nbytes)
-    load_weights(model, ckpt, weights)
-
-
-def _read_weights(model: Transformer, ckpt: Checkpoint, done: Parallelized | None) -> None:
-    """Read and evaluate this rank's weights, one tensor at a time, with a progress bar on
-    rank 0's terminal once it takes more than a second (see `cluster.progress`)."""
-    from mlx.utils import tree_flatten
-
-    params = tree_flatten(model.parameters())
-    total = sum(v.nbytes for _, v in params)
+def _read(ckpt: Checkpoint, mine: RankPlacement) -> list[tuple[str, mx.array]]:
+    """This rank's tensors, exactly its placement's slices (`checkpoints.slices`), with a
+    progress bar on rank 0's terminal once it takes more than a second."""
     desc = f"loading {ckpt.path.name}"
-    with progress(desc=desc, total=total, unit="B", unit_scale=True, delay=1.0) as bar:
-        if ckpt.sources and ckpt.format != "split":  # a split folder's model holds its tensors
-            _read_own_slices(model, ckpt, done, bar)
-        else:
-            for _, v in params:
-                mx.eval(v)
-                bar.update(v.nbytes)
-        mx.eval(model.parameters())
+    with progress(desc=desc, total=mine.nbytes, unit="B", unit_scale=True, delay=1.0) as bar:
+        return read_slices(ckpt, mine.slices, bar.update)
+
+
+def _place(
+    ckpt: Checkpoint,
+    n: int,
+    mesh: Mesh | None,
+    pp_split: str | None,
+    vocab_parallel: bool,
+    moe_split: str,
+) -> Placement:
+    """The placement of this copy of the model over `n` tensor-parallel ranks, or over
+    the stages of `mesh`: pure, from the config, the stored shapes and the mesh. A
+    pre-split folder says its own mesh, split and vocabulary (checked against the
+    running ones: `split.check_mesh`)."""
+    T, P = (mesh.tp, mesh.pp) if mesh is not None else (n, 1)
+    if ckpt.format == "split":
+        stages = mesh.stages if mesh is not None else None
+        layers = check_mesh(ckpt, T, P, pp_split, stages)
+        pp_split = ",".join(str(len(r)) for r in layers) if layers else None
+        vocab_parallel = split_vocab_parallel(ckpt, vocab_parallel, T)
+        moe_split = ckpt.metadata.get("moe_split") or moe_split  # as the folder was cut
+    return place(
+        model_shape(ckpt),
+        T,
+        P,
+        pp_split,
+        vocab_parallel=vocab_parallel,
+        moe_split=moe_split,
+        stages=mesh.stages if mesh is not None else None,
+    )
+
+
+def _build(
+    ckpt: Checkpoint,
+    placement: Placement,
+    group: mx.distributed.Group,
+    mesh: Mesh | None,
+    sequence_parallel: bool,
+) -> nn.Module:
+    """The (lazy) model this rank runs, sharded as `placement` says: the whole model over
+    `group`, or its stage of `mesh` over the stage's tensor group."""
+    model = skeleton(ckpt)
+    if mesh is None:
+        if group.size() > 1:
+            shard_placed(model, placement, group, sequence_parallel=sequence_parallel)
+        return model
+    from .pipeline import stage_module
+
+    mesh.layers = list(placement.layers)
+    model = stage_module(model, mesh)
+    if mesh.tp > 1:
+        shard_placed(model, placement, mesh.tp_group)
+        vocab = placement.at(mesh.stage, mesh.tp_rank).vocab
+        if vocab is not None:
+            object.__setattr__(model, "vocab", vocab)
+    return model
 
 
 def _open(
@@ -131,6 +169,7 @@ def load_model(
     pp: int | None = None,
     pp_split: str | None = None,
     dp: int | None = None,
+    moe_split: str = DEFAULT_MOE_SPLIT,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
 
@@ -150,7 +189,9 @@ def load_model(
     is (None without a mesh). A checkpoint pre-split by
     `convert --shards N` (for a mesh: `--shards N --tp T --pp P`, loaded with the same
     `tp`, `pp`) is read from this rank's folder only; a folder split for another mesh
-    is refused (`checkpoints.split.check_mesh`). Returns the model,
+    is refused (`checkpoints.split.check_mesh`). `moe_split` ("tensor" or "expert")
+    splits a mixture-of-experts model's experts by their columns or whole experts per
+    rank (`parallel/experts.py`). Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
@@ -180,34 +221,44 @@ def load_model(
     ckpt = _open(path, group, model_group, blocks=blocks)
     ckpt.mesh = whole_mesh
     ckpt.products = products
-    error = done = None
+    error = None
     try:
-        if mesh is not None:  # the stage reads its own layers' slices
-            from .pipeline import build_stage
+        if ckpt.format == "split" and plan is not None:
+            raise CheckpointError(
+                f"{ckpt.path} was pre-split by the built-in plan: load the unsplit "
+                "checkpoint to use your own plan"
+            )
+        if plan is None:  # reader -> placement -> model, in one pass
+            placement = _place(ckpt, model_group.size(), mesh, pp_split, vocab_parallel, moe_split)
+            ckpt.placement = placement
+            mine = (
+                placement.at(mesh.stage, mesh.tp_rank)
+                if mesh
+                else placement.ranks[model_group.rank()]
+            )
+            weights = _read(ckpt, mine)
+            model = _build(ckpt, placement, model_group, mesh, sequence_parallel)
+        else:  # a user's style plan: the placement is what its styles keep
+            model = skeleton(ckpt)
+            done = parallelize_model(
+                model, model_group, plan, vocab_parallel=vocab_parallel,
+                sequence_parallel=sequence_parallel,
+            )  # fmt: skip
+            mine = styles_placement(done, model_shape(ckpt))
+            weights = _read(ckpt, mine)
+        if mesh is not None:  # the stage's layers are numbered from 0
+            from .pipeline import local_name
 
-            model = build_stage(ckpt, mesh, pp_split, vocab_parallel)
-            mx.eval(model.parameters())
-        elif ckpt.format == "split":
-            if plan is not None:
-                raise CheckpointError(
-                    f"{ckpt.path} was pre-split by the built-in plan: load the unsplit "
-                    "checkpoint to use your own plan"
-                )
-            model = build_split(ckpt, model_group, vocab_parallel, sequence_parallel)
-            _read_weights(model, ckpt, None)
-        else:
-            model = build_model(ckpt, whole=False)
-            if model_group.size() > 1 or plan is not None:
-                done = parallelize_model(
-                    model,
-                    model_group,
-                    plan,
-                    vocab_parallel=vocab_parallel,
-                    sequence_parallel=sequence_parallel,
-                )
-            _read_weights(model, ckpt, done)
+            first = mesh.layers[mesh.stage].start
+            weights = [(local_name(k, first), v) for k, v in weights]
+        load_weights(model, ckpt, weights)
+        held = sum(v.nbytes for _, v in weights)
+        del weights
+        mx.eval(model.parameters())
         if dtype is not None:
             cast_model(model, dtype)
+        if mx.default_device().type == mx.cpu and float32_experts(model):
+            ckpt.notes.append("experts held as float32: MLX's CPU gather_mm takes float32 only")
         if native:
             use_native(model)
     except Exception as e:
@@ -219,6 +270,8 @@ def load_model(
     ckpt.load_stats = {
         # Sliced reads are counted as they happen; other formats read whole files.
         "bytes_read": READ.bytes if sliced else sum(f.stat().st_size for f in ckpt.files),
+        "bytes_held": held,  # the tensors this rank keeps, as read (before any --dtype)
+        "placement_bytes": mine.nbytes,  # what its placement says it holds
         "peak_memory": mx.get_peak_memory(),
         "max_rss": max_rss(),
         "seconds": time.perf_counter() - tic,
@@ -238,8 +291,11 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
         ckpt = open_checkpoint(path, 0, 1, blocks=native)
         if ckpt.format == "split":
             raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
-        model = build_model(ckpt, whole=False)
-        _read_weights(model, ckpt, None)  # every tensor whole, read once
+        weights = _read(ckpt, place(model_shape(ckpt)).ranks[0])  # every tensor whole, once
+        model = skeleton(ckpt)
+        load_weights(model, ckpt, weights)
+        if mx.default_device().type == mx.cpu:
+            float32_experts(model)
         if native:
             use_native(model)
     except Exception as e:
@@ -274,7 +330,8 @@ def load(
     **options: Any,
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
-    `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp)."""
+    `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp,
+    moe_split)."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()

@@ -5,7 +5,7 @@ host, replica, stage and tensor rank, warns when a tensor group spans hosts (its
 all-reduces would cross the network: the placement rule wants a multiple of T ranks
 per host), and times the mesh's two kinds of link: an 8 KB all-reduce inside a tensor
 group and an 8 KB hand-off between stages 0 and 1 (half a round trip). These are the
-`t` of the README's "Which mesh to pick".
+`t` of docs/parallelism.md's "Which mesh to pick".
 """
 
 from __future__ import annotations

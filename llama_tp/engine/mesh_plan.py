@@ -1,13 +1,13 @@
 """The plan of a tp x pp mesh: each rank's stage, layers, tensor rank and slice.
 
-A pure function of the number of ranks, read from a checkpoint's shapes only (no
-launch, no weight read): `python -m llama_tp.plan -n 4 --tp 2 --pp 2` prints it.
-Every stage is built as the loader builds it (`pipeline.stage_ranges` for the layer
-split, `pipeline.stage_module`, the built-in plan over the stage's tensor group) and
-each rank's bytes are counted with the loader's own `tensor_slice`, so the plan shows
-what `load_model(..., tp=, pp=)` holds. Ranks are placed in rank order, as on one
-host; across hosts `parallel.mesh.layout` orders them by host first. `convert --shards
-N --tp T --pp P` writes each rank's folder from this plan (`engine/mesh_split.py`).
+The placement (`parallel/placement.py`: a pure function of the number of ranks and the
+checkpoint's shapes, no launch, no weight read) is what `load_model(..., tp=, pp=)`
+computes and loads; `python -m llama_tp.plan -n 4 --tp 2 --pp 2` prints it with each
+stage's style table (the built-in plan over the stage's tensor group, shown on the
+stage cut out of the lazily built model as the loader cuts it). Ranks are placed in
+rank order, as on one host; across hosts `parallel.mesh.layout` orders them by host
+first. `convert --shards N --tp T --pp P` writes each rank's folder from this
+placement (`engine/mesh_split.py`).
 """
 
 from __future__ import annotations
@@ -15,62 +15,49 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from ..checkpoints.base import Checkpoint
-from ..checkpoints.build import build_model
+from ..checkpoints.build import skeleton
+from ..checkpoints.slices import model_shape
 from ..cluster.diagnostics import text_table
-from ..parallel.llama_plan import check_quantized_heads, llama_plan, plan_for
 from ..parallel.mesh import Mesh, MeshError, layout, mesh_shape
 from ..parallel.parallelize import format_plan_table
-from ..parallel.partition import (
-    Plan,
-    RankPart,
+from ..parallel.placement import DEFAULT_MOE_SPLIT, Placement, RankPlacement, place
+from ..parallel.plan_text import (
+    expert_cells,
+    expert_header,
     format_kv_heads,
     format_ranges,
     human_bytes,
     imbalance,
-    tensor_slice,
-    vocab_ranges,
 )
-from ..parallel.styles import Replicate, Style, VocabParallel
-from .pipeline import PipelineModel, stage_module, stage_ranges
-
-
-@dataclass(frozen=True)
-class RankSlice:
-    """What one rank of the mesh holds."""
-
-    rank: int
-    stage: int
-    tp_rank: int
-    layers: range  # global layer indices of its stage
-    part: RankPart  # its heads and feed-forward columns of each of those layers
-    vocab: range | None  # its rows of the embedding / head (None: whole)
-    nbytes: int  # parameter bytes it loads
+from ..parallel.shard import builtin_plan
+from .pipeline import PipelineModel, stage_module
 
 
 @dataclass
 class MeshPlan:
-    """The mesh of `n` ranks: its stages, the stage models (lazy) and every rank's slice."""
+    """The mesh of `n` ranks: its placement and the stage models (lazy, for the tables)."""
 
-    tp: int
-    pp: int
+    placement: Placement
     mesh: Mesh  # groups None: a description, not a running mesh
-    partitions: list[Plan]  # each stage's partition plan over its tp ranks
     models: list[PipelineModel]  # each stage, unsharded and lazy
-    ranks: list[RankSlice]
-    vocab_parallel: bool
 
+    @property
+    def tp(self) -> int:
+        return self.placement.tp
 
-def stage_bytes(model: nn.Module, plan: Plan, part: RankPart, vocab: range | None) -> int:
-    """Parameter bytes of `model` (a stage, unsharded) that rank `part` keeps: the slices
-    the loader reads (`tensor_slice`), whole tensors elsewhere."""
-    total = 0
-    for name, v in tree_flatten(model.parameters()):
-        s = tensor_slice(plan, part, name, v.shape, vocab) if plan.n > 1 else None
-        total += v.nbytes if s is None else v.nbytes // v.shape[s[0]] * (s[2] - s[1])
-    return total
+    @property
+    def pp(self) -> int:
+        return self.placement.pp
+
+    @property
+    def ranks(self) -> tuple[RankPlacement, ...]:
+        return self.placement.ranks
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.placement.vocab_parallel
 
 
 def mesh_plan(
@@ -81,48 +68,31 @@ def mesh_plan(
     pp_split: str | None = None,
     vocab_parallel: bool = True,
     full: nn.Module | None = None,
+    moe_split: str = DEFAULT_MOE_SPLIT,
 ) -> MeshPlan:
     """The mesh of `n` ranks for `--tp`/`--pp`/`--pp-split`; MeshError (the loader's
     one-line messages) when it cannot run. `full`: the checkpoint's model, if already
-    built (e.g. re-quantized by `convert`); by default built lazily, for its shapes."""
+    built (e.g. re-quantized by `convert`: its shapes are placed); by default built
+    lazily, for its style tables."""
+    from ..parallel.shard import model_shape_of
+
     T, P = mesh_shape(n, tp, pp)
     if pp_split and P == 1:
         raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
-    if full is None:
-        full = build_model(ckpt, whole=False)  # lazy: shapes only
+    shape = model_shape(ckpt) if full is None else model_shape_of(full)
     stages = layout(["one host"] * n, T, P, by_host=False)
-    mesh = Mesh(T, P, 0, 0, stages, None, None, stage_ranges(full, P, pp_split))
-    vocab_parallel = vocab_parallel and T > 1
-    vocab = vocab_ranges(full.args.vocab_size, T) if vocab_parallel else [None] * T
-    partitions, models, ranks = [], [], []
-    for s, members in enumerate(stages):
-        view = Mesh(T, P, s, 0, stages, None, None, mesh.layers)
-        model = stage_module(full, view)
-        plan = plan_for(model, T)
-        if T > 1:
-            check_quantized_heads(model, plan)  # as `shard_model` does when loading
-        partitions.append(plan)
-        models.append(model)
-        for t, rank in enumerate(members):
-            nbytes = stage_bytes(model, plan, plan.parts[t], vocab[t])
-            ranks.append(RankSlice(rank, s, t, mesh.layers[s], plan.parts[t], vocab[t], nbytes))
-    ranks.sort(key=lambda r: r.rank)
-    return MeshPlan(T, P, mesh, partitions, models, ranks, vocab_parallel)
+    placement = place(
+        shape, T, P, pp_split, vocab_parallel=vocab_parallel, moe_split=moe_split, stages=stages
+    )
+    full = skeleton(ckpt) if full is None else full
+    mesh = Mesh(T, P, 0, 0, stages, None, None, list(placement.layers))
+    models = [
+        stage_module(full, Mesh(T, P, s, 0, stages, None, None, mesh.layers)) for s in range(P)
+    ]
+    return MeshPlan(placement, mesh, models)
 
 
-def stage_styles(mp: MeshPlan, s: int) -> dict[str, Style]:
-    """The built-in plan of stage `s` over its tensor group, for what the stage holds:
-    its layers, and the embedding (vocabulary-parallel on the first stage) or the
-    norm and head (loss-parallel on the last)."""
-    model = mp.models[s]
-    table = llama_plan(model, mp.tp, vocab_parallel=mp.vocab_parallel, plan=mp.partitions[s])
-    table = {k: v for k, v in table.items() if k.split(".")[0] in model}
-    if s == 0 and "tok_embeddings" in table:  # a tied table is the head only on the last
-        table["tok_embeddings"] = VocabParallel() if mp.vocab_parallel else Replicate()
-    return table
-
-
-def _vocab_cell(mp: MeshPlan, r: RankSlice) -> str:
+def _vocab_cell(mp: MeshPlan, r: RankPlacement) -> str:
     model = mp.models[r.stage]
     what = []
     if r.stage == 0:
@@ -151,12 +121,13 @@ def format_mesh(mp: MeshPlan, name: str) -> str:
             "q heads",
             "kv heads",
             "ffn columns",
+            *expert_header(mp.placement.plan),
             "vocabulary",
             "weights",
         ]
     ]
     for r in mp.ranks:
-        replicated = mp.partitions[r.stage].replicated_kv_heads()
+        replicated = mp.placement.plan.replicated_kv_heads()
         q, kv, f = r.part.q_heads, r.part.kv_heads, r.part.ffn
         mapped = "" if r.part.kv_map is None else " (mapped)"
         rows.append(
@@ -167,7 +138,8 @@ def format_mesh(mp: MeshPlan, name: str) -> str:
                 f"{r.tp_rank} of {mp.tp}",
                 f"{format_ranges(list(q))}{mapped} [{len(q)}]",
                 f"{format_kv_heads(kv, replicated)} [{len(kv)}]",
-                f"{f.start}-{f.stop - 1} [{len(f)}]",
+                f"{f.start}-{f.stop - 1} [{len(f)}]" if len(f) else "-",
+                *expert_cells(mp.placement.plan, r.part),
                 _vocab_cell(mp, r),
                 human_bytes(r.nbytes),
             ]
@@ -180,5 +152,6 @@ def format_mesh(mp: MeshPlan, name: str) -> str:
     for s, members in enumerate(mp.mesh.stages):
         labels = [f"rank {r}" for r in members]
         lines += ["", stage_lines[s]]
-        lines.append(format_plan_table(mp.models[s], stage_styles(mp, s), mp.tp, labels))
+        table = builtin_plan(mp.models[s], mp.placement)
+        lines.append(format_plan_table(mp.models[s], table, mp.tp, labels))
     return "\n".join(lines)

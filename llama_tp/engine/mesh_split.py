@@ -3,14 +3,14 @@
     python -m llama_tp.convert --model M --out DIR --shards 4 --tp 2 --pp 2 [--pp-split 10,12]
     python -m llama_tp.launch -n 4 -m llama_tp.generate --model DIR --tp 2 --pp 2 --prompt hi
 
-The folders come from the mesh's plan (`engine/mesh_plan.py`, what `python -m
+The folders come from the mesh's placement (`parallel/placement.py`, what `python -m
 llama_tp.plan -n 4 --tp 2 --pp 2` prints): the stage split exactly as the loader makes
-it (`pipeline.stage_ranges`: balanced by parameter bytes, or `--pp-split`), each stage
+it (balanced by parameter bytes, or `--pp-split`), each stage
 split over its tensor group by the built-in plan, the embedding on stage 0 and the norm
 and head on the last stage (vocabulary-parallel inside the stage's tensor group unless
 `--no-vocab-parallel`). Folder r holds rank r's slices of its stage's layers, under
-their global names (`layers.12....`), and nothing else; the loader builds the stage
-from it (`pipeline.build_stage`).
+their global names (`layers.12....`), and nothing else; the loader reads it whole and
+builds the stage as for an unsplit checkpoint (`engine/loader.py`).
 
 Placement: folder r is for world rank r with the stages placed in rank order, as
 `parallel.mesh.layout` places them on one host (`make_mesh` orders the ranks by host:
@@ -27,14 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..checkpoints.convert import clear_out, convert, open_source, write_folders
 from ..checkpoints.split import Folder
 from ..parallel.mesh import MeshError, mesh_shape
-from ..parallel.partition import tensor_slice
-from .mesh_plan import MeshPlan, RankSlice, mesh_plan
-from .pipeline import global_name
+from ..parallel.placement import DEFAULT_MOE_SPLIT, RankPlacement
+from .mesh_plan import MeshPlan, mesh_plan
 
 
 def mesh_record(mp: MeshPlan, pp_split: str | None) -> dict[str, Any]:
@@ -48,17 +46,11 @@ def mesh_record(mp: MeshPlan, pp_split: str | None) -> dict[str, Any]:
     }
 
 
-def rank_folder(mp: MeshPlan, r: RankSlice, get) -> Folder:
-    """Rank `r`'s folder: its stage's tensors (global names), sliced for its tensor rank."""
-    stage, plan = mp.models[r.stage], mp.partitions[r.stage]
+def rank_folder(r: RankPlacement, get) -> Folder:
+    """Rank `r`'s folder: its placement's slices of its stage's tensors (global names)."""
 
     def tensors() -> dict[str, mx.array]:
-        out = {}
-        for name, v in tree_flatten(stage.parameters()):
-            s = tensor_slice(plan, r.part, name, v.shape, r.vocab) if mp.tp > 1 else None
-            g = global_name(name, r.layers.start)
-            out[g] = get(g, s)
-        return out
+        return {name: get(name, s) for name, s in r.slices.items()}
 
     mine = {"stage": r.stage, "tp_rank": r.tp_rank, "layers": [r.layers.start, r.layers.stop]}
     return Folder(r.rank, tensors, mine, mine)
@@ -77,6 +69,7 @@ def convert_mesh(
     vocab_parallel: bool = True,
     progress: bool = True,
     dtype: str | None = None,
+    moe_split: str = DEFAULT_MOE_SPLIT,
 ) -> Path:
     """Convert `src` into one folder per rank of the mesh `tp` x `pp` of `shards` ranks
     (`tp` defaults to shards // pp). MeshError, with the loader's one-line messages,
@@ -88,13 +81,17 @@ def convert_mesh(
     if P == 1:
         if pp_split:
             raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
-        return convert(src, out, shards=shards, vocab_parallel=vocab_parallel, **kw)
+        return convert(
+            src, out, shards=shards, vocab_parallel=vocab_parallel, moe_split=moe_split, **kw
+        )
     src, out = Path(src), Path(out)
     source = open_source(src, quantize, group_size, dtype)
-    mp = mesh_plan(source.ckpt, shards, T, P, pp_split, vocab_parallel, full=source.model)
+    mp = mesh_plan(
+        source.ckpt, shards, T, P, pp_split, vocab_parallel, full=source.model, moe_split=moe_split
+    )
     clear_out(out)
-    folders = [rank_folder(mp, r, source.get) for r in mp.ranks]
-    write_folders(source, out, folders, mp.vocab_parallel, progress, mesh_record(mp, pp_split))
+    folders = [rank_folder(r, source.get) for r in mp.ranks]
+    write_folders(source, out, folders, mp.placement, progress, mesh_record(mp, pp_split))
     if progress:
         layers = ", ".join(f"{r.start}-{r.stop - 1}" for r in mp.mesh.layers)
         print(

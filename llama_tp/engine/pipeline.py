@@ -20,11 +20,11 @@ least MIN_MICRO positions): stage s works on micro-batch i + 1 while stage s + 1
 on micro-batch i, and the keys and values of earlier micro-batches are in the cache
 by the time a later one attends to them, so the result is the same as one pass.
 
-Each rank builds only its stage (the other layers stay unread, lazy placeholders)
-and reads only its stage's slices of a safetensors checkpoint, or its folder of one
-pre-split for the mesh (`convert --shards N --tp T --pp P`, `engine/mesh_split.py`):
-folder r holds exactly world rank r's stage, and is refused (`split.check_mesh`) when
-made for another mesh, `--pp-split` or placement of the stages.
+Each rank reads only its stage's slices (its placement, `parallel/placement.py`: the
+stage split balanced by bytes or `--pp-split`, the layers' partition over the stage's
+tensor group), or its folder of a checkpoint pre-split for the mesh (`convert --shards
+N --tp T --pp P`, `engine/mesh_split.py`), and the loader (`engine/loader.py`) cuts its
+stage out of the lazily built model (`stage_module`) and shards it.
 """
 
 from __future__ import annotations
@@ -37,15 +37,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
-from ..checkpoints.base import Checkpoint, CheckpointError
-from ..checkpoints.build import build_model, empty_split_model, load_weights, split_vocab_parallel
-from ..checkpoints.split import check_mesh
 from ..cluster.distributed import all_gather_object
 from ..model import ModelArgs
-from ..parallel.layers import shard_linear_range
-from ..parallel.mesh import Mesh, balanced_split, parse_split
-from ..parallel.partition import Plan, human_bytes, tensor_slice, vocab_ranges
-from ..parallel.shard import shard_model
+from ..parallel.mesh import Mesh
+from ..parallel.plan_text import human_bytes
 from ..parallel.vocab import VocabParallelEmbedding
 from .sampling import VocabShard
 
@@ -175,16 +170,6 @@ def micro_batches(length: int, stages: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, length)) for a in range(0, length, size)]
 
 
-def stage_ranges(full: nn.Module, pp: int, pp_split: str | None) -> list[range]:
-    """Each stage's layers: `--pp-split`, or balanced by parameter bytes."""
-    args = full.args
-    if pp_split:
-        return parse_split(pp_split, args.n_layers, pp)
-    emb = _nbytes(full.tok_embeddings)
-    head = _nbytes(full.norm) + (emb if args.tie_word_embeddings else _nbytes(full.output))
-    return balanced_split([_nbytes(layer) for layer in full.layers], emb, head, pp)
-
-
 def describe_stages(model: PipelineModel, group: mx.distributed.Group) -> list[str]:
     """One line per stage, from what each rank of `group` (the world) actually holds:
     its ranks, its layers, the embedding / norm / head, and each rank's parameter bytes.
@@ -227,72 +212,6 @@ def stage_module(full: nn.Module, mesh: Mesh) -> PipelineModel:
     return model
 
 
-def shard_stage(
-    full: nn.Module, mesh: Mesh, vocab_parallel: bool
-) -> tuple[PipelineModel, Plan | None, range | None]:
-    """Stage `mesh.stage` of `full` (lazy), sharded over its tensor group by the built-in
-    plan, the embedding and head vocabulary-parallel there with `vocab_parallel`:
-    (the stage, its partition plan, this rank's vocabulary rows), both None with one
-    rank per stage. Nothing is read; `mesh.layers` must be set."""
-    model = stage_module(full, mesh)
-    plan, vocab = None, None
-    if mesh.tp > 1:
-        plan = shard_model(model, mesh.tp_group)
-        if vocab_parallel:
-            vocab = vocab_ranges(full.args.vocab_size, mesh.tp)[mesh.tp_rank]
-            object.__setattr__(model, "vocab", vocab)
-            if "tok_embeddings" in model:
-                model.tok_embeddings = VocabParallelEmbedding(
-                    model.tok_embeddings, vocab.start, vocab.stop, mesh.tp_group
-                )
-            if "output" in model:
-                model.output = shard_linear_range(
-                    model.output, "all-to-sharded", vocab.start, vocab.stop, mesh.tp_group
-                )
-    return model, plan, vocab
-
-
-def build_stage(
-    ckpt: Checkpoint, mesh: Mesh, pp_split: str | None, vocab_parallel: bool
-) -> PipelineModel:
-    """This rank's stage of the checkpoint: its layers, sharded over its tensor group,
-    with only its slices read (lazily built; the caller evaluates). A folder pre-split
-    for this mesh holds exactly that (`_build_split_stage`)."""
-    if ckpt.format == "split":
-        return _build_split_stage(ckpt, mesh, pp_split, vocab_parallel)
-    full = build_model(ckpt, whole=False)  # lazy: only what the stage keeps is ever read
-    mesh.layers = stage_ranges(full, mesh.pp, pp_split)
-    model, plan, vocab = shard_stage(full, mesh, vocab_parallel)
-    if ckpt.sources:
-        _read_stage_slices(model, ckpt, plan, mesh.tp_rank, vocab)
-    return model
-
-
-def _build_split_stage(
-    ckpt: Checkpoint, mesh: Mesh, pp_split: str | None, vocab_parallel: bool
-) -> PipelineModel:
-    """The stage from this rank's folder of a checkpoint pre-split for the mesh
-    (`convert --shards N --tp T --pp P`): the folder's stages (checked against the
-    running mesh and `pp_split`), an empty stage sharded the same way, the stored
-    slices put in. A folder holding any other tensor is refused."""
-    mesh.layers = check_mesh(ckpt, mesh.tp, mesh.pp, pp_split, mesh.stages)
-    vocab_parallel = split_vocab_parallel(ckpt, vocab_parallel, mesh.tp)
-    model, _, _ = shard_stage(empty_split_model(ckpt), mesh, vocab_parallel)
-    names = {global_name(k, model.first_layer): k for k, _ in tree_flatten(model.parameters())}
-    for what, extra in (
-        ("missing", set(names) - set(ckpt.weights)),
-        ("holds", set(ckpt.weights) - set(names)),
-    ):
-        if extra:
-            mine = mesh.layers[mesh.stage]
-            raise CheckpointError(
-                f"{ckpt.path}: {what} {sorted(extra)[0]} (stage {mesh.stage}: layers "
-                f"{mine.start}-{mine.stop - 1}); convert the checkpoint again"
-            )
-    load_weights(model, ckpt, [(local, ckpt.weights[name]) for name, local in names.items()])
-    return model
-
-
 def global_name(name: str, first_layer: int) -> str:
     """'layers.0.attention.wq.weight' of a stage starting at layer 10 -> 'layers.10....'."""
     if not name.startswith("layers."):
@@ -301,15 +220,6 @@ def global_name(name: str, first_layer: int) -> str:
     return f"layers.{int(i) + first_layer}.{rest}"
 
 
-def _read_stage_slices(
-    model: PipelineModel, ckpt: Checkpoint, plan: Plan | None, rank: int, vocab: range | None
-) -> None:
-    """Replace every lazy parameter by exactly the bytes this rank keeps (as the loader's
-    `_read_own_slices`, with the stage's layer numbers mapped to the checkpoint's)."""
-    weights = []
-    for name, _ in tree_flatten(model.parameters()):
-        file, stored = ckpt.sources[global_name(name, model.first_layer)]
-        shape = file.tensors[stored].shape
-        s = None if plan is None else tensor_slice(plan, plan.parts[rank], name, shape, vocab)
-        weights.append((name, file.read(stored) if s is None else file.read(stored, *s)))
-    load_weights(model, ckpt, weights)
+def local_name(name: str, first_layer: int) -> str:
+    """'layers.10.attention.wq.weight' of a stage starting at layer 10 -> 'layers.0....'."""
+    return global_name(name, -first_layer)

@@ -9,8 +9,8 @@ Each rank dequantizes only the slice it holds (layers are already sharded), one
 layer at a time, so the peak is the quantized model plus one layer's float copy.
 Every layer kind llama_tp builds has a float twin with the same forward pass and
 collectives: mlx's `nn.QuantizedLinear`/`nn.QuantizedEmbedding`, its quantized
-sharded linears, llama_tp's quantized range layers and the vocabulary-parallel
-embedding.
+sharded linears, llama_tp's quantized range layers, the vocabulary-parallel
+embedding and mlx-lm's stacked experts (`QuantizedSwitchLinear`, split in place).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .layers import (
     QuantizedRangeAllToShardedLinear,
@@ -59,6 +60,9 @@ def _float_twin(m: nn.Module, dtype: mx.Dtype) -> nn.Module | None:
         out_dims = w.shape[0] * n if rows else w.shape[0]
         cls = dist.AllToShardedLinear if rows else dist.ShardedToAllLinear
         twin = cls(in_dims, out_dims, bias=bias is not None, group=m.group)
+    elif isinstance(m, QuantizedSwitchLinear):  # stacked experts (E, out, in), maybe sliced
+        w = _dequantized(m, dtype)
+        twin = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=bias is not None)
     elif isinstance(m, nn.QuantizedLinear):
         w = _dequantized(m, dtype)
         twin = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
@@ -115,3 +119,18 @@ def cast_model(model: nn.Module, dtype: str | mx.Dtype) -> None:
     if floats:
         model.load_weights(floats, strict=False)
     mx.eval(model.parameters())
+
+
+def float32_experts(model: nn.Module) -> int:
+    """Make every plain (not quantized) stacked-experts layer float32, in place: MLX's CPU
+    backend runs `gather_mm` on float32 only (quantized experts, `gather_qmm`, take any
+    dtype). Returns the number of layers cast; call it on the CPU only."""
+    cast = 0
+    for _, m in model.named_modules():
+        if isinstance(m, SwitchLinear) and m.weight.dtype != mx.float32:
+            m.weight = m.weight.astype(mx.float32)
+            if "bias" in m:
+                m.bias = m.bias.astype(mx.float32)
+            mx.eval(m.parameters())
+            cast += 1
+    return cast

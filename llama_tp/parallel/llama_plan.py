@@ -22,14 +22,16 @@ their input first, and the head gathers before the logits.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from .partition import Plan, RankPart, make_plan
+from .experts import moe_styles
+from .partition import Plan, RankPart
+from .placement import ModelShape, partition
 from .sequence import gather_input
 from .styles import (
     ColwiseParallel,
@@ -48,46 +50,16 @@ from .styles import (
 Parts = Sequence[RankPart] | Mapping[int, RankPart]
 
 
-def ffn_unit(model: nn.Module, n: int) -> int | None:
-    """The feed-forward split unit: w2's quantization group, widened to the file's own
-    block (`model.ffn_block`, e.g. 256 for GGUF K-quants, so that no rank reads a block
-    another rank also reads) where the columns still split over `n` ranks in such units."""
-    group = getattr(model.layers[0].feed_forward.w2, "group_size", None)
-    block = getattr(model, "ffn_block", None)
-    if block:  # GGUF blocks as stored (no group size): any split is exact, blocks save memory
-        unit = math.lcm(group or 1, block)
-        if model.args.hidden_dim % unit == 0 and model.args.hidden_dim // unit >= n:
-            return unit
-    return group
+def model_shape_of(model: nn.Module) -> ModelShape:
+    """The placement's view of a built (lazy) model: its args and parameter shapes, as the
+    checkpoint it was built from stores them (`checkpoints.slices.model_shape`)."""
+    tensors = {k: (tuple(v.shape), v.nbytes) for k, v in tree_flatten(model.parameters())}
+    return ModelShape(model.args, tensors, getattr(model, "ffn_block", None))
 
 
-def plan_for(model: nn.Module, n: int) -> Plan:
-    """The partition plan of `model` over `n` ranks."""
-    args = model.args
-    return make_plan(
-        args.n_heads,
-        args.n_kv_heads,
-        args.head_dim,
-        args.dim,
-        args.hidden_dim,
-        n,
-        group_size=ffn_unit(model, n),
-    )
-
-
-def check_quantized_heads(model: nn.Module, plan: Plan) -> None:
-    """A quantized wo splits by columns at query-head boundaries: those must be group bounds."""
-    group_size = getattr(model.layers[0].attention.wo, "group_size", None)
-    if group_size is None:
-        return
-    for p in plan.parts:
-        start = p.q_heads.start * plan.head_dim
-        if start % group_size:
-            raise ValueError(
-                f"cannot split {plan.n_heads} query heads of {plan.head_dim} quantized columns "
-                f"over {plan.n} ranks: rank {p.rank} would start at column {start}, not a "
-                f"multiple of the group size {group_size}"
-            )
+def plan_for(model: nn.Module, n: int, moe_split: str = "tensor") -> Plan:
+    """The partition of `model`'s layers over `n` ranks (`placement.partition`)."""
+    return partition(model_shape_of(model), n, moe_split)
 
 
 def _by_rank(parts: Parts) -> dict[int, RankPart]:
@@ -177,6 +149,27 @@ def _under(prefix: str, styles: dict[str, Style]) -> dict[str, Style]:
     return {f"{prefix}.{k}" if k else prefix: v for k, v in styles.items()}
 
 
+def _feed_forward_table(model: nn.Module, p: Plan, sequence: bool) -> dict[str, Style]:
+    """The feed-forward entries: dense layers by columns, mixture-of-experts layers by
+    tensor or by expert (`experts.moe_styles`). A model mixing the two names each layer's
+    module entry by its index (a wildcard would match both kinds)."""
+    kinds = ["switch_mlp" in layer.feed_forward for layer in model.layers]
+    table: dict[str, Style] = {}
+    for sparse in sorted(set(kinds)):
+        if sparse:
+            shared = any("shared_expert" in layer.feed_forward for layer in model.layers)
+            styles = moe_styles(p.parts, p.experts.split, shared, sequence)
+        else:
+            styles = feed_forward_styles(None if p.even_ffn else p.parts, sequence)
+        module = styles.pop("", None)
+        table |= _under("layers.*.feed_forward", styles)
+        if module is not None:
+            mixed = len(set(kinds)) > 1
+            for i in [i for i, k in enumerate(kinds) if k == sparse] if mixed else ["*"]:
+                table[f"layers.{i}.feed_forward"] = module
+    return table
+
+
 def llama_plan(
     model: nn.Module,
     n: int,
@@ -192,9 +185,7 @@ def llama_plan(
         "layers.*.attention",
         attention_styles(p.head_dim, None if p.even_attention else p.parts, sp),
     )
-    table |= _under(
-        "layers.*.feed_forward", feed_forward_styles(None if p.even_ffn else p.parts, sp)
-    )
+    table |= _feed_forward_table(model, p, sp)
     norm: Style = SequenceParallel() if sp else Replicate()
     table |= {"layers.*.attention_norm": norm, "layers.*.ffn_norm": norm, "norm": norm}
     seq: Layout = "sequence" if sp else "replicate"

@@ -141,13 +141,13 @@ def _collapse(path: str) -> str:
 def format_plan_table(model: nn.Module, plan: Plan, n: int, labels: list[str] | None = None) -> str:
     """The plan as a table: path -> style -> each rank's slice (layer indices shown as *).
     `labels`: the ranks' column headers (default "rank 0" .. "rank n-1")."""
-    rows: dict[str, list[str]] = {}
+    rows: dict[tuple[str, str], list[str]] = {}
     for path, (_, style, split) in plan_splits(model, plan, n).items():
-        key = _collapse(path)
+        key = (_collapse(path), style.label())  # dense and expert layers: a row each
         if key in rows:
             continue
         slices = [style.describe(r, n) if split is None else split.describe(r) for r in range(n)]
-        rows[key] = [key, style.label(), *slices]
+        rows[key] = [*key, *slices]
     labels = labels or [f"rank {r}" for r in range(n)]
     table = [["path", "style", *labels], *rows.values()]
     widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]

@@ -1,7 +1,8 @@
-"""Partition plan: which heads and feed-forward columns each rank computes.
+"""Partition plan: which heads, feed-forward columns and experts each rank computes.
 
 Pure Python (no mlx import) so that the plan can be printed and tested
-without the runtime. See `make_plan` for the rules.
+without the runtime. See `make_plan` for the rules, `tensor_slice` for what that
+means for each stored tensor, and `placement.py` for a whole mesh's placement.
 """
 
 from __future__ import annotations
@@ -21,6 +22,31 @@ class RankPart:
     # local heads are regular GQA, so plain GQA attention is exact.
     kv_map: tuple[int, ...] | None
     ffn: range  # feed-forward intermediate columns (rows of w1/w3, columns of w2)
+    # Mixture-of-experts layers (None in a dense model): the experts this rank holds
+    # (all of them when split by tensor), the columns of each expert's intermediate
+    # width it holds (all of them when split by expert), and its columns of the shared
+    # expert (split like a dense feed-forward).
+    experts: range | None = None
+    expert_ffn: range | None = None
+    shared_ffn: range | None = None
+
+
+MOE_SPLITS = ("tensor", "expert")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts shape a plan splits: E experts of `hidden_dim` columns each,
+    split by `split` ("tensor": every expert's columns in units of `unit`; "expert":
+    whole experts), and the shared expert's `shared_dim` columns (0: none) in units of
+    `shared_unit`."""
+
+    n_experts: int
+    hidden_dim: int
+    split: str = "tensor"
+    unit: int | None = None
+    shared_dim: int = 0
+    shared_unit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +61,7 @@ class Plan:
     parts: tuple[RankPart, ...]
     even_attention: bool  # n divides n_kv_heads: mlx's shard_linear split is this plan
     even_ffn: bool  # n divides hidden_dim (into whole quantization groups if quantized)
+    experts: Experts | None = None  # the mixture-of-experts layers' shape, if any
 
     def replicated_kv_heads(self) -> dict[int, list[int]]:
         """Global KV head -> ranks holding it, for the heads held by more than one rank."""
@@ -45,16 +72,34 @@ class Plan:
         return {h: ranks for h, ranks in holders.items() if len(ranks) > 1}
 
 
+def split_units(total: int, shares: list[float] | tuple[float, ...]) -> list[range]:
+    """Split range(total) into one contiguous range per share, sized in proportion to
+    the shares (largest remainders first; ties to the lower rank), none empty.
+    Equal shares: sizes differ by at most one, larger ones first."""
+    n, whole = len(shares), sum(shares)
+    if n < 1 or total < n or whole <= 0 or min(shares) < 0:
+        raise ValueError(f"cannot split {total} units over {n} ranks by shares {list(shares)}")
+    quota = [total * s / whole for s in shares]
+    sizes = [max(1, int(q)) for q in quota]
+    order = sorted(range(n), key=lambda i: (-(quota[i] - int(quota[i])), i))
+    i = 0
+    while sum(sizes) < total:
+        sizes[order[i % n]] += 1
+        i += 1
+    while sum(sizes) > total:  # a share below one unit took a whole one
+        big = max(range(n), key=lambda j: (sizes[j] - quota[j], -j))
+        sizes[big] -= 1
+    out, start = [], 0
+    for size in sizes:
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
 def _balanced(total: int, n: int) -> list[range]:
     """Split range(total) into n contiguous ranges whose sizes differ by at most
     one, larger ones first."""
-    base, extra = divmod(total, n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
-        out.append(range(start, stop))
-        start = stop
-    return out
+    return split_units(total, [1] * n)
 
 
 def vocab_ranges(vocab_size: int, n: int) -> list[range]:
@@ -83,6 +128,7 @@ def make_plan(
     hidden_dim: int,
     n: int,
     group_size: int | None = None,
+    experts: Experts | None = None,
 ) -> Plan:
     """Split the attention heads and feed-forward columns of a Llama layer over n ranks.
 
@@ -93,6 +139,10 @@ def make_plan(
       heads its query heads need, replicating a KV head over several ranks.
     - Feed-forward columns balanced in units of group_size (quantized: the w2
       column split must fall on group boundaries) or of single columns.
+    - Mixture-of-experts layers (`experts`): split "tensor", every rank holds every
+      expert's columns balanced in units of `experts.unit`, as a dense feed-forward;
+      split "expert", whole experts balanced (E/N each, larger first). The shared
+      expert's columns are balanced like a dense feed-forward's either way.
 
     Raises ValueError only where no split exists.
     """
@@ -107,11 +157,13 @@ def make_plan(
             f"cannot split {n_heads} query heads over {n} ranks: at most {n_heads} ranks"
         )
     unit = group_size or 1
-    if group_size is not None and (group_size < 1 or hidden_dim % group_size):
+    if hidden_dim == 0:  # no dense feed-forward (every layer a mixture of experts)
+        unit, group_size = 1, None
+    elif group_size is not None and (group_size < 1 or hidden_dim % group_size):
         raise ValueError(
             f"quantized hidden_dim {hidden_dim} is not a multiple of group_size {group_size}"
         )
-    if hidden_dim // unit < n:
+    if 0 < hidden_dim < n * unit:
         what = f"{hidden_dim // unit} groups of {unit}" if group_size else f"{hidden_dim}"
         raise ValueError(
             f"cannot split {what} feed-forward columns over {n} ranks: "
@@ -126,12 +178,18 @@ def make_plan(
     else:
         q_parts = _balanced(n_heads, n)
         kv_parts = [range(q.start // g, (q.stop - 1) // g + 1) for q in q_parts]
-    ffn_parts = [range(r.start * unit, r.stop * unit) for r in _balanced(hidden_dim // unit, n)]
+    ffn_parts = (
+        [range(r.start * unit, r.stop * unit) for r in _balanced(hidden_dim // unit, n)]
+        if hidden_dim
+        else [range(0)] * n
+    )
+    moe = _expert_parts(experts, n) if experts else [{}] * n
     parts = tuple(
-        RankPart(rank=i, q_heads=q, kv_heads=kv, kv_map=_kv_map(q, kv, g), ffn=f)
-        for i, (q, kv, f) in enumerate(zip(q_parts, kv_parts, ffn_parts, strict=True))
+        RankPart(rank=i, q_heads=q, kv_heads=kv, kv_map=_kv_map(q, kv, g), ffn=f, **m)
+        for i, (q, kv, f, m) in enumerate(zip(q_parts, kv_parts, ffn_parts, moe, strict=True))
     )
     even_ffn = hidden_dim % n == 0 and (group_size is None or (hidden_dim // n) % group_size == 0)
+    # (with no dense feed-forward, hidden_dim 0: trivially even)
     return Plan(
         n=n,
         n_heads=n_heads,
@@ -143,31 +201,97 @@ def make_plan(
         parts=parts,
         even_attention=n_kv_heads % n == 0,
         even_ffn=even_ffn,
+        experts=experts,
     )
 
 
-# layers.{i}.{attention|feed_forward}.{proj}.{weight|bias|scales|biases}
+def _columns(width: int, unit: int | None, n: int, what: str) -> list[range]:
+    """`width` columns balanced over n ranks in units of `unit` (ValueError naming `what`)."""
+    u = unit or 1
+    if width % u or width // u < n:
+        groups = f"{width // u} groups of {u}" if unit else f"{width}"
+        raise ValueError(
+            f"cannot split {groups} {what} columns over {n} ranks"
+            + (f": at most {width // u} ranks" if width % u == 0 else "")
+        )
+    return [range(r.start * u, r.stop * u) for r in _balanced(width // u, n)]
+
+
+def _expert_parts(e: Experts, n: int) -> list[dict[str, range | None]]:
+    """Each rank's experts, expert columns and shared-expert columns."""
+    if e.split not in MOE_SPLITS:
+        raise ValueError(f"expert split {e.split!r}: expected one of {', '.join(MOE_SPLITS)}")
+    if e.split == "expert":
+        if e.n_experts < n:
+            raise ValueError(
+                f"cannot split {e.n_experts} experts over {n} ranks by expert: at most "
+                f"{e.n_experts} ranks (split them by tensor instead)"
+            )
+        experts = _balanced(e.n_experts, n)
+        widths = [range(e.hidden_dim)] * n
+    else:
+        experts = [range(e.n_experts)] * n
+        widths = _columns(e.hidden_dim, e.unit, n, "expert feed-forward")
+    shared = _columns(e.shared_dim, e.shared_unit, n, "shared-expert") if e.shared_dim else None
+    return [
+        {"experts": x, "expert_ffn": w, "shared_ffn": shared[i] if shared else None}
+        for i, (x, w) in enumerate(zip(experts, widths, strict=True))
+    ]
+
+
+# layers.{i}.{attention|feed_forward}[.{switch_mlp|shared_expert}].{proj}.{weight|bias|...}
 _LAYER_TENSOR = re.compile(
-    r"^layers\.\d+\.(?:attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))"
-    r"\.(weight|bias|scales|biases)$"
+    r"^layers\.\d+\.(attention|feed_forward)\.(?:(switch_mlp|shared_expert)\.)?(\w+)"
+    r"\.(?:weight|bias|scales|biases)$"
 )
+ROWS, COLUMNS, EXPERTS = "rows", "columns", "experts"
+# (block, sub-module, projection) -> (the part's range it splits by, along which dimension);
+# a stacked expert tensor (E, out, in) splits by "expert_ffn" or by "experts" (see _split).
+_RULES = {
+    ("attention", None, "wq"): ("q_heads", ROWS),
+    ("attention", None, "wk"): ("kv_heads", ROWS),
+    ("attention", None, "wv"): ("kv_heads", ROWS),
+    ("attention", None, "wo"): ("q_heads", COLUMNS),
+    ("feed_forward", None, "w1"): ("ffn", ROWS),
+    ("feed_forward", None, "w3"): ("ffn", ROWS),
+    ("feed_forward", None, "w2"): ("ffn", COLUMNS),
+    ("feed_forward", "shared_expert", "w1"): ("shared_ffn", ROWS),
+    ("feed_forward", "shared_expert", "w3"): ("shared_ffn", ROWS),
+    ("feed_forward", "shared_expert", "w2"): ("shared_ffn", COLUMNS),
+    ("feed_forward", "switch_mlp", "gate_proj"): ("expert_ffn", ROWS),
+    ("feed_forward", "switch_mlp", "up_proj"): ("expert_ffn", ROWS),
+    ("feed_forward", "switch_mlp", "down_proj"): ("expert_ffn", COLUMNS),
+}
+
+
+def _total(plan: Plan, field: str) -> int:
+    e = plan.experts
+    return {
+        "q_heads": plan.n_heads,
+        "kv_heads": plan.n_kv_heads,
+        "ffn": plan.hidden_dim,
+        "shared_ffn": e.shared_dim if e else 0,
+        "expert_ffn": e.hidden_dim if e else 0,
+        "experts": e.n_experts if e else 0,
+    }[field]
 
 
 def _split(plan: Plan, part: RankPart, name: str) -> tuple[int, range, int] | None:
-    """(axis, this rank's units, total units) of a layer tensor; None: held whole."""
+    """(axis, this rank's units, total units) of a layer tensor; None: held whole.
+    The axis is that of the module's weight, (out, in) or stacked experts' (E, out, in);
+    a tensor with fewer axes (the bias of a column split) is whole."""
     m = _LAYER_TENSOR.match(name)
-    if m is None:
-        return None  # embeddings, norms, output: whole unless vocabulary-parallel
-    proj = m.group(1) or m.group(2)
-    if proj in ("wo", "w2") and m.group(3) == "bias":
-        return None  # added once after the all_sum: whole on every rank
-    r, total = {
-        "wq": (part.q_heads, plan.n_heads),
-        "wk": (part.kv_heads, plan.n_kv_heads),
-        "wv": (part.kv_heads, plan.n_kv_heads),
-        "wo": (part.q_heads, plan.n_heads),
-    }.get(proj, (part.ffn, plan.hidden_dim))
-    return (1 if proj in ("wo", "w2") else 0), r, total
+    rule = m and _RULES.get(m.groups())
+    if not rule:
+        return None  # embeddings, norms, routers, output: whole unless vocabulary-parallel
+    field, dim = rule
+    stacked = m.group(2) == "switch_mlp"
+    if stacked and plan.experts is not None and plan.experts.split == "expert":
+        field, axis = "experts", 0
+    else:
+        axis = (0 if dim == ROWS else 1) + stacked
+    units = getattr(part, field)
+    return None if units is None else (axis, units, _total(plan, field))
 
 
 def tensor_slice(
@@ -178,26 +302,28 @@ def tensor_slice(
 
     Rows of wq/wk/wv/w1/w3 and columns of wo/w2, packed or not (every split axis
     is proportional to the count of heads or columns; quantized splits fall on
-    group boundaries); the rows `vocab` of the embedding and output head when
-    they are vocabulary-parallel; everything else (norms, wo/w2 bias) whole.
+    group boundaries); stacked experts' tensors by columns of each expert or by
+    whole experts; the rows `vocab` of the embedding and output head when
+    they are vocabulary-parallel; everything else (norms, routers, wo/w2 bias) whole.
     """
     if name.startswith(("tok_embeddings.", "output.")):
         return None if vocab is None else (0, vocab.start, vocab.stop)
     split = _split(plan, part, name)
-    if split is None:
+    if split is None or len(shape) <= split[0]:
         return None
     axis, r, total = split
+    if (r.start, r.stop) == (0, total):
+        return None
     return axis, shape[axis] * r.start // total, shape[axis] * r.stop // total
 
 
-def _held(plan: Plan, part: RankPart, name: str, nbytes: int) -> int:
-    """Bytes of one tensor that `part` holds."""
-    split = _split(plan, part, name)
-    if split is None:
+def held_bytes(shape: tuple[int, ...], nbytes: int, s: tuple[int, int, int] | None) -> int:
+    """Bytes of a tensor (stored `shape`, `nbytes`) that slice `s` keeps (None: all)."""
+    if s is None:
         return nbytes
+    axis, start, stop = s
     # The difference of the boundaries, so that a partition sums exactly.
-    _, r, total = split
-    return nbytes * r.stop // total - nbytes * r.start // total
+    return nbytes * stop // shape[axis] - nbytes * start // shape[axis]
 
 
 def weight_bytes(plan: Plan, tensors: dict[str, tuple[tuple[int, ...], int]]) -> list[int]:
@@ -206,84 +332,10 @@ def weight_bytes(plan: Plan, tensors: dict[str, tuple[tuple[int, ...], int]]) ->
     Attention/FFN tensors are sliced by the plan; everything else (and the
     wo/w2 bias vectors) is counted whole on every rank.
     """
-    return [sum(_held(plan, p, name, nb) for name, (_, nb) in tensors.items()) for p in plan.parts]
-
-
-def format_ranges(items: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    out: list[str] = []
-    i = 0
-    while i < len(items):
-        j = i
-        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
-            j += 1
-        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def format_kv_heads(kv: range, replicated: dict[int, list[int]]) -> str:
-    """KV heads as ranges, replicated heads listed singly with a '*'."""
-    out, run = [], []
-    for h in kv:
-        if h in replicated:
-            if run:
-                out.append(format_ranges(run))
-                run = []
-            out.append(f"{h}*")
-        else:
-            run.append(h)
-    if run:
-        out.append(format_ranges(run))
-    return ",".join(out)
-
-
-def human_bytes(nbytes: int) -> str:
-    x = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if x < 1024 or unit == "GiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
-        x /= 1024
-    raise AssertionError("unreachable")
-
-
-def imbalance(values: list[int]) -> float:
-    mean = sum(values) / len(values)
-    return 100.0 * (max(values) - min(values)) / mean if mean else 0.0
-
-
-def format_plan(plan: Plan, bytes_per_rank: list[int] | None = None) -> str:
-    """Human-readable table of the plan, one row per rank, then the imbalance."""
-    replicated = plan.replicated_kv_heads()
-    header = ["rank", "q heads", "kv heads", "ffn columns"]
-    if bytes_per_rank is not None:
-        header.append("weights")
-    rows = [header]
-    for p in plan.parts:
-        q = format_ranges(list(p.q_heads)) + ("" if p.kv_map is None else " (mapped)")
-        row = [
-            str(p.rank),
-            f"{q} [{len(p.q_heads)}]",
-            f"{format_kv_heads(p.kv_heads, replicated)} [{len(p.kv_heads)}]",
-            f"{p.ffn.start}-{p.ffn.stop - 1} [{len(p.ffn)}]",
-        ]
-        if bytes_per_rank is not None:
-            row.append(human_bytes(bytes_per_rank[p.rank]))
-        rows.append(row)
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    lines = [
-        f"{plan.n} ranks: {plan.n_heads} query / {plan.n_kv_heads} KV heads "
-        f"(head_dim {plan.head_dim}), hidden_dim {plan.hidden_dim}"
-        + (f", group_size {plan.group_size}" if plan.group_size else "")
-        + f"; attention {'even' if plan.even_attention else 'uneven'}, "
-        f"feed-forward {'even' if plan.even_ffn else 'uneven'}"
+    return [
+        sum(
+            held_bytes(sh, nb, tensor_slice(plan, p, name, sh))
+            for name, (sh, nb) in tensors.items()
+        )
+        for p in plan.parts
     ]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    if replicated:
-        lines.append("* replicated KV head; (mapped): query heads use an explicit KV map")
-    if bytes_per_rank is not None:
-        lines.append(f"imbalance: {imbalance(bytes_per_rank):.1f}% of weight bytes")
-    else:
-        counts = [len(p.q_heads) for p in plan.parts]
-        lines.append(f"imbalance: {imbalance(counts):.1f}% of query heads")
-    return "\n".join(lines)

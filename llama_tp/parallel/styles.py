@@ -42,6 +42,7 @@ class Split:
     axis: int
     total: int
     ranges: Ranges
+    what: str | None = None  # its units in the plan table (default: rows, or cols off axis 0)
 
     def tensor_slice(self, shape: tuple[int, ...], rank: int) -> tuple[int, int, int] | None:
         """(axis, start, stop) of a stored tensor (packed or not); None: held whole."""
@@ -56,7 +57,8 @@ class Split:
             a, b = self.ranges[rank]
         except (KeyError, IndexError):
             return "-"
-        return f"{'rows' if self.axis == 0 else 'cols'} {a}-{b - 1} [{b - a}]"
+        what = self.what or ("rows" if self.axis == 0 else "cols")
+        return f"{what} {a}-{b - 1} [{b - a}]"
 
 
 def _check_layout(layout: str, path: str, style: Style) -> None:

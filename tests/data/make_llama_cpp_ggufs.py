@@ -6,7 +6,9 @@ A random-weight 1-layer Llama in F32 (dim 512, 4 query / 2 KV heads of 128, FFN 
 vocabulary 384: every split on 2 ranks falls on a 256-value K-quant block) is written by
 the tests' own GGUF writer, then requantized by llama.cpp's `llama-quantize` to its
 Q4_K_M, Q5_K_M and Q2_K mixes: the files a user downloads are made the same way, so
-the test runs llama.cpp's own block encoder, not ours. `llama-quantize` comes with
+the test runs llama.cpp's own block encoder, not ours. Likewise a 1-layer Qwen3-MoE
+(`qwen3moe`: dim 256, 4 query / 2 KV heads of 64, 4 experts of 256 columns, 2 per
+token) to Q4_K_M: `llamacpp-qwen3moe-Q4_K_M.gguf`. `llama-quantize` comes with
 llama.cpp; one way to build it without a clone (the sdist vendors llama.cpp):
 
     pip download --no-deps --no-binary :all: llama-cpp-python && tar xzf llama_cpp_python-*.tar.gz
@@ -25,10 +27,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the GGUF writer
 
-from gguf_writer import llama_vocabulary, tiny_llama_gguf  # noqa: E402
+from fixtures import moe_config, write_hf_model  # noqa: E402
+from gguf_writer import gguf_from_hf, llama_vocabulary, tiny_llama_gguf  # noqa: E402
 
 SHAPE = dict(dim=512, hidden=512, vocab=384, heads=4, kv_heads=2, layers=1)
 MIXES = ("Q4_K_M", "Q5_K_M", "Q2_K")
+MOE = dict(
+    model_type="qwen3_moe", dim=256, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64,
+    hidden_dim=256, vocab_size=384, **moe_config("qwen3_moe", 4, 2, 256),
+)  # fmt: skip
 
 
 def main() -> int:
@@ -43,6 +50,11 @@ def main() -> int:
             out = HERE / f"llamacpp-{mix}.gguf"
             subprocess.run([args.quantize, str(source), str(out), mix], check=True)
             print(f"{out.name}: {out.stat().st_size} bytes")
+        hf = write_hf_model(Path(tmp) / "moe", tokenizer=False, seed=7, **MOE)
+        source = gguf_from_hf(hf, Path(tmp) / "moe-f32.gguf")
+        out = HERE / "llamacpp-qwen3moe-Q4_K_M.gguf"
+        subprocess.run([args.quantize, str(source), str(out), "Q4_K_M"], check=True)
+        print(f"{out.name}: {out.stat().st_size} bytes")
     return 0
 
 

@@ -1,22 +1,12 @@
-"""Run the benchmark matrix and write docs/benchmarks.md and docs/benchmarks.png.
-
-    .venv/bin/python bench/run_all.py            # the full matrix (12-17 minutes on 2 cores)
-    .venv/bin/python bench/run_all.py --quick    # fewer tokens and trials
-    .venv/bin/python bench/run_all.py --only fp32 --out /tmp/x.md   # some rows only
-
-Every row is one `python -m llama_tp.bench ... --json` run (one process, or N
-ranks), parsed from rank 0's JSON; the raw results go to docs/benchmarks.json.
-Multi-rank rows start the ranks directly (each gets MLX_RANK and a ring hostfile,
-as mlx.launch gives them, but no launcher process runs beside them), one row
-through `mlx.launch` for comparison: mlx.launch's I/O threads
-spin on a CPU core while the ranks run, which on a 2-core machine takes a core
-from the ranks). Rows marked OpenBLAS run with LD_PRELOAD set to the installed
-OpenBLAS (see llama_tp/blas.py).
+"""Bench rows as processes: one `python -m llama_tp.bench --json` run as one process,
+as N ranks started directly (MLX_RANK + a ring hostfile, what mlx.launch gives each rank,
+without a launcher process beside them) or through `mlx.launch`; rank 0's JSON, the wall
+time and the launcher's CPU seconds. Also the machine's description and the BLAS check
+that benchmark pages print. Used by the drivers in bench/.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,11 +20,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.report import write_plot, write_report  # noqa: E402
-from llama_tp.cluster.blas import find_openblas  # noqa: E402
+from ..cluster.blas import find_openblas
 
 
 @dataclass
@@ -84,40 +70,6 @@ class Run:
         )
 
 
-def matrix(quick: bool) -> list[Run]:
-    default = ["-p", "32", "-g", "16" if quick else "32"]
-    default += ["-n", "1" if quick else "2"]
-    big = ["-p", "16", "-g", "8" if quick else "16", "-n", "1"]
-    s16, s32 = ["--synthetic", "0.5b-fp16"], ["--synthetic", "0.5b-fp32"]
-    runs = [
-        Run("SmolLM2-135M Q4_1", default, 1),
-        Run("SmolLM2-135M Q4_1", default, 1, "openblas"),
-        Run("SmolLM2-135M Q4_1", default, 2),
-        Run("SmolLM2-135M Q4_1", default, 2, "openblas"),
-        # only to show what mlx.launch's spinning costs: fewer tokens, it is slow
-        Run(
-            "SmolLM2-135M Q4_1",
-            ["-p", "32", "-g", "16", "-n", "1"],
-            2,
-            compare=False,
-            launcher="mlx.launch",
-        ),
-        Run("synthetic 0.5B fp16", s16 + big, 1),
-        Run("synthetic 0.5B fp16", s16 + big, 2),
-        Run("synthetic 0.5B fp16", s16 + big, 1, compare=False, pin=True),
-        Run("synthetic 0.5B fp16", s16 + big, 2, compare=False, pin=True),
-        Run("synthetic 0.5B fp16", s16 + big, 1, compare=False, pin=True, copies=2),
-        Run("synthetic 0.5B fp32", s32 + big, 1),
-        Run("synthetic 0.5B fp32", s32 + big, 1, "openblas"),
-        Run("synthetic 0.5B fp32", s32 + big, 2, "openblas"),
-        Run("synthetic 0.5B fp32", s32 + big, 2, "openblas", compare=False, blas_threads=False),
-        Run("synthetic 0.5B fp32", s32 + big, 1, "openblas", compare=False, pin=True),
-        Run("synthetic 0.5B fp32", s32 + big, 2, "openblas", compare=False, pin=True),
-        Run("synthetic 0.5B fp32", s32 + big, 1, "openblas", compare=False, pin=True, copies=2),
-    ]
-    return runs
-
-
 def ring_hostfile(ranks: int, port: int) -> str:
     """What mlx.launch writes for local ranks: one address per rank."""
     return json.dumps([[f"127.0.0.1:{port + r}"] for r in range(ranks)])
@@ -126,7 +78,7 @@ def ring_hostfile(ranks: int, port: int) -> str:
 _PORTS = iter(range(35000 + (os.getpid() % 200) * 20, 65000, 10))
 
 
-def _cpu_seconds(pid: int) -> float | None:
+def cpu_seconds(pid: int) -> float | None:
     """utime + stime of process `pid` (seconds), or None once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -138,7 +90,7 @@ def _cpu_seconds(pid: int) -> float | None:
 def start(run: Run, env: dict) -> tuple[list[subprocess.Popen], Path | None]:
     """Start the run's processes: [rank 0, ...] or [the launcher]."""
     python = [sys.executable, *run.command()[1:]]
-    kw = dict(cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kw = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if run.ranks == 1:
         copies = [
             [sys.executable, *run.command(i if run.copies > 1 else None)[1:]]
@@ -160,7 +112,6 @@ def start(run: Run, env: dict) -> tuple[list[subprocess.Popen], Path | None]:
         procs.append(
             subprocess.Popen(
                 python,
-                cwd=ROOT,
                 env=rank_env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -182,7 +133,7 @@ def execute(run: Run, timeout: float) -> dict:
     launcher_cpu = [0.0]
 
     def watch(pid: int) -> None:  # the launcher's CPU time, sampled until it exits
-        while (c := _cpu_seconds(pid)) is not None:
+        while (c := cpu_seconds(pid)) is not None:
             launcher_cpu[0] = c
             time.sleep(0.2)
 
@@ -302,54 +253,3 @@ def machine() -> dict:
         "load_average": os.getloadavg(),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
     }
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer tokens and trials")
-    p.add_argument("--only", help="run only rows whose label contains this text")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per row")
-    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
-    p.add_argument("--note", default="", help="a sentence about the conditions, for the report")
-    p.add_argument(
-        "--from-json", action="store_true", help="only rewrite the report from --out's .json"
-    )
-    args = p.parse_args()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if args.from_json:
-        data = json.loads(out.with_suffix(".json").read_text())
-        write_plot(data, out.with_suffix(".png"))
-        write_report(data, out, out.with_suffix(".png").name)
-        return 0
-    runs = [r for r in matrix(args.quick) if not args.only or args.only in r.label]
-    if not find_openblas():
-        print("OpenBLAS not installed: its rows are skipped", file=sys.stderr)
-        runs = [r for r in runs if r.blas != "openblas"]
-    from llama_tp.benchmarks.synthetic import synthetic_dir
-
-    for spec in sorted({r.model[1] for r in runs if r.model[:1] == ["--synthetic"]}):
-        print(f"synthetic checkpoint {spec}: {synthetic_dir(spec)}", file=sys.stderr)
-    tic = time.perf_counter()
-    info = machine()
-    info["blas_product"] = blas_check()
-    rows = []
-    for i, run in enumerate(runs, 1):
-        print(f"[{i}/{len(runs)}] {run.label}, {run.ranks} rank(s), {run.blas}", file=sys.stderr)
-        load = os.getloadavg()[0]  # other processes' load makes a row slower and noisier
-        result = execute(run, args.timeout)
-        result["load_before"] = load
-        if "error" in result:
-            print(f"  failed: {result['error']}: {result['stderr']}", file=sys.stderr)
-        rows.append({"run": run.__dict__, "shell": run.shell(), "result": result})
-    info["total_s"] = time.perf_counter() - tic
-    data = {"machine": info, "rows": rows, "quick": args.quick, "note": args.note}
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    write_plot(data, out.with_suffix(".png"))
-    write_report(data, out, out.with_suffix(".png").name)
-    print(f"wrote {out} ({info['total_s']:.0f} s)", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,160 @@
+"""What `convert` writes for mlx-lm: the family's `config.json` and its tensor names.
+
+The names are the Hugging Face reader's table (`hf.py`) inverted, as mlx-lm stores them
+(experts stacked under `switch_mlp`, a Mixtral's block named `block_sparse_moe`), and the
+`quantization` block is mlx-lm's: the dominant setting and per-module overrides.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Any
+
+import mlx.nn as nn
+import numpy as np
+
+from .base import Checkpoint, CheckpointError
+from .hf import _RENAMES, BLOCK_SPARSE_MOE, to_model_name
+
+
+def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
+    r"""Swap the sides of one rename.
+
+    `^model\.layers\.(\d+)\.x\.` -> `layers.\1.y.` becomes
+    `^layers\.(\d+)\.y\.` -> `model.layers.\1.x.`.
+    """
+    src = "^" + re.escape(repl).replace(re.escape("\\1"), r"(\d+)")
+    dst = pattern.pattern.removeprefix("^").replace(r"(\d+)", r"\1").replace("\\.", ".")
+    return re.compile(src), dst
+
+
+# The model's names -> Hugging Face names: the HF reader's table, inverted.
+_TO_HF = [_invert(p, r) for p, r in _RENAMES]
+
+
+def hf_name(name: str, model_type: str = "llama") -> str:
+    """The Hugging Face name (as mlx-lm stores it) of the model's tensor `name` in a
+    `model_type` model (checked against the reader)."""
+    first = "block_sparse_moe" if model_type in BLOCK_SPARSE_MOE else "mlp."
+    for pattern, repl in sorted(_TO_HF, key=lambda r: first not in r[1]):
+        new, n = pattern.subn(repl, name)
+        if n and to_model_name(new) == name:
+            return new
+    raise CheckpointError(f"tensor {name!r} has no Hugging Face name")
+
+
+def _f32(x: float) -> float:
+    """The shortest decimal that is the same float32 (GGUF stores 1e-5 as 9.99999974e-06)."""
+    return float(str(np.float32(x)))
+
+
+def token_ids(ckpt: Checkpoint) -> tuple[int | None, int | list[int] | None]:
+    """(bos, eos) ids: GGUF metadata keys, or the source's own config."""
+    if ckpt.format != "gguf":
+        return ckpt.metadata.get("bos_token_id"), ckpt.metadata.get("eos_token_id")
+    meta = ckpt.metadata
+
+    def get(key: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return None if value is None else int(value.item() if hasattr(value, "item") else value)
+
+    eos = list(dict.fromkeys(i for i in map(get, ("eos", "eot", "eom")) if i is not None))
+    return get("bos"), (eos[0] if len(eos) == 1 else eos or None)
+
+
+def quantized_modules(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Module path -> (group_size, bits) of every quantized layer."""
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            if m.mode != "affine":
+                raise CheckpointError(f"{path}: unsupported quantization mode {m.mode!r}")
+            out[path] = (m.group_size, m.bits)
+    return out
+
+
+def quantization(model: nn.Module) -> dict[str, Any] | None:
+    """mlx-lm's `quantization` block: the dominant setting plus per-module overrides."""
+    per_module = quantized_modules(model)
+    params: Counter[tuple[int, int]] = Counter()
+    for path, m in model.named_modules():
+        if path in per_module:
+            params[per_module[path]] += m.weight.size * 32 // m.bits
+    if not params:
+        return None
+    (group_size, bits), _ = params.most_common(1)[0]
+    block: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    model_type = model.args.model_type
+    names = ((hf_name(f"{p}.weight", model_type), s) for p, s in per_module.items())
+    for path, (g, b) in sorted(names):
+        if (g, b) != (group_size, bits):
+            block[path.removesuffix(".weight")] = {"group_size": g, "bits": b}
+    return block
+
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def _experts_config(a: Any) -> dict[str, Any]:
+    """The mixture-of-experts keys of `config.json`, as the family's mlx-lm model reads them."""
+    if not a.n_experts:
+        return {}
+    if a.model_type == "mixtral":
+        return {"num_local_experts": a.n_experts, "num_experts_per_tok": a.n_experts_per_tok}
+    out = {
+        "num_experts": a.n_experts,
+        "num_experts_per_tok": a.n_experts_per_tok,
+        "moe_intermediate_size": a.moe_hidden_dim,
+        "norm_topk_prob": a.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(a.n_layers) if not a.is_sparse(i)],
+    }
+    if a.shared_expert_dim:
+        out["shared_expert_intermediate_size"] = a.shared_expert_dim
+    return out
+
+
+def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
+    """`config.json` for mlx-lm's model of the family (and llama_tp's HF reader)."""
+    a = ckpt.args
+    bos, eos = token_ids(ckpt)
+    qwen2 = a.model_type in ("qwen2", "qwen2_moe")  # q/k/v biases implied by the family
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[a.model_type]],
+        "model_type": a.model_type,
+        "hidden_size": a.dim,
+        "num_hidden_layers": a.n_layers,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": a.n_kv_heads,
+        "intermediate_size": a.hidden_dim,
+        "vocab_size": a.vocab_size,
+        "head_dim": a.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(a.norm_eps),
+        "rope_theta": _f32(a.rope_theta),
+        "rope_traditional": a.rope_traditional,
+        "max_position_embeddings": a.max_position_embeddings,
+        "tie_word_embeddings": a.tie_word_embeddings,
+        "attention_bias": a.o_bias if qwen2 else a.qkv_bias,
+        "mlp_bias": a.mlp_bias,
+        **_experts_config(a),
+    }
+    if a.rope_scaling:
+        config["rope_scaling"] = a.rope_scaling
+    if bos is not None:
+        config["bos_token_id"] = bos
+    if eos is not None:
+        config["eos_token_id"] = eos
+    if (quant := quantization(model)) is not None:
+        # mlx-lm's save_config writes the block under both names (for HF tooling).
+        config["quantization"] = config["quantization_config"] = quant
+    return dict(sorted(config.items()))

@@ -1,0 +1,96 @@
+"""The mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen2-MoE).
+
+A router picks `n_experts_per_tok` of `n_experts` SwiGLU experts for every token, and
+their outputs are summed with the router's weights; Qwen2-MoE adds a shared expert
+that every token goes through, behind a sigmoid gate. The experts are mlx-lm's
+`SwitchGLU`: all of them in one (E, out, in) tensor per projection, applied with
+`mx.gather_mm` / `mx.gather_qmm`, the tokens sorted by expert when there are many
+(prefill, batches), as mlx-lm does. Two routers:
+
+    Mixtral:    top-k of the router's logits, softmax over those k
+    Qwen:       softmax over all experts, top-k, renormalised to 1 with norm_topk_prob
+
+Apart from `shard`, nothing here knows about ranks: how the experts split (by tensor
+or by expert) is `parallel/experts.py`'s.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from ..model import FeedForward, ModelArgs
+from ..parallel.experts import moe_styles
+from ..parallel.parallelize import parallelize
+from ..parallel.partition import RankPart
+
+
+class MoEFeedForward(nn.Module):
+    """x (B, L, dim) -> (B, L, dim): `router` (dim -> E, replicated when sharded),
+    `switch_mlp` (the E experts), and with `shared_expert_dim` a `shared_expert`
+    FeedForward and its `shared_expert_gate` (dim -> 1)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
+        self.softmax_first = args.router == "softmax_topk"
+        self.norm_topk_prob = args.norm_topk_prob
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.switch_mlp = SwitchGLU(args.dim, args.moe_hidden_dim, args.n_experts)
+        if args.shared_expert_dim:
+            self.shared_expert = FeedForward(args, args.shared_expert_dim)
+            self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
+        # Tokens routed to each expert (E,), counted while `record_expert_load` is on.
+        object.__setattr__(self, "expert_load", None)
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The chosen experts of every token and their weights: (B, L, k) each."""
+        gates = self.router(x)
+        k = self.top_k
+        if self.softmax_first:
+            gates = mx.softmax(gates, axis=-1, precise=True)
+            inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+            scores = mx.take_along_axis(gates, inds, axis=-1)
+            if self.norm_topk_prob:
+                scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+        else:
+            inds = mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k]
+            scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
+        return mx.stop_gradient(inds), scores
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, scores = self.route(x)
+        if self.expert_load is not None:
+            counts = mx.zeros((self.n_experts,), mx.int32).at[inds.flatten()].add(1)
+            object.__setattr__(self, "expert_load", self.expert_load + counts)
+        y = self.switch_mlp(x, inds)  # (B, L, k, dim)
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        if "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+    def shard(self, group: mx.distributed.Group, part: RankPart, split: str = "tensor") -> None:
+        """Split the experts over `group` as `part` of the partition says ("tensor": every
+        expert's columns `part.expert_ffn`; "expert": the experts `part.experts`), the
+        shared expert by its columns `part.shared_ffn`, the router replicated; the
+        partial outputs are summed once (`parallel.experts.moe_styles`)."""
+        styles = moe_styles({group.rank(): part}, split, "shared_expert" in self)
+        parallelize(self, styles, group)
+
+
+def record_expert_load(model: nn.Module, on: bool = True) -> None:
+    """Count the tokens routed to each expert of every MoE layer from now on (`on`), or
+    stop counting; the counts start at zero."""
+    for _, m in model.named_modules():
+        if isinstance(m, MoEFeedForward):
+            zeros = mx.zeros((m.n_experts,), mx.int32) if on else None
+            object.__setattr__(m, "expert_load", zeros)
+
+
+def expert_load(model: nn.Module) -> list[list[int]]:
+    """The counts `record_expert_load` has gathered: per MoE layer, tokens per expert."""
+    layers = [m.expert_load for _, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+    layers = [c for c in layers if c is not None]
+    mx.eval(layers)
+    return [c.tolist() for c in layers]

@@ -1,0 +1,45 @@
+"""The model families llama_tp runs, and building one from its `ModelArgs`.
+
+Every family is the Llama core (`llama_tp/model.py`) with a different attention or
+feed-forward in some layers, chosen by the args, not by name:
+
+    family      model_type         GGUF architecture        attention     feed-forward
+    Llama       llama, mistral     llama                    core          core
+    Qwen2       qwen2              qwen2                    + q/k/v bias  core
+    Qwen3       qwen3              qwen3                    qk-norm       core
+    Mixtral     mixtral            llama (expert_count > 0) core          experts (top-k, softmax)
+    Qwen2-MoE   qwen2_moe          qwen2moe                 + q/k/v bias  experts + shared expert
+    Qwen3-MoE   qwen3_moe          qwen3moe                 qk-norm       experts (softmax, top-k)
+                                                                          or dense by layer
+
+The readers (`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into
+`ModelArgs`; `build` makes the model.
+"""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from ..model import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
+from .moe import MoEFeedForward
+from .qk_norm import QKNormAttention
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+
+
+def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
+    """`unsupported model_type 'gemma3' (supported: llama, ...)`: one line."""
+    return f"unsupported {kind} {name!r} (supported: {', '.join(supported)})"
+
+
+def block(args: ModelArgs, i: int) -> TransformerBlock:
+    """Layer `i` of the family `args` describe."""
+    attention: nn.Module = QKNormAttention(args) if args.qk_norm else Attention(args)
+    feed_forward: nn.Module = MoEFeedForward(args) if args.is_sparse(i) else FeedForward(args)
+    return TransformerBlock(args, attention, feed_forward)
+
+
+def build(args: ModelArgs) -> Transformer:
+    """The model `args` describe (lazily initialized weights: the loader replaces them)."""
+    return Transformer(args, [block(args, i) for i in range(args.n_layers)])

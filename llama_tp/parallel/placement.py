@@ -1,0 +1,234 @@
+"""The placement: what every rank of a model holds, as one pure value.
+
+    shape = ModelShape(args, tensors, ffn_block)   # the config and the stored tensors' shapes
+    placement = place(shape, tp=2, pp=2)            # 4 ranks: 2 stages of 2
+    mine = placement.at(stage, tp_rank)
+    mine.layers, mine.part.q_heads, mine.part.experts, mine.vocab
+    mine.slices["layers.3.attention.wq.weight"]     # (axis, start, stop) stored; None: whole
+    mine.nbytes                                     # what it reads and holds
+
+Computed once, from the checkpoint's config and tensor shapes (nothing read) and the
+mesh: the stage split of the layers (balanced by bytes, or `--pp-split`), the
+partition of each layer over a stage's tensor group (`partition.make_plan`: heads,
+feed-forward columns, experts or expert columns, on quantization groups and the
+file's blocks), and the vocabulary rows. The loader reads exactly `mine.slices`
+(`checkpoints/`), shards the model by the same partition (`llama_plan`), and
+`python -m llama_tp.plan` prints this value, so what `plan` shows is what each rank
+loads. Pure: no collective, no mlx array.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .mesh import MeshError, balanced_split, parse_split
+from .partition import Experts, Plan, RankPart, held_bytes, make_plan, tensor_slice, vocab_ranges
+
+Slice = tuple[int, int, int]  # (axis, start, stop) of a stored tensor
+DEFAULT_MOE_SPLIT = "tensor"  # measured faster on 2 ranks: docs/mixture-of-experts.md
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a placement needs to know of a checkpoint: its `args` (a `ModelArgs`, read
+    by attribute), every stored tensor as name -> (shape, nbytes) by the model's names
+    (quantized: packed weight, scales, biases) and the file's quantization block along
+    the feed-forward split axis (`ffn_block`, GGUF K-quants: 256)."""
+
+    args: Any
+    tensors: Mapping[str, tuple[tuple[int, ...], int]]
+    ffn_block: int | None = None
+
+    def group_size(self, suffix: str, in_dims: int) -> int | None:
+        """The quantization group of the modules `layers.*.{suffix}` (the lcm over layers,
+        so that a split in its units falls on every layer's groups); None: not quantized."""
+        sizes = {
+            in_dims // shape[-1]
+            for name, (shape, _) in self.tensors.items()
+            if name.endswith(f".{suffix}.scales") and _LAYER.match(name)
+        }
+        return math.lcm(*sizes) if sizes else None
+
+    def layer_bytes(self) -> list[int]:
+        out = [0] * self.args.n_layers
+        for name, (_, nb) in self.tensors.items():
+            if m := _LAYER.match(name):
+                out[int(m.group(1))] += nb
+        return out
+
+    def bytes_under(self, *prefixes: str) -> int:
+        return sum(nb for name, (_, nb) in self.tensors.items() if name.startswith(prefixes))
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """What one rank holds: its stage and layers, its part of every layer (None: a
+    user's style plan), its vocabulary rows (None: whole), the slice of every tensor it
+    holds (global names; None: the whole tensor) and their bytes."""
+
+    rank: int  # in rank order of one replica (stage * tp + tp_rank, unless `stages` say)
+    stage: int
+    tp_rank: int
+    layers: range
+    part: RankPart | None
+    vocab: range | None
+    slices: dict[str, Slice | None] = field(repr=False)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Every rank of one model copy (a replica): `tp` x `pp` ranks."""
+
+    tp: int
+    pp: int
+    layers: tuple[range, ...]  # each stage's layers
+    stages: tuple[tuple[int, ...], ...]  # the ranks of each stage, in tensor-rank order
+    plan: Plan  # each layer's partition over a stage's tensor group
+    vocab_parallel: bool  # embedding and head split by vocabulary rows (tp > 1)
+    ranks: tuple[RankPlacement, ...]  # by rank
+
+    def at(self, stage: int, tp_rank: int) -> RankPlacement:
+        return self.ranks[self.stages[stage][tp_rank]]
+
+    @property
+    def moe_split(self) -> str | None:
+        return self.plan.experts.split if self.plan.experts else None
+
+
+def _unit(shape: ModelShape, suffix: str, width: int, n: int) -> int | None:
+    """The split unit of a feed-forward's columns: the down projection's quantization
+    group, widened to the file's own block (`ffn_block`) where the columns still split
+    over `n` ranks in such units, so that no rank reads a block another also reads."""
+    group = shape.group_size(suffix, width)
+    block = shape.ffn_block
+    if block:  # GGUF blocks as stored have no groups: any split is exact, blocks save memory
+        unit = math.lcm(group or 1, block)
+        if width % unit == 0 and width // unit >= n:
+            return unit
+    return group
+
+
+def partition(shape: ModelShape, n: int, moe_split: str = DEFAULT_MOE_SPLIT) -> Plan:
+    """Each layer's partition over `n` ranks (ValueError, one line, where none exists)."""
+    a = shape.args
+    experts = None
+    if getattr(a, "n_experts", 0):
+        experts = Experts(
+            a.n_experts,
+            a.moe_hidden_dim,
+            moe_split,
+            _unit(shape, "feed_forward.switch_mlp.down_proj", a.moe_hidden_dim, n),
+            a.shared_expert_dim,
+            _unit(shape, "feed_forward.shared_expert.w2", a.shared_expert_dim, n)
+            if a.shared_expert_dim
+            else None,
+        )
+    dense = any(not a.is_sparse(i) for i in range(a.n_layers)) if experts else True
+    plan = make_plan(
+        a.n_heads,
+        a.n_kv_heads,
+        a.head_dim,
+        a.dim,
+        a.hidden_dim if dense else 0,  # 0: no dense feed-forward to split
+        n,
+        group_size=_unit(shape, "feed_forward.w2", a.hidden_dim, n) if dense else None,
+        experts=experts,
+    )
+    if n > 1:
+        _check_quantized_heads(shape, plan)
+    return plan
+
+
+def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
+    """A quantized wo splits by columns at query-head boundaries: those must be group bounds."""
+    group_size = shape.group_size("attention.wo", plan.n_heads * plan.head_dim)
+    if group_size is None:
+        return
+    for p in plan.parts:
+        start = p.q_heads.start * plan.head_dim
+        if start % group_size:
+            raise ValueError(
+                f"cannot split {plan.n_heads} query heads of {plan.head_dim} quantized columns "
+                f"over {plan.n} ranks: rank {p.rank} would start at column {start}, not a "
+                f"multiple of the group size {group_size}"
+            )
+
+
+def stage_layers(shape: ModelShape, pp: int, pp_split: str | None = None) -> list[range]:
+    """Each stage's layers: `--pp-split`, or balanced by stored bytes (the first stage also
+    holds the embedding, the last the norm and the head)."""
+    n_layers = shape.args.n_layers
+    if pp_split:
+        return parse_split(pp_split, n_layers, pp)
+    if pp == 1:
+        return [range(n_layers)]
+    emb = shape.bytes_under("tok_embeddings.")
+    head = shape.bytes_under("norm.") + (
+        emb if shape.args.tie_word_embeddings else shape.bytes_under("output.")
+    )
+    return balanced_split(shape.layer_bytes(), emb, head, pp)
+
+
+def _on_stage(name: str, stage: int, layers: range, pp: int, tied: bool) -> bool:
+    """Whether stage `stage` (of `pp`, holding `layers`) holds tensor `name`."""
+    if m := _LAYER.match(name):
+        return int(m.group(1)) in layers
+    last = stage == pp - 1
+    if name.startswith("tok_embeddings."):
+        return stage == 0 or (last and tied)
+    if name.startswith(("norm.", "output.")):
+        return last
+    return True
+
+
+def place(
+    shape: ModelShape,
+    tp: int = 1,
+    pp: int = 1,
+    pp_split: str | None = None,
+    *,
+    vocab_parallel: bool = True,
+    moe_split: str = DEFAULT_MOE_SPLIT,
+    stages: list[list[int]] | None = None,
+) -> Placement:
+    """The placement of `shape` on `tp` x `pp` ranks (see the module docstring).
+
+    `stages`: the ranks of each stage in tensor-rank order (default: rank order, stage s
+    = ranks s*tp .. s*tp + tp - 1). Raises ValueError (MeshError for the stage split)
+    with one line where no placement exists.
+    """
+    if tp < 1 or pp < 1:
+        raise MeshError(f"need at least one rank per stage and one stage, got {tp} x {pp}")
+    plan = partition(shape, tp, moe_split)
+    layers = stage_layers(shape, pp, pp_split)
+    stages = stages or [[s * tp + t for t in range(tp)] for s in range(pp)]
+    vocab_parallel = vocab_parallel and tp > 1
+    vocab = vocab_ranges(shape.args.vocab_size, tp) if vocab_parallel else [None] * tp
+    tied = shape.args.tie_word_embeddings
+    ranks: list[RankPlacement] = []
+    for s, members in enumerate(stages):
+        names = [n for n in shape.tensors if _on_stage(n, s, layers[s], pp, tied)]
+        for t, rank in enumerate(members):
+            part = plan.parts[t]
+            slices = {}
+            for name in names:
+                stored = shape.tensors[name][0]
+                slices[name] = tensor_slice(plan, part, name, stored, vocab[t]) if tp > 1 else None
+            nbytes = sum(held_bytes(*shape.tensors[k], s) for k, s in slices.items())
+            ranks.append(RankPlacement(rank, s, t, layers[s], part, vocab[t], slices, nbytes))
+    ranks.sort(key=lambda r: r.rank)
+    return Placement(
+        tp,
+        pp,
+        tuple(layers),
+        tuple(tuple(m) for m in stages),
+        plan,
+        vocab_parallel,
+        tuple(ranks),
+    )

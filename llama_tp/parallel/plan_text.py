@@ -1,0 +1,115 @@
+"""The partition plan as text: one row per rank (heads, feed-forward columns, experts,
+bytes), the shorthand of its ranges, and byte counts. Pure Python, as the plan."""
+
+from __future__ import annotations
+
+from .partition import Plan, RankPart
+
+
+def format_ranges(items: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def format_kv_heads(kv: range, replicated: dict[int, list[int]]) -> str:
+    """KV heads as ranges, replicated heads listed singly with a '*'."""
+    out, run = [], []
+    for h in kv:
+        if h in replicated:
+            if run:
+                out.append(format_ranges(run))
+                run = []
+            out.append(f"{h}*")
+        else:
+            run.append(h)
+    if run:
+        out.append(format_ranges(run))
+    return ",".join(out)
+
+
+def human_bytes(nbytes: int) -> str:
+    x = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if x < 1024 or unit == "GiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    raise AssertionError("unreachable")
+
+
+def imbalance(values: list[int]) -> float:
+    mean = sum(values) / len(values)
+    return 100.0 * (max(values) - min(values)) / mean if mean else 0.0
+
+
+def _span(r: range) -> str:
+    return f"{r.start}-{r.stop - 1} [{len(r)}]" if len(r) else "-"
+
+
+def expert_header(plan: Plan) -> list[str]:
+    """The columns a mixture-of-experts plan adds to a rank's row (none for a dense one)."""
+    if plan.experts is None:
+        return []
+    return ["experts", "expert columns"] + (["shared columns"] if plan.experts.shared_dim else [])
+
+
+def expert_cells(plan: Plan, part: RankPart) -> list[str]:
+    """A rank's experts, its columns of each, and its shared-expert columns."""
+    if plan.experts is None:
+        return []
+    cells = [_span(part.experts), _span(part.expert_ffn)]
+    return cells + ([_span(part.shared_ffn)] if plan.experts.shared_dim else [])
+
+
+def expert_line(plan: Plan) -> str:
+    """'; 7 experts (top 2 per token) of 48 columns, split by expert' (none when dense)."""
+    e = plan.experts
+    if e is None:
+        return ""
+    shared = f" + a shared expert of {e.shared_dim}" if e.shared_dim else ""
+    return f"; {e.n_experts} experts of {e.hidden_dim} columns{shared}, split by {e.split}"
+
+
+def format_plan(plan: Plan, bytes_per_rank: list[int] | None = None) -> str:
+    """Human-readable table of the plan, one row per rank, then the imbalance."""
+    replicated = plan.replicated_kv_heads()
+    header = ["rank", "q heads", "kv heads", "ffn columns", *expert_header(plan)]
+    if bytes_per_rank is not None:
+        header.append("weights")
+    rows = [header]
+    for p in plan.parts:
+        q = format_ranges(list(p.q_heads)) + ("" if p.kv_map is None else " (mapped)")
+        row = [
+            str(p.rank),
+            f"{q} [{len(p.q_heads)}]",
+            f"{format_kv_heads(p.kv_heads, replicated)} [{len(p.kv_heads)}]",
+            _span(p.ffn),
+            *expert_cells(plan, p),
+        ]
+        if bytes_per_rank is not None:
+            row.append(human_bytes(bytes_per_rank[p.rank]))
+        rows.append(row)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    lines = [
+        f"{plan.n} ranks: {plan.n_heads} query / {plan.n_kv_heads} KV heads "
+        f"(head_dim {plan.head_dim}), hidden_dim {plan.hidden_dim}"
+        + (f", group_size {plan.group_size}" if plan.group_size else "")
+        + f"; attention {'even' if plan.even_attention else 'uneven'}, "
+        f"feed-forward {'even' if plan.even_ffn else 'uneven'}" + expert_line(plan)
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    if replicated:
+        lines.append("* replicated KV head; (mapped): query heads use an explicit KV map")
+    if bytes_per_rank is not None:
+        lines.append(f"imbalance: {imbalance(bytes_per_rank):.1f}% of weight bytes")
+    else:
+        counts = [len(p.q_heads) for p in plan.parts]
+        lines.append(f"imbalance: {imbalance(counts):.1f}% of query heads")
+    return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""The tiny Qwen3 and mixture-of-experts checkpoints the MoE tests load, in every format.
+
+`families(root)` writes the Hugging Face fixtures (float32, per-expert tensors as HF
+stores them); `quantized(root)` MLX folders written by mlx-lm's own convert (4- and
+8-bit, experts stacked under switch_mlp); `ggufs(root)` GGUF files of several families
+written with the gguf package, quantized by gguf-py. Expert counts are odd or uneven
+over 2, 3 and 4 ranks; widths split over 4 ranks (on 32-value groups when quantized).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fixtures import moe_config, write_hf_model
+from gguf_writer import Q4_0, Q4_1, Q5_1, Q8_0, gguf_from_hf
+
+FAMILIES = {
+    "qwen3": dict(model_type="qwen3", n_heads=4, n_kv_heads=2, head_dim=32, tie=True),
+    # norm_topk_prob, and a dense layer (mlp_only_layers) between expert layers
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        **moe_config("qwen3_moe", 7, 2, 48, dense_layers=(1,)),
+    ),
+    "qwen3_moe_unnormed": dict(
+        model_type="qwen3_moe",
+        n_heads=4,
+        n_kv_heads=2,
+        **moe_config("qwen3_moe", 6, 3, 32, norm_topk_prob=False),
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        n_heads=8,
+        n_kv_heads=2,
+        hidden_dim=64,
+        **moe_config("mixtral", 5, 2, 64),
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        n_heads=4,
+        n_kv_heads=4,
+        **moe_config("qwen2_moe", 6, 3, 32, shared_dim=64, norm_topk_prob=False),
+    ),
+}
+# Widths on 32-value groups (4 of them: 1 per rank on 4), heads of 32 columns.
+QUANTIZABLE = {
+    "qwen3_moe_g32": dict(
+        model_type="qwen3_moe",
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        hidden_dim=128,
+        **moe_config("qwen3_moe", 5, 2, 128, dense_layers=(0,)),
+    ),
+    "mixtral_g32": dict(
+        model_type="mixtral",
+        dim=128,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=128,
+        **moe_config("mixtral", 5, 2, 128),
+    ),
+    "qwen2_moe_g32": dict(
+        model_type="qwen2_moe",
+        dim=128,
+        n_heads=4,
+        n_kv_heads=4,
+        **moe_config("qwen2_moe", 6, 3, 128, shared_dim=128, norm_topk_prob=False),
+    ),
+}
+EXPERTS = "blk.*.ffn_{}_exps.weight"
+
+
+def families(root: Path, names=FAMILIES, tokenizer: bool = False) -> dict[str, Path]:
+    return {
+        name: write_hf_model(root / name, tokenizer=tokenizer, seed=i, **kw)
+        for i, (name, kw) in enumerate(names.items())
+    }
+
+
+def quantized(root: Path) -> dict[str, Path]:
+    """mlx-lm's convert of two quantizable fixtures: 4-bit and 8-bit, groups of 32."""
+    from mlx_lm import convert
+
+    src = families(root / "src", QUANTIZABLE, tokenizer=True)
+    out = {}
+    for name, bits in (("qwen3_moe_g32", 4), ("mixtral_g32", 8)):
+        out[f"{name}-q{bits}"] = root / f"{name}-q{bits}"
+        convert(
+            str(src[name]), str(out[f"{name}-q{bits}"]), quantize=True, q_bits=bits, q_group_size=32
+        )
+    return out
+
+
+def ggufs(root: Path) -> dict[str, Path]:
+    """GGUF files: qwen3 (float32), and qwen3moe, llama with experts (Mixtral) and
+    qwen2moe with their experts and attention in gguf-py's exact types."""
+    src = families(root / "src", {"qwen3": FAMILIES["qwen3"], **QUANTIZABLE})
+    types = {
+        EXPERTS.format("gate"): Q8_0,
+        EXPERTS.format("up"): Q5_1,
+        EXPERTS.format("down"): Q4_0,
+        "blk.*.attn_q.weight": Q4_1,
+        "blk.*.ffn_down_shexp.weight": Q8_0,
+    }
+    out = {"qwen3.gguf": gguf_from_hf(src["qwen3"], root / "qwen3.gguf")}
+    for name in QUANTIZABLE:
+        out[f"{name}.gguf"] = gguf_from_hf(src[name], root / f"{name}.gguf", types)
+    return out

@@ -1,0 +1,204 @@
+"""Run under llama_tp.launch: Qwen3 and mixture-of-experts models sharded both ways equal
+one process.
+
+    python -m llama_tp.launch -n N -- python tests/mp_moe.py MODEL [MODEL ...]
+        [--steps 32] [--splits tensor,expert] [--extras]
+
+MODEL may be SPLIT=SRC (a folder pre-split by `convert --shards`, against SRC) or
+PATH@T,P (loaded as a tp x pp mesh).
+
+For every model and expert split, every rank loads the model sharded over the world
+(or a tp x pp mesh), builds it whole itself (the one-process reference), and checks:
+
+- logits of a prefill then cached single-token steps within 1e-4 (the mesh: the last
+  position's, as a stage returns);
+- `--steps` (32) greedy tokens identical;
+- what the loader read and held: its placement's bytes (read exactly, from
+  safetensors), and, for a float checkpoint's stacked
+  experts, its share: E/N whole experts (larger first) split by expert, its balanced
+  share of every expert's columns split by tensor (`--mesh`: of its stage's layers).
+
+`--extras` (first model, split by tensor): prompt-lookup speculative decoding and
+sequence-parallel prefill give the same tokens and logits, and perplexity equals one
+process's. Rank 0 prints one JSON line per check; a failure exits 1 on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from llama_tp.checkpoints import open_checkpoint
+from llama_tp.checkpoints.build import build_model
+from llama_tp.cluster.distributed import all_gather_object
+from llama_tp.engine.generation import generate_step
+from llama_tp.engine.loader import load_model
+from llama_tp.engine.sampling import make_sampler, vocab_shard
+
+ATOL = 1e-4
+
+
+def logits_of(model, x: mx.array) -> np.ndarray:
+    """(L, vocab): a prefill, then three cached single-token steps, each evaluated alone
+    (a pipeline stage returns the last position of each)."""
+    cache = make_prompt_cache(model)
+    shard = vocab_shard(model)
+    out = []
+    for a, b in [(0, x.shape[1] - 3)] + [(i, i + 1) for i in range(x.shape[1] - 3, x.shape[1])]:
+        logits = model(x[:, a:b], cache=cache)[0].astype(mx.float32)
+        logits = logits if shard is None else shard.full_logits(logits)
+        mx.eval(logits)
+        out.append(np.array(logits))
+    return np.concatenate(out, axis=0)
+
+
+def greedy(model, prompt: list[int], steps: int, draft=None) -> list[int]:
+    sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
+    if draft is None:
+        return [int(t) for t, _ in generate_step(model, prompt, sampler, steps)]
+    from llama_tp.engine.drafters import NgramDrafter
+    from llama_tp.engine.speculative import speculative_generate_step
+
+    steps = speculative_generate_step(
+        model, prompt, NgramDrafter(), 4, steps, 0.0, vocab_shard(model), 0
+    )
+    return [int(t) for t, _, _ in steps]
+
+
+def expert_bytes(model) -> int:
+    return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if ".switch_mlp." in k)
+
+
+def share(total: int, n: int, i: int) -> int:
+    """Rank i's count of `total` units balanced over n (larger first)."""
+    base, extra = divmod(total, n)
+    return base + (i < extra)
+
+
+def expected_expert_bytes(whole, sharded, split: str, n: int, i: int) -> int | None:
+    """Rank i's share of the whole model's float stacked experts (over the layers it holds)."""
+    first = getattr(sharded, "first_layer", 0)
+    layers = whole.layers[first : first + len(sharded.layers)]
+    out = 0
+    for layer in layers:
+        ff = layer.feed_forward
+        if "switch_mlp" not in ff:
+            continue
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            w = ff.switch_mlp[proj]
+            if "scales" in w:
+                return None  # quantized: columns split in quantization groups
+            e, rows, cols = w.weight.shape
+            units = e if split == "expert" else (cols if proj == "down_proj" else rows)
+            out += w.weight.nbytes * share(units, n, i) // units
+    return out
+
+
+def check(spec: str, split: str, world, steps: int) -> dict:
+    """`spec`: a checkpoint, SPLIT=SRC (a pre-split folder and the checkpoint it was cut
+    from, the one-process reference) or PATH@T,P (a tp x pp mesh)."""
+    spec, _, shape = spec.partition("@")
+    mesh = tuple(int(v) for v in shape.split(",")) if shape else None
+    path, _, source = spec.partition("=")
+    whole = build_model(open_checkpoint(source or path))
+    kw = dict(tp=mesh[0], pp=mesh[1]) if mesh else {}
+    sharded, ckpt = load_model(path, world, moe_split=split, **kw)
+    vocab = whole.args.vocab_size
+    x = mx.array(np.random.default_rng(0).integers(0, vocab, (1, 10)), mx.int32)
+    ref = logits_of(whole, x)
+    got = logits_of(sharded, x)
+    if mesh:  # a stage returns the last position of each call
+        ref = ref[[x.shape[1] - 4, -3, -2, -1]]
+    prompt = x[0].tolist()
+    tokens, ref_tokens = greedy(sharded, prompt, steps), greedy(whole, prompt, steps)
+    t, r = (mesh or (world.size(), 1))[0], sharded.mesh.tp_rank if mesh else world.rank()
+    stats = ckpt.load_stats
+    split = ckpt.placement.moe_split or split  # a pre-split folder keeps its own
+    expected = expected_expert_bytes(whole, sharded, split, t, r)
+    mine = {
+        "held": stats["bytes_held"],
+        "placement": stats["placement_bytes"],
+        "experts": expert_bytes(sharded),
+        "expected_experts": expected,
+    }
+    # Safetensors files are read in slices: exactly the bytes held (GGUF blocks are
+    # smaller in the file than converted; a pre-split folder is read whole)
+    sliced = ckpt.format == "hf"
+    mine["read_is_held"] = stats["bytes_read"] == stats["bytes_held"] if sliced else True
+    ranks = all_gather_object(mine, world)
+    return {
+        "path": path,
+        "split": split,
+        "n": world.size(),
+        "mesh": mesh,
+        "diff": float(np.max(np.abs(ref - got))),
+        "same_tokens": tokens == ref_tokens,
+        "held_is_placement": all(m["held"] == m["placement"] for m in ranks),
+        "read_is_held": all(m["read_is_held"] for m in ranks),
+        "experts_are_shares": all(
+            m["expected_experts"] is None or m["experts"] == m["expected_experts"] for m in ranks
+        ),
+        "experts_per_rank": [m["experts"] for m in ranks],
+        "model_type": whole.args.model_type,
+    }
+
+
+def extras(path: str, world) -> dict:
+    """Speculative decoding, sequence parallelism and perplexity on the model (by tensor)."""
+    from llama_tp.engine.perplexity import perplexity
+
+    whole = build_model(open_checkpoint(path))
+    sharded, _ = load_model(path, world)
+    x = mx.array(np.random.default_rng(1).integers(0, whole.args.vocab_size, (1, 48)), mx.int32)
+    prompt = ([5, 6, 7, 8] * 6)[:20]  # repeats: prompt lookup finds drafts
+    spec = greedy(sharded, prompt, 32, draft="ngram") == greedy(whole, prompt, 32)
+    seq, _ = load_model(path, world, sequence_parallel=True)
+    diff = float(np.max(np.abs(logits_of(seq, x) - logits_of(whole, x))))
+    tokens = x[0].tolist()
+    ppl = perplexity(sharded, tokens, 32, 16).perplexity
+    ppl_whole = perplexity(whole, tokens, 32, 16).perplexity
+    return {
+        "path": path,
+        "speculative_same_tokens": spec,
+        "sequence_parallel_diff": diff,
+        "perplexity": [ppl, ppl_whole],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("models", nargs="+")
+    p.add_argument("--steps", type=int, default=32, help="greedy tokens compared")
+    p.add_argument("--splits", default="tensor,expert")
+    p.add_argument("--extras", action="store_true")
+    args = p.parse_args()
+    world = mx.distributed.init()
+    failed = False
+    for path in args.models:
+        for split in args.splits.split(","):
+            line = check(path, split, world, args.steps)
+            ok = line["diff"] <= ATOL and line["same_tokens"]
+            ok = ok and line["held_is_placement"] and line["experts_are_shares"]
+            ok = ok and line["read_is_held"]
+            failed |= not ok
+            if world.rank() == 0:
+                print(json.dumps({"ok": ok, **line}), flush=True)
+    if args.extras:
+        line = extras(args.models[0], world)
+        ppl, ppl_whole = line["perplexity"]
+        ok = line["speculative_same_tokens"] and line["sequence_parallel_diff"] <= ATOL
+        ok = ok and abs(ppl - ppl_whole) <= 1e-4 * ppl_whole
+        failed |= not ok
+        if world.rank() == 0:
+            print(json.dumps({"ok": ok, "extras": True, **line}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
