@@ -32,7 +32,9 @@ def check_lines(stdout: str) -> dict[str, tuple[str, str]]:
     """The check table: name -> (status, detail)."""
     out = {}
     for line in stdout.splitlines():
-        m = re.match(r"(ranks|versions|blas|all-reduce|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)", line)
+        m = re.match(
+            r"(ranks|versions|blas|kernels|all-reduce|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)", line
+        )
         if m:
             out[m[1]] = (m[2], m[3])
     return out
@@ -56,6 +58,8 @@ def test_doctor_single_process():
     assert checks["all-reduce"] == ("n/a", "single process: nothing to reduce"), r.stdout
     assert checks["logits"][0] == "ok", r.stdout
     assert checks["blas"][0] in ("ok", "warn"), r.stdout
+    # which path quantized products take (make test builds the native kernels)
+    assert checks["kernels"][0] == "ok" and checks["kernels"][1].startswith("native kernels (")
     assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
 
 
@@ -75,6 +79,7 @@ def test_doctor_two_ranks():
     assert checks["all-reduce"][0] == "ok", r.stdout
     assert checks["logits"][0] == "ok", r.stdout
     assert "even plan: query heads 2+2" in checks["logits"][1], r.stdout
+    assert checks["kernels"][0] == "ok" and checks["kernels"][1].endswith("on every rank")
     assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
 
 
