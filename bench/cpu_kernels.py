@@ -244,7 +244,11 @@ def section(res: dict) -> str:
         f"configuration once per round, {res['rounds']} rounds, the order reversed every "
         "other round; medians. The machine is shared with other jobs (load average "
         f"{res['load_average_before'][0]:.1f} before, {res['load_average_after'][0]:.1f} "
-        "after): single runs vary by up to 2x, medians and paired ratios less. llama.cpp: "
+        "after): single runs vary by up to 2x, medians and paired ratios less, and "
+        "llama.cpp's 2-thread rows suffer most (its threads spin at barriers while another "
+        "job holds a core; on a quiet machine it generated 147 tok/s on 2 threads, "
+        "[the CPU path](#the-cpu-path-built-in-model-prompt-64-generate-32)): read them "
+        "against its 1-thread row too. llama.cpp: "
         f"llama-cpp-python {res['llama_cpp_version']} built with "
         f'`CMAKE_ARGS="{res["llama_cpp_build"]}"` (a native build crashes on this host).',
         "",
