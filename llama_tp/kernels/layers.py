@@ -111,6 +111,13 @@ class QuantizedShardedToAllLinear(dist.QuantizedShardedToAllLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose tied-head product goes through the native kernels."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _affine(self, x)
+
+
 class RoPE(nn.RoPE):
     """`nn.RoPE` as one native primitive on the CPU (MLX composes it of a dozen there)."""
 
@@ -131,6 +138,7 @@ class RoPE(nn.RoPE):
 _NATIVE = {
     nn.RoPE: RoPE,
     nn.QuantizedLinear: QuantizedLinear,
+    nn.QuantizedEmbedding: QuantizedEmbedding,
     dist.QuantizedAllToShardedLinear: QuantizedAllToShardedLinear,
     dist.QuantizedShardedToAllLinear: QuantizedShardedToAllLinear,
 }
