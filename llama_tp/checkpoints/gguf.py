@@ -276,6 +276,8 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
             f"{path}: {unsupported(kind, header.architecture, GGUF_ARCHITECTURES)}"
         )
     check_types(header, path)
+    if header.metadata.get(f"{header.architecture}.expert_count"):
+        blocks = False  # a mixture of experts is converted (its experts take gather_qmm)
     file = GGUFFile(path, header, blocks)
     weights, sources, kept = {}, {}, {}
     for stored in file.tensors:
