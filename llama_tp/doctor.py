@@ -7,10 +7,11 @@
 
 Reports, from rank 0: the MLX backend, the ranks with their hosts, process ids
 and versions, all-reduce latency and bus bandwidth for a few message sizes,
-whether MLX's CPU matrix product is the slow reference BLAS, each rank's total and
-available memory with the `--split` weights that balance the time per step and the
-ones that fit memory (`engine/split_advice.py`; with --model, whether that model's
-weights fit, and the numbers when they cannot), and whether a tiny
+whether MLX's CPU matrix product is the slow reference BLAS, which path quantized
+products take on the CPU (llama_tp's native kernels, or MLX's with the reason), each
+rank's total and available memory with the `--split` weights that balance the time per
+step and the ones that fit memory (`engine/split_advice.py`; with --model, whether that
+model's weights fit, and the numbers when they cannot), and whether a tiny
 random Llama sharded over the ranks reproduces the single-process logits. With
 --tp/--pp/--dp it also builds that mesh and reports where each rank lands (host,
 replica, stage, tensor rank), whether a tensor group spans hosts (a warning: its
@@ -124,6 +125,7 @@ def diagnose(
     checks = _check_ranks(group, report)
     checks.append(_check_blas(group, report, quick))
     checks.append(check_split(group, report, model, *(mesh or (None, None, None))))
+    checks.append(_check_kernels(group, report))
     checks.append(_check_all_reduce(group, report, quick))
     checks.append(_check_logits(group, fault_rank))
     if mesh is not None:
@@ -172,6 +174,24 @@ def _check_blas(group: mx.distributed.Group, report: dict, quick: bool) -> Check
     if not first["openblas"]:
         fix = f"apt-get install libopenblas0-pthread, then {fix}"
     return Check("blas", "warn", f"slow (reference BLAS{lib}){where}: {timing}; {fix}")
+
+
+def _check_kernels(group: mx.distributed.Group, report: dict) -> Check:
+    """Which path quantized CPU products take on each rank (`llama_tp.kernels`)."""
+    from . import kernels
+
+    per_rank, err = run_check(
+        "kernels", lambda: all_gather_object(kernels.status().describe(), group), group
+    )
+    if err:
+        return Check("kernels", "FAILED", err)
+    report["kernels"] = per_rank
+    if all(not line.startswith("MLX") for line in per_rank):
+        where = "" if group.size() == 1 else " on every rank"
+        return Check("kernels", "ok", f"{per_rank[0]}{where}")
+    off = [r for r, line in enumerate(per_rank) if line.startswith("MLX")]
+    where = "" if group.size() == 1 else f" on rank {', '.join(map(str, off))}"
+    return Check("kernels", "warn", f"quantized products use {per_rank[off[0]]}{where}")
 
 
 def _check_all_reduce(group: mx.distributed.Group, report: dict, quick: bool) -> Check:

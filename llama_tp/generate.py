@@ -167,6 +167,7 @@ def main() -> int:
             eprint0(f"Weighted {split_text(weights)} of each tensor group")
         if ckpt.notes:
             eprint0(f"Weights: {'; '.join(ckpt.notes)}")
+        eprint0(f"Matrix products: {ckpt.products}")
         if load_of_experts is not None:
             eprint0(f"Expert load {load_of_experts.summary()}")
         if mesh is not None:

@@ -30,10 +30,12 @@ import json
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
 from llama_tp.checkpoints.tokenizer import load_tokenizer
@@ -41,6 +43,7 @@ from llama_tp.cluster.distributed import all_gather_object
 from llama_tp.engine.generation import generate_step
 from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import make_sampler, vocab_shard
+from llama_tp.kernels.layers import use_native
 
 ATOL = 1e-4
 
@@ -103,6 +106,14 @@ def expected_expert_bytes(whole, sharded, split: str, n: int, i: int) -> int | N
     return out
 
 
+def atol(whole: nn.Module) -> float:
+    """ATOL, or 5e-4 for quantized products on the native kernels: they round activations
+    to int16 per 32 values (tests/test_kernels.py), and 2 ranks measured up to 2.7e-4
+    from one process on the 4- and 8-bit fixtures."""
+    quantized = any(isinstance(m, nn.QuantizedLinear) for m in whole.modules())
+    return 5e-4 if quantized and kernels.status().native else ATOL
+
+
 def check(spec: str, split: str, world, steps: int) -> dict:
     """`spec`: a checkpoint, SPLIT=SRC (a pre-split folder and the checkpoint it was cut
     from, the one-process reference) or PATH@T,P (a tp x pp mesh)."""
@@ -110,6 +121,8 @@ def check(spec: str, split: str, world, steps: int) -> dict:
     mesh = tuple(int(v) for v in shape.split(",")) if shape else None
     path, _, source = spec.partition("=")
     whole = build_model(open_checkpoint(source or path))
+    if kernels.status().native:  # the products the loader gives the sharded model
+        use_native(whole)
     kw = dict(tp=mesh[0], pp=mesh[1]) if mesh else {}
     sharded, ckpt = load_model(path, world, moe_split=split, **kw)
     vocab = whole.args.vocab_size
@@ -141,6 +154,7 @@ def check(spec: str, split: str, world, steps: int) -> dict:
         "n": world.size(),
         "mesh": mesh,
         "diff": float(np.max(np.abs(ref - got))),
+        "atol": atol(whole),
         "same_tokens": tokens == ref_tokens,
         "held_is_placement": all(m["held"] == m["placement"] for m in ranks),
         "read_is_held": all(m["read_is_held"] for m in ranks),
@@ -186,7 +200,7 @@ def main() -> int:
     for path in args.models:
         for split in args.splits.split(","):
             line = check(path, split, world, args.steps)
-            ok = line["diff"] <= ATOL and line["same_tokens"]
+            ok = line["diff"] <= line["atol"] and line["same_tokens"]
             ok = ok and line["held_is_placement"] and line["experts_are_shares"]
             ok = ok and line["read_is_held"]
             failed |= not ok

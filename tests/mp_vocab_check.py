@@ -20,10 +20,12 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
 from llama_tp.engine.sampling import Draw, VocabShard, sample, token_logprobs
 from llama_tp.engine.settings import SamplingParams
+from llama_tp.kernels.layers import use_native
 from llama_tp.parallel.partition import vocab_ranges
 
 WORLD = mx.distributed.init()
@@ -41,6 +43,8 @@ def report(name: str, ok: bool, detail: str = "") -> None:
 def check_model(path: str) -> None:
     whole = build_model(open_checkpoint(path))
     sharded = build_model(open_checkpoint(path))
+    if kernels.status().native:  # the products the loader gives both
+        use_native(whole), use_native(sharded)
     V = whole.args.vocab_size
     r = vocab_ranges(V, WORLD.size())[WORLD.rank()]
     sharded.shard_vocab(WORLD, r.start, r.stop)

@@ -33,7 +33,8 @@ def check_lines(stdout: str) -> dict[str, tuple[str, str]]:
     out = {}
     for line in stdout.splitlines():
         m = re.match(
-            r"(ranks|versions|blas|split|all-reduce|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)", line
+            r"(ranks|versions|blas|kernels|split|all-reduce|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)",
+            line,
         )
         if m:
             out[m[1]] = (m[2], m[3])
@@ -58,6 +59,8 @@ def test_doctor_single_process():
     assert checks["all-reduce"] == ("n/a", "single process: nothing to reduce"), r.stdout
     assert checks["logits"][0] == "ok", r.stdout
     assert checks["blas"][0] in ("ok", "warn"), r.stdout
+    # which path quantized products take (make test builds the native kernels)
+    assert checks["kernels"][0] == "ok" and checks["kernels"][1].startswith("native kernels (")
     assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
 
 
@@ -90,6 +93,7 @@ def test_doctor_two_ranks(tiny_dir, monkeypatch):
     status, detail = checks["split"]
     assert status == "ok" and detail.startswith("weights fit balanced (rank "), detail
     assert "; for speed " in detail and detail.endswith("; for memory --split 2:1"), detail
+    assert checks["kernels"][0] == "ok" and checks["kernels"][1].endswith("on every rank")
     assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
 
 

@@ -23,9 +23,10 @@ from ..checkpoints.build import load_weights, skeleton
 from ..checkpoints.safetensors import READ
 from ..checkpoints.slices import model_shape, read_slices
 from ..checkpoints.split import check_mesh, check_split, split_vocab_parallel
-from ..cluster.distributed import agree_ok, all_gather_object, barrier, world
+from ..cluster.distributed import agree_ok, all_gather_object, barrier, eprint0, world
 from ..cluster.memory import memory_figures
 from ..cluster.progress import progress
+from ..kernels.layers import use_native
 from ..model import Transformer
 from ..parallel.cast import cast_model, float32_experts
 from ..parallel.mesh import Mesh
@@ -129,17 +130,61 @@ def _build(
 
 
 def _open(
-    path: str | Path, group: mx.distributed.Group, model_group: mx.distributed.Group
+    path: str | Path,
+    group: mx.distributed.Group,
+    model_group: mx.distributed.Group,
+    blocks: bool = False,
 ) -> Checkpoint:
     """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
     model); if any rank of `group` fails, every rank raises."""
     ckpt, error = None, None
     try:
-        ckpt = open_checkpoint(path, model_group.rank(), model_group.size())
+        ckpt = open_checkpoint(path, model_group.rank(), model_group.size(), blocks)
     except Exception as e:
         error = e
     agree_ok(error, group)
     return ckpt
+
+
+def products_path(dtype: str | None, native: bool) -> str:
+    """What computes the model's matrix products, for --verbose."""
+    from .. import kernels
+
+    if dtype is not None:
+        return f"{dtype} weights, MLX's matmul"
+    if native:
+        return kernels.status().describe()
+    if mx.default_device() != mx.cpu:
+        return f"MLX's quantized_matmul on {mx.default_device()}"
+    if kernels.status().native:  # but not on every rank
+        return "MLX's quantized_matmul (the native kernels are off on another rank)"
+    return kernels.status().describe()
+
+
+def native_kernels(dtype: str | None, group: mx.distributed.Group) -> bool:
+    """Whether the native kernels (`llama_tp.kernels`) run: on the CPU, with the extension
+    loaded on every rank of `group` (all or none: the ranks hold the same layer kinds).
+    Quantized products take them when the weights stay quantized (no `dtype`); RoPE and
+    attention take them either way. The one fallback warning, with its reason, goes to
+    rank 0's stderr (only where quantized products lose them)."""
+    from .. import kernels
+
+    if mx.default_device() != mx.cpu:
+        return False
+    if dtype is not None and not kernels.status().native:
+        return False  # no warning: the products are float ones
+    mine = kernels.status()
+    every = all_gather_object(mine.native, group) if group.size() > 1 else [mine.native]
+    if all(every):
+        kernels.set_threads(kernels.default_threads(group.size()))
+        return True
+    warning = kernels.fallback_warning()
+    if warning is None and mine.native:
+        off = [r for r, ok in enumerate(every) if not ok]
+        warning = f"warning: native kernels off on rank {off[0]}: MLX's kernel on every rank"
+    if warning:
+        eprint0(warning, group=group)
+    return False
 
 
 def load_model(
@@ -206,11 +251,15 @@ def load_model(
         raise ValueError("--split weighs the built-in plan: state a style plan's ranges instead")
     T = whole_mesh.tp if whole_mesh is not None else group.size()
     weights = split_weights(split, group, whole_mesh, T)
+    native = native_kernels(dtype, group)
+    blocks = native and dtype is None  # GGUF held as stored, for the native products
+    products = products_path(dtype, native)
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
-    ckpt = _open(path, group, model_group)
+    ckpt = _open(path, group, model_group, blocks=blocks)
     ckpt.mesh = whole_mesh
+    ckpt.products = products
     error = None
     try:
         if ckpt.format == "split" and plan is not None:
@@ -251,6 +300,8 @@ def load_model(
             cast_model(model, dtype)
         if mx.default_device().type == mx.cpu and float32_experts(model):
             ckpt.notes.append("experts held as float32: MLX's CPU gather_mm takes float32 only")
+        if native:
+            use_native(model)
     except Exception as e:
         error = e
     agree_ok(error, group)
@@ -276,8 +327,9 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
     `group` fails, every rank raises."""
     group = group or world()
     model = ckpt = error = None
+    native = native_kernels(None, group)
     try:
-        ckpt = open_checkpoint(path, 0, 1)
+        ckpt = open_checkpoint(path, 0, 1, blocks=native)
         if ckpt.format == "split":
             raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
         weights = _read(ckpt, place(model_shape(ckpt)).ranks[0])  # every tensor whole, once
@@ -285,6 +337,8 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
         load_weights(model, ckpt, weights)
         if mx.default_device().type == mx.cpu:
             float32_experts(model)
+        if native:
+            use_native(model)
     except Exception as e:
         error = e
     agree_ok(error, group)

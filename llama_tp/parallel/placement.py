@@ -112,8 +112,8 @@ def _unit(
     unit), so that no rank reads a block another also reads."""
     group = shape.group_size(suffix, width)
     block = shape.ffn_block
-    if group and block:
-        unit = math.lcm(group, block)
+    if block:  # GGUF blocks as stored have no groups: any split is exact, blocks save memory
+        unit = math.lcm(group or 1, block)
         least = min(weights) / sum(weights) if weights else 1 / n
         if width % unit == 0 and width // unit >= n and width // unit * least >= 0.5:
             return unit
