@@ -53,6 +53,11 @@ class VocabShard:
         """The fewest columns any rank holds (a weighted --split makes them unequal)."""
         return min(b - a for a, b in self.ranges())
 
+    @property
+    def max_width(self) -> int:
+        """The most columns any rank holds."""
+        return max(b - a for a, b in self.ranges())
+
     def columns(self) -> mx.array:
         """This rank's token ids: (1, V_local) uint32."""
         return mx.arange(self.start, self.stop, dtype=mx.uint32)[None]
@@ -93,10 +98,13 @@ class VocabShard:
     def top(self, x: mx.array, k: int) -> tuple[mx.array, mx.array]:
         """The k largest values of (B, V_local) x over the whole vocabulary, descending,
         and their ids: ((B, k) float32, (B, k) int32). One exchange."""
-        B, m = x.shape[0], min(k, self.min_width)  # the same count from every rank
-        idx = mx.argpartition(-x, kth=m - 1, axis=-1)[:, :m] if m < x.shape[-1] else None
-        idx = mx.broadcast_to(mx.arange(m), (B, m)) if idx is None else idx
+        (B, local), m = x.shape, min(k, self.max_width)  # the same count from every rank
+        idx = mx.argpartition(-x, kth=m - 1, axis=-1)[:, :m] if m < local else None
+        idx = mx.broadcast_to(mx.arange(min(m, local)), (B, min(m, local))) if idx is None else idx
         vals = mx.take_along_axis(x, idx, axis=-1).astype(mx.float32)
+        if local < m:  # a rank with fewer rows (a weighted --split) sends all, padded
+            vals = mx.concatenate([vals, mx.full((B, m - local), -math.inf, mx.float32)], 1)
+            idx = mx.concatenate([idx, mx.zeros((B, m - local), idx.dtype)], axis=1)
         # ids travel as float32: exact below 2**24, far above any vocabulary
         both = self.all_gather(mx.concatenate([vals, (idx + self.start).astype(mx.float32)], 1))
         both = both.transpose(1, 0, 2)  # (B, N, 2m)
