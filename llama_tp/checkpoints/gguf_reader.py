@@ -148,12 +148,12 @@ class GGUFFile:
             for r0, r1 in rows:
                 if width == row_bytes:  # whole rows: one contiguous range
                     at = src.offset + r0 * row_bytes
-                    self._pread(buf[done * width : (done + r1 - r0) * width], at, fd)
+                    pread_into(fd, buf[done * width : (done + r1 - r0) * width], at, self.path)
                 else:
                     for i in range(r1 - r0):
                         at = src.offset + (r0 + i) * row_bytes + b0 * size
                         j = (done + i) * width
-                        self._pread(buf[j : j + width], at, fd)
+                        pread_into(fd, buf[j : j + width], at, self.path)
                 done += r1 - r0
         return out
 
