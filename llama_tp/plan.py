@@ -4,9 +4,12 @@ python -m llama_tp.plan -n 3
 python -m llama_tp.plan -n 2 --sequence-parallel
 python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (engine/mesh_plan.py)
 python -m llama_tp.plan -n 4 --pp 2 --dp 2      # the server's replicas: each one's plan
+python -m llama_tp.plan -n 3 --model DIR/config.json   # before downloading: the config alone
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def main() -> int:
@@ -18,7 +21,11 @@ def main() -> int:
         description="Show how a model's heads, feed-forward columns and weight bytes "
         "split over N ranks.",
     )
-    p.add_argument("--model", help="GGUF file or Hugging Face/MLX directory (default: built-in)")
+    p.add_argument(
+        "--model",
+        help="GGUF file, Hugging Face/MLX directory, or a model's config.json alone (its "
+        "tensors' shapes, nothing downloaded) (default: built-in)",
+    )
     p.add_argument("-n", type=int, required=True, help="number of ranks")
     p.add_argument(
         "--no-vocab-parallel", action="store_true", help="the plan with a whole embedding and head"
@@ -58,16 +65,15 @@ def main() -> int:
         return print_mesh(args)
 
     # Reading shapes is lazy: no weight is loaded to print the plan.
-    from .checkpoints import open_checkpoint
     from .checkpoints.build import skeleton
     from .checkpoints.slices import model_shape
     from .engine.loader import default_model
     from .parallel.parallelize import format_plan_table
-    from .parallel.placement import place
+    from .parallel.placement import kv_cache_bytes, place
     from .parallel.plan_text import format_plan
     from .parallel.shard import builtin_plan
 
-    ckpt = open_checkpoint(args.model or default_model())
+    ckpt = _open(args.model or default_model())
     placement = place(
         model_shape(ckpt),
         args.n,
@@ -80,13 +86,34 @@ def main() -> int:
     print(format_plan_table(model, styles, args.n))
     print()
     print(f"{ckpt.path.name}:")
-    print(format_plan(placement.plan, [r.nbytes for r in placement.ranks]))
+    shape = model_shape(ckpt)
+    a = ckpt.args
+    print(
+        format_plan(
+            placement.plan,
+            [r.nbytes for r in placement.ranks],
+            [kv_cache_bytes(shape, r) for r in placement.ranks],
+            (a.kv_lora_rank, a.qk_rope_head_dim) if a.kv_lora_rank else None,
+        )
+    )
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
         for note in [*ckpt.notes, *split_notes(ckpt, placement.plan)]:
             print(note)
     return 0
+
+
+def _open(model: str | Path):
+    """The checkpoint at `model`, or a model's `config.json` alone: the plan of the tensors
+    it implies, before downloading them."""
+    from .checkpoints import open_checkpoint
+    from .checkpoints.hf import read_config_only
+
+    path = Path(model)
+    if path.name == "config.json" and path.is_file():
+        return read_config_only(path)
+    return open_checkpoint(path)
 
 
 def replicas_line(n: int, dp: int) -> str:
@@ -105,13 +132,12 @@ def replicas_line(n: int, dp: int) -> str:
 def print_mesh(args) -> int:
     """The tp x pp mesh: each rank's stage, layers, tensor rank and slice, then each
     stage's plan table (engine/mesh_plan.py)."""
-    from .checkpoints import open_checkpoint
     from .console.cli import UsageError
     from .engine.loader import default_model
     from .engine.mesh_plan import format_mesh, mesh_plan
     from .parallel.mesh import MeshError
 
-    ckpt = open_checkpoint(args.model or default_model())
+    ckpt = _open(args.model or default_model())
     try:
         mp = mesh_plan(
             ckpt,

@@ -314,6 +314,7 @@ SECTIONS = {
     "sequence-parallel-memory": ("sequence_parallel_memory", "section"),
     "mpi-backend": ("mpi_backend", "section"),
     "mixture-of-experts": ("moe", "section"),
+    "deepseek-v3": ("moe", "section"),
 }
 
 

@@ -8,7 +8,11 @@ run the same weights. Specs are `SIZE-DTYPE`: sizes in `SIZES`, dtypes fp16,
 bf16, fp32 and q4 (MLX 4-bit, group 64, as mlx-community folders, with float32 scales
 and norms). The `moe-*` sizes are Qwen3-MoE models with the experts
 stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's shape scaled down:
-128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). `synthetic_dir(spec)`
+128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). The `deepseek-*` sizes
+are DeepSeek-V3 models (latent attention, grouped sigmoid routing, a shared expert, a
+dense first layer) stored as mlx-lm's convert writes them (`embed_q` / `unembed_out`,
+stacked experts); `deepseek-v3` is its shape scaled down (256 -> 64 experts in 8 groups,
+8 per token, 61 -> 8 layers, 128 -> 16 heads, widths / 4 to / 7). `synthetic_dir(spec)`
 writes one into the cache once and reuses it.
 """
 
@@ -38,6 +42,16 @@ SIZES = {
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, hidden_dim=3072, vocab=32000,
         experts=64, top_k=8, expert_dim=384, head_dim=64,
     ),
+    # DeepSeek-V3: latent attention (q/kv ranks, nope/rope/v head dims), experts in groups,
+    # one shared expert, the first layer dense
+    "deepseek-tiny": dict(
+        dim=64, n_layers=2, n_heads=5, n_kv_heads=5, hidden_dim=96, vocab=512,
+        experts=8, top_k=2, expert_dim=32, latent=(48, 32, 16, 8, 16), groups=(4, 2),
+    ),
+    "deepseek-v3": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
+        experts=64, top_k=8, expert_dim=256, latent=(384, 128, 64, 32, 64), groups=(8, 4),
+    ),
 }  # fmt: skip
 # q4: quantized from float32 (float32 scales: MLX's CPU quantized kernels are slow in float16)
 DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32, "q4": mx.float32}
@@ -54,9 +68,36 @@ def parse_spec(spec: str) -> tuple[dict, mx.Dtype]:
     return SIZES[size], DTYPES[dtype]
 
 
+def _deepseek_config(s: dict) -> dict:
+    q_rank, kv_rank, nope, rope, v = s["latent"]
+    return {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "n_routed_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "moe_intermediate_size": s["expert_dim"],
+        "n_shared_experts": 1,
+        "n_group": s["groups"][0],
+        "topk_group": s["groups"][1],
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "q_lora_rank": q_rank,
+        "kv_lora_rank": kv_rank,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v,
+    }
+
+
 def hf_config(s: dict, dtype_name: str) -> dict:
     moe = {}
-    if "experts" in s:
+    if "latent" in s:
+        moe = _deepseek_config(s)
+    elif "experts" in s:
         moe = {
             "model_type": "qwen3_moe",
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -107,11 +148,28 @@ def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
     out["model.norm.weight"] = mx.ones((d,), dtype)
     for i in range(s["n_layers"]):
         p = f"model.layers.{i}."
-        w(p + "self_attn.q_proj.weight", nh * hd, d)
-        w(p + "self_attn.k_proj.weight", nkv * hd, d)
-        w(p + "self_attn.v_proj.weight", nkv * hd, d)
-        w(p + "self_attn.o_proj.weight", d, nh * hd)
-        if "experts" in s:  # stacked, as mlx-lm stores them
+        if "latent" in s:
+            _latent_attention(s, p + "self_attn.", w, out, dtype)
+        else:
+            w(p + "self_attn.q_proj.weight", nh * hd, d)
+            w(p + "self_attn.k_proj.weight", nkv * hd, d)
+            w(p + "self_attn.v_proj.weight", nkv * hd, d)
+            w(p + "self_attn.o_proj.weight", d, nh * hd)
+        if "latent" in s and i == 0:  # DeepSeek-V3's dense first layer
+            w(p + "mlp.gate_proj.weight", h, d)
+            w(p + "mlp.up_proj.weight", h, d)
+            w(p + "mlp.down_proj.weight", d, h)
+        elif "latent" in s:  # grouped routing with its bias, the experts, a shared expert
+            e, m = s["experts"], s["expert_dim"]
+            w(p + "mlp.gate.weight", e, d)
+            out[p + "mlp.gate.e_score_correction_bias"] = mx.zeros((e,), mx.float32)
+            w(p + "mlp.switch_mlp.gate_proj.weight", e, m, d)
+            w(p + "mlp.switch_mlp.up_proj.weight", e, m, d)
+            w(p + "mlp.switch_mlp.down_proj.weight", e, d, m)
+            w(p + "mlp.shared_experts.gate_proj.weight", m, d)
+            w(p + "mlp.shared_experts.up_proj.weight", m, d)
+            w(p + "mlp.shared_experts.down_proj.weight", d, m)
+        elif "experts" in s:  # stacked, as mlx-lm stores them
             e, m = s["experts"], s["expert_dim"]
             w(p + "mlp.gate.weight", e, d)
             w(p + "mlp.switch_mlp.gate_proj.weight", e, m, d)
@@ -128,6 +186,20 @@ def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
     return out
 
 
+def _latent_attention(s: dict, p: str, w, out: dict, dtype: mx.Dtype) -> None:
+    """DeepSeek-V3's attention as mlx-lm stores it (kv_b_proj split per head)."""
+    d, nh = s["dim"], s["n_heads"]
+    q_rank, kv_rank, nope, rope, v = s["latent"]
+    w(p + "q_a_proj.weight", q_rank, d)
+    out[p + "q_a_layernorm.weight"] = mx.ones((q_rank,), dtype)
+    w(p + "q_b_proj.weight", nh * (nope + rope), q_rank)
+    w(p + "kv_a_proj_with_mqa.weight", kv_rank + rope, d)
+    out[p + "kv_a_layernorm.weight"] = mx.ones((kv_rank,), dtype)
+    w(p + "embed_q.weight", nh, kv_rank, nope)
+    w(p + "unembed_out.weight", nh, v, kv_rank)
+    w(p + "o_proj.weight", d, nh * v)
+
+
 Q4_GROUP = 64
 
 
@@ -136,7 +208,8 @@ def _quantized(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     width is a multiple of the group, as mlx-lm's convert does; norms stay as they are."""
     out = {}
     for name, v in weights.items():
-        if v.ndim >= 2 and v.shape[-1] % Q4_GROUP == 0:
+        router = f"{name.removesuffix('.weight')}.e_score_correction_bias" in weights
+        if v.ndim >= 2 and v.shape[-1] % Q4_GROUP == 0 and not router:  # DeepSeek's: float
             base = name.removesuffix(".weight")
             out[name], out[f"{base}.scales"], out[f"{base}.biases"] = mx.quantize(v, Q4_GROUP, 4)
         else:
