@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def _parser():
-    from .console.cli import ArgumentParser, add_moe_split_arg
+    from .console.cli import ArgumentParser, add_moe_split_arg, add_split_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.convert",
@@ -65,8 +65,9 @@ def _parser():
     )
     p.add_argument(
         "--pp-split",
-        metavar="N,N,...",
-        help="with --pp: layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
+        metavar="N,N...|W:W...",
+        help="with --pp: layers per stage, e.g. 10,12, or weights of the stages' bytes, e.g. "
+        "3:1 (default: balanced by parameter bytes)",
     )
     p.add_argument(
         "--no-vocab-parallel",
@@ -74,6 +75,7 @@ def _parser():
         help="with --shards: keep the embedding and output head whole in every folder",
     )
     add_moe_split_arg(p)
+    add_split_arg(p)
     p.add_argument(
         "--quiet", action="store_true", help="no progress bar and no 'wrote' line on stderr"
     )
@@ -101,21 +103,24 @@ def main() -> int:
     mesh = [f for f in ("tp", "pp", "pp_split") if getattr(args, f) is not None]
     if mesh and args.shards is None:
         raise UsageError(f"--{mesh[0].replace('_', '-')} only applies with --shards")
+    if args.split is not None and args.shards is None:
+        raise UsageError("--split only applies with --shards")
     src = Path(args.model) if args.model else default_model()
     kw = dict(quantize=args.quantize, group_size=args.group_size, dtype=dtype)
     kw.update(vocab_parallel=not args.no_vocab_parallel, progress=not args.quiet)
-    kw.update(moe_split=args.moe_split)
-    if not mesh:
-        convert(src, out, shards=args.shards, **kw)
-        return 0
+    kw.update(moe_split=args.moe_split, split=args.split)
     from .engine.mesh_split import convert_mesh
     from .parallel.mesh import MeshError
+    from .parallel.shares import SplitError
 
     try:
-        convert_mesh(
-            src, out, shards=args.shards, tp=args.tp, pp=args.pp, pp_split=args.pp_split, **kw
-        )
-    except MeshError as e:  # the loader's one-line messages, as usage errors
+        if not mesh:
+            convert(src, out, shards=args.shards, **kw)
+        else:
+            convert_mesh(
+                src, out, shards=args.shards, tp=args.tp, pp=args.pp, pp_split=args.pp_split, **kw
+            )
+    except (MeshError, SplitError) as e:  # the loader's one-line messages, as usage errors
         raise UsageError(str(e)) from None
     return 0
 

@@ -3,10 +3,15 @@
     python -m llama_tp.doctor
     mlx.launch -n 2 -- python -m llama_tp.doctor [--json] [--quick]
     python -m llama_tp.launch -n 4 -m llama_tp.doctor --tp 2 --pp 2   # and the mesh
+    python -m llama_tp.launch -n 2 -m llama_tp.doctor --model M       # do its weights fit?
 
 Reports, from rank 0: the MLX backend, the ranks with their hosts, process ids
 and versions, all-reduce latency and bus bandwidth for a few message sizes,
-whether MLX's CPU matrix product is the slow reference BLAS, and whether a tiny
+whether MLX's CPU matrix product is the slow reference BLAS, which path quantized
+products take on the CPU (llama_tp's native kernels, or MLX's with the reason), each
+rank's total and available memory with the `--split` weights that balance the time per
+step and the ones that fit memory (`engine/split_advice.py`; with --model, whether that
+model's weights fit, and the numbers when they cannot), and whether a tiny
 random Llama sharded over the ranks reproduces the single-process logits. With
 --tp/--pp/--dp it also builds that mesh and reports where each rank lands (host,
 replica, stage, tensor rank), whether a tensor group spans hosts (a warning: its
@@ -84,7 +89,7 @@ def run_logits(model, tokens: mx.array) -> mx.array:
     out = []
     for step in steps:
         logits = model(step, cache=cache)[0].astype(mx.float32)  # (l, V or V_local)
-        out.append(logits if shard is None else shard.full_logits(logits))
+        out.append(shard.full_logits(logits))
         mx.eval(out[-1])
     return mx.concatenate(out, axis=0)
 
@@ -108,13 +113,19 @@ def diagnose(
     quick: bool = False,
     fault_rank: int | None = None,
     mesh: tuple[int | None, int | None, int | None] | None = None,
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Run every check on every rank (all ranks must call this); the report, alike on
     every rank, as a JSON-able dict. `fault_rank` perturbs that rank's sharded model
-    (to test that a failing check fails everywhere); `mesh`: (tp, pp, dp) to check."""
+    (to test that a failing check fails everywhere); `mesh`: (tp, pp, dp) to check;
+    `model`: a checkpoint whose weights the split advice places."""
+    from .engine.split_advice import check_split
+
     report: dict[str, Any] = {"backend": backend_name(group), "ranks": group.size()}
     checks = _check_ranks(group, report)
     checks.append(_check_blas(group, report, quick))
+    checks.append(check_split(group, report, model, *(mesh or (None, None, None))))
+    checks.append(_check_kernels(group, report))
     checks.append(_check_all_reduce(group, report, quick))
     checks.append(_check_logits(group, fault_rank))
     if mesh is not None:
@@ -163,6 +174,24 @@ def _check_blas(group: mx.distributed.Group, report: dict, quick: bool) -> Check
     if not first["openblas"]:
         fix = f"apt-get install libopenblas0-pthread, then {fix}"
     return Check("blas", "warn", f"slow (reference BLAS{lib}){where}: {timing}; {fix}")
+
+
+def _check_kernels(group: mx.distributed.Group, report: dict) -> Check:
+    """Which path quantized CPU products take on each rank (`llama_tp.kernels`)."""
+    from . import kernels
+
+    per_rank, err = run_check(
+        "kernels", lambda: all_gather_object(kernels.status().describe(), group), group
+    )
+    if err:
+        return Check("kernels", "FAILED", err)
+    report["kernels"] = per_rank
+    if all(not line.startswith("MLX") for line in per_rank):
+        where = "" if group.size() == 1 else " on every rank"
+        return Check("kernels", "ok", f"{per_rank[0]}{where}")
+    off = [r for r, line in enumerate(per_rank) if line.startswith("MLX")]
+    where = "" if group.size() == 1 else f" on rank {', '.join(map(str, off))}"
+    return Check("kernels", "warn", f"quantized products use {per_rank[off[0]]}{where}")
 
 
 def _check_all_reduce(group: mx.distributed.Group, report: dict, quick: bool) -> Check:
@@ -263,6 +292,9 @@ def format_report(report: dict[str, Any]) -> str:
     from .engine.mesh_check import mesh_lines
 
     lines += mesh_lines(report.get("mesh"))
+    from .engine.split_advice import split_lines
+
+    lines += split_lines(report)
     lines.append("")
     for c in report["checks"]:
         if c["status"] == "warn" and c["name"] == "versions":
@@ -292,6 +324,11 @@ def main() -> int:
     p.add_argument("--tp", type=int, help="also check this mesh: ranks per tensor group")
     p.add_argument("--pp", type=int, help="... pipeline stages (default 1)")
     p.add_argument("--dp", type=int, help="... data-parallel replicas (default 1)")
+    p.add_argument(
+        "--model",
+        help="also check that this checkpoint's weights fit each rank's available memory, "
+        "balanced and under the suggested --split weights (nothing is loaded)",
+    )
     # For the tests: perturb this rank's sharded model so that the logits check fails.
     p.add_argument("--inject-fault", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -311,7 +348,7 @@ def main() -> int:
         mesh = (args.tp, args.pp, args.dp)
     watchdog.install(step_timeout=args.timeout, load_timeout=None)
     watchdog.set_group_size(group.size())
-    report = diagnose(group, args.quick, args.inject_fault, mesh)
+    report = diagnose(group, args.quick, args.inject_fault, mesh, args.model)
     print0(json.dumps(report, indent=2) if args.json else format_report(report), group=group)
     failed = [c for c in report["checks"] if c["status"] == "FAILED"]
     if failed:

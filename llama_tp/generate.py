@@ -112,7 +112,7 @@ def main() -> int:
     if not prompt:
         raise UsageError("the prompt is empty")
     model, tokenizer, ckpt = load_checked(args, group)
-    draft = load_draft_checked(args, model, tokenizer, group)
+    draft = load_draft_checked(args, model, tokenizer, group, ckpt.placement.plan.weights)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     max_tokens = fit_context(len(ids), args.max_tokens, model.args.max_position_embeddings, group)
     if args.verbose:
@@ -160,8 +160,14 @@ def main() -> int:
             for i, (_, _, s) in enumerate(peaks)
         )
         eprint0(f"Loading: {load}")
+        weights = ckpt.placement.plan.weights if ckpt.placement is not None else None
+        if weights is not None:  # --split (parallel/shares.py)
+            from .parallel.shares import split_text
+
+            eprint0(f"Weighted {split_text(weights)} of each tensor group")
         if ckpt.notes:
             eprint0(f"Weights: {'; '.join(ckpt.notes)}")
+        eprint0(f"Matrix products: {ckpt.products}")
         if load_of_experts is not None:
             eprint0(f"Expert load {load_of_experts.summary()}")
         if mesh is not None:

@@ -17,9 +17,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .kernels import scaled_dot_product_attention  # mlx-lm's, native on the CPU
 from .parallel.llama_plan import attention_styles, feed_forward_styles
 from .parallel.parallelize import parallelize
 from .parallel.partition import RankPart

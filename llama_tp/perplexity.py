@@ -51,9 +51,19 @@ def main() -> int:
         raise UsageError(f"--text-file {args.text_file}: {e}") from None
     group = world()
     path = args.model or default_model()
-    model, tokenizer = load(
-        path, group, not args.no_vocab_parallel, args.dtype, moe_split=args.moe_split
-    )
+    from .parallel.shares import SplitError
+
+    try:
+        model, tokenizer = load(
+            path,
+            group,
+            not args.no_vocab_parallel,
+            args.dtype,
+            moe_split=args.moe_split,
+            split=args.split,
+        )
+    except SplitError as e:  # the same on every rank
+        raise UsageError(str(e)) from None
     tokens = tokenizer.encode(text)[: args.limit_tokens]
     result = perplexity(model, tokens, args.context_length, stride)
     print0(f"Perplexity: {result.perplexity:.6f}")

@@ -5,6 +5,8 @@ python -m llama_tp.plan -n 2 --sequence-parallel
 python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (engine/mesh_plan.py)
 python -m llama_tp.plan -n 4 --pp 2 --dp 2      # the server's replicas: each one's plan
 python -m llama_tp.plan -n 3 --model DIR/config.json   # before downloading: the config alone
+python -m llama_tp.plan -n 2 --split 3:1        # rank 0 takes 3/4 (parallel/shares.py)
+python -m llama_tp.plan --synthetic 70b-q4 -n 2 # a model's shape, no weights needed
 """
 
 from __future__ import annotations
@@ -14,17 +16,24 @@ from pathlib import Path
 
 def main() -> int:
     """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
-    from .console.cli import ArgumentParser, add_moe_split_arg
+    from .console.cli import ArgumentParser, add_moe_split_arg, add_split_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.plan",
         description="Show how a model's heads, feed-forward columns and weight bytes "
         "split over N ranks.",
     )
-    p.add_argument(
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
         "--model",
         help="GGUF file, Hugging Face/MLX directory, or a model's config.json alone (its "
         "tensors' shapes, nothing downloaded) (default: built-in)",
+    )
+    src.add_argument(
+        "--synthetic",
+        metavar="SIZE-DTYPE",
+        help="the shape of a synthetic model instead, e.g. 70b-q4 (Llama-3-70B's shape, MLX "
+        "4-bit): its tensors' shapes written once into the cache, no weights",
     )
     p.add_argument("-n", type=int, required=True, help="number of ranks")
     p.add_argument(
@@ -37,24 +46,28 @@ def main() -> int:
     p.add_argument("--pp", type=int, help="pipeline stages (default 1: the plan over N ranks)")
     p.add_argument(
         "--pp-split",
-        metavar="N,N,...",
-        help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
+        metavar="N,N...|W:W...",
+        help="layers per stage, e.g. 10,12, or weights of the stages' bytes, e.g. 3:1 "
+        "(default: balanced by parameter bytes)",
     )
     p.add_argument(
         "--dp", type=int, help="data-parallel replicas (llama_tp.serve): each replica's plan"
     )
     add_moe_split_arg(p)
+    add_split_arg(p)
     args = p.parse_args()
     if args.n < 1:
         p.error(f"-n must be at least 1, got {args.n}")
     from .console.cli import UsageError
     from .parallel.mesh import MeshError, mesh_shape
+    from .parallel.shares import SplitError, fixed_weights
 
     try:
-        _, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
+        tp, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
         if args.pp_split and stages == 1:
             raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
-    except MeshError as e:  # the loader's line, a usage error as there
+        args.weights = fixed_weights(args.split, tp, "plan")
+    except (MeshError, SplitError) as e:  # the loader's line, a usage error as there
         raise UsageError(str(e)) from None
     if (args.dp or 1) > 1:
         print(replicas_line(args.n, args.dp))
@@ -67,31 +80,35 @@ def main() -> int:
     # Reading shapes is lazy: no weight is loaded to print the plan.
     from .checkpoints.build import skeleton
     from .checkpoints.slices import model_shape
-    from .engine.loader import default_model
     from .parallel.parallelize import format_plan_table
     from .parallel.placement import kv_cache_bytes, place
     from .parallel.plan_text import format_plan
     from .parallel.shard import builtin_plan
 
-    ckpt = _open(args.model or default_model())
-    placement = place(
-        model_shape(ckpt),
-        args.n,
-        vocab_parallel=not args.no_vocab_parallel,
-        moe_split=args.moe_split,
-    )
+    ckpt = _open(model_path(args))
+    shape = model_shape(ckpt)
+    try:
+        placement = place(
+            shape,
+            args.n,
+            vocab_parallel=not args.no_vocab_parallel,
+            moe_split=args.moe_split,
+            split=args.weights,
+        )
+    except SplitError as e:  # the loader's line, a usage error as there
+        raise UsageError(str(e)) from None
     model = skeleton(ckpt)  # for the style table: lazy, nothing read
     styles = builtin_plan(model, placement, sequence_parallel=args.sequence_parallel)
     print(f"{ckpt.path.name}: the plan (path -> style -> each rank's slice)")
     print(format_plan_table(model, styles, args.n))
     print()
     print(f"{ckpt.path.name}:")
-    shape = model_shape(ckpt)
     a = ckpt.args
     print(
         format_plan(
             placement.plan,
             [r.nbytes for r in placement.ranks],
+            [r.vocab for r in placement.ranks],
             [kv_cache_bytes(shape, r) for r in placement.ranks],
             (a.kv_lora_rank, a.qk_rope_head_dim) if a.kv_lora_rank else None,
         )
@@ -116,6 +133,22 @@ def _open(model: str | Path):
     return open_checkpoint(path)
 
 
+def model_path(args):
+    """--model, the shapes of --synthetic SIZE-DTYPE (`benchmarks/synthetic.py`), or the
+    built-in model."""
+    from .engine.loader import default_model
+
+    if args.synthetic:
+        from .benchmarks.synthetic import synthetic_dir
+        from .console.cli import UsageError
+
+        try:
+            return synthetic_dir(args.synthetic, shapes_only=True)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return args.model or default_model()
+
+
 def replicas_line(n: int, dp: int) -> str:
     """'2 replicas (serve --dp 2) of 2 ranks each: ranks 0-1 | 2-3; ...' (rank order, as on
     one host: parallel/mesh.py places replicas in host order)."""
@@ -133,11 +166,11 @@ def print_mesh(args) -> int:
     """The tp x pp mesh: each rank's stage, layers, tensor rank and slice, then each
     stage's plan table (engine/mesh_plan.py)."""
     from .console.cli import UsageError
-    from .engine.loader import default_model
     from .engine.mesh_plan import format_mesh, mesh_plan
     from .parallel.mesh import MeshError
+    from .parallel.shares import SplitError
 
-    ckpt = _open(args.model or default_model())
+    ckpt = _open(model_path(args))
     try:
         mp = mesh_plan(
             ckpt,
@@ -147,8 +180,9 @@ def print_mesh(args) -> int:
             args.pp_split,
             not args.no_vocab_parallel,
             moe_split=args.moe_split,
+            split=args.weights,
         )
-    except MeshError as e:
+    except (MeshError, SplitError) as e:
         raise UsageError(str(e)) from None
     print(format_mesh(mp, ckpt.path.name))
     if ckpt.format == "gguf":

@@ -30,6 +30,12 @@ def _parser():
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--cors",
+        default=None,
+        metavar="ORIGINS",
+        help="let browser pages from these origins call the API (comma-separated, or '*')",
+    )
     p.add_argument("--model-name", default=None, help="the id /v1/models reports")
     p.add_argument(
         "--max-batch",
@@ -51,8 +57,9 @@ def _parser():
         type=int,
         default=0,
         metavar="K",
-        help="prompt-lookup drafts per step for greedy requests that do not set "
-        "num_draft_tokens, used while a request decodes alone (default 0: off; at most 16)",
+        help="prompt-lookup drafts checked per step for requests that do not set "
+        "num_draft_tokens, while a request decodes alone; the text is the same with or "
+        "without (default 0: off; at most 16)",
     )
     p.add_argument("--ignore-chat-template", action="store_true")
     p.set_defaults(serving=True)  # --dp (replicas) is allowed here only

@@ -201,6 +201,11 @@ COMPONENTS = {
     "openblas": (_has_openblas, "Debian's OpenBLAS", "apt-get install libopenblas0-pthread"),
     "iproute2": (_has("ip", "tc"), "ip and tc (network namespaces)", "apt-get install iproute2"),
     "compiler": (_has("c++", "cmake"), "a C++ compiler and CMake", "apt-get install g++ cmake"),
+    "arm64-cross": (
+        _has("aarch64-linux-gnu-g++", "qemu-aarch64"),
+        "an arm64 cross-compiler and qemu-user",
+        "apt-get install g++-aarch64-linux-gnu qemu-user",
+    ),
     "chromium": (_has("chromium"), "Chromium", "apt-get install chromium"),
 }
 

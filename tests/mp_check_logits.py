@@ -15,13 +15,16 @@ import argparse
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
 from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import vocab_shard
+from llama_tp.kernels.layers import use_native
 
 
 def logits_of(model, x: mx.array) -> np.ndarray:
@@ -36,7 +39,7 @@ def logits_of(model, x: mx.array) -> np.ndarray:
 
     def whole(logits: mx.array) -> mx.array:  # (1, L, V or V_local) -> (L, V)
         logits = logits[0].astype(mx.float32)
-        return logits if shard is None else shard.full_logits(logits)
+        return shard.full_logits(logits)
 
     out = [whole(model(x[:, :-3], cache=cache))]
     mx.eval(out)
@@ -58,12 +61,18 @@ def main() -> int:
     for spec in args.models:
         path, _, ref_path = spec.partition("=")
         ref = build_model(open_checkpoint(ref_path or path))
+        if kernels.status().native:  # the products the loader gives the sharded model
+            use_native(ref)
         sharded, _ = load_model(path, world, vocab_parallel=not args.no_vocab_parallel)
         vocab = ref.args.vocab_size
         x = mx.array(np.random.default_rng(0).integers(0, vocab, (1, args.tokens)), mx.int32)
         a, b = logits_of(ref, x), logits_of(sharded, x)
         diff = float(np.max(np.abs(a - b)))
-        ok = diff <= args.atol
+        # Quantized products on the native kernels round activations to int16 per 32
+        # values (tests/test_kernels.py's KERNEL_RTOL): 3 ranks measured 2.6e-4 from one
+        # process on the 8-bit fixture, where MLX's kernel stays within 1e-4.
+        quantized = any(isinstance(m, nn.QuantizedLinear) for m in ref.modules())
+        ok = diff <= (max(args.atol, 5e-4) if quantized and kernels.status().native else args.atol)
         failed += not ok
         if world.rank() == 0:
             print(f"{'OK' if ok else 'MISMATCH'} n={world.size()} {path} max_abs_diff={diff:.3g}")

@@ -76,6 +76,15 @@ def check_weights(path: str, world: mx.distributed.Group) -> tuple[dict, dict]:
                 allowed = scales / 2 * 1.001 + 1e-7
             else:  # float16 rounding of the scale and bias products
                 allowed = 2**-11 * (scales * ((1 << module.bits) - 1) + biases) * 1.01 + 6e-8
+        elif getattr(module, "type_name", None):  # GGUF blocks as stored (native kernels)
+            from llama_tp.kernels import gguf_dequantize
+
+            lead = getattr(module, "lead", 0)
+            got = gguf_dequantize(
+                module.weight, module.type_name, lead, values.shape[1], mx.float32
+            )
+            # the file's values, up to float32 rounding of the scale products
+            allowed = np.abs(values).reshape(-1, gq.GROUP).max(axis=1) * 2e-6 + 1e-9
         else:
             got, allowed = module.weight.astype(mx.float32), np.zeros(values.size // gq.GROUP)
         err = np.abs(np.array(got).reshape(-1, gq.GROUP) - values.reshape(-1, gq.GROUP))

@@ -3,18 +3,20 @@
     mlx.launch -n 2 -- python tests/mp_greedy.py --model M --prompt P --tokens 16 --out F.npz
 
 Ignores end-of-sequence so that every run yields exactly --tokens ids. Rank 0
-writes the token ids and the last-position logits of the prompt to --out.
+writes the token ids and the last-position logits of the prompt to --out. With
+--mlx-kernel everything runs as without llama_tp's native kernels (`kernels.off`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from llama_tp import load
+from llama_tp import kernels, load
 from llama_tp.checkpoints.tokenizer import encode_prompt
 from llama_tp.engine.sampling import make_sampler, vocab_shard
 
@@ -26,8 +28,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--out", required=True)
     p.add_argument("--no-vocab-parallel", action="store_true")
+    p.add_argument("--mlx-kernel", action="store_true", help="without the native kernels")
     args = p.parse_args()
     world = mx.distributed.init()
+    with kernels.off() if args.mlx_kernel else contextlib.nullcontext():
+        run(args, world)
+
+
+def run(args: argparse.Namespace, world: mx.distributed.Group) -> None:
     model, tokenizer = load(args.model, world, vocab_parallel=not args.no_vocab_parallel)
     ids = encode_prompt(tokenizer, args.prompt)
     cache = make_prompt_cache(model)
@@ -38,7 +46,7 @@ def main() -> None:
         return logits[:, -1].astype(mx.float32)
 
     logits = last(model(mx.array([ids]), cache=cache))
-    first = np.array(logits[0] if shard is None else shard.full_logits(logits)[0])
+    first = np.array(shard.full_logits(logits)[0])
     tokens = [int(sampler(logits).item())]
     for _ in range(args.tokens - 1):
         tokens.append(int(sampler(last(model(mx.array([[tokens[-1]]]), cache=cache))).item()))

@@ -1,9 +1,10 @@
 """Run under mlx.launch: a tp x pp mesh computes what one process computes.
 
-    mlx.launch -n 4 -- python tests/mp_mesh.py --tp 2 --pp 2 DIR[@SPLIT] [DIR ...]
+    mlx.launch -n 4 -- python tests/mp_mesh.py --tp 2 --pp 2 DIR[@SPLIT][%WEIGHTS] [DIR ...]
     mlx.launch -n 4 -- python tests/mp_mesh.py --tp 2 --pp 2 PRESPLIT=DIR[@SPLIT]
 
-For each model (optionally with a `--pp-split` after `@`, e.g. DIR@1,3,1) every
+For each model (optionally with a `--pp-split` after `@`, e.g. DIR@1,3,1 or DIR@3:2, and
+a `--split` of each tensor group after `%`, e.g. DIR%2:1) every
 rank builds the unsharded reference and its own stage, runs both on the same
 tokens (a prefill, then cached single-token steps) and greedy-decodes a few
 tokens with both. `PRESPLIT=DIR` loads the stage from PRESPLIT (a folder pre-split
@@ -41,7 +42,7 @@ def last_logits(model, x: mx.array) -> np.ndarray:
 
     def whole(logits: mx.array) -> mx.array:
         logits = logits[0, -1:].astype(mx.float32)
-        return logits if shard is None else shard.full_logits(logits)
+        return shard.full_logits(logits)
 
     out = [whole(model(x[:, :-3], cache=cache))]
     mx.eval(out[-1])
@@ -69,10 +70,11 @@ def main() -> int:
     args = p.parse_args()
     world = mx.distributed.init()
     for spec in args.models:
+        spec, _, weights = spec.partition("%")
         path, _, split = spec.partition("@")
         path, _, ref_path = path.partition("=")
         ref = build_model(open_checkpoint(ref_path or path))
-        mesh_flags = dict(tp=args.tp, pp=args.pp, pp_split=split or None)
+        mesh_flags = dict(tp=args.tp, pp=args.pp, pp_split=split or None, split=weights or None)
         model, _ = load_model(path, world, **mesh_flags)
         x = np.random.default_rng(0).integers(0, ref.args.vocab_size, (1, args.tokens))
         x = mx.array(x, mx.int32)
@@ -93,7 +95,7 @@ def main() -> int:
         ok = all_gather_object((diff, same, mesh_diff), world)
         if world.rank() == 0:
             line = {
-                "model": spec,
+                "model": spec + (f"%{weights}" if weights else ""),
                 "diff": max(d for d, _, _ in ok),
                 "same_tokens": all(s for _, s, _ in ok),
                 "mesh_diff": None if mesh_diff is None else max(m for _, _, m in ok),

@@ -32,17 +32,21 @@ import json
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
 from llama_tp.checkpoints.slices import model_shape
+from llama_tp.checkpoints.tokenizer import load_tokenizer
 from llama_tp.cluster.distributed import all_gather_object
 from llama_tp.engine.generation import generate_step
 from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import make_sampler, vocab_shard
+from llama_tp.kernels.layers import use_native
 from llama_tp.parallel.placement import kv_cache_bytes
 
 ATOL = 1e-4
@@ -52,27 +56,29 @@ def logits_of(model, x: mx.array) -> np.ndarray:
     """(L, vocab): a prefill, then three cached single-token steps, each evaluated alone
     (a pipeline stage returns the last position of each)."""
     cache = make_prompt_cache(model)
-    shard = vocab_shard(model)
+    shard = vocab_shard(model)  # the whole vocabulary is the one-shard case
     out = []
     for a, b in [(0, x.shape[1] - 3)] + [(i, i + 1) for i in range(x.shape[1] - 3, x.shape[1])]:
         logits = model(x[:, a:b], cache=cache)[0].astype(mx.float32)
-        logits = logits if shard is None else shard.full_logits(logits)
+        logits = shard.full_logits(logits)
         mx.eval(logits)
         out.append(np.array(logits))
     return np.concatenate(out, axis=0)
 
 
-def greedy(model, prompt: list[int], steps: int, draft=None) -> list[int]:
-    sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
-    if draft is None:
+def greedy(model, prompt: list[int], steps: int, tokenizer=None) -> list[int]:
+    """`steps` greedy tokens; with `tokenizer`, through prompt-lookup speculative decoding
+    (no end of sequence: as many tokens as the plain loop)."""
+    if tokenizer is None:
+        sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
         return [int(t) for t, _ in generate_step(model, prompt, sampler, steps)]
-    from llama_tp.engine.drafters import NgramDrafter
-    from llama_tp.engine.speculative import speculative_generate_step
+    from llama_tp.engine.generation import stream_generate
 
-    steps = speculative_generate_step(
-        model, prompt, NgramDrafter(), 4, steps, 0.0, vocab_shard(model), 0
-    )
-    return [int(t) for t, _, _ in steps]
+    out = stream_generate(
+        model, tokenizer, prompt, max_tokens=steps, draft="ngram", num_draft_tokens=4,
+        eos_token_ids=set(),
+    )  # fmt: skip
+    return [r.token for r in out]
 
 
 def cache_bytes_per_token(model, x: mx.array) -> int:
@@ -114,6 +120,14 @@ def expected_expert_bytes(whole, sharded, split: str, n: int, i: int) -> int | N
     return out
 
 
+def atol(whole: nn.Module) -> float:
+    """ATOL, or 5e-4 for quantized products on the native kernels: they round activations
+    to int16 per 32 values (tests/test_kernels.py), and 2 ranks measured up to 2.7e-4
+    from one process on the 4- and 8-bit fixtures."""
+    quantized = any(isinstance(m, nn.QuantizedLinear) for m in whole.modules())
+    return 5e-4 if quantized and kernels.status().native else ATOL
+
+
 def check(spec: str, split: str, world, steps: int) -> dict:
     """`spec`: a checkpoint, SPLIT=SRC (a pre-split folder and the checkpoint it was cut
     from, the one-process reference) or PATH@T,P (a tp x pp mesh)."""
@@ -121,6 +135,8 @@ def check(spec: str, split: str, world, steps: int) -> dict:
     mesh = tuple(int(v) for v in shape.split(",")) if shape else None
     path, _, source = spec.partition("=")
     whole = build_model(open_checkpoint(source or path))
+    if kernels.status().native:  # the products the loader gives the sharded model
+        use_native(whole)
     kw = dict(tp=mesh[0], pp=mesh[1]) if mesh else {}
     sharded, ckpt = load_model(path, world, moe_split=split, **kw)
     vocab = whole.args.vocab_size
@@ -155,6 +171,7 @@ def check(spec: str, split: str, world, steps: int) -> dict:
         "n": world.size(),
         "mesh": mesh,
         "diff": float(np.max(np.abs(ref - got))),
+        "atol": atol(whole),
         "same_tokens": tokens == ref_tokens,
         "held_is_placement": all(m["held"] == m["placement"] for m in ranks),
         "cache_is_planned": all(m["cache"] == m["planned_cache"] for m in ranks),
@@ -173,10 +190,10 @@ def extras(path: str, world) -> dict:
     from llama_tp.engine.perplexity import perplexity
 
     whole = build_model(open_checkpoint(path))
-    sharded, _ = load_model(path, world)
+    sharded, ckpt = load_model(path, world)
     x = mx.array(np.random.default_rng(1).integers(0, whole.args.vocab_size, (1, 48)), mx.int32)
     prompt = ([5, 6, 7, 8] * 6)[:20]  # repeats: prompt lookup finds drafts
-    spec = greedy(sharded, prompt, 32, draft="ngram") == greedy(whole, prompt, 32)
+    spec = greedy(sharded, prompt, 32, load_tokenizer(ckpt)) == greedy(whole, prompt, 32)
     seq, _ = load_model(path, world, sequence_parallel=True)
     diff = float(np.max(np.abs(logits_of(seq, x) - logits_of(whole, x))))
     tokens = x[0].tolist()
@@ -202,7 +219,7 @@ def main() -> int:
     for path in args.models:
         for split in args.splits.split(","):
             line = check(path, split, world, args.steps)
-            ok = line["diff"] <= ATOL and line["same_tokens"] and line["cache_is_planned"]
+            ok = line["diff"] <= line["atol"] and line["same_tokens"] and line["cache_is_planned"]
             ok = ok and line["held_is_placement"] and line["experts_are_shares"]
             ok = ok and line["read_is_held"]
             failed |= not ok

@@ -39,7 +39,7 @@ def prefill_logits(model, x: mx.array) -> np.ndarray:
     """Logits of every position of one prefill, (L, V), gathered when vocabulary-sharded."""
     shard = vocab_shard(model)
     out = model(x, cache=make_prompt_cache(model))[0].astype(mx.float32)
-    out = out if shard is None else shard.full_logits(out)
+    out = shard.full_logits(out)
     mx.eval(out)
     return np.array(out)
 
@@ -50,7 +50,7 @@ def prefill_after(model, first: mx.array, x: mx.array) -> np.ndarray:
     mx.eval(model(first, cache=cache))
     shard = vocab_shard(model)
     out = model(x, cache=cache)[0].astype(mx.float32)
-    out = out if shard is None else shard.full_logits(out)
+    out = shard.full_logits(out)
     mx.eval(out)
     return np.array(out)
 

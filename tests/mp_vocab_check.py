@@ -4,9 +4,10 @@
 
 1. For each model: the vocabulary-parallel embedding equals the whole one exactly, and
    the gathered head logits equal the whole head's (fp32, 1e-5).
-2. On fixed logits (vocabulary 389, which no N in 2..8 divides): many draws of the
-   distributed temperature, top-k, top-p and min-p samplers follow the exact target
-   distribution (chi-square, significance 0.001), and every rank drew the same tokens.
+2. On fixed logits (vocabulary 389, which no N in 2..8 divides): many draws (one
+   request's keys, token_key(123, i)) of the distributed temperature, top-k, top-p and
+   min-p samplers follow the exact target distribution (chi-square, significance
+   0.001), and every rank drew the same tokens.
 3. Exact log-probabilities (chosen and top-k) without gathering the logits.
 Rank 0 prints one `OK ...` line per check; any failure exits 1 on every rank.
 """
@@ -19,9 +20,12 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
-from llama_tp.engine.sampling import VocabShard, make_sampler, token_logprobs
+from llama_tp.engine.sampling import Draw, VocabShard, sample, token_logprobs
+from llama_tp.engine.settings import SamplingParams
+from llama_tp.kernels.layers import use_native
 from llama_tp.parallel.partition import vocab_ranges
 
 WORLD = mx.distributed.init()
@@ -39,6 +43,8 @@ def report(name: str, ok: bool, detail: str = "") -> None:
 def check_model(path: str) -> None:
     whole = build_model(open_checkpoint(path))
     sharded = build_model(open_checkpoint(path))
+    if kernels.status().native:  # the products the loader gives both
+        use_native(whole), use_native(sharded)
     V = whole.args.vocab_size
     r = vocab_ranges(V, WORLD.size())[WORLD.rank()]
     sharded.shard_vocab(WORLD, r.start, r.stop)
@@ -82,11 +88,11 @@ def check_samplers() -> None:
     r = vocab_ranges(V, WORLD.size())[WORLD.rank()]
     shard = VocabShard(r.start, r.stop, V, WORLD)
     for name, logits, kw, target in [
-        ("temperature", peaked, dict(temp=0.8), softmax(peaked / 0.8)),
-        ("top_k", peaked, dict(temp=1.0, top_k=10), None),
-        ("top_p", peaked, dict(temp=0.7, top_p=0.9), None),
-        ("min_p", peaked, dict(temp=1.0, min_p=0.05), None),
-        ("top_p_fallback", flat, dict(temp=1.0, top_p=0.9), None),
+        ("temperature", peaked, dict(temperature=0.8), softmax(peaked / 0.8)),
+        ("top_k", peaked, dict(temperature=1.0, top_k=10), None),
+        ("top_p", peaked, dict(temperature=0.7, top_p=0.9), None),
+        ("min_p", peaked, dict(temperature=1.0, min_p=0.05), None),
+        ("top_p_fallback", flat, dict(temperature=1.0, top_p=0.9), None),
     ]:
         if target is None:  # mlx-lm's filters on the whole vector define the target
             from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -98,10 +104,11 @@ def check_samplers() -> None:
                 lp = apply_min_p(lp, kw["min_p"])
             if "top_k" in kw:
                 lp = apply_top_k(lp, kw["top_k"])
-            target = softmax(np.array(lp[0]) / kw["temp"])
-        sampler = make_sampler(shard=shard, seed=123, **kw)
+            target = softmax(np.array(lp[0]) / kw["temperature"])
+        # Each row its own draw of one request's key schedule: token_key(123, i).
+        rows = [Draw(SamplingParams(seed=123, **kw), i) for i in range(draws)]
         local = mx.broadcast_to(mx.array(logits[r.start : r.stop]), (draws, len(r)))
-        tokens = np.array(sampler(local))
+        tokens = np.array(sample(local, rows, shard)[0])
         agree = mx.distributed.all_gather(mx.array(tokens)[None]).reshape(WORLD.size(), -1)
         same = bool(mx.all(agree == agree[0]).item())
         ok, detail = chi_square_ok(tokens, target)
@@ -115,7 +122,7 @@ def check_logprobs() -> None:
     shard = VocabShard(r.start, r.stop, V, WORLD)
     tokens = mx.array([0, 100, 200, V - 1], mx.int32)
     got, ids, vals = token_logprobs(mx.array(logits[:, r.start : r.stop]), tokens, shard, top=5)
-    ref, ref_ids, ref_vals = token_logprobs(mx.array(logits), tokens, None, top=5)
+    ref, ref_ids, ref_vals = token_logprobs(mx.array(logits), tokens, VocabShard.whole(V), 5)
     ok = (
         mx.abs(got - ref).max().item() < 1e-5
         and mx.array_equal(ids, ref_ids).item()

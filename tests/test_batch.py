@@ -11,10 +11,10 @@ from llama_tp.engine.batch import (
     Decision,
     Join,
     SamplingParams,
-    _stop_hold,
     batch_generate,
 )
 from llama_tp.engine.generation import stream_generate
+from llama_tp.engine.stops import partial_stop
 
 PROMPTS = ["hello", "The quick brown fox", "Tensor parallel", "abc", "Où est la gare?"]
 
@@ -60,7 +60,7 @@ def test_prompt_cache_prefills_only_the_new_tokens(loaded):
         events += engine.step()
     # The cache holds the prompt and every reply token but the last (never fed back).
     assert events[0].cached_tokens == len(p1) + len(reply) - 1
-    assert engine.prefilled_tokens - before == len(p2) - events[0].cached_tokens - 1
+    assert engine.prefilled_tokens - before == len(p2) - events[0].cached_tokens
     fresh = batch_generate(model, tok, [p2], max_tokens=8)[0]
     assert [e.token for e in events] == fresh.tokens
 
@@ -71,8 +71,8 @@ def test_stop_strings_end_and_are_cut(loaded):
     stop = full[6:9]
     r = batch_generate(model, tok, ["Ranks share"], max_tokens=20, stop=(stop,))[0]
     assert r.text == full[: full.index(stop)] and r.finish_reason == "stop"
-    assert _stop_hold("abc", ("cde",)) == 1 and _stop_hold("abc", ("x",)) == 0
-    assert _stop_hold("abcd", ("bcdz", "dz")) == 3
+    assert partial_stop("abc", ("cde",)) == 1 and partial_stop("abc", ("x",)) == 0
+    assert partial_stop("abcd", ("bcdz", "dz")) == 3
 
 
 def test_cancel_leaves_the_other_rows(loaded):
@@ -105,11 +105,11 @@ def test_serve_without_fastapi_says_how_to_install_it():
     ]
 
 
-def _run(engine: BatchEngine, prompt: list[int], params: SamplingParams, draft: int):
+def _run(engine: BatchEngine, prompt: list[int], params: SamplingParams):
     engine.apply(Decision(joins=[Join(1, prompt, params)]))
     events = []
     while len(engine):
-        events += engine.step(draft)
+        events += engine.step()
     return events
 
 
@@ -120,10 +120,10 @@ def test_drafted_steps_give_plain_greedy_tokens_and_leave_the_cache_as_plain(loa
     def run(draft: int, **kw):
         """The events of one request, and of a next turn served from its prompt cache."""
         engine = BatchEngine(model, tok, prompt_cache_size=2)
-        events = _run(engine, prompt, SamplingParams(**kw), draft)
+        events = _run(engine, prompt, SamplingParams(**kw, num_draft_tokens=draft))
         reply = [e.token for e in events]
         nxt = prompt + reply + tok.encode(" abc", add_special_tokens=False)
-        return events, _run(engine, nxt, SamplingParams(max_tokens=8), 0)
+        return events, _run(engine, nxt, SamplingParams(max_tokens=8))
 
     def seen(events):
         return [(e.text, e.token, e.finish_reason, e.cached_tokens) for e in events]

@@ -309,12 +309,15 @@ SECTIONS = {
     "graph-building": ("cpu_path", "overhead_section", "cpu-path"),
     "cpu-path": ("cpu_path", "cpu_section"),
     "serving": ("serving", "serve_section"),
+    "batch-step-overlap": ("batch_step_overlap", "section"),
     "prompt-cache": ("serving", "cache_section"),
     "speculative": ("speculative", "section"),
     "sequence-parallel-memory": ("sequence_parallel_memory", "section"),
     "mpi-backend": ("mpi_backend", "section"),
     "mixture-of-experts": ("moe", "section"),
     "deepseek-v3": ("moe", "section"),
+    "weighted-split": ("weighted_split", "section"),
+    "cpu-kernels": ("cpu_kernels", "section"),
 }
 
 

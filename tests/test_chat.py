@@ -121,6 +121,7 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_prefill(tiny):
 
 def test_first_turn_is_tokenized_like_generate(tiny, default_gguf):
     from llama_tp import Chat, load
+    from llama_tp.checkpoints.chat_template import PromptRenderer
     from llama_tp.checkpoints.tokenizer import encode_prompt
 
     for model, tokenizer in (tiny, load(default_gguf)):
@@ -129,7 +130,7 @@ def test_first_turn_is_tokenized_like_generate(tiny, default_gguf):
             messages = [*chat.history, {"role": "user", "content": "hi"}]
             assert chat._render(messages) == encode_prompt(tokenizer, "hi", system)
             # The template's end of turn is an EOS token of both.
-            assert chat._end_of_turn_ids() == set(tokenizer.eos_token_ids) == {2}
+            assert PromptRenderer(tokenizer)._end_of_turn() == set(tokenizer.eos_token_ids) == {2}
 
 
 def pick_stop(text: str, at: int = 10) -> tuple[str, str]:

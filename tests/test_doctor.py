@@ -32,7 +32,10 @@ def check_lines(stdout: str) -> dict[str, tuple[str, str]]:
     """The check table: name -> (status, detail)."""
     out = {}
     for line in stdout.splitlines():
-        m = re.match(r"(ranks|versions|blas|all-reduce|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)", line)
+        m = re.match(
+            r"(ranks|versions|blas|kernels|split|all-reduce|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)",
+            line,
+        )
         if m:
             out[m[1]] = (m[2], m[3])
     return out
@@ -56,11 +59,15 @@ def test_doctor_single_process():
     assert checks["all-reduce"] == ("n/a", "single process: nothing to reduce"), r.stdout
     assert checks["logits"][0] == "ok", r.stdout
     assert checks["blas"][0] in ("ok", "warn"), r.stdout
+    # which path quantized products take (make test builds the native kernels)
+    assert checks["kernels"][0] == "ok" and checks["kernels"][1].startswith("native kernels (")
     assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
 
 
-def test_doctor_two_ranks():
-    r = launch(2, DOCTOR, timeout=90)
+def test_doctor_two_ranks(tiny_dir, monkeypatch):
+    # Unequal machines, faked (cluster/memory.py): 12 and 6 GiB available.
+    monkeypatch.setenv("LLAMA_TP_FAKE_MEMORY", "24G:12G,8G:6G")
+    r = launch(2, [*DOCTOR, "--model", str(tiny_dir)], timeout=90)
     assert_no_failed_rank(r)
     assert r.stdout.startswith("llama_tp doctor: 2 rank(s), backend ring"), r.stdout
     rows = rank_rows(r.stdout)
@@ -75,7 +82,34 @@ def test_doctor_two_ranks():
     assert checks["all-reduce"][0] == "ok", r.stdout
     assert checks["logits"][0] == "ok", r.stdout
     assert "even plan: query heads 2+2" in checks["logits"][1], r.stdout
+    # each rank's memory, and what the tiny model's weights take on each, balanced or 2:1
+    memory = r.stdout.split("memory (weights only", 1)[1].splitlines()[1:4]
+    header = " ".join(memory[0].split())  # (the speed weights depend on the timing)
+    assert header.startswith("rank total available matmul holds balanced ") and (
+        header.endswith(" holds --split 2:1")
+    ), header
+    assert memory[1].split()[:5] == ["0", "24.00", "GiB", "12.00", "GiB"], memory
+    assert memory[2].split()[:5] == ["1", "8.00", "GiB", "6.00", "GiB"], memory
+    status, detail = checks["split"]
+    assert status == "ok" and detail.startswith("weights fit balanced (rank "), detail
+    assert "; for speed " in detail and detail.endswith("; for memory --split 2:1"), detail
+    assert checks["kernels"][0] == "ok" and checks["kernels"][1].endswith("on every rank")
     assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
+
+
+def test_split_advice_says_when_weights_cannot_fit(tiny_dir):
+    from llama_tp.engine.split_advice import _fit
+
+    advice = {"memory": (1.0, 3.0)}
+    status, text = _fit(str(tiny_dir), 2, 1, [100 << 10, 300 << 10], advice)
+    held = sum(advice["holds"]["balanced"])
+    assert status == "FAILED" and held > 400 << 10
+    assert text == (
+        f"{tiny_dir} cannot fit: its weights take {held / 1024:.2f} KiB over 2 rank(s) (with "
+        "what each repeats), 400.00 KiB are available (rank 0 100.00 KiB, rank 1 300.00 KiB)"
+    )
+    status, text = _fit(str(tiny_dir), 2, 1, [150 << 10, 400 << 10], advice)
+    assert status == "warn" and text.startswith("weights fit with --split 1:3 (rank "), text
 
 
 def test_doctor_three_ranks_json():

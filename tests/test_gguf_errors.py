@@ -34,7 +34,8 @@ def bad_ggufs(default_gguf, tmp_path_factory):
     write(
         "gemma.gguf",
         data[:at] + b"gemma" + data[at + 5 :],
-        "GGUF architecture 'gemma' is not supported",
+        "unsupported GGUF architecture 'gemma' (supported: llama, qwen2, qwen3, qwen2moe, "
+        "qwen3moe)",
     )
     return files
 
@@ -84,14 +85,20 @@ def test_k_quant_tensors_stay_quantized(tmp_path):
     import mlx.core as mx
     from gguf_writer import Q6_K, tiny_llama_gguf
 
+    from llama_tp import kernels
     from llama_tp.engine.loader import load_model
 
     path = tiny_llama_gguf(tmp_path / "k.gguf", {"blk.0.ffn_down.weight": Q6_K})
-    model, ckpt = load_model(path)
-    assert any("Q6_K -> MLX 8-bit" in note for note in ckpt.notes)
-    assert model.layers[0].feed_forward.w2.bits == 8
-    logits = model(mx.array([[1, 2, 3]]))
+    with kernels.off():  # MLX's kernel: requantized to MLX's 8 bits
+        model, ckpt = load_model(path)
+        assert any("Q6_K -> MLX 8-bit" in note for note in ckpt.notes)
+        assert model.layers[0].feed_forward.w2.bits == 8
+        logits = model(mx.array([[1, 2, 3]]))
     assert logits.shape == (1, 3, 64) and mx.all(mx.isfinite(logits)).item()
+    model, ckpt = load_model(path)  # the native kernels: the file's blocks as stored
+    assert any("Q6_K -> as stored (native kernels)" in note for note in ckpt.notes)
+    assert model.layers[0].feed_forward.w2.type_name == "Q6_K"
+    assert mx.allclose(model(mx.array([[1, 2, 3]])), logits, atol=0.05).item()
 
 
 def test_unloadable_tensor_type_is_one_error_line(tmp_path):

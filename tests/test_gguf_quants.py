@@ -265,3 +265,17 @@ def test_streaming_convert_equals_the_gguf(tmp_path):
     a = build_model(open_checkpoint(path))(x)
     b = build_model(open_checkpoint(out))(x)
     assert mx.array_equal(a, b).item()
+
+
+def test_the_block_table_is_llama_cpps():
+    """GGML_TYPES (the one table of ggml type names and block sizes; gguf_quants.BLOCKS is
+    drawn from it) against gguf-py's. Q8_1 (never stored, a matmul operand) is left out:
+    ggml's block_q8_1 is two float16 and 32 int8 (36 bytes), gguf-py still lists 40."""
+    from llama_tp.checkpoints.gguf_header import GGML_TYPES
+
+    for tid, (name, per, size) in GGML_TYPES.items():
+        kind = gguf.GGMLQuantizationType(tid)
+        assert kind.name == name, tid
+        if name != "Q8_1":
+            assert gguf.GGML_QUANT_SIZES[kind] == (per, size), name
+    assert set(gq.BLOCKS) == {*gq.EXACT_BITS, *gq.REQUANT_BITS}  # every converted type

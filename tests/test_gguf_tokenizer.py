@@ -256,3 +256,20 @@ def test_spm_options():
     assert tok.eos_token_ids == {2, EOT}
     prompt = tok.apply_chat_template([{"role": "user", "content": "hello"}])
     assert prompt == [pid("h"), pid("e"), pid("llo"), 2]
+
+
+TOOL_TEMPLATE = (  # the part of Qwen2.5's template that names its tool calls
+    "{% for m in messages %}{{ m['content'] }}{% for tool_call in m.tool_calls or [] %}"
+    "<tool_call>\n{{ tool_call.name }}</tool_call>{% endfor %}{% endfor %}"
+)
+
+
+def test_a_gguf_tokenizer_gets_mlx_lms_tool_call_parser(smollm2):
+    """As mlx-lm's loader does for a Hugging Face tokenizer: the parser its chat template
+    names (none for SmolLM2's own template)."""
+    from mlx_lm.tool_parsers import json_tools
+
+    assert not tokenizer_from_gguf(smollm2).has_tool_calling
+    tok = tokenizer_from_gguf({**smollm2, "tokenizer.chat_template": TOOL_TEMPLATE})
+    assert tok.has_tool_calling and tok.tool_parser is json_tools.parse_tool_call
+    assert (tok.tool_call_start, tok.tool_call_end) == ("<tool_call>", "</tool_call>")

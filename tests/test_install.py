@@ -93,6 +93,16 @@ def test_wheel_in_a_fresh_venv_runs_the_console_scripts(venv, tmp_path):
         timeout=300,
     )
     assert plan.returncode == 0 and "rank" in plan.stdout, plan.stderr
+    # the wheel carries the native kernels' sources: the same build (keyed by them) loads
+    kernels = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "llama_tp.kernels"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=clean_env(),
+        timeout=600,
+    )
+    assert kernels.returncode == 0 and "native kernels" in kernels.stdout, kernels.stderr
 
 
 def test_console_script_under_mlx_launch(venv, tiny_dir, tmp_path):

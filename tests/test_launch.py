@@ -152,14 +152,16 @@ def test_local_ranks_preload_openblas():
 
     lib = find_openblas()
     code = "import os; e = os.environ; os.write(1, f\"{e['MLX_RANK']} {e.get('LD_PRELOAD')} "
-    code += "{e.get('OPENBLAS_NUM_THREADS')}\\n\".encode())"
+    code += "{e.get('OPENBLAS_NUM_THREADS')} {e.get('LLAMA_TP_KERNEL_THREADS')}\\n\".encode())"
     cmd = [sys.executable, "-m", "llama_tp.launch", "-n", "2", "--verbose"]
     cmd += ["--starting-port", str(next(_PORTS)), "--", sys.executable, "-c", code]
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS")}
+    given = ("LD_PRELOAD", "OPENBLAS_NUM_THREADS", "LLAMA_TP_KERNEL_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in given}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     threads = max(1, (os.cpu_count() or 1) // 2)
-    assert sorted(r.stdout.split("\n")[:-1]) == [f"{i} {lib} {threads}" for i in (0, 1)]
+    # ... and the native kernels' pool gets the same share (llama_tp.kernels)
+    assert sorted(r.stdout.split("\n")[:-1]) == [f"{i} {lib} {threads} {threads}" for i in (0, 1)]
     assert f"launch: preloading LD_PRELOAD={lib}" in r.stderr
     off = subprocess.run(
         cmd[:3] + ["--no-openblas"] + cmd[3:],
@@ -169,7 +171,7 @@ def test_local_ranks_preload_openblas():
         text=True,
         timeout=120,
     )
-    assert sorted(off.stdout.split("\n")[:-1]) == ["0 None None", "1 None None"], off.stderr
+    assert sorted(off.stdout.split("\n")[:-1]) == [f"{i} None None {threads}" for i in (0, 1)]
     # A thread count the user set is kept, and the library is still preloaded (it once
     # turned the preload off: ranks then ran MLX's slow reference BLAS).
     mine = subprocess.run(
@@ -180,7 +182,8 @@ def test_local_ranks_preload_openblas():
         text=True,
         timeout=120,
     )
-    assert sorted(mine.stdout.split("\n")[:-1]) == [f"{i} {lib} 1" for i in (0, 1)], mine.stderr
+    want = [f"{i} {lib} 1 {threads}" for i in (0, 1)]
+    assert sorted(mine.stdout.split("\n")[:-1]) == want, mine.stderr
 
 
 @requires("mpi")

@@ -23,6 +23,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "llama_tp"
 LAYERS = {
     "cluster": 0,
+    "kernels": 0,  # below everything that computes (imports only mlx)
     "parallel": 1,
     "model": 2,
     "models": 3,  # the other families, built on the core model

@@ -137,10 +137,13 @@ def check(line: dict, tp: int, pp: int, split: list[int] | None = None) -> None:
     # Every parameter but the (replicated) norms is held exactly once across the ranks;
     # a tied table twice (the first stage's embedding, the last stage's head).
     expected = line["full_bytes"] + (line["embedding_bytes"] if line["tied"] else 0)
-    assert sum(s[4] for s in stages) == expected, line
+    if "%" not in line["model"]:  # (a weighted split may replicate KV heads)
+        assert sum(s[4] for s in stages) == expected, line
     # `python -m llama_tp.plan --tp --pp` (no launch) predicts what every rank loaded.
-    path, _, text = line["model"].partition("@")
-    planned = mesh_plan(open_checkpoint(path), tp * pp, tp, pp, text or None)
+    spec, _, weights = line["model"].partition("%")
+    path, _, text = spec.partition("@")
+    split = tuple(float(w) for w in weights.split(":")) if weights else None
+    planned = mesh_plan(open_checkpoint(path), tp * pp, tp, pp, text or None, split=split)
     assert [
         [r.stage, r.tp_rank, r.layers.start, r.layers.stop, r.nbytes] for r in planned.ranks
     ] == [[s, t, a, b, nbytes] for s, t, a, b, _, _, nbytes in stages]
@@ -148,11 +151,15 @@ def check(line: dict, tp: int, pp: int, split: list[int] | None = None) -> None:
 
 def test_pp2_on_2_ranks(models):
     specs = [str(models["m5"]), str(models["tied"]), f"{models['m5']}@1,4"]
+    specs.append(f"{models['m5']}@2:3")  # --pp-split weights of the stages' bytes
     # 140 tokens: the prefill (137) runs as 4 micro-batches of 35 (micro_batches)
     lines = run_mesh(2, 1, 2, specs, tokens=140)
     check(lines[0], 1, 2)
     check(lines[1], 1, 2)
     check(lines[2], 1, 2, [1, 4])
+    check(lines[3], 1, 2, [2, 3])  # 5 layers, the embedding and the head weighed 2:3
+    balanced = [b - a for _, _, a, b, *_ in sorted(lines[0]["stages"])]
+    assert balanced == [3, 2]
 
 
 def test_pp3_uneven_on_3_ranks(models):
@@ -162,9 +169,13 @@ def test_pp3_uneven_on_3_ranks(models):
 
 
 def test_tp2_x_pp2_on_4_ranks(models):
-    lines = run_mesh(4, 2, 2, [str(models[k]) for k in ("m5", "tied", "q4")], tokens=140)
+    specs = [str(models[k]) for k in ("m5", "tied", "q4")] + [f"{models['m5']}%2:1"]
+    lines = run_mesh(4, 2, 2, specs, tokens=140)
     for line in lines:
         check(line, 2, 2)
+    # --split 2:1 in each stage's tensor group: tensor rank 0 holds about twice rank 1's bytes
+    weighted = {(s, t): nbytes for s, t, *_, nbytes in lines[3]["stages"]}
+    assert all(1.5 < weighted[s, 0] / weighted[s, 1] < 2.5 for s in (0, 1)), weighted
 
 
 def generate_args(model, *extra: str) -> list[str]:

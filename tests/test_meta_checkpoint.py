@@ -172,8 +172,8 @@ def test_logits_equal_hf_twin(models):
 
 
 def test_greedy_generation_equals_hf_twin(models):
-    prompt = encode_prompt(models["meta"][1], PROMPT)
-    assert prompt == encode_prompt(models["hf"][1], PROMPT)
+    prompt = encode_prompt(models["meta"][1], PROMPT, use_chat_template=False)
+    assert prompt == encode_prompt(models["hf"][1], PROMPT, use_chat_template=False)
     tokens = greedy_tokens(models["meta"][0], prompt)
     assert len(tokens) == N_TOKENS
     assert tokens == greedy_tokens(models["hf"][0], prompt)
@@ -308,7 +308,7 @@ def test_converts_for_mlx_lm(twins, models, tmp_path):
     r = run_python(["-m", "llama_tp.convert", "--model", str(twins["meta"]), "--out", str(out)])
     assert r.returncode == 0, r.stderr
     model, tok = mlx_lm.load(str(out))
-    prompt = encode_prompt(models["meta"][1], PROMPT)
+    prompt = encode_prompt(models["meta"][1], PROMPT, use_chat_template=False)
     assert list(tok.encode(PROMPT)) == prompt
     tokens = [int(t) for t, _ in mlx_lm_step(mx.array(prompt), model, max_tokens=N_TOKENS)]
     assert tokens == greedy_tokens(models["hf"][0], prompt)

@@ -379,7 +379,10 @@ def test_sh_blocks_parse(monkeypatch, capsys):
                 hostfile = c.launcher[c.launcher.index("--hostfile") + 1]
                 assert (ROOT / hostfile).is_file(), f"{b.where}: no {hostfile}"
             monkeypatch.setattr(sys, "argv", [f"llama_tp.{c.name}", *c.args])
-            main = importlib.import_module(f"llama_tp.{c.name}").main
+            module = importlib.import_module(f"llama_tp.{c.name}")
+            if not hasattr(module, "main"):  # a package (python -m llama_tp.kernels)
+                module = importlib.import_module(f"llama_tp.{c.name}.__main__")
+            main = module.main
             with pytest.raises(_DryRun):
                 try:
                     main()

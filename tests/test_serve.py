@@ -257,18 +257,21 @@ def test_spec_bad_num_draft_tokens_gets_a_400(servers):
             continue
         assert code == 400, (bad, text)
         assert json.loads(text)["error"]["param"] == "num_draft_tokens", text
-    # Sampled requests do not draft (see docs/serving.md): asking for drafts there is a 400.
-    code, text = http(url, {**ok, "num_draft_tokens": 4, "temperature": 0.7}, auth)
-    assert code == 400 and json.loads(text)["error"]["param"] == "num_draft_tokens", text
-    assert http(url, {**ok, "num_draft_tokens": 0, "temperature": 0.7}, auth)[0] == 200
+    # Sampled requests draft too, and answer the text they answer without drafts.
+    sampled = {**ok, "temperature": 0.9, "seed": 3, "max_tokens": 24}
+    code, text = http(url, {**sampled, "num_draft_tokens": 4}, auth)
+    assert code == 200, text
+    plain = http(url, {**sampled, "num_draft_tokens": 0}, auth)[1]
+    message = json.loads(text)["choices"][0]["message"]["content"]
+    assert message == json.loads(plain)["choices"][0]["message"]["content"]
 
 
-def test_spec_server_default_applies_to_greedy_requests_that_do_not_say():
+def test_spec_server_default_applies_to_requests_that_do_not_say():
     from llama_tp.server.protocol import Defaults, parse_chat
 
     d = Defaults(num_draft_tokens=3)
     msg = {"messages": [{"role": "user", "content": "hi"}]}
-    for extra, k in [({}, 3), ({"temperature": 0.5}, 0), ({"num_draft_tokens": 0}, 0)]:
+    for extra, k in [({}, 3), ({"temperature": 0.5}, 3), ({"num_draft_tokens": 0}, 0)]:
         assert parse_chat({**msg, **extra}, d).params.num_draft_tokens == k, extra
     assert parse_chat({**msg, "num_draft_tokens": 16}, d).params.num_draft_tokens == 16
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..cluster.distributed import all_gather_object, barrier, broadcast_object
+from ..cluster.distributed import all_gather_object, barrier, broadcast_object, first_line
 
 
 def hf_dir(path: Path, group: mx.distributed.Group) -> tuple[Path, Path | None]:
@@ -81,7 +81,7 @@ def run_mlx_lm(args: Any, path: Path, group: mx.distributed.Group, prompt: list[
             else:
                 model, _ = load(str(directory))
         except Exception as e:  # noqa: BLE001 - reported as "not supported" on every rank
-            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+            error = f"{type(e).__name__}: {first_line(e)}"
         errors = [e for e in all_gather_object(error, group) if e]
         if errors:
             return {"supported": False, "reason": f"not supported by mlx-lm: {errors[0]}"}

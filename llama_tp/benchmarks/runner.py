@@ -84,6 +84,7 @@ def bench_llama_tp(
     from ..engine.sampling import make_sampler, vocab_shard
     from ..model import lazy_query_blocks
     from ..parallel.mesh import MeshError
+    from ..parallel.shares import SplitError
 
     mx.reset_peak_memory()
     tic = time.perf_counter()
@@ -97,9 +98,10 @@ def bench_llama_tp(
             args.dtype,
             sequence_parallel=sp,
             moe_split=args.moe_split,
+            split=args.split,
             **mesh_flags,
         )
-    except MeshError as e:  # the same on every rank
+    except (MeshError, SplitError) as e:  # the same on every rank
         raise UsageError(str(e)) from None
     mesh = getattr(model, "mesh", None)  # a tp x pp mesh: this rank's pipeline stage
     load_s = time.perf_counter() - tic
@@ -107,7 +109,8 @@ def bench_llama_tp(
     weights = mx.get_active_memory() / 1e9  # what stays: the weights (and little else)
     prompt = bench_prompt(args, path, model, group)
     sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
-    drafter, spec = bench_drafter(args, path, model, group), []
+    drafter, spec = bench_drafter(args, path, model, group, ckpt.placement.plan.weights), []
+    tokenizer = None if drafter is None else bench_tokenizer(path, group)
 
     def trial(prompt=prompt, max_tokens=args.generation_tokens):
         if drafter is None:
@@ -115,23 +118,26 @@ def bench_llama_tp(
                 model, prompt, sampler, max_tokens, prefill_step_size=args.prefill_step_size
             )
             return timed(steps, len(prompt))
-        from ..engine.speculative import SpecStats, speculative_generate_step
+        from ..engine.generation import stream_generate
 
-        drafter.reset()
-        spec.append(SpecStats())
-        steps = speculative_generate_step(
+        responses = stream_generate(
             model,
+            tokenizer,
             prompt,
-            drafter,
-            args.num_draft_tokens,
-            max_tokens,
-            0.0,
-            vocab_shard(model),
-            0,
-            stats=spec[-1],
+            max_tokens=max_tokens,
+            seed=0,
+            eos_token_ids=set(),
+            draft=drafter,
+            num_draft_tokens=args.num_draft_tokens,
             prefill_step_size=args.prefill_step_size,
         )
-        return timed(((t, lg) for t, lg, _ in steps), len(prompt))
+
+        def steps():
+            for r in responses:
+                yield r.token, None
+            spec.append(r.speculative)
+
+        return timed(steps(), len(prompt))
 
     res = run_trials(trial, args.num_trials)
     if ckpt.placement is not None and ckpt.placement.plan.experts is not None:
@@ -149,6 +155,9 @@ def bench_llama_tp(
     )
     res.update(load_time_s=load_s, load_peak_memory_gb=[p[0] for p in peaks])
     res["load_bytes_read"] = [p[2] for p in peaks]  # from weight files, per rank
+    placement = ckpt.placement
+    res["split"] = list(placement.plan.weights) if placement and placement.plan.weights else None
+    res["placement_bytes"] = [r.nbytes for r in placement.ranks] if placement else None
     res["peak_memory_gb"] = [p[1] for p in peaks]
     rows = None
     if getattr(sampler, "sample_with_rows", None) and sampler.shard.embedding is not None:
@@ -244,19 +253,27 @@ def bench_prompt(args: Any, path: Path, model: Any, group: mx.distributed.Group)
     return broadcast_object(ids.tolist(), group)
 
 
-def bench_drafter(args: Any, path: Path, model: Any, group: mx.distributed.Group):
-    """The drafter of --draft ngram|PATH, or None."""
+def bench_tokenizer(path: Path, group: mx.distributed.Group):
+    """The tokenizer of the checkpoint at `path`."""
+    from ..checkpoints import open_checkpoint
+    from ..checkpoints.tokenizer import load_tokenizer
+
+    return load_tokenizer(open_checkpoint(path, group.rank(), group.size()))
+
+
+def bench_drafter(
+    args: Any, path: Path, model: Any, group: mx.distributed.Group, split: Any = None
+):
+    """The drafter of --draft ngram|PATH, or None (a sharded draft by the model's `split`)."""
     from ..engine.drafters import NgramDrafter, load_draft, make_drafter
 
     if not args.draft:
         return None
     if args.draft == "ngram":
         return NgramDrafter()
-    from ..checkpoints import open_checkpoint
-    from ..checkpoints.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(open_checkpoint(path, group.rank(), group.size()))
-    return make_drafter(load_draft(args.draft, model, tok, group, args.draft_sharded), model)
+    tok = bench_tokenizer(path, group)
+    draft = load_draft(args.draft, model, tok, group, args.draft_sharded, split)
+    return make_drafter(draft, model)
 
 
 def pin(spec: str, rank: int) -> list[int]:

@@ -40,8 +40,9 @@ def facts_line(res: dict) -> str:
     return f"Machine: {res['machine']}; `{res['command']}`; {res['date']}."
 
 
-def replace_section(name: str, markdown: str, page: Path = PAGE) -> Path:
+def replace_section(name: str, markdown: str, page: str | os.PathLike = PAGE) -> Path:
     """Put `markdown` between NAME's markers in `page` (appended when they are absent)."""
+    page = Path(page)  # the drivers' --out is a string
     section = f"{begin(name)}\n\n{markdown.strip()}\n\n{end(name)}\n"
     text = page.read_text() if page.exists() else ""
     pattern = re.escape(begin(name)) + ".*?" + re.escape(end(name)) + "\n?"

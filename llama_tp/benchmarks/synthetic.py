@@ -1,19 +1,23 @@
 """Random-weight Llama checkpoints of realistic sizes, for benchmarks.
 
-    python -m llama_tp.synthetic 0.5b-fp16 --out DIR
+    python -m llama_tp.benchmarks.synthetic 0.5b-fp16 --out DIR
+    python -m llama_tp.benchmarks.synthetic 70b-q4 --shapes-only --out DIR   # for `plan`
 
 writes a Hugging Face directory (config.json, model.safetensors, a word-level
 tokenizer.json) that both `llama_tp.load` and `mlx_lm.load` open, so the two
-run the same weights. Specs are `SIZE-DTYPE`: sizes in `SIZES`, dtypes fp16,
-bf16, fp32 and q4 (MLX 4-bit, group 64, as mlx-community folders, with float32 scales
-and norms). The `moe-*` sizes are Qwen3-MoE models with the experts
-stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's shape scaled down:
-128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). The `deepseek-*` sizes
-are DeepSeek-V3 models (latent attention, grouped sigmoid routing, a shared expert, a
-dense first layer) stored as mlx-lm's convert writes them (`embed_q` / `unembed_out`,
-stacked experts); `deepseek-v3` is its shape scaled down (256 -> 64 experts in 8 groups,
-8 per token, 61 -> 8 layers, 128 -> 16 heads, widths / 4 to / 7). `synthetic_dir(spec)`
-writes one into the cache once and reuses it.
+run the same weights. `--shapes-only` writes the safetensors header of every tensor
+and leaves the data a sparse file of zeros (no disk space, nothing computed): what
+`python -m llama_tp.plan` needs to print how a model of that shape splits (the `70b`
+size is Llama-3-70B's shape), never a model to run. Specs are `SIZE-DTYPE`: sizes in
+`SIZES`, dtypes fp16, bf16, fp32 and q4 (MLX 4-bit, group 64, as mlx-community
+folders, with float32 scales and norms). The `moe-*` sizes are Qwen3-MoE
+models with the experts stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's
+shape scaled down: 128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). The
+`deepseek-*` sizes are DeepSeek-V3 models (latent attention, grouped sigmoid routing, a
+shared expert, a dense first layer) stored as mlx-lm's convert writes them (`embed_q` /
+`unembed_out`, stacked experts); `deepseek-v3` is its shape scaled down (256 -> 64
+experts in 8 groups, 8 per token, 61 -> 8 layers, 128 -> 16 heads, widths / 4 to / 7).
+`synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ SIZES = {
     "0.1b": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=2816, vocab=32000),
     "tiny": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512),
     "1b": dict(dim=2048, n_layers=18, n_heads=16, n_kv_heads=8, hidden_dim=5632, vocab=32000),
+    # Llama-3-70B's shape: for `plan` on a --shapes-only directory (140 GB at fp16)
+    "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672, vocab=128256),
     # Qwen3-MoE: experts, experts per token, expert width (head_dim: qk-norm heads)
     "moe-tiny": dict(
         dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512,
@@ -131,73 +137,125 @@ def hf_config(s: dict, dtype_name: str) -> dict:
     }
 
 
-def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
-    """Hugging Face-named random weights, scaled so that activations stay O(1)."""
-    key = mx.random.key(seed)
+def _tensors(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
+    "zeros" a float32 routing bias), in the order the random ones are drawn."""
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]
-    out: dict[str, mx.array] = {}
-
-    def w(name: str, *shape: int) -> None:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        out[name] = (mx.random.normal(shape, key=sub) * shape[-1] ** -0.5).astype(dtype)
-
-    w("model.embed_tokens.weight", s["vocab"], d)
-    w("lm_head.weight", s["vocab"], d)
-    out["model.norm.weight"] = mx.ones((d,), dtype)
+    out = [("model.embed_tokens.weight", (s["vocab"], d), "normal")]
+    out += [("lm_head.weight", (s["vocab"], d), "normal"), ("model.norm.weight", (d,), "ones")]
     for i in range(s["n_layers"]):
         p = f"model.layers.{i}."
         if "latent" in s:
-            _latent_attention(s, p + "self_attn.", w, out, dtype)
+            out += _latent_attention(s, p + "self_attn.")
         else:
-            w(p + "self_attn.q_proj.weight", nh * hd, d)
-            w(p + "self_attn.k_proj.weight", nkv * hd, d)
-            w(p + "self_attn.v_proj.weight", nkv * hd, d)
-            w(p + "self_attn.o_proj.weight", d, nh * hd)
+            out += [
+                (p + "self_attn.q_proj.weight", (nh * hd, d), "normal"),
+                (p + "self_attn.k_proj.weight", (nkv * hd, d), "normal"),
+                (p + "self_attn.v_proj.weight", (nkv * hd, d), "normal"),
+                (p + "self_attn.o_proj.weight", (d, nh * hd), "normal"),
+            ]
         if "latent" in s and i == 0:  # DeepSeek-V3's dense first layer
-            w(p + "mlp.gate_proj.weight", h, d)
-            w(p + "mlp.up_proj.weight", h, d)
-            w(p + "mlp.down_proj.weight", d, h)
+            out += _dense(p, d, h)
         elif "latent" in s:  # grouped routing with its bias, the experts, a shared expert
             e, m = s["experts"], s["expert_dim"]
-            w(p + "mlp.gate.weight", e, d)
-            out[p + "mlp.gate.e_score_correction_bias"] = mx.zeros((e,), mx.float32)
-            w(p + "mlp.switch_mlp.gate_proj.weight", e, m, d)
-            w(p + "mlp.switch_mlp.up_proj.weight", e, m, d)
-            w(p + "mlp.switch_mlp.down_proj.weight", e, d, m)
-            w(p + "mlp.shared_experts.gate_proj.weight", m, d)
-            w(p + "mlp.shared_experts.up_proj.weight", m, d)
-            w(p + "mlp.shared_experts.down_proj.weight", d, m)
+            out += [
+                (p + "mlp.gate.weight", (e, d), "normal"),
+                (p + "mlp.gate.e_score_correction_bias", (e,), "zeros"),
+                (p + "mlp.switch_mlp.gate_proj.weight", (e, m, d), "normal"),
+                (p + "mlp.switch_mlp.up_proj.weight", (e, m, d), "normal"),
+                (p + "mlp.switch_mlp.down_proj.weight", (e, d, m), "normal"),
+                (p + "mlp.shared_experts.gate_proj.weight", (m, d), "normal"),
+                (p + "mlp.shared_experts.up_proj.weight", (m, d), "normal"),
+                (p + "mlp.shared_experts.down_proj.weight", (d, m), "normal"),
+            ]
         elif "experts" in s:  # stacked, as mlx-lm stores them
             e, m = s["experts"], s["expert_dim"]
-            w(p + "mlp.gate.weight", e, d)
-            w(p + "mlp.switch_mlp.gate_proj.weight", e, m, d)
-            w(p + "mlp.switch_mlp.up_proj.weight", e, m, d)
-            w(p + "mlp.switch_mlp.down_proj.weight", e, d, m)
-            out[p + "self_attn.q_norm.weight"] = mx.ones((hd,), dtype)
-            out[p + "self_attn.k_norm.weight"] = mx.ones((hd,), dtype)
+            out += [
+                (p + "mlp.gate.weight", (e, d), "normal"),
+                (p + "mlp.switch_mlp.gate_proj.weight", (e, m, d), "normal"),
+                (p + "mlp.switch_mlp.up_proj.weight", (e, m, d), "normal"),
+                (p + "mlp.switch_mlp.down_proj.weight", (e, d, m), "normal"),
+                (p + "self_attn.q_norm.weight", (hd,), "ones"),
+                (p + "self_attn.k_norm.weight", (hd,), "ones"),
+            ]
         else:
-            w(p + "mlp.gate_proj.weight", h, d)
-            w(p + "mlp.up_proj.weight", h, d)
-            w(p + "mlp.down_proj.weight", d, h)
-        out[p + "input_layernorm.weight"] = mx.ones((d,), dtype)
-        out[p + "post_attention_layernorm.weight"] = mx.ones((d,), dtype)
+            out += _dense(p, d, h)
+        out += [(p + "input_layernorm.weight", (d,), "ones")]
+        out += [(p + "post_attention_layernorm.weight", (d,), "ones")]
     return out
 
 
-def _latent_attention(s: dict, p: str, w, out: dict, dtype: mx.Dtype) -> None:
+def _dense(p: str, d: int, h: int) -> list[tuple[str, tuple[int, ...], str]]:
+    return [
+        (p + "mlp.gate_proj.weight", (h, d), "normal"),
+        (p + "mlp.up_proj.weight", (h, d), "normal"),
+        (p + "mlp.down_proj.weight", (d, h), "normal"),
+    ]
+
+
+def _latent_attention(s: dict, p: str) -> list[tuple[str, tuple[int, ...], str]]:
     """DeepSeek-V3's attention as mlx-lm stores it (kv_b_proj split per head)."""
     d, nh = s["dim"], s["n_heads"]
     q_rank, kv_rank, nope, rope, v = s["latent"]
-    w(p + "q_a_proj.weight", q_rank, d)
-    out[p + "q_a_layernorm.weight"] = mx.ones((q_rank,), dtype)
-    w(p + "q_b_proj.weight", nh * (nope + rope), q_rank)
-    w(p + "kv_a_proj_with_mqa.weight", kv_rank + rope, d)
-    out[p + "kv_a_layernorm.weight"] = mx.ones((kv_rank,), dtype)
-    w(p + "embed_q.weight", nh, kv_rank, nope)
-    w(p + "unembed_out.weight", nh, v, kv_rank)
-    w(p + "o_proj.weight", d, nh * v)
+    return [
+        (p + "q_a_proj.weight", (q_rank, d), "normal"),
+        (p + "q_a_layernorm.weight", (q_rank,), "ones"),
+        (p + "q_b_proj.weight", (nh * (nope + rope), q_rank), "normal"),
+        (p + "kv_a_proj_with_mqa.weight", (kv_rank + rope, d), "normal"),
+        (p + "kv_a_layernorm.weight", (kv_rank,), "ones"),
+        (p + "embed_q.weight", (nh, kv_rank, nope), "normal"),
+        (p + "unembed_out.weight", (nh, v, kv_rank), "normal"),
+        (p + "o_proj.weight", (d, nh * v), "normal"),
+    ]
+
+
+def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
+    """Hugging Face-named random weights, scaled so that activations stay O(1)."""
+    key = mx.random.key(seed)
+    out: dict[str, mx.array] = {}
+    for name, shape, init in _tensors(s):
+        if init == "normal":
+            key, sub = mx.random.split(key)
+            out[name] = (mx.random.normal(shape, key=sub) * shape[-1] ** -0.5).astype(dtype)
+        elif init == "zeros":  # DeepSeek's routing bias: float32, as mlx-lm keeps it
+            out[name] = mx.zeros(shape, mx.float32)
+        else:
+            out[name] = mx.ones(shape, dtype)
+    return out
+
+
+_SAFETENSORS = {mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32", mx.uint32: "U32"}
+
+
+def _stored(s: dict, dtype: mx.Dtype, q4: bool) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+    """Every stored tensor's (shape, dtype), as `_weights` (and `_quantized`) make them."""
+    out = {}
+    tensors = _tensors(s)
+    routers = {n.removesuffix(".e_score_correction_bias") for n, _, i in tensors if i == "zeros"}
+    for name, shape, init in tensors:
+        router = name.removesuffix(".weight") in routers  # DeepSeek's gate: float, as _quantized
+        if init == "zeros":
+            out[name] = (shape, mx.float32)
+        elif q4 and len(shape) >= 2 and shape[-1] % Q4_GROUP == 0 and not router:
+            base = name.removesuffix(".weight")
+            out[name] = ((*shape[:-1], shape[-1] // 8), mx.uint32)  # 8 4-bit values per uint32
+            for k in ("scales", "biases"):
+                out[f"{base}.{k}"] = ((*shape[:-1], shape[-1] // Q4_GROUP), dtype)
+        else:
+            out[name] = (shape, dtype)
+    return out
+
+
+def _write_shapes_only(tensors: dict[str, tuple[tuple[int, ...], mx.Dtype]], path: Path) -> None:
+    """A safetensors file of `tensors` whose data is a hole: the header, then the file
+    extended to its full size (zeros; sparse where the file system allows it)."""
+    from ..checkpoints.stream import header
+
+    start, nbytes = header([(name, *tensors[name]) for name in sorted(tensors)])
+    with open(path, "wb") as f:
+        f.write(start)
+        f.truncate(len(start) + nbytes)
 
 
 Q4_GROUP = 64
@@ -235,16 +293,22 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_synthetic(spec: str, out: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the synthetic checkpoint `spec` (e.g. `0.5b-fp16`) into directory `out`."""
+def write_synthetic(
+    spec: str, out: str | os.PathLike, seed: int = 0, shapes_only: bool = False
+) -> Path:
+    """Write the synthetic checkpoint `spec` (e.g. `0.5b-fp16`) into directory `out`;
+    `shapes_only`: every tensor's shape, its data left zeros (see the module docstring)."""
     s, dtype = parse_spec(spec)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    weights = _weights(s, dtype, seed)
-    if spec.endswith("-q4"):
-        weights = _quantized(weights)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    del weights
+    if shapes_only:
+        _write_shapes_only(_stored(s, dtype, spec.endswith("-q4")), out / "model.safetensors")
+    else:
+        weights = _weights(s, dtype, seed)
+        if spec.endswith("-q4"):
+            weights = _quantized(weights)
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+        del weights
     config = hf_config(s, spec.rpartition("-")[2])
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_tokenizer(out, s["vocab"])
@@ -256,20 +320,21 @@ def cache_root() -> Path:
     return Path(base) / "llama_tp" / "synthetic"
 
 
-def synthetic_dir(spec: str, seed: int = 0) -> Path:
-    """The cached directory of `spec`, written first if missing.
+def synthetic_dir(spec: str, seed: int = 0, shapes_only: bool = False) -> Path:
+    """The cached directory of `spec` (`shapes_only`: its shapes, for `plan`), written
+    first if missing.
 
     Written into a temporary directory and renamed, so that ranks racing to
     write it (each writes the same bytes) never see a half-written one.
     """
     parse_spec(spec)
-    path = cache_root() / f"{spec}-seed{seed}"
+    path = cache_root() / (f"{spec}-shapes" if shapes_only else f"{spec}-seed{seed}")
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec}-", dir=path.parent))
     try:
-        write_synthetic(spec, tmp, seed)
+        write_synthetic(spec, tmp, seed, shapes_only)
         os.rename(tmp, path)
     except OSError:
         if not (path / "config.json").is_file():
@@ -286,8 +351,13 @@ def main() -> int:
     p.add_argument("spec", help=f"SIZE-DTYPE, SIZE in {', '.join(SIZES)}; e.g. 0.5b-fp16")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--shapes-only",
+        action="store_true",
+        help="write the tensors' shapes, their data a sparse file of zeros: for `plan`",
+    )
     args = p.parse_args()
-    path = write_synthetic(args.spec, args.out, args.seed)
+    path = write_synthetic(args.spec, args.out, args.seed, args.shapes_only)
     print(path, file=sys.stderr)
     return 0
 

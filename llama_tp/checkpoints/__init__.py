@@ -12,16 +12,20 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..cluster.distributed import first_line
 from .base import Checkpoint, CheckpointError
 
 __all__ = ["Checkpoint", "CheckpointError", "open_checkpoint", "quantization_of"]
 
 
-def open_checkpoint(path: str | Path, rank: int = 0, size: int = 1) -> Checkpoint:
+def open_checkpoint(
+    path: str | Path, rank: int = 0, size: int = 1, blocks: bool = False
+) -> Checkpoint:
     """Read the config and (lazily) the weights of a checkpoint at `path`.
 
     A checkpoint pre-split by `convert --shards N` opens as the folder of
-    `rank` (of `size` ranks), which must be the N it was split for.
+    `rank` (of `size` ranks), which must be the N it was split for. `blocks`: a GGUF
+    file's quantized tensors stay as stored, for the native kernels (`llama_tp.kernels`).
     """
     from . import gguf, hf, split
 
@@ -33,7 +37,7 @@ def open_checkpoint(path: str | Path, rank: int = 0, size: int = 1) -> Checkpoin
     if split.is_split(p):
         return split.read(split.rank_dir(p, rank, size), rank, size)
     if p.is_file():
-        return gguf.read(p)
+        return gguf.read(p, blocks)
     if (p / "config.json").is_file():
         return hf.read(p)
     if (p / "params.json").is_file():
@@ -56,9 +60,9 @@ def _download(repo: str) -> Path:
     try:
         return Path(mlx_lm_download(repo))
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
-            f"{repo}: not a local path, and fetching it from the Hugging Face hub failed ({first})"
+            f"{repo}: not a local path, and fetching it from the Hugging Face hub failed "
+            f"({first_line(e)})"
         ) from None
 
 

@@ -30,5 +30,8 @@ class Checkpoint:
     # blocks are wider than MLX groups (GGUF K-quants: 256): the plan splits on them.
     ffn_block: int | None = None
     notes: list[str] = field(default_factory=list)  # what the reader converted (--verbose)
+    # model weight name -> GGUF type, for tensors kept as the file's blocks (native kernels)
+    blocks: dict[str, str] = field(default_factory=dict)
+    products: str = ""  # what computes the matrix products (the loader's; --verbose)
     mesh: Any = None  # the loader's parallel.mesh.Mesh (tp x pp x dp), when it made one
     placement: Any = None  # the loader's parallel.placement.Placement (built-in plan)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cluster.distributed import first_line
 from ..model import Transformer
 from ..models import build
 from . import quantization_of
@@ -23,6 +24,27 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
     nn.quantize(model, class_predicate=predicate)
 
 
+def _blocks_like(model: nn.Module, blocks: dict[str, str]) -> None:
+    """Turn every Linear/Embedding whose checkpoint tensor is kept as GGUF blocks
+    (`ckpt.blocks`, weight name -> type) into the native kernels' block layer."""
+    from mlx.utils import tree_unflatten
+
+    from ..kernels.layers import GGUFEmbedding, GGUFLinear
+
+    swaps = []
+    for path, module in model.named_modules():
+        kind = blocks.get(f"{path}.weight")
+        if kind is None:
+            continue
+        rows, cols = module.weight.shape
+        if isinstance(module, nn.Embedding):
+            swaps.append((path, GGUFEmbedding(rows, cols, kind)))
+        else:
+            swaps.append((path, GGUFLinear(cols, rows, kind, bias="bias" in module)))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+
+
 def build_model(ckpt: Checkpoint, whole: bool = True) -> Transformer:
     """The model with the checkpoint's (still lazy) weights in place.
 
@@ -32,6 +54,7 @@ def build_model(ckpt: Checkpoint, whole: bool = True) -> Transformer:
     """
     model = build(ckpt.args)
     model.ffn_block = ckpt.ffn_block  # the plan splits the feed-forward on file blocks
+    _blocks_like(model, ckpt.blocks)
     _quantize_like(model, ckpt.weights)
     load_weights(model, ckpt, list(ckpt.weights.items()))
     if whole:
@@ -63,8 +86,9 @@ def load_weights(model: nn.Module, ckpt: Checkpoint, weights: list[tuple[str, mx
         model.load_weights(weights, strict=True)
     except ValueError as e:
         # mlx lists every mismatching name; keep the first line, it names the problem.
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"{ckpt.path}: weights do not match the config: {first}") from None
+        raise CheckpointError(
+            f"{ckpt.path}: weights do not match the config: {first_line(e)}"
+        ) from None
 
 
 def empty_split_model(ckpt: Checkpoint) -> Transformer:

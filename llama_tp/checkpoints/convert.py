@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 
 from ..parallel.placement import DEFAULT_MOE_SPLIT
+from ..parallel.shares import SplitSpec, Weights, fixed_weights
 from . import open_checkpoint
 from .base import Checkpoint, CheckpointError
 from .hf_config import hf_config, hf_name, quantized_modules, token_ids
@@ -184,6 +185,7 @@ def convert(
     progress: bool = True,
     dtype: str | None = None,
     moe_split: str = DEFAULT_MOE_SPLIT,
+    split: SplitSpec = None,
 ) -> Path:
     """Convert the checkpoint `src` into the directory `out` (created; weight files replaced).
 
@@ -192,15 +194,19 @@ def convert(
     mlx-lm directory (for a tp x pp mesh: `engine.mesh_split.convert_mesh`). `dtype`
     ("float32", "float16", "bfloat16") dequantizes every quantized tensor and casts
     all weights to it. `moe_split` ("tensor" or "expert"): how `shards` split a
-    mixture-of-experts model's experts. With `progress`, shows progress and a `wrote ...`
-    line on stderr.
+    mixture-of-experts model's experts; `split` ("3:1" or (3, 1): one weight per rank) how
+    much of every layer each folder takes (recorded: loading refuses another). With
+    `progress`, shows progress and a `wrote ...` line on stderr.
     """
     src, out = Path(src), Path(out)
+    if split is not None and shards is None:
+        raise ValueError("split only applies with shards (one folder per rank)")
+    split_weights = fixed_weights(split, shards, "convert") if shards else None
     source = open_source(src, quantize, group_size, dtype)
     ckpt, model, weights = source.ckpt, source.model, source.weights
     clear_out(out)
     if shards is not None:
-        _write_split(source, out, shards, vocab_parallel, progress, moe_split)
+        _write_split(source, out, shards, vocab_parallel, progress, moe_split, split_weights)
         if progress:
             print(f"wrote {out} ({shards} rank folders)", file=sys.stderr)
         return out
@@ -255,6 +261,7 @@ def write_folders(
         # The plan split the feed-forward on the file's blocks: loading must too.
         "ffn_block": getattr(source.model, "ffn_block", None),
         "moe_split": placement.moe_split,  # as the experts were cut
+        "split": list(placement.plan.weights) if placement.plan.weights else None,  # --split
         "llama_tp": {"fingerprint": weights_fingerprint(ckpt) + source.changed},
     }
     return split.write(
@@ -270,7 +277,13 @@ def write_folders(
 
 
 def _write_split(
-    source: Source, out: Path, n: int, vocab_parallel: bool, progress: bool, moe_split: str
+    source: Source,
+    out: Path,
+    n: int,
+    vocab_parallel: bool,
+    progress: bool,
+    moe_split: str,
+    weights: Weights | None,
 ) -> None:
     """One folder per rank: its placement's slices of every tensor (`Source.get`)."""
     from ..parallel.placement import place
@@ -278,7 +291,7 @@ def _write_split(
     from .split import placement_folders
 
     shape = model_shape_of(source.model)
-    placement = place(shape, n, vocab_parallel=vocab_parallel, moe_split=moe_split)
+    placement = place(shape, n, vocab_parallel=vocab_parallel, moe_split=moe_split, split=weights)
     folders = placement_folders(placement, source.get)
     write_folders(source, out, folders, placement, progress)
 

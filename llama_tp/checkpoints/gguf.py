@@ -75,13 +75,6 @@ def to_model_name(name: str) -> str:
     return name
 
 
-def _scalar(meta: dict, key: str, default=None):
-    value = meta.get(key, default)
-    if isinstance(value, mx.array):
-        return value.item()
-    return value
-
-
 def _experts(arch: str, get, weights: dict[str, mx.array], n_layers: int) -> dict:
     """The mixture-of-experts and qk-norm fields of ModelArgs from the metadata: the
     experts' widths, and which layers have them, from the tensors themselves."""
@@ -112,14 +105,10 @@ def _experts(arch: str, get, weights: dict[str, mx.array], n_layers: int) -> dic
 def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> ModelArgs:
     """ModelArgs from the `{arch}.*` metadata (the vocabulary size from the embedding
     if the metadata lacks it)."""
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise CheckpointError(
-            f"{path}: {unsupported('GGUF architecture', arch, GGUF_ARCHITECTURES)}"
-        )
+    arch = meta["general.architecture"]  # one of GGUF_ARCHITECTURES: `read` checked it
 
     def get(key, default=None):
-        return _scalar(meta, f"{arch}.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     n_heads = get("attention.head_count")
     dim = get("embedding_length")
@@ -187,10 +176,13 @@ def check_types(header: GGUFHeader, path: Path) -> None:
 def describe(file: GGUFFile) -> list[str]:
     """One line per GGUF type: what it became, e.g. `Q6_K -> 8-bit (requantized), 1 tensor`."""
     counts = Counter(t.type_name for t in file.gguf.values())
+    stored = {t.type_name for n, t in file.gguf.items() if file.block_type(n)}
     out = []
     for kind, n in sorted(counts.items()):
         what = "as it is" if kind in _MX else f"MLX {gq.mlx_bits(kind)}-bit, group {gq.GROUP}"
-        if kind in gq.REQUANT_BITS:
+        if kind in stored:
+            what = "as stored (native kernels)"
+        elif kind in gq.REQUANT_BITS:
             what += " (requantized)"
         elif kind in gq.EXACT_BITS:
             what += " (exact)"
@@ -258,7 +250,9 @@ def split_notes(ckpt: Checkpoint, plan) -> list[str]:
     return out
 
 
-def read(path: Path) -> Checkpoint:
+def read(path: Path, blocks: bool = False) -> Checkpoint:
+    """The checkpoint of a GGUF file; with `blocks`, its quantized tensors stay as stored
+    (for the native kernels: `ckpt.blocks` maps their model names to GGUF types)."""
     try:
         header = read_header(path)
     except ValueError as e:
@@ -271,12 +265,16 @@ def read(path: Path) -> Checkpoint:
             f"{path}: {unsupported(kind, header.architecture, GGUF_ARCHITECTURES)}"
         )
     check_types(header, path)
-    file = GGUFFile(path, header)
-    weights, sources = {}, {}
+    if header.metadata.get(f"{header.architecture}.expert_count"):
+        blocks = False  # a mixture of experts is converted (its experts take gather_qmm)
+    file = GGUFFile(path, header, blocks)
+    weights, sources, kept = {}, {}, {}
     for stored in file.tensors:
         name = to_model_name(stored)
         weights[name] = file.placeholder(stored)
         sources[name] = (file, stored)
+        if file.block_type(stored):
+            kept[name] = file.block_type(stored)
     for name in [k for k in weights if k.endswith("shared_expert_gate.weight")]:
         if weights[name].ndim == 1:  # llama.cpp stores the (1, dim) gate as a vector
             weights[name] = weights[name].reshape(1, -1)
@@ -293,5 +291,6 @@ def read(path: Path) -> Checkpoint:
         del weights[name], sources[name]
     ckpt = Checkpoint(path, "gguf", args, weights, header.metadata, [path], sources)
     ckpt.ffn_block = ffn_block(file)
+    ckpt.blocks = kept
     ckpt.notes = describe(file)
     return ckpt

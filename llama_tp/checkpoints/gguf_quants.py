@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .gguf_header import GGML_TYPES
+
 GROUP = 32  # MLX group size of every converted tensor
 QK_K = 256
 # GGUF type -> MLX bits, for the types converted exactly
@@ -28,19 +30,11 @@ EXACT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, 
 # random blocks stays well inside half the source's own step (<= 0.6 of it; 6 bits for
 # Q6_K reach 1.0, 4 bits for Q2_K 1.03). Measured in tests/test_gguf_quants.py.
 REQUANT_BITS = {"Q6_K": 8, "Q3_K": 4, "Q2_K": 5}
-FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # BF16 kept as bits
 # GGUF type -> (values per block, bytes per block) of the quantized types handled here
 BLOCKS = {
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-    "Q5_0": (32, 22),
-    "Q5_1": (32, 24),
-    "Q8_0": (32, 34),
-    "Q2_K": (256, 84),
-    "Q3_K": (256, 110),
-    "Q4_K": (256, 144),
-    "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
+    name: (per, size)
+    for name, per, size in GGML_TYPES.values()
+    if name in EXACT_BITS or name in REQUANT_BITS
 }
 
 _SHIFT2 = np.array([0, 2, 4, 6], np.uint8)  # the four 2-bit fields of a byte

@@ -5,8 +5,10 @@ axis, start, stop)` in the units of the array it gets back; here every quantized
 GGUF tensor `X.weight` appears as the three MLX arrays `X.weight` (packed uint32),
 `X.scales` and `X.biases` (group size 32, see `gguf_quants.py`), and float tensors
 as themselves; stacked experts (E, rows, cols) read as E matrices one after another
-(whole experts, or the same rows or columns of each). A row slice reads one contiguous
-byte range; a column slice reads,
+(whole experts, or the same rows or columns of each). With `blocks` (the native kernels
+are on, `llama_tp.kernels`), a quantized matrix stays as the file stores it: `X.weight`
+uint8 (rows, blocks * bytes), sliced in value units (rows, columns) into the whole
+blocks covering them. A row slice reads one contiguous byte range; a column slice reads,
 per row, the blocks covering the columns (a block of 256 values that straddles
 the boundary is read by both neighbours and cut on the 32-value group boundary, so
 the result is exactly that slice of the whole tensor). Bytes are read with
@@ -27,10 +29,10 @@ from . import gguf_quants as gq
 from .base import CheckpointError
 from .gguf_header import GGUFHeader
 from .gguf_header import TensorInfo as GGUFTensor
-from .safetensors import pread_into
+from .safetensors import DTYPES, pread_into, read_dense
 
 _CHUNK = 8 << 20  # source bytes converted at a time
-_MX = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+_MX = {k: DTYPES[k][1] for k in ("F32", "F16", "BF16")}  # GGUF's float types, as MLX reads them
 _PARTS = ("weight", "scales", "biases")
 
 
@@ -41,7 +43,7 @@ class Part:
     shape: tuple[int, ...]
     dtype: mx.Dtype
     source: str  # the GGUF tensor's name
-    part: str  # "weight", "scales" or "biases"
+    part: str  # "weight", "scales", "biases", or "blocks" (shape in values, not bytes)
 
 
 class GGUFFile:
@@ -49,10 +51,13 @@ class GGUFFile:
 
     `tensors` maps `name` (the GGUF name; `.scales`/`.biases` added for quantized
     ones) to a `Part` with the MLX shape. `bits[name]` is the MLX width of each
-    quantized GGUF tensor.
+    quantized GGUF tensor. With `blocks`, quantized tensors of the types the native
+    kernels compute are kept as stored (`Part.part == "blocks"`).
     """
 
-    def __init__(self, path: Path, header: GGUFHeader):
+    def __init__(self, path: Path, header: GGUFHeader, blocks: bool = False):
+        from ..kernels import GGUF_TYPES
+
         self.path = path
         self.gguf: dict[str, GGUFTensor] = header.tensors
         self.tensors: dict[str, Part] = {}
@@ -63,6 +68,9 @@ class GGUFFile:
             bits = gq.mlx_bits(t.type_name)
             if bits is None:
                 self.tensors[name] = Part(shape, _MX[t.type_name], name, "weight")
+                continue
+            if blocks and t.type_name in GGUF_TYPES and len(shape) == 2:
+                self.tensors[name] = Part(shape, mx.uint8, name, "blocks")
                 continue
             if len(shape) not in (2, 3) or shape[-1] % gq.GROUP:
                 raise CheckpointError(f"{path}: tensor {name!r}: cannot hold shape {list(shape)}")
@@ -76,7 +84,14 @@ class GGUFFile:
     def placeholder(self, name: str) -> mx.array:
         """A lazy array of `name`'s shape and dtype (never evaluated: sources replace it)."""
         t = self.tensors[name]
+        if t.part == "blocks":
+            per, size = self.gguf[name].block
+            return mx.zeros((t.shape[0], t.shape[1] // per * size), dtype=mx.uint8)
         return mx.zeros(t.shape, dtype=t.dtype)
+
+    def block_type(self, name: str) -> str | None:
+        """The GGUF type of a tensor kept as stored blocks, else None."""
+        return self.gguf[name].type_name if self.tensors[name].part == "blocks" else None
 
     def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
         """Array `name`, whole (`axis` None) or its slice [start, stop) along `axis`: rows
@@ -90,15 +105,20 @@ class GGUFFile:
             shape = (1, *shape)
         *lead, R, C = shape
         E = lead[0] if lead else 1  # stacked experts: E matrices of R rows, one after another
-        rows, cols, n = [(0, E * R)], (0, C), E
+        rows, cols, n, dense = [(0, E * R)], (0, C), E, (None, 0, 0)
         if axis is not None and axis == len(t.shape) - 1:  # in the part's units: proportional
             cols = (start * C // t.shape[-1], stop * C // t.shape[-1])
+            dense = (len(shape) - 1, *cols)
         elif axis is not None and axis == len(t.shape) - 2:
             rows = [(e * R + start, e * R + stop) for e in range(E)]
+            dense = (len(shape) - 2, start, stop)
         elif axis is not None:  # whole experts
             rows, n = [(start * R, stop * R)], stop - start
+            dense = (0, start, stop)
         if src.type_name in _MX:
-            out = self._read_float(src, rows, cols)
+            out = read_dense(self.path, src.offset, shape, src.type_name, *dense)
+        elif t.part == "blocks":  # (rows, value columns): the whole blocks covering them
+            out = self._read_blocks(src, rows, cols)
         else:  # weight, scales and biases come from one read: kept until all are taken
             key = (t.source, tuple(rows), cols)
             if key not in self._cache:
@@ -112,29 +132,30 @@ class GGUFFile:
             return out.reshape(-1)
         return out.reshape(n, -1, out.shape[-1]) if len(t.shape) == 3 else out
 
-    def _read_float(self, src: GGUFTensor, rows: list[tuple], cols: tuple) -> mx.array:
-        """Value rows `rows` (ranges of the tensor seen as (rows, cols)) and columns `cols`."""
-        dtype = _MX[src.type_name]
-        read_as = mx.uint16 if dtype == mx.bfloat16 else dtype
-        size = read_as.size
-        width = src.shape[0]  # values per row (ggml's fastest dimension)
-        n = sum(b - a for a, b in rows)
-        out = mx.zeros((n, cols[1] - cols[0]), dtype=read_as)
+    def _read_blocks(self, src: GGUFTensor, rows: list[tuple], cols: tuple) -> mx.array:
+        """The row ranges `rows` of the whole blocks covering value columns [c0, c1), as
+        stored: uint8 (rows, blocks * bytes)."""
+        per, size = src.block
+        c0, c1 = cols
+        b0, b1 = c0 // per, -(-c1 // per)
+        row_bytes = src.shape[0] // per * size
+        width = (b1 - b0) * size
+        out = mx.zeros((sum(r1 - r0 for r0, r1 in rows), width), dtype=mx.uint8)
         mx.eval(out)
         buf = memoryview(out).cast("B")
-        row, inner = width * size, (cols[1] - cols[0]) * size
         done = 0
         with self._fd() as fd:
             for r0, r1 in rows:
-                first = src.offset + r0 * row + cols[0] * size
-                if inner == row:  # whole rows: one contiguous range
-                    self._pread(buf[done * inner : (done + r1 - r0) * inner], first, fd)
+                if width == row_bytes:  # whole rows: one contiguous range
+                    at = src.offset + r0 * row_bytes
+                    pread_into(fd, buf[done * width : (done + r1 - r0) * width], at, self.path)
                 else:
                     for i in range(r1 - r0):
-                        at = (done + i) * inner
-                        self._pread(buf[at : at + inner], first + i * row, fd)
+                        at = src.offset + (r0 + i) * row_bytes + b0 * size
+                        j = (done + i) * width
+                        pread_into(fd, buf[j : j + width], at, self.path)
                 done += r1 - r0
-        return out.view(dtype) if dtype != read_as else out
+        return out
 
     def _read_quantized(
         self, name: str, src: GGUFTensor, rows: list[tuple], cols: tuple
@@ -170,11 +191,13 @@ class GGUFFile:
                     b = min(r1, a + step)
                     raw = np.empty((b - a, width), np.uint8)
                     if width == row_bytes:
-                        self._pread(memoryview(raw).cast("B"), src.offset + a * row_bytes, fd)
+                        pread_into(
+                            fd, memoryview(raw).cast("B"), src.offset + a * row_bytes, self.path
+                        )
                     else:
                         for i in range(b - a):
                             at = src.offset + (a + i) * row_bytes + b0 * size
-                            self._pread(memoryview(raw[i]), at, fd)
+                            pread_into(fd, memoryview(raw[i]), at, self.path)
                     try:
                         w, s, z = gq.to_mlx(src.type_name, raw)
                     except ValueError as e:
@@ -188,12 +211,6 @@ class GGUFFile:
 
     def _fd(self):
         return _File(self.path)
-
-    def _pread(self, buf: memoryview, offset: int, fd: int | None = None) -> None:
-        if fd is None:
-            with self._fd() as own:
-                return self._pread(buf, offset, own)
-        pread_into(fd, buf, offset, self.path)
 
 
 class _File:

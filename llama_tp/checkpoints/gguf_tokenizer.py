@@ -21,6 +21,8 @@ from tokenizers import pre_tokenizers as pre
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
+from .chat_template import wrap_tokenizer
+
 # Token types as stored in `tokenizer.ggml.token_type` (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -210,4 +212,4 @@ def tokenizer_from_gguf(metadata: dict, name: str = "gguf") -> TokenizerWrapper:
         for k in ("eos", "eot", "eom")
         if f"tokenizer.ggml.{k}_token_id" in meta
     ]
-    return TokenizerWrapper(hf, detokenizer, eos_token_ids=eos_ids)
+    return wrap_tokenizer(hf, detokenizer, eos_ids)

@@ -23,8 +23,9 @@ import mlx.core as mx
 
 from .base import CheckpointError
 
-# safetensors dtype -> (MLX dtype the bytes are read as, dtype of the result)
-_DTYPES = {
+# safetensors dtype (GGUF's float types have the same names) ->
+# (MLX dtype the bytes are read as, dtype of the result)
+DTYPES = {
     "F32": (mx.float32, mx.float32),
     "F16": (mx.float16, mx.float16),
     "BF16": (mx.uint16, mx.bfloat16),  # read as uint16, then viewed (no copy)
@@ -78,7 +79,7 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        return _DTYPES[self.dtype][0].size
+        return DTYPES[self.dtype][0].size
 
 
 class SafetensorsFile:
@@ -110,9 +111,9 @@ class SafetensorsFile:
                 dtype, shape, (start, stop) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"{self.path}: damaged header entry {name!r}") from None
-            if dtype not in _DTYPES:
+            if dtype not in DTYPES:
                 raise CheckpointError(f"{self.path}: {name}: unsupported dtype {dtype}")
-            nbytes = math.prod(shape) * _DTYPES[dtype][0].size
+            nbytes = math.prod(shape) * DTYPES[dtype][0].size
             if stop - start != nbytes:
                 raise CheckpointError(
                     f"{self.path}: {name}: {stop - start} bytes stored for shape {list(shape)} "
@@ -128,30 +129,48 @@ class SafetensorsFile:
     def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
         """Tensor `name`, whole (`axis` None) or its slice [start, stop) along `axis`."""
         t = self.tensors[name]
-        read_as, result = _DTYPES[t.dtype]
-        shape = list(t.shape)
-        if axis is not None:
-            if not 0 <= axis < len(shape) or not 0 <= start < stop <= shape[axis]:
-                raise ValueError(f"{name}: bad slice [{start}, {stop}) of axis {axis} of {shape}")
-            shape[axis] = stop - start
-        # A fresh buffer of the result's size, filled in place by the reads below.
-        out = mx.zeros(shape, dtype=read_as)
-        mx.eval(out)
-        buf = memoryview(out).cast("B")
-        if axis is None:
-            axis, start, stop = 0, 0, (t.shape[0] if t.shape else 1)
-        # The slice is `outer` runs of `(stop - start) * inner` bytes, one per index of the
-        # axes before `axis` (one run for axis 0; one per row for the columns of a matrix).
-        outer = math.prod(t.shape[:axis])
-        inner = math.prod(t.shape[axis + 1 :]) * t.itemsize
-        run, stride = (stop - start) * inner, (t.shape[axis] if t.shape else 1) * inner
-        fd = os.open(self.path, os.O_RDONLY)
         try:
-            for i in range(outer):
-                self._pread(fd, buf[i * run : (i + 1) * run], t.offset + i * stride + start * inner)
-        finally:
-            os.close(fd)
-        return out.view(result) if result != read_as else out
+            return read_dense(self.path, t.offset, t.shape, t.dtype, axis, start, stop)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
-    def _pread(self, fd: int, buf: memoryview, offset: int) -> None:
-        pread_into(fd, buf, offset, self.path)
+
+def read_dense(
+    path: Path,
+    offset: int,
+    shape: tuple[int, ...],
+    dtype: str,
+    axis: int | None = None,
+    start: int = 0,
+    stop: int = 0,
+) -> mx.array:
+    """The row-major `dtype` tensor of `shape` at byte `offset` of `path` (safetensors
+    tensors, GGUF float tensors), whole (`axis` None) or its slice [start, stop) along
+    `axis`: only those bytes are read, into the result's own buffer."""
+    read_as, result = DTYPES[dtype]
+    out_shape = list(shape)
+    if axis is not None:
+        if not 0 <= axis < len(shape) or not 0 <= start < stop <= shape[axis]:
+            raise ValueError(f"bad slice [{start}, {stop}) of axis {axis} of {list(shape)}")
+        out_shape[axis] = stop - start
+    # A fresh buffer of the result's size, filled in place by the reads below.
+    out = mx.zeros(out_shape, dtype=read_as)
+    mx.eval(out)
+    buf = memoryview(out).cast("B")
+    if axis is None:
+        axis, start, stop = 0, 0, (shape[0] if shape else 1)
+    # The slice is `outer` runs of `(stop - start) * inner` bytes, one per index of the
+    # axes before `axis` (one run for axis 0; one per row for the columns of a matrix).
+    outer = math.prod(shape[:axis])
+    inner = math.prod(shape[axis + 1 :]) * read_as.size
+    run, stride = (stop - start) * inner, (shape[axis] if shape else 1) * inner
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        for i in range(outer):
+            pread_into(fd, buf[i * run : (i + 1) * run], offset + i * stride + start * inner, path)
+    finally:
+        os.close(fd)
+    return out.view(result) if result != read_as else out

@@ -31,8 +31,21 @@ def model_shape(ckpt: Checkpoint) -> ModelShape:
         params = tree_flatten(empty_split_model(ckpt).parameters())  # lazy, never evaluated
         tensors = {k: (tuple(v.shape), v.nbytes) for k, v in params}
         return ModelShape(ckpt.args, tensors, ckpt.metadata.get("ffn_block"))
-    tensors = {k: (tuple(v.shape), v.nbytes) for k, v in ckpt.weights.items()}
+    tensors = {k: (_stored(ckpt, k, v), v.nbytes) for k, v in ckpt.weights.items()}
     return ModelShape(ckpt.args, tensors, ckpt.ffn_block)
+
+
+def _stored(ckpt: Checkpoint, name: str, v: mx.array) -> tuple[int, ...]:
+    """The shape a placement slices: GGUF blocks kept as stored (`ckpt.blocks`, uint8
+    (rows, blocks * bytes)) in values (rows, columns), since a column slice of them may
+    start inside a block (the reader then reads the blocks covering it)."""
+    kind = ckpt.blocks.get(name)
+    if kind is None:
+        return tuple(v.shape)
+    from ..kernels.blocks import GGUF_TYPES
+
+    _, per, size = GGUF_TYPES[kind]
+    return (v.shape[0], v.shape[1] // size * per)
 
 
 def read_tensor(ckpt: Checkpoint, name: str, s: Slice | None = None) -> mx.array:

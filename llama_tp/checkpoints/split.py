@@ -17,6 +17,10 @@ record the mesh: `"mesh": {"tp", "pp", "stages", "split", "pp_split"}` (and the
 folder's own "stage", "tp_rank", "layers"). "stages" are the world ranks of each
 stage as `parallel.mesh.layout` places them in rank order (the placement on one
 host); `check_mesh` refuses a folder made for another mesh, split or placement.
+
+`--shards N --split 3:1` cuts every tensor group by those weights: `shard.json` and the
+manifest record them (`"split": [3.0, 1.0]`; null: balanced), loading takes them, and
+`check_split` refuses a folder run with another `--split` (or `--split memory`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import mlx.core as mx
 from ..model import ModelArgs
 from ..parallel.mesh import parse_split
 from ..parallel.placement import Placement
+from ..parallel.shares import MEMORY, SplitSpec, Weights, same_split, weights_text
+from ..parallel.shares import parse_split as parse_weights
 from .base import Checkpoint, CheckpointError
 from .safetensors import SafetensorsFile
 
@@ -170,7 +176,7 @@ def check_mesh(
             f"{P} stages of a {ckpt.args.n_layers}-layer model)"
         )
     layers = parse_split(made, ckpt.args.n_layers, P)
-    if pp_split is not None and parse_split(pp_split, ckpt.args.n_layers, pp) != layers:
+    if pp_split is not None and not _same_stages(pp_split, mesh.get("pp_split"), layers, P):
         raise CheckpointError(
             f"{root} is split into stages of {made} layers but --pp-split {pp_split} is "
             f"given: run it without --pp-split (or with --pp-split {made}), or convert "
@@ -184,6 +190,40 @@ def check_mesh(
             "ranks together in the hostfile"
         )
     return layers
+
+
+def check_split(ckpt: Checkpoint, split: SplitSpec, weights: Weights | None) -> Weights | None:
+    """The weights a pre-split folder was cut with (its "split" record; None: balanced).
+    `split` is the running --split as given (None: take the folder's), `weights` it
+    resolved; CheckpointError, one line, when they differ from the folder's (and for
+    `--split memory`: the folders fix each rank's share)."""
+    made = ckpt.metadata.get("split")
+    made = tuple(float(w) for w in made) if made else None
+    if split is None or (split != MEMORY and same_split(made, weights)):
+        return made
+    ours = "evenly" if made is None else weights_text(made)
+    shards = f"--shards {ckpt.metadata.get('shards')}"
+    if split == MEMORY:
+        asked, again = "--split memory", f"{shards} --split W:W (doctor suggests the weights)"
+    else:
+        asked = again = f"--split {weights_text(weights)}"
+        again = f"{shards} {asked}" if weights else shards
+    keep = "" if made is None else f" (or with --split {ours})"
+    raise CheckpointError(
+        f"{_root(ckpt.path)} is split {ours} but {asked} is given: run it without "
+        f"--split{keep}, or convert again with {again}"
+    )
+
+
+def _same_stages(pp_split: str, recorded: str | None, layers: list[range], pp: int) -> bool:
+    """Whether `--pp-split` (layer counts, or weights like 3:1) names the stages a folder
+    was made with (`layers`; weights: the same weights as its recorded --pp-split)."""
+    if ":" not in pp_split:
+        return parse_split(pp_split, sum(len(r) for r in layers), pp) == layers
+    mine = parse_weights(pp_split, pp, "--pp-split")
+    return bool(recorded and ":" in recorded) and same_split(
+        mine, parse_weights(recorded, pp, "--pp-split")
+    )
 
 
 def split_vocab_parallel(ckpt: Checkpoint, vocab_parallel: bool, n: int) -> bool:
@@ -262,6 +302,7 @@ def write(
         "shards": len(folders),
         **({"mesh": mesh} if mesh else {}),
         "vocab_parallel": vocab_parallel,
+        "split": config.get("split"),  # --split weights of each tensor rank (None: balanced)
         "fingerprint": (config.get("llama_tp") or {}).get("fingerprint"),
         "ranks": ranks,
     }

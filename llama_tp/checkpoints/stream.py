@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+
+from ..cluster import progress as bars
 
 _NAMES = {
     mx.float32: "F32",
@@ -24,6 +25,25 @@ _NAMES = {
     mx.int32: "I32",
     mx.uint8: "U8",
 }
+
+
+def header(tensors: list[tuple[str, tuple[int, ...], mx.Dtype]]) -> tuple[bytes, int]:
+    """A safetensors file's start for `tensors` (name, shape, dtype) stored in this order:
+    the 8-byte length and the JSON header (mlx's metadata, the data 8-byte aligned), and
+    the bytes of their data that follow."""
+    out: dict = {"__metadata__": {"format": "mlx"}}
+    at = 0
+    for name, shape, dtype in tensors:
+        nbytes = math.prod(shape) * dtype.size
+        out[name] = {
+            "dtype": _NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [at, at + nbytes],
+        }
+        at += nbytes
+    blob = json.dumps(out, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob, at
 
 
 def _plan_files(sizes: list[int], max_bytes: int) -> list[int]:
@@ -45,8 +65,6 @@ def write_streaming(
 ) -> tuple[int, list[str]]:
     """Write `tensors` (name -> (shape, dtype, read)) into `out` as mlx-lm names its files;
     returns (bytes, file names). `read()` is called once per tensor, in name order."""
-    from tqdm import tqdm  # a dependency of transformers and huggingface_hub
-
     names = sorted(tensors)
     sizes = [math.prod(tensors[k][0]) * tensors[k][1].size for k in names]
     which = _plan_files(sizes, max_bytes)
@@ -57,28 +75,14 @@ def write_streaming(
         else [f"model-{i:05d}-of-{n_files:05d}.safetensors" for i in range(1, n_files + 1)]
     )
     total = sum(sizes)
-    bar = tqdm(
-        total=total, unit="B", unit_scale=True, desc="converting", file=sys.stderr,
-        disable=not progress,
-    )  # fmt: skip
+    bar = bars.progress(desc="converting", total=total, enabled=progress, unit="B", unit_scale=True)
     weight_map: dict[str, str] = {}
     with bar:
         for i, file in enumerate(files):
             mine = [(k, s) for k, s, w in zip(names, sizes, which, strict=True) if w == i]
-            header: dict = {"__metadata__": {"format": "mlx"}}
-            at = 0
-            for k, s in mine:
-                shape, dtype, _ = tensors[k]
-                header[k] = {
-                    "dtype": _NAMES[dtype],
-                    "shape": list(shape),
-                    "data_offsets": [at, at + s],
-                }
-                at += s
-            blob = json.dumps(header, separators=(",", ":")).encode()
-            blob += b" " * (-len(blob) % 8)
+            start, _ = header([(k, *tensors[k][:2]) for k, _ in mine])
             with open(out / file, "wb") as f:
-                f.write(struct.pack("<Q", len(blob)) + blob)
+                f.write(start)
                 for k, s in mine:
                     shape, dtype, read = tensors[k]
                     v = read()

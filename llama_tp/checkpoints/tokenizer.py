@@ -16,7 +16,9 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_hf_tokenizer
 
+from ..cluster.distributed import first_line
 from .base import Checkpoint, CheckpointError
+from .chat_template import renderer_for, wrap_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -66,8 +68,7 @@ def meta_tokenizer(path: Path) -> TokenizerWrapper:
     try:
         sp = spm.SentencePieceProcessor(model_file=str(path))
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a sentencepiece model ({first})") from None
+        raise CheckpointError(f"{path}: not a sentencepiece model ({first_line(e)})") from None
     special = {
         name: sp.id_to_piece(i)
         for name, i in (
@@ -97,7 +98,7 @@ def meta_tokenizer(path: Path) -> TokenizerWrapper:
     if is_spm(decoder):
         detokenizer = tokenizer_utils.SPMStreamingDetokenizer
     eos = [sp.eos_id()] if sp.eos_id() >= 0 else None
-    return TokenizerWrapper(tokenizer, detokenizer, eos_token_ids=eos)
+    return wrap_tokenizer(tokenizer, detokenizer, eos)
 
 
 def _dummy_prefix(sp) -> bool:
@@ -112,10 +113,6 @@ def encode_prompt(
     system: str | None = None,
     use_chat_template: bool = True,
 ) -> list[int]:
-    """Token ids of `prompt`, wrapped in the chat template when the tokenizer has one."""
-    if use_chat_template and tokenizer.has_chat_template:
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    text = f"{system}\n{prompt}" if system else prompt
-    return list(tokenizer.encode(text))
+    """Token ids of the user message `prompt` (after `system`), through the tokenizer's
+    chat template, or the fallback of one without (`chat_template.PromptRenderer`)."""
+    return renderer_for(tokenizer, use_chat_template).prompt(prompt, system)

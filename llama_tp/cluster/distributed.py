@@ -70,11 +70,16 @@ def all_gather_bytes(data: bytes, group: mx.distributed.Group | None = None) -> 
     if group.size() == 1:
         return [data]
     n = mx.distributed.all_gather(mx.array([len(data)]), group=group, stream=mx.cpu).tolist()
-    buf = mx.zeros((max(n),), dtype=mx.uint8)
+    width = max(n)
+    if width == 0:
+        return [b""] * group.size()
+    buf = mx.zeros((width,), dtype=mx.uint8)
     if data:
-        buf[: len(data)] = mx.array(list(data), dtype=mx.uint8)
+        buf[: len(data)] = mx.array(data)  # bytes are uint8 already: no Python int per byte
     rows = mx.distributed.all_gather(buf[None], group=group, stream=mx.cpu)
-    return [bytes(rows[i, : n[i]].tolist()) for i in range(group.size())]
+    mx.eval(rows)
+    flat = memoryview(rows).cast("B")  # (N * width,) without copying through Python ints
+    return [bytes(flat[i * width : i * width + n[i]]) for i in range(group.size())]
 
 
 def all_gather_object(obj: Any, group: mx.distributed.Group | None = None) -> list[Any]:
@@ -96,6 +101,13 @@ def broadcast_text(text: str | None, group: mx.distributed.Group | None = None) 
     return broadcast_object(text, group)
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what
+    a rank reports of an error, and what an entry point prints."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class PeerError(RuntimeError):
     """Another rank failed at a point where all ranks compare their outcome."""
 
@@ -112,7 +124,7 @@ def agree_ok(error: BaseException | None, group: mx.distributed.Group | None = N
         if error is not None:
             raise error
         return
-    text = None if error is None else (str(error).strip().splitlines() or [type(error).__name__])[0]
+    text = None if error is None else first_line(error)
     failed = [(r, m) for r, m in enumerate(all_gather_object(text, group)) if m is not None]
     if not failed:
         return

@@ -247,9 +247,27 @@ def openblas_env(flags: list[str]) -> list[str]:
         return []
     if "OPENBLAS_NUM_THREADS" in given:  # the user's count reaches the ranks as it is
         return ["--env", f"LD_PRELOAD={lib}"]
-    n = int(_value(flags, "-n") or _value(flags, "--repeat-hosts") or 1)
-    threads = max(1, (os.cpu_count() or 1) // n)
+    threads = _threads_per_rank(flags)
     return ["--env", f"LD_PRELOAD={lib}", "--env", f"OPENBLAS_NUM_THREADS={threads}"]
+
+
+def _threads_per_rank(flags: list[str]) -> int:
+    """This machine's cores over the local ranks."""
+    n = int(_value(flags, "-n") or _value(flags, "--repeat-hosts") or 1)
+    return max(1, (os.cpu_count() or 1) // n)
+
+
+KERNEL_THREADS = "LLAMA_TP_KERNEL_THREADS"  # read by llama_tp.kernels.native
+
+
+def kernel_threads_env(flags: list[str]) -> list[str]:
+    """`--env LLAMA_TP_KERNEL_THREADS=<cores / ranks>` for local ranks: the native
+    kernels' threads per rank (nothing when the user set it or gave hosts)."""
+    if _value(flags, "--hostfile") or _value(flags, "--hosts"):
+        return []
+    if KERNEL_THREADS in {e.split("=", 1)[0] for e in _envs(flags)} | set(os.environ):
+        return []
+    return ["--env", f"{KERNEL_THREADS}={_threads_per_rank(flags)}"]
 
 
 def _envs(flags: list[str]) -> list[str]:
@@ -265,10 +283,13 @@ def run(argv: list[str], openblas: bool = True) -> int:
         command = ["-m", module, *command]
         if _value(flags, "--python") is None:
             command = [sys.executable, *command]  # mlx prefixes --python itself
-    extra = openblas_env(flags) if openblas else []
-    if extra and "--verbose" in flags:
-        what = " ".join(extra[1::2])
-        print(f"launch: preloading {what}", file=sys.stderr, flush=True)
+    blas = openblas_env(flags) if openblas else []
+    threads = kernel_threads_env(flags)
+    extra = blas + threads
+    if "--verbose" in flags:
+        for what, env in (("preloading", blas), ("native kernels:", threads)):
+            if env:
+                print(f"launch: {what} {' '.join(env[1::2])}", file=sys.stderr, flush=True)
     real_io, real_run = launch._launch_with_io, launch.run
 
     def run_and_record(cmd, *args, **kwargs):  # mpirun's exit code (mlx drops it)

@@ -4,8 +4,8 @@
         ...
 
 `progress(...)` is tqdm on rank 0's stderr, with what is being done, how far and an
-estimate of the time left. It is a no-op (the iterable itself, or a bar that ignores
-`update`) when:
+estimate of the time left. It is disabled (tqdm's `disable`: it iterates and ignores
+`update`, showing nothing) when:
 
 - this is not rank 0 (`MLX_RANK` set and not 0);
 - stderr is not a terminal. Under `mlx.launch` a rank's stderr is a pipe to the
@@ -55,31 +55,6 @@ def active() -> bool:
     return "COLUMNS" in os.environ if on_terminal is None else on_terminal
 
 
-class _Off:
-    """What `progress` returns with nothing to show: iterates, ignores updates."""
-
-    def __init__(self, iterable: Iterable | None):
-        self._iterable = iterable
-
-    def __iter__(self):
-        return iter(self._iterable if self._iterable is not None else ())
-
-    def __enter__(self) -> _Off:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def update(self, n: float = 1) -> None:
-        pass
-
-    def set_description_str(self, desc: str = "", refresh: bool = True) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def progress(
     iterable: Iterable | None = None,
     desc: str = "",
@@ -92,13 +67,11 @@ def progress(
     **kwargs: Any,
 ):
     """A tqdm bar on rank 0's stderr over `iterable` (or, without one, to `update()` by
-    hand up to `total`), or a silent stand-in (see the module's docstring).
+    hand up to `total`), disabled where it must not show (see the module's docstring).
 
     `delay`: show the bar only once the work has taken this many seconds (for work
     that is often quick, such as loading a small model)."""
-    if not (enabled and active()):
-        return _Off(iterable)
-    from tqdm import tqdm
+    from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
     return tqdm(
         iterable,
@@ -110,5 +83,6 @@ def progress(
         file=sys.stderr,
         leave=False,
         dynamic_ncols=True,
+        disable=not (enabled and active()),
         **kwargs,
     )

@@ -18,7 +18,7 @@ from typing import NoReturn
 import mlx.core as mx
 
 from ..cluster import watchdog
-from ..cluster.distributed import agree_ok, is_rank0
+from ..cluster.distributed import agree_ok, first_line, is_rank0
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -54,9 +54,21 @@ def add_moe_split_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_split_arg(p: argparse.ArgumentParser) -> None:
+    """`--split 3:1|memory`: each tensor rank's share (parallel/shares.py)."""
+    p.add_argument(
+        "--split",
+        metavar="W:W...|memory",
+        default=None,
+        help="divide each tensor-parallel group unevenly: one weight per tensor rank, e.g. "
+        "3:1 (rank 0 takes 3/4 of the heads, columns, experts and vocabulary rows), or "
+        "'memory' (in proportion to each rank's available memory; default: balanced)",
+    )
+
+
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """How the model is loaded: --no-vocab-parallel, --dtype and --moe-split (every command
-    that loads)."""
+    """How the model is loaded: --no-vocab-parallel, --dtype, --moe-split and --split (every
+    command that loads)."""
     p.add_argument(
         "--no-vocab-parallel",
         action="store_true",
@@ -69,6 +81,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "Linux CPU float32 with OpenBLAS preloaded is the fast path; default: as stored",
     )
     add_moe_split_arg(p)
+    add_split_arg(p)
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
@@ -155,8 +168,9 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pp-split",
         default=None,
-        metavar="N,N,...",
-        help="layers per stage, e.g. 10,12 (default: balanced by parameter bytes)",
+        metavar="N,N...|W:W...",
+        help="layers per stage, e.g. 10,12, or weights of the stages' bytes, e.g. 3:1 "
+        "(default: balanced by parameter bytes)",
     )
     p.add_argument(
         "--dp",
@@ -205,8 +219,6 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 
 def draft_source(args: argparse.Namespace) -> str | None:
     """'ngram', a draft model's path, or None; UsageError for conflicting or bad flags."""
-    from ..engine.drafters import MAX_DRAFT_TOKENS
-
     if args.draft and args.draft_model:
         raise UsageError("give --draft or --draft-model, not both")
     source = args.draft or args.draft_model
@@ -214,48 +226,62 @@ def draft_source(args: argparse.Namespace) -> str | None:
         if args.draft_sharded:
             raise UsageError("--draft-sharded needs --draft-model PATH")
         return None
-    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+    if args.num_draft_tokens < 1:
+        from ..engine.settings import MAX_DRAFT_TOKENS
+
         raise UsageError(
             f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.num_draft_tokens}"
         )
     if source == "ngram" and args.draft_sharded:
         raise UsageError("--draft-sharded needs a draft model, not ngram")
-    if (
-        getattr(args, "top_p", 1.0) < 1
-        or getattr(args, "min_p", 0) > 0
-        or getattr(args, "top_k", 0)
-    ):
-        raise UsageError(
-            "speculative decoding samples with --temp only: drop --top-p, --min-p and --top-k"
-        )
     return source
 
 
-def load_draft_checked(args: argparse.Namespace, model, tokenizer, group: mx.distributed.Group):
+def load_draft_checked(
+    args: argparse.Namespace, model, tokenizer, group: mx.distributed.Group, split=None
+):
     """The `draft` argument of stream_generate / Chat for the command's flags: None,
-    'ngram', or the draft model (loaded whole on every rank, or sharded)."""
+    'ngram', or the draft model (loaded whole on every rank, or sharded, by the model's
+    `split` weights: the two must share vocabulary rows)."""
     from ..engine.drafters import load_draft
 
     source = draft_source(args)
     if source in (None, "ngram"):
         return source
     with watchdog.stage("loading the draft model", "load"):
-        return load_draft(source, model, tokenizer, group, sharded=args.draft_sharded)
+        return load_draft(source, model, tokenizer, group, args.draft_sharded, split)
+
+
+# The sampling flags, by the name of the setting they give (engine/settings.py).
+SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "num_draft_tokens": "--num-draft-tokens",
+}
+
+
+def sampling_params(args: argparse.Namespace):
+    """The command's sampling flags as the engine's validated `SamplingParams` (the seed
+    left out: it is agreed at generation); UsageError naming the flag."""
+    from ..engine.settings import SamplingParams, SettingsError
+
+    try:
+        return SamplingParams(
+            args.max_tokens, args.temp, args.top_p, args.min_p, args.top_k,
+            num_draft_tokens=getattr(args, "num_draft_tokens", 0),
+        )  # fmt: skip
+    except SettingsError as e:
+        raise UsageError(e.named(SAMPLING_FLAGS.get(e.field, e.field))) from None
 
 
 def check_model_args(args: argparse.Namespace) -> None:
     """Raise UsageError, naming the value, for sampling flags out of range; apply --quiet."""
     quiet(args.quiet)
-    if args.max_tokens <= 0:
-        raise UsageError(f"--max-tokens must be positive, got {args.max_tokens}")
-    if args.temp < 0:
-        raise UsageError(f"--temp must be >= 0, got {args.temp}")
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not 0 <= args.min_p <= 1:
-        raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
-    if args.top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {args.top_k}")
+    sampling_params(args)
     check_mesh_args(args)
     if hasattr(args, "draft"):
         draft_source(args)
@@ -310,8 +336,7 @@ def _report(e: Exception) -> None:
     except Exception:  # the group itself failed to form
         rank0 = watchdog.rank_label() == "0"
     if rank0:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: {text}", file=sys.stderr, flush=True)
+        print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
 
 
 def load_checked(args, group: mx.distributed.Group):
@@ -328,6 +353,7 @@ def load_checked(args, group: mx.distributed.Group):
         error = e
     agree_ok(error, group)
     from ..parallel.mesh import MeshError
+    from ..parallel.shares import SplitError
 
     mesh = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split", "dp")}
     with watchdog.stage("loading the model", "load"):
@@ -339,9 +365,10 @@ def load_checked(args, group: mx.distributed.Group):
                 args.dtype,
                 sequence_parallel=getattr(args, "sequence_parallel", False),
                 moe_split=args.moe_split,
+                split=args.split,
                 **mesh,
             )
-        except MeshError as e:  # the same on every rank
+        except (MeshError, SplitError) as e:  # the same on every rank
             raise UsageError(str(e)) from None
     with watchdog.stage("start-up checks", "load"):
         tokenizer = error = None

@@ -9,10 +9,11 @@ every rank when they differ, naming the ranks and what differs:
     ranks disagree on the model weights: ranks 0, 2 have 3f2a9c1b7e40, rank 1 has
     9b0d44e1c2aa (rank 0: /models/a, rank 1: /models/b)
 
-The mesh (`--tp`, `--pp` and the layers of each stage) is compared twice: the flags
-by `check_mesh_flags` before the mesh's groups are made (making them is collective,
-so ranks with different flags must stop first), and the mesh each rank built in
-`check_agreement`:
+The mesh (`--tp`, `--pp`, the layers of each stage and the tensor groups' `--split`)
+is compared twice: the flags by `check_mesh_flags` before the mesh's groups are made
+(making them is collective, so ranks with different flags must stop first), and the
+mesh each rank built in `check_agreement` (with the weights `--split memory` resolved
+to, or a pre-split folder's):
 
     ranks disagree on the mesh (--pp: rank 0 has 2, rank 1 has 1)
 
@@ -36,7 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..checkpoints.fingerprint import digest, tokenizer_fingerprint, weights_fingerprint
-from ..cluster.distributed import all_gather_object, world
+from ..cluster.distributed import all_gather_object, first_line, world
+from ..parallel.shares import weights_text
 
 CHECK_EVERY = 16  # tokens between the ranks' comparisons of what they generated
 
@@ -66,13 +68,15 @@ def local_facts(
 
     config = model.args.to_dict()
     mesh = getattr(ckpt, "mesh", None) or getattr(model, "mesh", None)
+    placement = getattr(ckpt, "placement", None)
+    weights = placement.plan.weights if placement is not None else None
     return {
         "versions": (
             f"llama_tp {llama_tp_version()}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"
         ),
         "world": group.size(),
         "config": config,
-        "mesh": mesh_facts(mesh, group),
+        "mesh": mesh_facts(mesh, group, weights),
         "plan": digest([repr(getattr(ckpt, "placement", None)).encode()]),
         "weights": weights_fingerprint(ckpt),
         "tokenizer": tokenizer_fingerprint(ckpt, tokenizer),
@@ -80,13 +84,17 @@ def local_facts(
     }
 
 
-def mesh_facts(mesh: Any, group: mx.distributed.Group) -> dict[str, Any]:
+def mesh_facts(
+    mesh: Any, group: mx.distributed.Group, weights: tuple[float, ...] | None = None
+) -> dict[str, Any]:
     """The mesh this rank built (`parallel.mesh.Mesh`, None: all ranks tensor-parallel):
-    --tp, --pp, the layers of each stage (as --pp-split) and --dp."""
-    if mesh is None:  # all ranks tensor-parallel
-        return {"--tp": group.size(), "--pp": 1, "--pp-split": None, "--dp": 1}
-    split = ",".join(str(len(r)) for r in mesh.layers) if mesh.pp > 1 else None
-    return {"--tp": mesh.tp, "--pp": mesh.pp, "--pp-split": split, "--dp": mesh.dp}
+    --tp, --pp, the layers of each stage (as --pp-split), --dp, and the tensor groups'
+    --split (`weights`, as resolved: None is balanced)."""
+    facts = {"--tp": group.size(), "--pp": 1, "--pp-split": None, "--dp": 1}
+    if mesh is not None:
+        split = ",".join(str(len(r)) for r in mesh.layers) if mesh.pp > 1 else None
+        facts = {"--tp": mesh.tp, "--pp": mesh.pp, "--pp-split": split, "--dp": mesh.dp}
+    return facts | {"--split": weights_text(weights)}
 
 
 def check_mesh_flags(
@@ -95,21 +103,25 @@ def check_mesh_flags(
     pp_split: str | None,
     group: mx.distributed.Group,
     dp: int | None = None,
+    split: Any = None,
 ) -> None:
     """Raise `AgreementError` on every rank unless all ranks were given the same mesh:
     --tp and --pp as resolved against the world (`--tp 2` and no flag are the same on
-    2 ranks), and --pp-split. Collective (one small all_gather_object): every rank calls
-    it before any mesh is made. A mesh that cannot run is left to `make_mesh` to refuse."""
+    2 ranks), --pp-split and --split (as given). Collective (one small
+    all_gather_object): every rank calls it before any mesh is made. A mesh that cannot
+    run is left to `make_mesh` to refuse."""
     if group.size() == 1:
         return
     from ..parallel.mesh import MeshError, mesh_shape
 
+    given = split if split is None or isinstance(split, str) else ":".join(f"{w:g}" for w in split)
     try:
         T, P = mesh_shape(group.size(), tp, pp, dp)
-        split = (pp_split or "balanced") if P > 1 else None
-        mine = {"--tp": T, "--pp": P, "--pp-split": split, "--dp": dp or 1}
+        stages = (pp_split or "balanced") if P > 1 else None
+        mine = {"--tp": T, "--pp": P, "--pp-split": stages, "--dp": dp or 1}
     except MeshError:  # compared as given; the same flags fail alike on every rank
         mine = {"--tp": tp, "--pp": pp, "--pp-split": pp_split, "--dp": dp}
+    mine["--split"] = given or "balanced"
     flags = all_gather_object(mine, group)
     if any(f != flags[0] for f in flags):
         raise AgreementError(f"ranks disagree on {FACTS['mesh']} ({_config_difference(flags)})")
@@ -173,7 +185,7 @@ def check_agreement(
         mine: dict[str, Any] = local_facts(model, ckpt, tokenizer, group)
         error = None
     except Exception as e:  # e.g. a weight file that cannot be read: tell the others
-        mine, error = {"error": str(e).strip().splitlines()[0] if str(e).strip() else repr(e)}, e
+        mine, error = {"error": first_line(e)}, e
     facts = all_gather_object(mine, group)
     if error is not None:
         raise error

@@ -23,22 +23,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from ..checkpoints.chat_template import FALLBACK_STOP, ChatTemplateError, renderer_for
 from ..cluster.distributed import world
-from .drafters import check_num_draft_tokens, make_drafter
+from .drafters import make_drafter
 from .generation import stream_generate
+from .settings import SamplingParams, SettingsError
 from .speculative import SpecStats
-from .stops import find_stop, partial_stop
 
+__all__ = ["FALLBACK_STOP", "Chat", "ChatTemplateError", "ContextOverflowError", "TurnStats"]
 OVERFLOW_MODES = ("error", "drop_oldest")
-# Used when the tokenizer has no chat template of its own (base models).
-FALLBACK_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
-    "{% else %}Assistant:{{ m['content'] }}\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-FALLBACK_STOP = "\nUser:"
 
 
 def _mark(i: int) -> str:
@@ -48,10 +41,6 @@ def _mark(i: int) -> str:
 
 class ContextOverflowError(ValueError):
     """The conversation does not fit into the model's context."""
-
-
-class ChatTemplateError(ValueError):
-    """The chat template rejected the conversation (e.g. a system message it does not allow)."""
 
 
 @dataclass
@@ -109,23 +98,16 @@ class Chat:
         draft: Any = None,
         num_draft_tokens: int = 4,
     ):
-        if max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        if temp < 0:
-            raise ValueError(f"temp must be >= 0, got {temp}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if not 0 <= min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
-        if draft is not None:
-            check_num_draft_tokens(num_draft_tokens)
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        try:  # the same checks as every other driver's (the names are this class's)
+            self.params = SamplingParams(
+                max_tokens, temp, top_p, min_p, top_k, stop=tuple(stop),
+                num_draft_tokens=num_draft_tokens if draft is not None else 0,
+            )  # fmt: skip
+        except SettingsError as e:
+            raise ValueError(e.named("temp" if e.field == "temperature" else e.field)) from None
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError("stop strings must be non-empty strings")
         if max_context is None:
             max_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         if max_context is not None and max_context <= 0:
@@ -139,8 +121,7 @@ class Chat:
         self.drafter, self.num_draft_tokens = make_drafter(draft, model), num_draft_tokens
         self.history: list[dict[str, str]] = []
         self.last_stats: TurnStats | None = None
-        self._template = None if tokenizer.has_chat_template else FALLBACK_TEMPLATE
-        self._eos = set(tokenizer.eos_token_ids) | self._end_of_turn_ids()
+        self._renderer = renderer_for(tokenizer)
         self._cache = make_prompt_cache(model)
         self._held: list[int] = []  # the tokens in the cache, exactly
         self._tokens_of: dict[int, tuple[dict, str, list[int]]] = {}  # id(reply) -> its tokens
@@ -205,7 +186,6 @@ class Chat:
         self.history[:] = messages
         live = {id(m) for m in messages}
         self._tokens_of = {k: v for k, v in self._tokens_of.items() if k in live}
-        stops = self._stops()
         steps = stream_generate(
             self.model,
             self.tokenizer,
@@ -216,34 +196,25 @@ class Chat:
             min_p=self.min_p,
             top_k=self.top_k,
             seed=seed,
+            stop=(*self.stop, *self._renderer.stops),
             cache=self._cache,
+            history=self._held[:reused],
             should_stop=should_stop or self.should_stop,
-            eos_token_ids=self._eos,
             group=self.group,
             draft=self.drafter,
             num_draft_tokens=self.num_draft_tokens,
         )
         generated: list[int] = []
         shown: list[str] = []
-        pending = ""  # text held back: it may be the start of a stop string
-        last, finish, stop_hit, state = None, "interrupted", None, "failed"
+        last, state = None, "failed"
         try:
             for r in steps:
                 last = r
                 generated.append(r.token)
-                pending += r.text
-                at, stop_hit = find_stop(pending, stops)
-                if stop_hit is not None:
-                    piece, pending, finish = pending[:at], "", "stop"
-                else:
-                    keep = partial_stop(pending, stops)
-                    piece, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
-                    if r.finish_reason:
-                        piece, pending, finish = piece + pending, "", r.finish_reason
-                if piece:
-                    shown.append(piece)
-                    yield piece
-                if stop_hit is not None or r.finish_reason:
+                if r.text:
+                    shown.append(r.text)
+                    yield r.text
+                if r.finish_reason:
                     break
             state = "complete"
         except GeneratorExit:  # the caller stopped iterating: keep the reply so far
@@ -255,11 +226,12 @@ class Chat:
                 self.history[:] = before
                 self._cache = make_prompt_cache(self.model)
                 self._held = []
-                if self.drafter is not None:
-                    self.drafter.reset()
             else:
                 reply = "".join(shown)
-                self._end_turn(reused, new, generated, reply, finish, stop_hit, state)
+                finish = last.finish_reason if last and last.finish_reason else "interrupted"
+                stop_hit = last.stop_string if last else None
+                eos = last is not None and last.eos
+                self._end_turn(reused, new, generated, reply, finish, eos, stop_hit, state)
                 self.last_stats = TurnStats(
                     len(tokens),
                     reused,
@@ -273,9 +245,6 @@ class Chat:
                     len(self._held),
                     last.speculative if last else None,
                 )
-
-    def _stops(self) -> list[str]:
-        return list(self.stop) + ([FALLBACK_STOP] if self._template else [])
 
     def _reuse(self, tokens: list[int]) -> int:
         """Trim the cache to its longest prefix shared with `tokens`; return its length.
@@ -296,11 +265,9 @@ class Chat:
             else:
                 self._cache, common = make_prompt_cache(self.model), 0
         self._held = self._held[:common]
-        if self.drafter is not None:
-            self.drafter.trim(common)
         return common
 
-    def _end_turn(self, reused, new, generated, reply, finish, stop_hit, state) -> None:
+    def _end_turn(self, reused, new, generated, reply, finish, eos, stop_hit, state) -> None:
         # Generation may have fed one token fewer than it sampled (at max_tokens),
         # so the cache's own offset says which tokens it holds.
         offset = self._cache[0].offset if self._cache else 0
@@ -308,7 +275,7 @@ class Chat:
         message = {"role": "assistant", "content": reply}
         self.history.append(message)
         tokens = generated
-        if tokens and finish == "stop" and stop_hit is None:
+        if tokens and eos:
             tokens = tokens[:-1]  # the end-of-turn token: the template writes its own
         if state != "complete" or stop_hit is not None:
             tokens = self._tokens_for(tokens, reply)
@@ -324,15 +291,8 @@ class Chat:
 
     # -- prompt -------------------------------------------------------------
 
-    def _apply(self, messages: list[dict], tokenize: bool, generation_prompt: bool = True):
-        kwargs = {"chat_template": self._template} if self._template else {}
-        try:
-            out = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=generation_prompt, tokenize=tokenize, **kwargs
-            )
-        except Exception as e:  # jinja2's errors, or the template's own raise_exception
-            raise ChatTemplateError(f"the chat template failed: {e}") from e
-        return list(out) if tokenize else out
+    def _apply(self, messages: list[dict], tokenize: bool) -> list[int] | str:
+        return self._renderer.apply(messages, tokenize=tokenize)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
@@ -385,23 +345,6 @@ class Chat:
                 raise ContextOverflowError(f"the message alone needs {counts}")
             dropped += nxt - first
             messages = messages[:first] + messages[nxt:]
-
-    def _end_of_turn_ids(self) -> set[int]:
-        """The special token the chat template closes an assistant turn with, if any."""
-        try:
-            text = self._apply(
-                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _mark(0)}],
-                tokenize=False,
-                generation_prompt=False,
-            )
-        except Exception:  # templates may insist on other conversations; EOS will do
-            return set()
-        after = text.partition(_mark(0))[2]
-        ids = self._encode(after)[:1]
-        special = {
-            i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items() if t.special
-        }
-        return {i for i in ids if i in special}
 
 
 # -- python -m llama_tp.chat ---------------------------------------------------

@@ -22,15 +22,18 @@ from ..checkpoints.base import Checkpoint, CheckpointError
 from ..checkpoints.build import load_weights, skeleton
 from ..checkpoints.safetensors import READ
 from ..checkpoints.slices import model_shape, read_slices
-from ..checkpoints.split import check_mesh, split_vocab_parallel
-from ..cluster.distributed import agree_ok, barrier, world
+from ..checkpoints.split import check_mesh, check_split, split_vocab_parallel
+from ..cluster.distributed import agree_ok, all_gather_object, barrier, eprint0, world
+from ..cluster.memory import memory_figures
 from ..cluster.progress import progress
+from ..kernels.layers import use_native
 from ..model import Transformer
 from ..parallel.cast import cast_model, float32_experts
 from ..parallel.mesh import Mesh
 from ..parallel.parallelize import Plan as StylePlan
 from ..parallel.placement import DEFAULT_MOE_SPLIT, Placement, RankPlacement, place
 from ..parallel.shard import parallelize_model, shard_placed, styles_placement
+from ..parallel.shares import MEMORY, SplitSpec, Weights, memory_split, parse_split
 from .agreement import check_mesh_flags
 
 
@@ -49,11 +52,14 @@ def _place(
     pp_split: str | None,
     vocab_parallel: bool,
     moe_split: str,
+    split: SplitSpec,
+    weights: Weights | None,
 ) -> Placement:
     """The placement of this copy of the model over `n` tensor-parallel ranks, or over
-    the stages of `mesh`: pure, from the config, the stored shapes and the mesh. A
-    pre-split folder says its own mesh, split and vocabulary (checked against the
-    running ones: `split.check_mesh`)."""
+    the stages of `mesh`: pure, from the config, the stored shapes and the mesh, its
+    tensor groups split by `weights` (`split` as given: None, weights or 'memory'). A
+    pre-split folder says its own mesh, split, weights and vocabulary (checked against
+    the running ones: `split.check_mesh`, `split.check_split`)."""
     T, P = (mesh.tp, mesh.pp) if mesh is not None else (n, 1)
     if ckpt.format == "split":
         stages = mesh.stages if mesh is not None else None
@@ -61,6 +67,7 @@ def _place(
         pp_split = ",".join(str(len(r)) for r in layers) if layers else None
         vocab_parallel = split_vocab_parallel(ckpt, vocab_parallel, T)
         moe_split = ckpt.metadata.get("moe_split") or moe_split  # as the folder was cut
+        weights = check_split(ckpt, split, weights)
     return place(
         model_shape(ckpt),
         T,
@@ -69,7 +76,28 @@ def _place(
         vocab_parallel=vocab_parallel,
         moe_split=moe_split,
         stages=mesh.stages if mesh is not None else None,
+        split=weights,
     )
+
+
+def split_weights(
+    split: SplitSpec, group: mx.distributed.Group, mesh: Mesh | None, tp: int
+) -> Weights | None:
+    """`split` (`--split`) for `tp` tensor ranks as weights (None: balanced): parsed
+    (`shares.parse_split`: SplitError, alike on every rank), or for 'memory' every rank's
+    available memory gathered (collective: every rank of `group` calls it)."""
+    weights = parse_split(split, tp)
+    if weights != MEMORY:
+        return weights
+    mine = error = None
+    try:
+        mine = memory_figures(group.rank())
+    except Exception as e:
+        error = e
+    agree_ok(error, group)
+    figures = all_gather_object(mine, group)
+    owner = mesh.tensor_ranks() if mesh is not None else {r: r for r in range(group.size())}
+    return memory_split([available for _, available in figures], owner, tp)
 
 
 def _build(
@@ -91,25 +119,72 @@ def _build(
     mesh.layers = list(placement.layers)
     model = stage_module(model, mesh)
     if mesh.tp > 1:
+        T = mesh.tp
         shard_placed(model, placement, mesh.tp_group)
         vocab = placement.at(mesh.stage, mesh.tp_rank).vocab
         if vocab is not None:
             object.__setattr__(model, "vocab", vocab)
+            rows = tuple((r.start, r.stop) for r in (placement.at(0, t).vocab for t in range(T)))
+            object.__setattr__(model, "vocab_ranges", rows)
     return model
 
 
 def _open(
-    path: str | Path, group: mx.distributed.Group, model_group: mx.distributed.Group
+    path: str | Path,
+    group: mx.distributed.Group,
+    model_group: mx.distributed.Group,
+    blocks: bool = False,
 ) -> Checkpoint:
     """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
     model); if any rank of `group` fails, every rank raises."""
     ckpt, error = None, None
     try:
-        ckpt = open_checkpoint(path, model_group.rank(), model_group.size())
+        ckpt = open_checkpoint(path, model_group.rank(), model_group.size(), blocks)
     except Exception as e:
         error = e
     agree_ok(error, group)
     return ckpt
+
+
+def products_path(dtype: str | None, native: bool) -> str:
+    """What computes the model's matrix products, for --verbose."""
+    from .. import kernels
+
+    if dtype is not None:
+        return f"{dtype} weights, MLX's matmul"
+    if native:
+        return kernels.status().describe()
+    if mx.default_device() != mx.cpu:
+        return f"MLX's quantized_matmul on {mx.default_device()}"
+    if kernels.status().native:  # but not on every rank
+        return "MLX's quantized_matmul (the native kernels are off on another rank)"
+    return kernels.status().describe()
+
+
+def native_kernels(dtype: str | None, group: mx.distributed.Group) -> bool:
+    """Whether the native kernels (`llama_tp.kernels`) run: on the CPU, with the extension
+    loaded on every rank of `group` (all or none: the ranks hold the same layer kinds).
+    Quantized products take them when the weights stay quantized (no `dtype`); RoPE and
+    attention take them either way. The one fallback warning, with its reason, goes to
+    rank 0's stderr (only where quantized products lose them)."""
+    from .. import kernels
+
+    if mx.default_device() != mx.cpu:
+        return False
+    if dtype is not None and not kernels.status().native:
+        return False  # no warning: the products are float ones
+    mine = kernels.status()
+    every = all_gather_object(mine.native, group) if group.size() > 1 else [mine.native]
+    if all(every):
+        kernels.set_threads(kernels.default_threads(group.size()))
+        return True
+    warning = kernels.fallback_warning()
+    if warning is None and mine.native:
+        off = [r for r, ok in enumerate(every) if not ok]
+        warning = f"warning: native kernels off on rank {off[0]}: MLX's kernel on every rank"
+    if warning:
+        eprint0(warning, group=group)
+    return False
 
 
 def load_model(
@@ -125,6 +200,7 @@ def load_model(
     pp_split: str | None = None,
     dp: int | None = None,
     moe_split: str = DEFAULT_MOE_SPLIT,
+    split: SplitSpec = None,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
 
@@ -146,7 +222,10 @@ def load_model(
     `tp`, `pp`) is read from this rank's folder only; a folder split for another mesh
     is refused (`checkpoints.split.check_mesh`). `moe_split` ("tensor" or "expert")
     splits a mixture-of-experts model's experts by their columns or whole experts per
-    rank (`parallel/experts.py`). Returns the model,
+    rank (`parallel/experts.py`). `split` divides each tensor group unevenly: "3:1" or
+    (3, 1), one weight per tensor rank, or "memory" (weights from every rank's available
+    memory, gathered here); a pre-split folder keeps the weights it was cut with
+    (`parallel/shares.py`). Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
@@ -158,7 +237,8 @@ def load_model(
     group = group or world()
     mesh = whole_mesh = None
     model_group = group  # the ranks that hold one copy of the model: a replica's with dp
-    check_mesh_flags(tp, pp, pp_split, group, dp)  # making a mesh is collective: agree first
+    # making a mesh is collective: agree first
+    check_mesh_flags(tp, pp, pp_split, group, dp, split)
     if (pp or 1) > 1 or tp is not None or (dp or 1) > 1:  # a mesh (parallel/mesh.py)
         from ..parallel.mesh import make_mesh
 
@@ -167,11 +247,19 @@ def load_model(
         mesh = whole_mesh if whole_mesh.pp > 1 else None
         if mesh is not None and (plan is not None or sequence_parallel):
             raise ValueError("--tp/--pp take the built-in plan, without --sequence-parallel")
+    if plan is not None and split is not None:
+        raise ValueError("--split weighs the built-in plan: state a style plan's ranges instead")
+    T = whole_mesh.tp if whole_mesh is not None else group.size()
+    weights = split_weights(split, group, whole_mesh, T)
+    native = native_kernels(dtype, group)
+    blocks = native and dtype is None  # GGUF held as stored, for the native products
+    products = products_path(dtype, native)
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
-    ckpt = _open(path, group, model_group)
+    ckpt = _open(path, group, model_group, blocks=blocks)
     ckpt.mesh = whole_mesh
+    ckpt.products = products
     error = None
     try:
         if ckpt.format == "split" and plan is not None:
@@ -180,7 +268,9 @@ def load_model(
                 "checkpoint to use your own plan"
             )
         if plan is None:  # reader -> placement -> model, in one pass
-            placement = _place(ckpt, model_group.size(), mesh, pp_split, vocab_parallel, moe_split)
+            placement = _place(
+                ckpt, model_group.size(), mesh, pp_split, vocab_parallel, moe_split, split, weights
+            )
             ckpt.placement = placement
             mine = (
                 placement.at(mesh.stage, mesh.tp_rank)
@@ -210,6 +300,8 @@ def load_model(
             cast_model(model, dtype)
         if mx.default_device().type == mx.cpu and float32_experts(model):
             ckpt.notes.append("experts held as float32: MLX's CPU gather_mm takes float32 only")
+        if native:
+            use_native(model)
     except Exception as e:
         error = e
     agree_ok(error, group)
@@ -235,8 +327,9 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
     `group` fails, every rank raises."""
     group = group or world()
     model = ckpt = error = None
+    native = native_kernels(None, group)
     try:
-        ckpt = open_checkpoint(path, 0, 1)
+        ckpt = open_checkpoint(path, 0, 1, blocks=native)
         if ckpt.format == "split":
             raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
         weights = _read(ckpt, place(model_shape(ckpt)).ranks[0])  # every tensor whole, once
@@ -244,6 +337,8 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
         load_weights(model, ckpt, weights)
         if mx.default_device().type == mx.cpu:
             float32_experts(model)
+        if native:
+            use_native(model)
     except Exception as e:
         error = e
     agree_ok(error, group)
@@ -277,7 +372,7 @@ def load(
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
     `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp,
-    moe_split)."""
+    moe_split, split)."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()

@@ -30,8 +30,10 @@ from ..parallel.plan_text import (
     format_ranges,
     human_bytes,
     imbalance,
+    share_line,
 )
 from ..parallel.shard import builtin_plan
+from ..parallel.shares import Weights
 from .pipeline import PipelineModel, stage_module
 
 
@@ -69,11 +71,12 @@ def mesh_plan(
     vocab_parallel: bool = True,
     full: nn.Module | None = None,
     moe_split: str = DEFAULT_MOE_SPLIT,
+    split: Weights | None = None,
 ) -> MeshPlan:
-    """The mesh of `n` ranks for `--tp`/`--pp`/`--pp-split`; MeshError (the loader's
-    one-line messages) when it cannot run. `full`: the checkpoint's model, if already
-    built (e.g. re-quantized by `convert`: its shapes are placed); by default built
-    lazily, for its style tables."""
+    """The mesh of `n` ranks for `--tp`/`--pp`/`--pp-split` (and `--split` weights of each
+    tensor group); MeshError (the loader's one-line messages) when it cannot run. `full`:
+    the checkpoint's model, if already built (e.g. re-quantized by `convert`: its shapes
+    are placed); by default built lazily, for its style tables."""
     from ..parallel.shard import model_shape_of
 
     T, P = mesh_shape(n, tp, pp)
@@ -82,7 +85,14 @@ def mesh_plan(
     shape = model_shape(ckpt) if full is None else model_shape_of(full)
     stages = layout(["one host"] * n, T, P, by_host=False)
     placement = place(
-        shape, T, P, pp_split, vocab_parallel=vocab_parallel, moe_split=moe_split, stages=stages
+        shape,
+        T,
+        P,
+        pp_split,
+        vocab_parallel=vocab_parallel,
+        moe_split=moe_split,
+        stages=stages,
+        split=split,
     )
     full = skeleton(ckpt) if full is None else full
     mesh = Mesh(T, P, 0, 0, stages, None, None, list(placement.layers))
@@ -103,6 +113,19 @@ def _vocab_cell(mp: MeshPlan, r: RankPlacement) -> str:
         return "-"
     rows = "whole" if r.vocab is None else f"rows {r.vocab.start}-{r.vocab.stop - 1}"
     return f"{', '.join(what)}: {rows}"
+
+
+def bytes_lines(placement: Placement) -> list[str]:
+    """The imbalance of the weight bytes over all ranks; under --split weights, each
+    stage's tensor ranks' shares against them (`plan_text.share_line`)."""
+    nbytes = [r.nbytes for r in placement.ranks]
+    if placement.plan.weights is None:
+        return [f"imbalance: {imbalance(nbytes):.1f}% of weight bytes"]
+    return [
+        f"stage {s}: "
+        + share_line(placement.plan.weights, [placement.at(s, t).nbytes for t in range(len(m))])
+        for s, m in enumerate(placement.stages)
+    ]
 
 
 def format_mesh(mp: MeshPlan, name: str) -> str:
@@ -145,7 +168,7 @@ def format_mesh(mp: MeshPlan, name: str) -> str:
             ]
         )
     lines += text_table(rows)
-    lines.append(f"imbalance: {imbalance([r.nbytes for r in mp.ranks]):.1f}% of weight bytes")
+    lines += bytes_lines(mp.placement)
     stage_lines = mp.mesh.describe().splitlines()
     if mp.tp == 1:  # every rank holds its layers whole: no tables
         return "\n".join([*lines, "", *stage_lines])

@@ -32,6 +32,7 @@ from ..checkpoints.convert import clear_out, convert, open_source, write_folders
 from ..checkpoints.split import Folder
 from ..parallel.mesh import MeshError, mesh_shape
 from ..parallel.placement import DEFAULT_MOE_SPLIT, RankPlacement
+from ..parallel.shares import SplitSpec, fixed_weights
 from .mesh_plan import MeshPlan, mesh_plan
 
 
@@ -70,24 +71,41 @@ def convert_mesh(
     progress: bool = True,
     dtype: str | None = None,
     moe_split: str = DEFAULT_MOE_SPLIT,
+    split: SplitSpec = None,
 ) -> Path:
     """Convert `src` into one folder per rank of the mesh `tp` x `pp` of `shards` ranks
     (`tp` defaults to shards // pp). MeshError, with the loader's one-line messages,
     for a mesh that cannot run (checked before anything is written); with one stage
     the plain tensor-parallel split (`checkpoints.convert.convert`). `quantize`,
-    `group_size`, `dtype`, `progress` as for `convert`."""
+    `group_size`, `dtype`, `progress`, `split` (each stage's tensor group's weights) as
+    for `convert`."""
     T, P = mesh_shape(shards, tp, pp, shards=True)
     kw = dict(quantize=quantize, group_size=group_size, dtype=dtype, progress=progress)
     if P == 1:
         if pp_split:
             raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
         return convert(
-            src, out, shards=shards, vocab_parallel=vocab_parallel, moe_split=moe_split, **kw
+            src,
+            out,
+            shards=shards,
+            vocab_parallel=vocab_parallel,
+            moe_split=moe_split,
+            split=split,
+            **kw,
         )
+    weights = fixed_weights(split, T, "convert")
     src, out = Path(src), Path(out)
     source = open_source(src, quantize, group_size, dtype)
     mp = mesh_plan(
-        source.ckpt, shards, T, P, pp_split, vocab_parallel, full=source.model, moe_split=moe_split
+        source.ckpt,
+        shards,
+        T,
+        P,
+        pp_split,
+        vocab_parallel,
+        full=source.model,
+        moe_split=moe_split,
+        split=weights,
     )
     clear_out(out)
     folders = [rank_folder(r, source.get) for r in mp.ranks]

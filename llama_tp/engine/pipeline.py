@@ -121,7 +121,8 @@ class PipelineModel(nn.Module):
         emb = self.get("tok_embeddings")
         emb = emb if isinstance(emb, VocabParallelEmbedding) else None
         v = self.vocab
-        return VocabShard(v.start, v.stop, self.args.vocab_size, self.mesh.tp_group, emb)
+        rows = getattr(self, "vocab_ranges", None)
+        return VocabShard(v.start, v.stop, self.args.vocab_size, self.mesh.tp_group, emb, rows)
 
     def out_dtype(self, dtype: mx.Dtype) -> mx.Dtype:
         """The dtype this stage hands on (h, or the logits on the last) for input `dtype`.

@@ -1,113 +1,247 @@
-"""Samplers and log-probabilities over vocabulary-sharded logits.
+"""The sampler family and its key schedule, on vocabulary shards.
 
-With a vocabulary-parallel head each rank holds the logits of its own
-vocabulary range only, (B, V_local). These functions pick tokens and compute
-log-probabilities without gathering the full logits wherever that is exact,
-and every rank ends with the same result:
+Every random draw of a request comes from its seed and the index of the token
+being drawn, never from a global random state, the batch or the rank count:
 
-- greedy: local maximum, then one tiny exchange of (value, index);
-- temperature: Gumbel-max, the noise drawn for the whole vocabulary from a key
-  all ranks share (so the draw does not depend on the rank count);
-- top-k / top-p / min-p: each rank sends its best candidates; the filters run
-  on the union with the exact normalizer (a distributed log-sum-exp); when the
-  candidates cannot decide the filter, the full logits are gathered instead.
+- `token_key(seed, n)` is the key of the n-th generated token (n from 0);
+- `gumbel(keys, ids)` is Gumbel noise for token ids under those keys, a pure
+  function of (key, token id): each rank computes the noise of its own columns,
+  a batch row its own, a speculative step the noise of the positions it checks;
+- a sampled token is the argmax of `logits / T + noise` (Gumbel-max): greedy is
+  the same argmax without noise (and without drawing any).
 
-Without vocabulary parallelism the samplers are mlx-lm's own (`make_sampler`).
+`sample` picks tokens for rows (B, V_local) each with its own settings
+(`Draw`): greedy and temperature rows in one (value, index) exchange; top-p,
+min-p and top-k rows on candidates: every rank sends its best values, the
+filters (mlx-lm's rules, in mlx-lm's order: top-p, min-p, top-k) run on the
+global top candidates with the exact normalizer, and when the candidates
+cannot decide the filter the row's full logits are gathered instead. Either
+way the kept tokens are the same, so the token is too. A whole vocabulary is
+the one-shard case of the same code.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-Sampler = Callable[[mx.array], mx.array]
-CANDIDATES = 64  # per rank, for top-p / min-p; more than enough for peaked distributions
+from .settings import SamplingParams
+from .shards import VocabShard, vocab_shard
 
+__all__ = ["Draw", "Sampler", "VocabShard", "make_sampler", "sample", "token_key"]
+__all__ += ["token_logprobs", "vocab_shard"]
 
-class VocabShard:
-    """Where this rank's logits sit in the vocabulary: columns [start, stop) of `size`."""
-
-    def __init__(
-        self,
-        start: int,
-        stop: int,
-        size: int,
-        group: mx.distributed.Group,
-        embedding: nn.Module | None = None,
-    ):
-        self.start, self.stop, self.size, self.group = start, stop, size, group
-        self.embedding = embedding  # the VocabParallelEmbedding of these rows, if any
-
-    def gather_rows(self, x: mx.array) -> mx.array:
-        """(B, k) from every rank -> (B, N * k), rank-major."""
-        n = self.group.size()
-        g = mx.distributed.all_gather(x, group=self.group)  # (N * B, k)
-        return g.reshape(n, x.shape[0], -1).transpose(1, 0, 2).reshape(x.shape[0], -1)
-
-    def full_logits(self, logits: mx.array) -> mx.array:
-        """Every rank's logits concatenated: (B, V). The fallback; costs V floats per row."""
-        width = -(-self.size // self.group.size()) + 1  # ranges differ by at most one
-        pad = mx.full((logits.shape[0], width - logits.shape[1]), -math.inf, logits.dtype)
-        rows = self.gather_rows(mx.concatenate([logits, pad], axis=1))  # (B, N * width)
-        parts = _ranges(self.size, self.group.size())
-        return mx.concatenate(
-            [rows[:, i * width : i * width + len(r)] for i, r in enumerate(parts)], axis=1
-        )
-
-    def logsumexp(self, logits: mx.array) -> mx.array:
-        """Exact log-sum-exp over the whole vocabulary: all-max, then all-sum. (B, 1)."""
-        m = mx.distributed.all_max(mx.max(logits, axis=-1, keepdims=True), group=self.group)
-        s = mx.distributed.all_sum(mx.exp(logits - m).sum(axis=-1, keepdims=True), group=self.group)
-        return m + mx.log(s)
-
-    def argmax(self, scores: mx.array) -> mx.array:
-        """Global argmax of (B, V_local) scores: one exchange of (value, index). (B,)."""
-        local = mx.argmax(scores, axis=-1)
-        value = mx.take_along_axis(scores, local[:, None], axis=-1)[:, 0]
-        # Indices travel as float32: exact below 2**24, far above any vocabulary.
-        pair = mx.stack([value.astype(mx.float32), (local + self.start).astype(mx.float32)])
-        g = mx.distributed.all_gather(pair, group=self.group).reshape(-1, 2, scores.shape[0])
-        best = mx.argmax(g[:, 0, :], axis=0)  # first maximum: the lowest index, as argmax
-        return mx.take_along_axis(g[:, 1, :], best[None], axis=0)[0].astype(mx.int32)
-
-    def argmax_rows(self, scores: mx.array, embedding) -> tuple[mx.array, mx.array]:
-        """Global argmax of (B, V_local) scores and the winner's embedding row, in one
-        exchange: each rank sends (value, index, its candidate's row). -> (B,), (B, dim).
-
-        The row is what the vocabulary-parallel embedding would otherwise complete
-        with an all-reduce at the next step; here it rides along with the candidate.
-        """
-        B = scores.shape[0]
-        local = mx.argmax(scores, axis=-1)  # (B,)
-        value = mx.take_along_axis(scores, local[:, None], axis=-1)  # (B, 1)
-        rows = embedding.local_rows(local)  # (B, dim), exact in float32
-        packed = mx.concatenate(
-            [
-                value.astype(mx.float32),
-                (local + self.start)[:, None].astype(mx.float32),
-                rows.astype(mx.float32),
-            ],
-            axis=1,
-        )  # (B, 2 + dim)
-        g = mx.distributed.all_gather(packed, group=self.group).reshape(-1, B, packed.shape[1])
-        best = mx.argmax(g[:, :, 0], axis=0)  # (B,): first maximum, the lowest index
-        win = mx.take_along_axis(g, best[None, :, None], axis=0)[0]  # (B, 2 + dim)
-        return win[:, 1].astype(mx.int32), win[:, 2:].astype(rows.dtype)
-
-    def local_gumbel(self, key: mx.array, rows: int) -> mx.array:
-        """This rank's columns of Gumbel noise drawn for the whole vocabulary."""
-        return mx.random.gumbel(shape=(rows, self.size), key=key)[:, self.start : self.stop]
+CANDIDATES = 64  # per row, for top-p / min-p; more than enough for peaked distributions
+_MASK64 = (1 << 64) - 1
 
 
-def _ranges(size: int, n: int) -> list[range]:
-    from ..parallel.partition import vocab_ranges
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
-    return vocab_ranges(size, n)
+
+def token_key(seed: int, n: int) -> tuple[int, int]:
+    """The key of the n-th generated token (n from 0) of a request seeded `seed`:
+    two 32-bit words, the same alone, in a batch, on any rank, in speculative decoding."""
+    x = _splitmix64((_splitmix64(seed & _MASK64) + n) & _MASK64)
+    return x >> 32, x & 0xFFFFFFFF
+
+
+def _fmix32(h: mx.array) -> mx.array:
+    # murmur3's finalizer: a bijection of uint32 in which every input bit flips
+    # each output bit with probability about 1/2
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@mx.compile
+def _gumbel(k0: mx.array, k1: mx.array, ids: mx.array) -> mx.array:
+    h = _fmix32(_fmix32((ids * 0x9E3779B1) ^ k0) ^ k1)
+    u = ((h >> 8).astype(mx.float32) + 0.5) * 2.0**-24  # 24 bits, in (0, 1)
+    return -mx.log(-mx.log(u))
+
+
+def gumbel(keys: mx.array, ids: mx.array) -> mx.array:
+    """Standard Gumbel noise for token ids (R or 1, C) uint32 under keys (R, 2) uint32:
+    (R, C) float32, a function of each (key, id) pair alone."""
+    return _gumbel(keys[:, :1], keys[:, 1:], ids.astype(mx.uint32))
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One row to sample: its settings and which token of its reply it picks."""
+
+    params: SamplingParams
+    index: int  # 0: the first generated token
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return token_key(self.params.seed, self.index)
+
+
+def _keys(draws: Sequence[Draw]) -> mx.array:
+    return mx.array([d.key for d in draws], dtype=mx.uint32)  # (R, 2)
+
+
+def sample(
+    logits: mx.array, draws: Sequence[Draw], shard: VocabShard, fold: bool = False
+) -> tuple[mx.array, mx.array | None]:
+    """Tokens (R,) for logits (R, V_local), row r drawn as `draws[r]` says.
+
+    With `fold` and a vocabulary-parallel embedding, greedy and temperature rows also
+    return the tokens' embedding rows (R, dim) from the same exchange (else None),
+    so that the next forward skips the embedding's all-reduce.
+    """
+    logits = logits.astype(mx.float32)
+    R = len(draws)
+    filtered = [i for i, d in enumerate(draws) if d.params.filtered]
+    noisy = [i for i, d in enumerate(draws) if not d.params.greedy and not d.params.filtered]
+    scores = logits
+    if noisy:
+        temps = [1.0] * R
+        for i in noisy:
+            temps[i] = draws[i].params.temperature
+        scores = logits / mx.array(temps)[:, None]
+        noise = gumbel(_keys([draws[i] for i in noisy]), shard.columns())  # (P, V_local)
+        scores = scores + noise if len(noisy) == R else scores.at[mx.array(noisy)].add(noise)
+    if not filtered:
+        return shard.argmax_rows(scores) if fold else (shard.argmax(scores), None)
+    picked = _filtered(logits[mx.array(filtered)], [draws[i] for i in filtered], shard)
+    if len(filtered) == R:
+        return picked, None
+    tokens = shard.argmax(scores)
+    tokens[mx.array(filtered)] = picked
+    return tokens, None
+
+
+def _filtered(logits: mx.array, draws: list[Draw], shard: VocabShard) -> mx.array:
+    """Top-p / min-p / top-k rows: tokens (F,). Rows are grouped by their candidate count
+    (at least CANDIDATES, at least top_k), which depends on the row's settings alone."""
+    sizes = [min(shard.size, max(CANDIDATES, d.params.top_k)) for d in draws]
+    if len(set(sizes)) == 1:
+        return _on_candidates(logits, draws, shard, sizes[0])
+    out = [0] * len(draws)
+    for m in sorted(set(sizes)):
+        rows = [i for i, s in enumerate(sizes) if s == m]
+        picks = _on_candidates(logits[mx.array(rows)], [draws[i] for i in rows], shard, m)
+        for i, t in zip(rows, picks.tolist(), strict=True):
+            out[i] = t
+    return mx.array(out, dtype=mx.int32)
+
+
+def _on_candidates(logits: mx.array, draws: list[Draw], shard: VocabShard, M: int):
+    """The filtered draw of each row from the global top-M tokens, or from the whole
+    vocabulary for rows whose filter the candidates cannot decide. (F,)"""
+    F, width = logits.shape
+    m = min(M, shard.min_width)  # sent by every rank
+    idx = mx.argpartition(-logits, kth=m - 1, axis=-1)[:, :m] if m < width else None
+    idx = mx.broadcast_to(mx.arange(m), (F, m)) if idx is None else idx
+    vals = mx.take_along_axis(logits, idx, axis=-1)
+    top = mx.max(logits, axis=-1, keepdims=True)
+    mass = mx.exp(logits - top).sum(axis=-1, keepdims=True)
+    unsent = mx.min(vals, axis=-1, keepdims=True) if m < width else mx.full((F, 1), -math.inf)
+    ids = (idx + shard.start).astype(mx.float32)  # exact below 2**24
+    g = shard.all_gather(mx.concatenate([vals, ids, top, mass, unsent], axis=1))  # (N, F, 2m+3)
+    high = g[:, :, 2 * m].max(axis=0)[:, None]  # (F, 1)
+    lse = high + mx.log((g[:, :, 2 * m + 1] * mx.exp(g[:, :, 2 * m] - high[:, 0])).sum(0))[:, None]
+    cand = g[:, :, :m].transpose(1, 0, 2).reshape(F, -1)  # (F, N * m)
+    cand_ids = g[:, :, m : 2 * m].transpose(1, 0, 2).reshape(F, -1)
+    order = mx.argsort(-cand, axis=-1)
+    cand = mx.take_along_axis(cand, order, axis=-1)
+    cand_ids = mx.take_along_axis(cand_ids, order, axis=-1).astype(mx.uint32)
+    # The largest value a token that is not among the top M candidates can have.
+    bound = g[:, :, 2 * m + 2].max(axis=0)[:, None]
+    if cand.shape[1] > M:
+        bound = mx.maximum(bound, cand[:, M : M + 1])
+    cand, cand_ids = cand[:, :M], cand_ids[:, :M]
+    # Candidates below the bound are not certainly above every unsent token: stop there,
+    # and stand for every unsent token by one at the bound.
+    pos = mx.arange(cand.shape[1] + 1)[None]
+    certain = (cand >= bound).sum(axis=1, keepdims=True)  # a prefix: cand is sorted
+    ext = mx.concatenate([cand, bound], axis=1)
+    ext = mx.where(pos < certain, ext, mx.where(pos == certain, bound, -math.inf)) - lse
+    kept = _kept(ext, draws)  # (F,)
+    picks = _pick(ext[:, :-1], cand_ids, kept, draws)
+    decided = kept <= certain[:, 0]
+    if mx.all(decided).item():
+        return picks
+    # Undecidable from the candidates: the whole vocabulary of those rows (every rank
+    # reached the same verdict from the same gathered numbers).
+    undecided = [i for i, ok in enumerate(decided.tolist()) if not ok]
+    rows = mx.array(undecided)
+    full = shard.full_logits(logits[rows]) - lse[rows]  # (U, V)
+    order = mx.argsort(-full, axis=-1)
+    full = mx.take_along_axis(full, order, axis=-1)
+    sub = [draws[i] for i in undecided]
+    picks[rows] = _pick(full, order.astype(mx.uint32), _kept(full, sub), sub)
+    return picks
+
+
+def _kept(lp: mx.array, draws: list[Draw]) -> mx.array:
+    """How many of the descending log-probabilities lp (F, C) the filters keep: (F,).
+
+    top-p keeps a token while the mass of the tokens above it is below top_p, min-p
+    while its probability is at least min_p times the largest, top-k the first k:
+    each keeps a prefix, so together they keep the shortest of the three."""
+    top_p = mx.array([d.params.top_p for d in draws])[:, None]
+    min_p = mx.array([d.params.min_p for d in draws])[:, None]
+    top_k = mx.array([d.params.top_k or lp.shape[1] for d in draws])[:, None]
+    above = mx.cumsum(mx.exp(lp), axis=1, inclusive=False)
+    keep = ((above < top_p) | (top_p >= 1.0)) & (lp >= lp[:, :1] + mx.log(min_p))
+    keep = keep & (mx.arange(lp.shape[1])[None] < top_k)
+    return mx.cumprod(keep.astype(mx.int32), axis=1).sum(axis=1)
+
+
+def _pick(lp: mx.array, ids: mx.array, kept: mx.array, draws: list[Draw]) -> mx.array:
+    """Gumbel-max over the first `kept` of each row's tokens: their ids (F,)."""
+    temps = mx.array([d.params.temperature for d in draws])[:, None]
+    scores = lp / temps + gumbel(_keys(draws), ids)
+    scores = mx.where(mx.arange(lp.shape[1])[None] < kept[:, None], scores, -math.inf)
+    best = mx.argmax(scores, axis=-1)
+    return mx.take_along_axis(ids, best[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
+def token_logprobs(
+    logits: mx.array, tokens: mx.array, shard: VocabShard, top: int = 0
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """Log-probabilities of `tokens` (B,) under logits (B, V_local), exactly.
+
+    Returns (logprob (B,), top_ids (B, top), top_logprobs (B, top)); the last two
+    are None when `top` is 0. No rank ever holds the full logits.
+    """
+    logits = logits.astype(mx.float32)
+    lse = shard.logsumexp(logits)
+    chosen = shard.pick(logits, tokens) - lse[:, 0]
+    if not top:
+        return chosen, None, None
+    vals, ids = shard.top(logits, top)
+    return chosen, ids, vals - lse
+
+
+class Sampler:
+    """mlx-lm's sampler shape, logits (B, V_local) -> tokens (B,), on the key schedule:
+    the n-th call draws token n of one sequence (every row with the same key)."""
+
+    def __init__(self, params: SamplingParams, shard: VocabShard | None = None):
+        self.params, self.shard, self.n = params, shard, 0
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        return self.sample_with_rows(logits, fold=False)[0]
+
+    def sample_with_rows(self, logits: mx.array, fold: bool = True):
+        """(tokens (B,), their embedding rows (B, dim) or None): see `sample`."""
+        shard = self.shard or VocabShard.whole(logits.shape[-1])
+        draws = [Draw(self.params, self.n)] * logits.shape[0]
+        self.n += 1
+        return sample(logits, draws, shard, fold)
 
 
 def make_sampler(
@@ -126,138 +260,7 @@ def make_sampler(
         min_p: keep tokens with probability >= min_p * the largest; 0 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
         shard: where this rank's logits sit when the vocabulary is sharded.
-        seed: the key of the distributed sampler's noise (every rank must pass the same).
+        seed: with the call count, the key of every draw (`token_key`).
     """
-    if shard is None:
-        mlx_sampler = mlx_lm_make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
-        return lambda logits: mlx_sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    key = [mx.random.key(seed)]
-
-    def next_key() -> mx.array:
-        key[0], sub = mx.random.split(key[0])
-        return sub
-
-    if top_p >= 1.0 and min_p == 0.0 and top_k == 0:
-        if temp == 0:
-            return FoldedSampler(shard, lambda logits: logits)
-        return FoldedSampler(
-            shard, lambda logits: logits / temp + shard.local_gumbel(next_key(), logits.shape[0])
-        )
-    filters = dict(top_p=top_p, min_p=min_p, top_k=top_k)
-    return lambda logits: _filtered_sample(logits, shard, temp, next_key(), **filters)
-
-
-class FoldedSampler:
-    """Greedy or Gumbel-max on vocabulary shards: an argmax of `scores(logits)`.
-
-    Called as a sampler it returns tokens (B,). `sample_with_rows` also returns the
-    tokens' embedding rows (B, dim) from the same exchange, so that the next decode
-    step skips the embedding's all-reduce (when the shard knows its embedding).
-    """
-
-    def __init__(self, shard: VocabShard, scores: Callable[[mx.array], mx.array]):
-        self.shard, self.scores = shard, scores
-
-    def __call__(self, logits: mx.array) -> mx.array:
-        return self.shard.argmax(self.scores(logits))
-
-    def sample_with_rows(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
-        if self.shard.embedding is None:
-            return self(logits), None
-        return self.shard.argmax_rows(self.scores(logits), self.shard.embedding)
-
-
-def _filtered_sample(logits, shard, temp, key, top_p, min_p, top_k) -> mx.array:
-    """top-p -> min-p -> top-k (mlx-lm's order), then a temperature draw, on candidates."""
-    B, local = logits.shape
-    m = min(local, max(CANDIDATES, top_k))
-    lse = shard.logsumexp(logits)  # (B, 1)
-    idx = mx.argpartition(-logits, kth=m - 1, axis=-1)[:, :m] if m < local else None
-    vals = mx.take_along_axis(logits, idx, axis=-1) if idx is not None else logits
-    ids = (idx if idx is not None else mx.broadcast_to(mx.arange(local), (B, local))) + shard.start
-    cand = shard.gather_rows(vals.astype(mx.float32)) - lse  # (B, C) exact log-probabilities
-    cand_ids = shard.gather_rows(ids.astype(mx.int32))
-    # The best log-probability a token that was not sent could have (per rank: its m-th value).
-    unsent = mx.min(vals, axis=-1) if idx is not None else mx.full((B,), -math.inf)
-    bound = mx.max(shard.gather_rows(unsent[:, None].astype(mx.float32)), axis=-1) - lse[:, 0]
-    kept = cand
-    if top_p < 1.0:
-        kept = _top_p(kept, top_p)
-    if min_p > 0.0:
-        kept = apply_min_p(kept, min_p)
-    if top_k > 0 and top_k < kept.shape[-1]:
-        kept = apply_top_k(kept, top_k)
-    survivors = mx.where(kept > -math.inf, kept, math.inf).min(axis=-1)
-    decided = bound < survivors
-    if top_p < 1.0:  # the candidates must also hold the nucleus mass themselves
-        decided = decided & (mx.exp(kept).sum(axis=-1) >= top_p - 1e-6)
-    if not (top_p < 1.0 or min_p > 0.0) or mx.all(decided).item():
-        g = mx.random.gumbel(shape=kept.shape, key=key)
-        pick = mx.argmax(kept / temp + g, axis=-1)
-        return mx.take_along_axis(cand_ids, pick[:, None], axis=-1)[:, 0]
-    # Undecidable from the candidates: gather everything and filter as mlx-lm does.
-    full = shard.full_logits(logits) - lse
-    if top_p < 1.0:
-        full = apply_top_p(full, top_p)
-    if min_p > 0.0:
-        full = apply_min_p(full, min_p)
-    if top_k > 0:
-        full = apply_top_k(full, top_k)
-    g = mx.random.gumbel(shape=full.shape, key=key)
-    return mx.argmax(full / temp + g, axis=-1).astype(mx.int32)
-
-
-def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
-    """mlx-lm's nucleus rule on exact log-probabilities of a subset of the vocabulary:
-    the mass is measured against the true total (1), not the subset's."""
-    s = mx.sort(logprobs, axis=-1)
-    mass_above = mx.cumsum(mx.exp(s), axis=-1, reverse=True, inclusive=False)
-    dropped = (mass_above >= top_p).sum(axis=-1, keepdims=True)
-    threshold = mx.take_along_axis(s, dropped, axis=-1)
-    return mx.where(logprobs < threshold, -math.inf, logprobs)
-
-
-def token_logprobs(
-    logits: mx.array, tokens: mx.array, shard: VocabShard | None, top: int = 0
-) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """Log-probabilities of `tokens` (B,) under logits (B, V or V_local), exactly.
-
-    Returns (logprob (B,), top_ids (B, top), top_logprobs (B, top)); the last two
-    are None when `top` is 0. With `shard`, no rank ever holds the full logits.
-    """
-    if shard is None:
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        chosen = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
-        if not top:
-            return chosen, None, None
-        ids = mx.argsort(-lp, axis=-1)[:, :top]
-        return chosen, ids, mx.take_along_axis(lp, ids, axis=-1)
-    lse = shard.logsumexp(logits)
-    local = tokens - shard.start
-    mine = (local >= 0) & (local < logits.shape[-1])
-    picked = mx.take_along_axis(logits, mx.where(mine, local, 0)[:, None], axis=-1)[:, 0]
-    chosen = mx.distributed.all_sum(mx.where(mine, picked, 0.0), group=shard.group) - lse[:, 0]
-    if not top:
-        return chosen, None, None
-    k = min(top, logits.shape[-1])
-    idx = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
-    vals = shard.gather_rows(mx.take_along_axis(logits, idx, axis=-1).astype(mx.float32))
-    ids = shard.gather_rows((idx + shard.start).astype(mx.int32))
-    order = mx.argsort(-vals, axis=-1)[:, :top]
-    return (
-        chosen,
-        mx.take_along_axis(ids, order, axis=-1),
-        mx.take_along_axis(vals, order, axis=-1) - lse,
-    )
-
-
-def vocab_shard(model) -> VocabShard | None:
-    """The vocabulary range of `model`'s logits on this rank; None when they are whole."""
-    from ..parallel.vocab import VocabParallelEmbedding
-
-    if hasattr(model, "vocab_shard"):  # a pipeline stage (engine/pipeline.py) knows its own
-        return model.vocab_shard()
-    emb = model.tok_embeddings
-    if not isinstance(emb, VocabParallelEmbedding):
-        return None
-    return VocabShard(emb.start, emb.stop, emb.vocab_size, emb.group, emb)
+    params = SamplingParams(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
+    return Sampler(params, shard)

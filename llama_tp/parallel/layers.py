@@ -17,6 +17,9 @@ from mlx import nn
 from mlx.nn.layers.distributed import sum_gradients
 
 from ..cluster.distributed import world
+from ..kernels import gguf_matmul, quantized_matmul
+from ..kernels.blocks import block_span
+from ..kernels.layers import GGUFLinear
 
 _SHARDINGS = ("all-to-sharded", "sharded-to-all")
 
@@ -145,7 +148,7 @@ class _QuantizedRangeLinear(_RangeLinear):
         return f"{super()._extra_repr()}, group_size={self.group_size}, bits={self.bits}"
 
     def _matmul(self, x: mx.array) -> mx.array:
-        return mx.quantized_matmul(
+        return quantized_matmul(
             x,
             self["weight"],
             scales=self["scales"],
@@ -230,6 +233,72 @@ class QuantizedRangeShardedToAllLinear(_QuantizedRangeLinear):
         return params
 
 
+class _BlockRangeLinear(_RangeLinear):
+    """GGUF blocks as stored (`kernels.layers.GGUFLinear`): weight uint8 (rows, blocks *
+    bytes), `lead` values of the first block before the kept columns; frozen."""
+
+    def __init__(
+        self,
+        params: dict[str, mx.array],
+        input_dims: int,
+        output_dims: int,
+        start: int,
+        stop: int,
+        type_name: str,
+        lead: int,
+        group: mx.distributed.Group | None = None,
+    ):
+        super().__init__(params, input_dims, output_dims, start, stop, group)
+        self.type_name, self.lead = type_name, lead
+        self.freeze()
+
+    def _extra_repr(self) -> str:
+        return f"{super()._extra_repr()}, type={self.type_name}"
+
+    def _matmul(self, x: mx.array) -> mx.array:
+        return gguf_matmul(x, self["weight"], self.type_name, self.lead)
+
+    @classmethod
+    def from_blocks(
+        cls, q: GGUFLinear, start: int, stop: int, *, group: mx.distributed.Group | None = None
+    ) -> _BlockRangeLinear:
+        params, lead = cls._params(q, start, stop)
+        return cls(params, q.input_dims, q.output_dims, start, stop, q.type_name, lead, group)
+
+
+class BlockRangeAllToShardedLinear(_BlockRangeLinear):
+    """Output rows start:stop of a GGUF-block linear (whole blocks: they lie in rows)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = self._matmul(sum_gradients(self.group)(x))
+        return x + self["bias"] if "bias" in self else x
+
+    @staticmethod
+    def _params(q: GGUFLinear, start: int, stop: int) -> tuple[dict[str, mx.array], int]:
+        return {k: _slice(q[k], start, stop, 0) for k in ("weight", "bias") if k in q}, q.lead
+
+
+class BlockRangeShardedToAllLinear(_BlockRangeLinear):
+    """Input columns start:stop of a GGUF-block linear, summed over the group. The rank
+    keeps the blocks covering its columns: a block a boundary falls in is held by both
+    neighbours, each multiplying only its own columns (x enters at `lead`, the rest of
+    the block meets zeros), so any split is exact."""
+
+    _rows = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = mx.distributed.all_sum(self._matmul(x), group=self.group)
+        return x + self["bias"] if "bias" in self else x
+
+    @staticmethod
+    def _params(q: GGUFLinear, start: int, stop: int) -> tuple[dict[str, mx.array], int]:
+        a, b, lead = block_span(q.lead + start, q.lead + stop, q.type_name)
+        params = {"weight": _slice(q.weight, a, b, 1)}
+        if "bias" in q:
+            params["bias"] = q.bias
+        return params, lead
+
+
 def shard_linear_range(
     module: nn.Module,
     sharding: str,
@@ -237,13 +306,17 @@ def shard_linear_range(
     stop: int,
     group: mx.distributed.Group | None = None,
 ) -> nn.Module:
-    """Shard a `nn.Linear` or affine `nn.QuantizedLinear` to output rows
-    ("all-to-sharded") or input columns ("sharded-to-all") start:stop, in
-    logical (unpacked) units. Returns a new layer; `module` is unchanged.
+    """Shard a `nn.Linear`, affine `nn.QuantizedLinear` or GGUF-block
+    `kernels.layers.GGUFLinear` to output rows ("all-to-sharded") or input columns
+    ("sharded-to-all") start:stop, in logical (unpacked) units. Returns a new layer;
+    `module` is unchanged.
     """
     if sharding not in _SHARDINGS:
         raise ValueError(f"sharding must be one of {_SHARDINGS}, got {sharding!r}")
     rows = sharding == "all-to-sharded"
+    if isinstance(module, GGUFLinear):
+        cls = BlockRangeAllToShardedLinear if rows else BlockRangeShardedToAllLinear
+        return cls.from_blocks(module, start, stop, group=group)
     if isinstance(module, nn.QuantizedLinear):
         cls = QuantizedRangeAllToShardedLinear if rows else QuantizedRangeShardedToAllLinear
         return cls.from_quantized_linear(module, start, stop, group=group)
@@ -251,5 +324,6 @@ def shard_linear_range(
         cls = RangeAllToShardedLinear if rows else RangeShardedToAllLinear
         return cls.from_linear(module, start, stop, group=group)
     raise TypeError(
-        f"cannot shard {type(module).__name__}: expected nn.Linear or nn.QuantizedLinear"
+        f"cannot shard {type(module).__name__}: expected nn.Linear, nn.QuantizedLinear "
+        "or GGUFLinear"
     )

@@ -201,8 +201,10 @@ def llama_plan(
     vocab_parallel: bool = True,
     sequence_parallel: bool = False,
     plan: Plan | None = None,
+    vocab: Sequence[range] | None = None,
 ) -> dict[str, Style]:
-    """The built-in plan of `model` over `n` ranks (see the module docstring)."""
+    """The built-in plan of `model` over `n` ranks (see the module docstring); `vocab`:
+    each rank's vocabulary rows (default: as even as possible)."""
     p = plan or plan_for(model, n)
     sp = sequence_parallel
     a = model.args
@@ -220,9 +222,10 @@ def llama_plan(
     seq: Layout = "sequence" if sp else "replicate"
     tied = model.args.tie_word_embeddings
     if vocab_parallel:
-        table["tok_embeddings"] = (LossParallel if tied else VocabParallel)(output_layout=seq)
+        rows = None if vocab is None else tuple((r.start, r.stop) for r in vocab)
+        table["tok_embeddings"] = (LossParallel if tied else VocabParallel)(rows, output_layout=seq)
         if not tied:
-            table["output"] = LossParallel(input_layout=seq)
+            table["output"] = LossParallel(rows, input_layout=seq)
     else:
         table["tok_embeddings"] = Replicate(output_layout=seq)
         if not tied:

@@ -95,22 +95,29 @@ def layout(hosts: list[str], tp: int, pp: int, by_host: bool = True) -> list[lis
 
 
 def balanced_split(
-    layer_bytes: list[int], first_extra: int, last_extra: int, pp: int
+    layer_bytes: list[int],
+    first_extra: int,
+    last_extra: int,
+    pp: int,
+    weights: tuple[float, ...] | None = None,
 ) -> list[range]:
     """Contiguous layer ranges for `pp` stages (each >= 1 layer) minimizing the largest
     stage's bytes; the first stage also holds `first_extra` bytes (the embedding), the
     last `last_extra` (norm and head). Among splits with the same largest stage, the
-    one with the smallest sum of squared stage bytes (the most even). O(P * n^2)."""
+    one with the smallest sum of squared stage bytes (the most even). With `weights`
+    (`--pp-split 3:1`) each stage's bytes count divided by its weight, so that stage s
+    gets about weights[s] / sum(weights) of them. O(P * n^2)."""
     n = len(layer_bytes)
     if pp > n:
         raise MeshError(f"--pp {pp} stages, but the model has only {n} layers")
     prefix = [0]
     for b in layer_bytes:
         prefix.append(prefix[-1] + b)
+    scale = [sum(weights) / w for w in weights] if weights else [1] * pp
 
-    def cost(s: int, a: int, b: int) -> int:
+    def cost(s: int, a: int, b: int) -> float:
         extra = (first_extra if s == 0 else 0) + (last_extra if s == pp - 1 else 0)
-        return prefix[b] - prefix[a] + extra
+        return (prefix[b] - prefix[a] + extra) * scale[s]
 
     # best[s][i]: (largest stage, sum of squares) of stages 0..s holding layers [0, i)
     inf = (float("inf"), float("inf"))
@@ -135,11 +142,14 @@ def balanced_split(
 
 
 def parse_split(text: str, n_layers: int, pp: int) -> list[range]:
-    """`--pp-split 10,12` -> [range(0, 10), range(10, 22)], checked against the model."""
+    """`--pp-split 10,12` -> [range(0, 10), range(10, 22)], checked against the model.
+    (Weights, `--pp-split 3:1`, are `placement.stage_layers`'.)"""
     try:
         counts = [int(x) for x in text.split(",")]
     except ValueError:
-        raise MeshError(f"--pp-split must be layer counts like 10,12, got {text!r}") from None
+        raise MeshError(
+            f"--pp-split must be layer counts like 10,12 or weights like 3:1, got {text!r}"
+        ) from None
     if len(counts) != pp:
         raise MeshError(f"--pp-split {text} has {len(counts)} stages, but --pp is {pp}")
     if min(counts) < 1:
@@ -176,6 +186,11 @@ class Mesh:
     @property
     def last(self) -> bool:
         return self.stage == self.pp - 1
+
+    def tensor_ranks(self) -> dict[int, int]:
+        """Every world rank's tensor rank (in its stage's tensor group)."""
+        blocks = self.replicas or [[r for ranks in self.stages for r in ranks]]
+        return {r: i % self.tp for ranks in blocks for i, r in enumerate(ranks)}
 
     def describe(self) -> str:
         """One line per stage: its ranks and layers."""

@@ -8,7 +8,11 @@ means for each stored tensor, and `placement.py` for a whole mesh's placement.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .shares import SplitError, split_units, weighted_units, weights_text
+from .shares import shares as fractions
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Plan:
     even_attention: bool  # n divides n_kv_heads: mlx's shard_linear split is this plan
     even_ffn: bool  # n divides hidden_dim (into whole quantization groups if quantized)
     experts: Experts | None = None  # the mixture-of-experts layers' shape, if any
+    weights: tuple[float, ...] | None = None  # --split: each rank's weight (None: balanced)
 
     def replicated_kv_heads(self) -> dict[int, list[int]]:
         """Global KV head -> ranks holding it, for the heads held by more than one rank."""
@@ -72,42 +77,24 @@ class Plan:
         return {h: ranks for h, ranks in holders.items() if len(ranks) > 1}
 
 
-def split_units(total: int, shares: list[float] | tuple[float, ...]) -> list[range]:
-    """Split range(total) into one contiguous range per share, sized in proportion to
-    the shares (largest remainders first; ties to the lower rank), none empty.
-    Equal shares: sizes differ by at most one, larger ones first."""
-    n, whole = len(shares), sum(shares)
-    if n < 1 or total < n or whole <= 0 or min(shares) < 0:
-        raise ValueError(f"cannot split {total} units over {n} ranks by shares {list(shares)}")
-    quota = [total * s / whole for s in shares]
-    sizes = [max(1, int(q)) for q in quota]
-    order = sorted(range(n), key=lambda i: (-(quota[i] - int(quota[i])), i))
-    i = 0
-    while sum(sizes) < total:
-        sizes[order[i % n]] += 1
-        i += 1
-    while sum(sizes) > total:  # a share below one unit took a whole one
-        big = max(range(n), key=lambda j: (sizes[j] - quota[j], -j))
-        sizes[big] -= 1
-    out, start = [], 0
-    for size in sizes:
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
 def _balanced(total: int, n: int) -> list[range]:
     """Split range(total) into n contiguous ranges whose sizes differ by at most
     one, larger ones first."""
     return split_units(total, [1] * n)
 
 
-def vocab_ranges(vocab_size: int, n: int) -> list[range]:
+def _shares(total: int, n: int, weights: Sequence[float] | None, what: str) -> list[range]:
+    """The balanced split, or the weighted one (`weighted_units`)."""
+    return _balanced(total, n) if weights is None else weighted_units(total, weights, what)
+
+
+def vocab_ranges(vocab_size: int, n: int, weights: Sequence[float] | None = None) -> list[range]:
     """The vocabulary rows of each rank's embedding and output head shard: as even as
-    possible (sizes differ by at most one). Rows of quantized tables split anywhere."""
+    possible (sizes differ by at most one), or in proportion to `weights`. Rows of
+    quantized tables split anywhere."""
     if not 1 <= n <= vocab_size:
         raise ValueError(f"cannot split a vocabulary of {vocab_size} over {n} ranks")
-    return _balanced(vocab_size, n)
+    return _shares(vocab_size, n, weights, "vocabulary rows")
 
 
 def _kv_map(q: range, kv: range, g: int) -> tuple[int, ...] | None:
@@ -129,6 +116,7 @@ def make_plan(
     n: int,
     group_size: int | None = None,
     experts: Experts | None = None,
+    weights: Sequence[float] | None = None,
 ) -> Plan:
     """Split the attention heads and feed-forward columns of a Llama layer over n ranks.
 
@@ -143,11 +131,22 @@ def make_plan(
       expert's columns balanced in units of `experts.unit`, as a dense feed-forward;
       split "expert", whole experts balanced (E/N each, larger first). The shared
       expert's columns are balanced like a dense feed-forward's either way.
+    - `weights` (`--split 3:1`, one per rank; None: balanced): every count above is
+      divided in proportion instead (largest remainders), in the same units: whole KV
+      groups while every rank's share is at least one group, else query heads with
+      the KV heads they need replicated; a rank whose share of some count is under
+      half a unit is refused (SplitError, with the numbers).
 
     Raises ValueError only where no split exists.
     """
     if n < 1:
         raise ValueError(f"cannot split over {n} ranks: need at least 1 rank")
+    if weights is not None and len(weights) != n:
+        raise SplitError(
+            f"--split {weights_text(weights)} has {len(weights)} weights for {n} ranks"
+        )
+    if weights is not None and len(set(weights)) == 1:
+        weights = None  # equal weights: the balanced split
     if n_heads < 1 or n_kv_heads < 1:
         raise ValueError(f"need at least one head, got {n_heads} query and {n_kv_heads} KV heads")
     if n_heads % n_kv_heads:
@@ -171,24 +170,25 @@ def make_plan(
         )
 
     g = n_heads // n_kv_heads  # query heads per KV head
-    if n <= n_kv_heads:
+    if n <= n_kv_heads and min(n_kv_heads * s for s in fractions(weights, n)) >= 1:
         # Whole KV groups per rank: local attention is plain GQA.
-        kv_parts = _balanced(n_kv_heads, n)
+        kv_parts = _shares(n_kv_heads, n, weights, "KV heads")
         q_parts = [range(kv.start * g, kv.stop * g) for kv in kv_parts]
     else:
-        q_parts = _balanced(n_heads, n)
+        q_parts = _shares(n_heads, n, weights, "query heads")
         kv_parts = [range(q.start // g, (q.stop - 1) // g + 1) for q in q_parts]
     ffn_parts = (
-        [range(r.start * unit, r.stop * unit) for r in _balanced(hidden_dim // unit, n)]
+        _in_units(_shares(hidden_dim // unit, n, weights, _units("feed-forward", unit)), unit)
         if hidden_dim
         else [range(0)] * n
     )
-    moe = _expert_parts(experts, n) if experts else [{}] * n
+    moe = _expert_parts(experts, n, weights) if experts else [{}] * n
     parts = tuple(
         RankPart(rank=i, q_heads=q, kv_heads=kv, kv_map=_kv_map(q, kv, g), ffn=f, **m)
         for i, (q, kv, f, m) in enumerate(zip(q_parts, kv_parts, ffn_parts, moe, strict=True))
     )
     even_ffn = hidden_dim % n == 0 and (group_size is None or (hidden_dim // n) % group_size == 0)
+    even_ffn = even_ffn and len({len(f) for f in ffn_parts}) == 1
     # (with no dense feed-forward, hidden_dim 0: trivially even)
     return Plan(
         n=n,
@@ -199,14 +199,27 @@ def make_plan(
         hidden_dim=hidden_dim,
         group_size=group_size,
         parts=parts,
-        even_attention=n_kv_heads % n == 0,
+        even_attention=n_kv_heads % n == 0 and len({len(q) for q in q_parts}) == 1,
         even_ffn=even_ffn,
         experts=experts,
+        weights=None if weights is None else tuple(float(w) for w in weights),
     )
 
 
-def _columns(width: int, unit: int | None, n: int, what: str) -> list[range]:
-    """`width` columns balanced over n ranks in units of `unit` (ValueError naming `what`)."""
+def _units(what: str, unit: int) -> str:
+    """'feed-forward columns', or 'feed-forward column groups of 32'."""
+    return f"{what} columns" if unit == 1 else f"{what} column groups of {unit}"
+
+
+def _in_units(parts: list[range], unit: int) -> list[range]:
+    return [range(r.start * unit, r.stop * unit) for r in parts]
+
+
+def _columns(
+    width: int, unit: int | None, n: int, what: str, weights: Sequence[float] | None
+) -> list[range]:
+    """`width` columns split over n ranks (balanced, or by `weights`) in units of `unit`
+    (ValueError naming `what`)."""
     u = unit or 1
     if width % u or width // u < n:
         groups = f"{width // u} groups of {u}" if unit else f"{width}"
@@ -214,10 +227,12 @@ def _columns(width: int, unit: int | None, n: int, what: str) -> list[range]:
             f"cannot split {groups} {what} columns over {n} ranks"
             + (f": at most {width // u} ranks" if width % u == 0 else "")
         )
-    return [range(r.start * u, r.stop * u) for r in _balanced(width // u, n)]
+    return _in_units(_shares(width // u, n, weights, _units(what, u)), u)
 
 
-def _expert_parts(e: Experts, n: int) -> list[dict[str, range | None]]:
+def _expert_parts(
+    e: Experts, n: int, weights: Sequence[float] | None = None
+) -> list[dict[str, range | None]]:
     """Each rank's experts, expert columns and shared-expert columns."""
     if e.split not in MOE_SPLITS:
         raise ValueError(f"expert split {e.split!r}: expected one of {', '.join(MOE_SPLITS)}")
@@ -227,12 +242,14 @@ def _expert_parts(e: Experts, n: int) -> list[dict[str, range | None]]:
                 f"cannot split {e.n_experts} experts over {n} ranks by expert: at most "
                 f"{e.n_experts} ranks (split them by tensor instead)"
             )
-        experts = _balanced(e.n_experts, n)
+        experts = _shares(e.n_experts, n, weights, "experts")
         widths = [range(e.hidden_dim)] * n
     else:
         experts = [range(e.n_experts)] * n
-        widths = _columns(e.hidden_dim, e.unit, n, "expert feed-forward")
-    shared = _columns(e.shared_dim, e.shared_unit, n, "shared-expert") if e.shared_dim else None
+        widths = _columns(e.hidden_dim, e.unit, n, "expert feed-forward", weights)
+    shared = None
+    if e.shared_dim:
+        shared = _columns(e.shared_dim, e.shared_unit, n, "shared-expert", weights)
     return [
         {"experts": x, "expert_ffn": w, "shared_ffn": shared[i] if shared else None}
         for i, (x, w) in enumerate(zip(experts, widths, strict=True))

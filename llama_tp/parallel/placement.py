@@ -27,6 +27,8 @@ from typing import Any
 
 from .mesh import MeshError, balanced_split, parse_split
 from .partition import Experts, Plan, RankPart, held_bytes, make_plan, tensor_slice, vocab_ranges
+from .shares import Weights
+from .shares import parse_split as parse_weights
 
 Slice = tuple[int, int, int]  # (axis, start, stop) of a stored tensor
 DEFAULT_MOE_SPLIT = "tensor"  # measured faster on 2 ranks: docs/mixture-of-experts.md
@@ -123,21 +125,29 @@ def kv_cache_bytes(shape: ModelShape, mine: RankPlacement, tokens: int = 1000) -
     return tokens * len(mine.layers) * per_layer * _itemsize(shape)
 
 
-def _unit(shape: ModelShape, suffix: str, width: int, n: int) -> int | None:
+def _unit(
+    shape: ModelShape, suffix: str, width: int, n: int, weights: Weights | None = None
+) -> int | None:
     """The split unit of a feed-forward's columns: the down projection's quantization
     group, widened to the file's own block (`ffn_block`) where the columns still split
-    over `n` ranks in such units, so that no rank reads a block another also reads."""
+    over `n` ranks in such units (under `weights`: every rank's share at least half a
+    unit), so that no rank reads a block another also reads."""
     group = shape.group_size(suffix, width)
     block = shape.ffn_block
-    if group and block:
-        unit = math.lcm(group, block)
-        if width % unit == 0 and width // unit >= n:
+    if block:  # GGUF blocks as stored have no groups: any split is exact, blocks save memory
+        unit = math.lcm(group or 1, block)
+        least = min(weights) / sum(weights) if weights else 1 / n
+        if width % unit == 0 and width // unit >= n and width // unit * least >= 0.5:
             return unit
     return group
 
 
-def partition(shape: ModelShape, n: int, moe_split: str = DEFAULT_MOE_SPLIT) -> Plan:
-    """Each layer's partition over `n` ranks (ValueError, one line, where none exists)."""
+def partition(
+    shape: ModelShape, n: int, moe_split: str = DEFAULT_MOE_SPLIT, weights: Weights | None = None
+) -> Plan:
+    """Each layer's partition over `n` ranks, balanced or in proportion to `weights`
+    (ValueError, one line, where none exists; SplitError for weights that leave a rank
+    nothing)."""
     a = shape.args
     experts = None
     if getattr(a, "n_experts", 0):
@@ -145,9 +155,9 @@ def partition(shape: ModelShape, n: int, moe_split: str = DEFAULT_MOE_SPLIT) -> 
             a.n_experts,
             a.moe_hidden_dim,
             moe_split,
-            _unit(shape, "feed_forward.switch_mlp.down_proj", a.moe_hidden_dim, n),
+            _unit(shape, "feed_forward.switch_mlp.down_proj", a.moe_hidden_dim, n, weights),
             a.shared_expert_dim,
-            _unit(shape, "feed_forward.shared_expert.w2", a.shared_expert_dim, n)
+            _unit(shape, "feed_forward.shared_expert.w2", a.shared_expert_dim, n, weights)
             if a.shared_expert_dim
             else None,
         )
@@ -159,8 +169,9 @@ def partition(shape: ModelShape, n: int, moe_split: str = DEFAULT_MOE_SPLIT) -> 
         a.dim,
         a.hidden_dim if dense else 0,  # 0: no dense feed-forward to split
         n,
-        group_size=_unit(shape, "feed_forward.w2", a.hidden_dim, n) if dense else None,
+        group_size=_unit(shape, "feed_forward.w2", a.hidden_dim, n, weights) if dense else None,
         experts=experts,
+        weights=weights,
     )
     if n > 1:
         _check_quantized_heads(shape, plan)
@@ -183,18 +194,22 @@ def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
 
 
 def stage_layers(shape: ModelShape, pp: int, pp_split: str | None = None) -> list[range]:
-    """Each stage's layers: `--pp-split`, or balanced by stored bytes (the first stage also
-    holds the embedding, the last the norm and the head)."""
+    """Each stage's layers: `--pp-split` layer counts (10,12), or balanced by stored bytes
+    (the first stage also holds the embedding, the last the norm and the head), or in
+    proportion to `--pp-split` weights (3:1: stage 0 about three times stage 1's bytes)."""
     n_layers = shape.args.n_layers
-    if pp_split:
+    weights = None
+    if pp_split and ":" not in pp_split:
         return parse_split(pp_split, n_layers, pp)
+    if pp_split:
+        weights = parse_weights(pp_split, pp, "--pp-split")
     if pp == 1:
         return [range(n_layers)]
     emb = shape.bytes_under("tok_embeddings.")
     head = shape.bytes_under("norm.") + (
         emb if shape.args.tie_word_embeddings else shape.bytes_under("output.")
     )
-    return balanced_split(shape.layer_bytes(), emb, head, pp)
+    return balanced_split(shape.layer_bytes(), emb, head, pp, weights)
 
 
 def _on_stage(name: str, stage: int, layers: range, pp: int, tied: bool) -> bool:
@@ -218,20 +233,25 @@ def place(
     vocab_parallel: bool = True,
     moe_split: str = DEFAULT_MOE_SPLIT,
     stages: list[list[int]] | None = None,
+    split: Weights | None = None,
 ) -> Placement:
     """The placement of `shape` on `tp` x `pp` ranks (see the module docstring).
 
     `stages`: the ranks of each stage in tensor-rank order (default: rank order, stage s
-    = ranks s*tp .. s*tp + tp - 1). Raises ValueError (MeshError for the stage split)
-    with one line where no placement exists.
+    = ranks s*tp .. s*tp + tp - 1). `split`: one weight per tensor rank (`--split 3:1`,
+    `shares.parse_split`; None: balanced), every stage's tensor group split alike.
+    Raises ValueError (MeshError for the stage split, SplitError for the weights) with
+    one line where no placement exists.
     """
     if tp < 1 or pp < 1:
         raise MeshError(f"need at least one rank per stage and one stage, got {tp} x {pp}")
-    plan = partition(shape, tp, moe_split)
+    plan = partition(shape, tp, moe_split, split)
     layers = stage_layers(shape, pp, pp_split)
     stages = stages or [[s * tp + t for t in range(tp)] for s in range(pp)]
     vocab_parallel = vocab_parallel and tp > 1
-    vocab = vocab_ranges(shape.args.vocab_size, tp) if vocab_parallel else [None] * tp
+    vocab = [None] * tp
+    if vocab_parallel:
+        vocab = vocab_ranges(shape.args.vocab_size, tp, plan.weights)
     tied = shape.args.tie_word_embeddings
     ranks: list[RankPlacement] = []
     for s, members in enumerate(stages):

@@ -4,6 +4,7 @@ bytes), the shorthand of its ranges, and byte counts. Pure Python, as the plan."
 from __future__ import annotations
 
 from .partition import Plan, RankPart
+from .shares import split_text
 
 
 def format_ranges(items: list[int]) -> str:
@@ -49,6 +50,16 @@ def imbalance(values: list[int]) -> float:
     return 100.0 * (max(values) - min(values)) / mean if mean else 0.0
 
 
+def share_line(weights: tuple[float, ...] | None, nbytes: list[int]) -> str:
+    """'imbalance: 0.4% of weight bytes' (balanced), or for a weighted split what each
+    rank holds against its weight: 'split 3:1 (75.0% / 25.0%): weight bytes 74.1% /
+    25.9%' (replicated tensors, norms and routers, keep it off the weights)."""
+    if weights is None:
+        return f"imbalance: {imbalance(nbytes):.1f}% of weight bytes"
+    got = " / ".join(f"{100 * b / sum(nbytes):.1f}%" for b in nbytes)
+    return f"{split_text(weights)}: weight bytes {got}"
+
+
 def _span(r: range) -> str:
     return f"{r.start}-{r.stop - 1} [{len(r)}]" if len(r) else "-"
 
@@ -92,15 +103,20 @@ def cache_line(cache_per_rank: list[int], latent: tuple[int, int] | None) -> str
 def format_plan(
     plan: Plan,
     bytes_per_rank: list[int] | None = None,
+    vocab: list[range | None] | None = None,
     cache_per_rank: list[int] | None = None,
     latent: tuple[int, int] | None = None,
 ) -> str:
-    """Human-readable table of the plan, one row per rank, then the imbalance and each
-    rank's KV cache. `latent`: (kv_lora_rank, qk_rope_head_dim) of multi-head latent
-    attention, whose heads share one cached latent (no KV heads)."""
+    """Human-readable table of the plan, one row per rank (with each rank's vocabulary
+    rows when `vocab` says them), then the imbalance, or the shares of a weighted split,
+    and each rank's KV cache. `latent`: (kv_lora_rank, qk_rope_head_dim) of multi-head
+    latent attention, whose heads share one cached latent (no KV heads)."""
     replicated = plan.replicated_kv_heads()
     kv_header = [] if latent else ["kv heads"]
     header = ["rank", "q heads", *kv_header, "ffn columns", *expert_header(plan)]
+    vocab = vocab if vocab and all(v is not None for v in vocab) else None
+    if vocab is not None:
+        header.append("vocabulary rows")
     if bytes_per_rank is not None:
         header.append("weights")
     rows = [header]
@@ -114,6 +130,8 @@ def format_plan(
             _span(p.ffn),
             *expert_cells(plan, p),
         ]
+        if vocab is not None:
+            row.append(_span(vocab[p.rank]))
         if bytes_per_rank is not None:
             row.append(human_bytes(bytes_per_rank[p.rank]))
         rows.append(row)
@@ -133,7 +151,10 @@ def format_plan(
     if replicated:
         lines.append("* replicated KV head; (mapped): query heads use an explicit KV map")
     if bytes_per_rank is not None:
-        lines.append(f"imbalance: {imbalance(bytes_per_rank):.1f}% of weight bytes")
+        lines.append(share_line(plan.weights, bytes_per_rank))
+    elif plan.weights is not None:
+        counts = " / ".join(str(len(p.q_heads)) for p in plan.parts)
+        lines.append(f"{split_text(plan.weights)}: query heads {counts}")
     else:
         counts = [len(p.q_heads) for p in plan.parts]
         lines.append(f"imbalance: {imbalance(counts):.1f}% of query heads")

@@ -34,16 +34,22 @@ def builtin_plan(
     """The built-in style table (`llama_plan`) of `placement`'s partition, for what `model`
     holds: a whole model, or a pipeline stage (its layers; the embedding on the first
     stage, vocabulary-parallel; the norm and head on the last, loss-parallel)."""
+    vocab = [placement.at(0, t).vocab for t in range(placement.tp)]
     table = llama_plan(
         model,
         placement.tp,
         vocab_parallel=placement.vocab_parallel,
         sequence_parallel=sequence_parallel,
         plan=placement.plan,
+        # explicit rows only for a weighted split (the balanced ones are the default)
+        vocab=vocab if placement.vocab_parallel and placement.plan.weights else None,
     )
     table = {k: v for k, v in table.items() if k.split(".")[0] in model}
     if "tok_embeddings" in table and "norm" not in model:  # a first stage: not the head
-        table["tok_embeddings"] = VocabParallel() if placement.vocab_parallel else Replicate()
+        rows = None
+        if placement.plan.weights:
+            rows = tuple((r.start, r.stop) for r in vocab)
+        table["tok_embeddings"] = VocabParallel(rows) if placement.vocab_parallel else Replicate()
     return table
 
 

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 
+from ..kernels.layers import GGUFEmbedding, GGUFLinear
 from .layers import shard_linear_range
 from .partition import vocab_ranges
 from .sequence import SequenceContext, gather_input, scatter_output
@@ -97,6 +98,8 @@ def _linear_dims(module: nn.Module, path: str, style: Style) -> tuple[int, int]:
     if isinstance(module, nn.QuantizedLinear):
         out, packed = module.weight.shape
         return out, packed * 32 // module.bits
+    if isinstance(module, GGUFLinear):
+        return module.output_dims, module.input_dims
     if isinstance(module, nn.Linear):
         return tuple(module.weight.shape)
     raise PlanError(
@@ -167,7 +170,7 @@ class ColwiseParallel(Style):
         return Split(0, out, _ranges(self.ranges, out, n, path, "output rows", 1))
 
     def apply(self, module, group, ctx, split):
-        if self.ranges is None:
+        if self.ranges is None and not isinstance(module, GGUFLinear):
             new = shard_linear(module, "all-to-sharded", group=group)
         else:
             a, b = split.ranges[group.rank()]
@@ -194,7 +197,7 @@ class RowwiseParallel(Style):
         return Split(1, in_dims, _ranges(self.ranges, in_dims, n, path, "input columns", unit))
 
     def apply(self, module, group, ctx, split):
-        if self.ranges is None:
+        if self.ranges is None and not isinstance(module, GGUFLinear):
             new = shard_linear(module, "sharded-to-all", group=group)
         else:
             a, b = split.ranges[group.rank()]
@@ -221,9 +224,9 @@ class VocabParallel(Style):
     def split(self, module: nn.Module, path: str, n: int) -> Split:
         _check_layout(self.input_layout, path, self)
         _check_layout(self.output_layout, path, self)
-        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
+        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding | GGUFEmbedding):
             vocab = module.weight.shape[0]
-        elif isinstance(module, nn.Linear | nn.QuantizedLinear):
+        elif isinstance(module, nn.Linear | nn.QuantizedLinear | GGUFLinear):
             vocab = module.weight.shape[0]
         else:
             raise PlanError(
@@ -239,8 +242,14 @@ class VocabParallel(Style):
 
     def apply(self, module, group, ctx, split):
         a, b = split.ranges[group.rank()]
-        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
-            new = VocabParallelEmbedding(module, a, b, group)
+        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding | GGUFEmbedding):
+            n = group.size()
+            # every rank's rows, when the plan says them all (the samplers need them)
+            known = not isinstance(split.ranges, Mapping) or all(
+                r in split.ranges for r in range(n)
+            )
+            rows = tuple(tuple(split.ranges[r]) for r in range(n)) if known else None
+            new = VocabParallelEmbedding(module, a, b, group, rows)
             if self.output_layout == "sequence":
                 scatter_output(new, ctx, begins=True)
             return new

@@ -1,9 +1,14 @@
 """The HTTP app (FastAPI on Starlette): routes, authentication, streaming.
 
-Handlers validate and tokenize on the HTTP thread, queue the job with rank 0's
-`Scheduler`, and relay its events: as one JSON body, or as server-sent events
-ending with `data: [DONE]`. A streaming client that disconnects cancels its
-sequence (Starlette cancels the stream; the `finally` tells the scheduler).
+Every /v1 route depends on `authorized` (the API key, compared in constant time)
+and on `available` (the one place that decides "still loading" or "stopping":
+`Scheduler.unavailable`); request errors, the models' validation errors included,
+go through one exception handler as OpenAI's error body. Handlers translate
+the request body to the engine's one request (prompt tokens and
+`SamplingParams`), queue it with rank 0's `Scheduler`, and relay its events: as
+one JSON body, or as server-sent events ending with `data: [DONE]`. A streaming
+client that disconnects cancels its sequence (Starlette cancels the stream; the
+`finally` tells the scheduler).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations,
@@ -11,19 +16,24 @@ sequence (Starlette cancels the stream; the `finally` tells the scheduler).
 
 import asyncio
 import json
+import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from ..checkpoints.chat_template import PromptRenderer
 from .protocol import (
+    ChatBody,
+    CompletionBody,
     Defaults,
     Request,
     RequestError,
-    encode,
+    chat_request,
+    completion_request,
     error_body,
     fit,
-    parse_chat,
-    parse_completion,
+    prompt_tokens,
+    validation_error,
 )
 from .responses import Logprobs, chunk, completion_body, usage_chunk
 from .scheduler import Failure, Scheduler
@@ -33,112 +43,112 @@ POLL = 0.5  # seconds between checks that a non-streaming client is still connec
 
 @dataclass
 class ModelInfo:
-    """What the HTTP side needs to know about the model."""
+    """What the HTTP side needs to know about the model (set once it has loaded)."""
 
     name: str
     context: int
     vocab_size: int
-    eos: frozenset[int]
+    renderer: PromptRenderer  # the prompt renderer (and its tokenizer) of the model
 
 
 def build_app(
     scheduler: Scheduler,
-    tokenizer,
-    info: ModelInfo,
     defaults: Defaults | None = None,
     api_key: str | None = None,
+    cors: list[str] | None = None,
 ):
-    """The FastAPI app serving `scheduler`'s model (OpenAI's routes, /health)."""
-    from fastapi import FastAPI
+    """The FastAPI app serving `scheduler`'s model (OpenAI's routes, /health). The app
+    answers before the model has loaded: `app.state.model` (a ModelInfo) is set then.
+    `cors`: the origins browsers may call from ("*": any)."""
+    from fastapi import APIRouter, Depends, FastAPI, Header
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.middleware.cors import CORSMiddleware
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.requests import Request as HTTPRequest
 
     defaults = defaults or Defaults()
     app = FastAPI(title="llama_tp", docs_url=None, redoc_url=None)
+    app.state.model = None
     created = int(time.time())
+    if cors:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=cors, allow_methods=["*"], allow_headers=["*"]
+        )
 
-    def error(status: int, message: str, kind: str, param=None, code=None) -> JSONResponse:
-        return JSONResponse(error_body(message, kind, param, code), status_code=status)
+    @app.exception_handler(RequestError)
+    async def request_error(request: HTTPRequest, e: RequestError):
+        return JSONResponse(e.body(), status_code=e.status)
 
-    def unauthorized(request: HTTPRequest) -> JSONResponse | None:
-        if api_key is None or request.headers.get("authorization") == f"Bearer {api_key}":
-            return None
-        return error(
-            401,
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: HTTPRequest, e: RequestValidationError):
+        return await request_error(request, validation_error(list(e.errors())))
+
+    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
+        expected = f"Bearer {api_key}".encode()
+        if api_key is None or secrets.compare_digest((authorization or "").encode(), expected):
+            return
+        raise RequestError(
             "invalid or missing API key (Authorization: Bearer ...)",
-            "invalid_request_error",
             None,
+            401,
             "invalid_api_key",
         )
 
+    def available() -> ModelInfo:
+        problem = scheduler.unavailable()
+        if problem is not None:
+            raise problem
+        return app.state.model
+
+    Model = Annotated[ModelInfo, Depends(available)]
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+
     @app.get("/health")
     async def health():
-        if scheduler.closed:
-            return JSONResponse({"status": "stopping"}, status_code=503)
-        if not scheduler.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
+        problem = scheduler.unavailable()
+        if problem is not None:
+            status = "loading" if problem.code == "loading" else "stopping"
+            return JSONResponse({"status": status}, status_code=503)
         if scheduler.replicas > 1:  # requests each data-parallel replica has admitted
             return {"status": "ok", "replicas": list(scheduler.served)}
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models(request: HTTPRequest):
-        if (denied := unauthorized(request)) is not None:
-            return denied
+    @v1.get("/models")
+    async def models(info: Model):
         entry = {"id": info.name, "object": "model", "created": created, "owned_by": "llama_tp"}
         return {"object": "list", "data": [entry]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: HTTPRequest):
-        return await complete(request, chat=True)
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatBody, request: HTTPRequest, info: Model):
+        return await complete(request, chat_request(body, defaults), info)
 
-    @app.post("/v1/completions")
-    async def completions(request: HTTPRequest):
-        return await complete(request, chat=False)
+    @v1.post("/completions")
+    async def completions(body: CompletionBody, request: HTTPRequest, info: Model):
+        return await complete(request, completion_request(body, defaults), info)
 
-    def decode(token: int) -> str:
-        return tokenizer.decode([token])
+    app.include_router(v1)
 
-    async def complete(request: HTTPRequest, chat: bool):
-        if (denied := unauthorized(request)) is not None:
-            return denied
-        try:
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise RequestError(
-                    f"the body is not valid JSON: {e}", None, code="invalid_json"
-                ) from None
-            req = (parse_chat if chat else parse_completion)(body, defaults)
-            if not scheduler.ready or scheduler.closed:
-                raise RequestError(
-                    scheduler.closed or "the model is still loading",
-                    None,
-                    503,
-                    "unavailable",
-                    "server_error",
-                )
-            ids = encode(req, tokenizer, defaults, info.vocab_size)
-            fit(req, len(ids), info.context)
-            seed = req.seed if req.seed is not None else defaults.seed
-            job = scheduler.submit(ids, req.params, seed, asyncio.get_running_loop())
-        except RequestError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        prefix = "chatcmpl" if chat else "cmpl"
+    async def complete(request: HTTPRequest, req: Request, info: ModelInfo):
+        ids, stops = prompt_tokens(req, info.renderer, info.vocab_size)
+        fit(req, len(ids), info.context)
+        if stops:
+            req.params = req.params.but(stop=(*req.params.stop, *stops))
+        seed = req.seed if req.seed is not None else defaults.seed
+        job = scheduler.submit(ids, req.params, seed, asyncio.get_running_loop())
+        prefix = "chatcmpl" if req.chat else "cmpl"
         rid = f"{prefix}-{job.uid}-{int(time.time() * 1000)}"
-        lp = Logprobs(chat, decode) if req.params.logprobs is not None else None
+        decode = info.renderer.tokenizer.decode
+        lp = Logprobs(req.chat, lambda t: decode([t])) if req.params.logprobs is not None else None
         if req.stream:
             return StreamingResponse(
-                stream(req, rid, job, lp),
+                stream(req, rid, job, lp, info.name),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await collect(request, req, rid, job, lp)
+        return await collect(request, req, rid, job, lp, info.name)
 
-    def wants_logprob(e) -> bool:
-        return e.logprob is not None and not (e.finish_reason == "stop" and e.token in info.eos)
-
-    async def collect(request: HTTPRequest, req: Request, rid: str, job, lp):
+    async def collect(request: HTTPRequest, req: Request, rid: str, job, lp, name: str):
         text = []
         while True:
             try:
@@ -146,23 +156,21 @@ def build_app(
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     scheduler.cancel(job.uid)
-                    return error(499, "client closed the request", "invalid_request_error")
+                    raise RequestError("client closed the request", None, 499, None) from None
                 continue
             if isinstance(item, Failure):
-                return error(item.status, item.message, "server_error", None, "unavailable")
+                raise RequestError(item.message, None, item.status, "unavailable", "server_error")
             text.append(item.text)
             if lp is not None and wants_logprob(item):
                 lp.add(item)
             if item.finish_reason:
-                return completion_body(
-                    req, rid, info.name, "".join(text), item.finish_reason, item, lp
-                )
+                return completion_body(req, rid, name, "".join(text), item.finish_reason, item, lp)
 
-    async def stream(req: Request, rid: str, job, lp):
+    async def stream(req: Request, rid: str, job, lp, name: str):
         done = False
         try:
             if req.chat:
-                yield sse(chunk(req, rid, info.name, "", role=True))
+                yield sse(chunk(req, rid, name, "", role=True))
             while True:
                 item = await job.queue.get()
                 if isinstance(item, Failure):
@@ -171,12 +179,12 @@ def build_app(
                     return
                 entry = lp.add(item) if lp is not None and wants_logprob(item) else None
                 if item.text or entry is not None:
-                    yield sse(chunk(req, rid, info.name, item.text, logprobs=entry))
+                    yield sse(chunk(req, rid, name, item.text, logprobs=entry))
                 if item.finish_reason:
                     done = True
-                    yield sse(chunk(req, rid, info.name, None, item.finish_reason))
+                    yield sse(chunk(req, rid, name, None, item.finish_reason))
                     if req.include_usage:
-                        yield sse(usage_chunk(req, rid, info.name, item))
+                        yield sse(usage_chunk(req, rid, name, item))
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -184,6 +192,12 @@ def build_app(
                 scheduler.cancel(job.uid)
 
     return app
+
+
+def wants_logprob(e) -> bool:
+    """An event's token is reported with its log-probability unless it is the end of
+    sequence (not part of the text)."""
+    return e.logprob is not None and not e.eos
 
 
 def sse(obj: Any) -> str:

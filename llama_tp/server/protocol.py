@@ -1,20 +1,27 @@
-"""The OpenAI request formats: validation with field-naming errors.
+"""The OpenAI request formats: strict pydantic models, translated to the engine's request.
 
-Nothing here knows about HTTP or ranks: `parse_*` turn a decoded JSON body into a
-`Request` (or raise `RequestError`); `encode` and `fit` make its prompt tokens and
-bound its reply. What is sent back is built in `responses.py`.
+Nothing here knows about HTTP or ranks. `ChatBody` and `CompletionBody` are the
+request bodies (strict: a string is not a number, a float not an integer);
+`chat_request` / `completion_request` turn one into a `Request` whose settings
+are the engine's validated `SamplingParams`; `prompt_tokens` and `fit` make its
+prompt tokens and bound its reply. A validation error becomes a `RequestError`
+naming OpenAI's `param` (`validation_error`). What is sent back is built in
+`responses.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from ..engine.batch import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..checkpoints.chat_template import ChatTemplateError
+from ..engine.settings import SamplingParams, SettingsError
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
-MAX_DRAFT_TOKENS = 16  # a request's num_draft_tokens (prompt lookup, greedy only)
+MAX_DRAFT_TOKENS = 16  # a request's num_draft_tokens (drafts checked per step)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -52,7 +59,69 @@ class Defaults:
     seed: int | None = None  # for requests without one (None: a fresh one each)
     system_prompt: str | None = None
     use_chat_template: bool = True
-    num_draft_tokens: int = 0  # --num-draft-tokens: drafts for greedy requests that do not say
+    num_draft_tokens: int = 0  # --num-draft-tokens: for requests that do not say
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal[ROLES]
+    content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _content(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content is required (null only for the assistant)")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: text only
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+Count = Annotated[int, Field(ge=1)]
+
+
+class _Common(_Body):
+    model: str | None = None
+    n: Literal[1] | None = None  # one choice per request
+    max_tokens: Count | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    # not OpenAI's, but mlx-lm's server and others take them
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    # a llama_tp extension: drafts (prompt lookup) checked per step while the request
+    # decodes alone; the text is the same with or without
+    num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
+
+
+class ChatBody(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Count | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 @dataclass
@@ -66,220 +135,123 @@ class Request:
     seed: int | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
     prompt: str | list[int] = ""
-    max_tokens_given: bool = False
 
 
-def _number(body: dict, name: str, lo: float, hi: float, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise RequestError(
-            f"'{name}' must be a number, got {type(v).__name__}", name, code="invalid_type"
+_FIELDS = {
+    name
+    for m in (ChatBody, CompletionBody, Message, TextPart, StreamOptions)
+    for name in m.model_fields
+}
+
+
+def validation_error(errors: list[dict]) -> RequestError:
+    """The first of pydantic's errors as OpenAI's: `param` is the field's path
+    ("messages[0].role"); pydantic's union and type tags are left out of it."""
+    e = errors[0]
+    param = ""
+    for part in e["loc"]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _FIELDS:
+            param += f".{part}" if param else part
+    kind = e["type"]
+    if kind in ("json_invalid", "model_attributes_type"):
+        return RequestError(
+            f"the body is not a valid JSON object: {e['msg']}", None, code="invalid_json"
         )
-    if not lo <= v <= hi:
-        raise RequestError(f"'{name}' must be between {lo:g} and {hi:g}, got {v}", name)
-    return float(v)
-
-
-def _integer(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(
-            f"'{name}' must be an integer, got {type(v).__name__}", name, code="invalid_type"
-        )
-    if v < lo or (hi is not None and v > hi):
-        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise RequestError(f"'{name}' must be {bound}, got {v}", name)
-    return v
-
-
-def _boolean(body: dict, name: str) -> bool:
-    v = body.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise RequestError(
-            f"'{name}' must be a boolean, got {type(v).__name__}", name, code="invalid_type"
-        )
-    return v
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise RequestError(
-            "'stop' must be a string or a list of strings", "stop", code="invalid_type"
-        )
-    if len(v) > MAX_STOPS:
-        raise RequestError(f"'stop' may hold at most {MAX_STOPS} strings, got {len(v)}", "stop")
-    return tuple(s for s in v if s)
-
-
-def _drafts(body: dict, defaults: Defaults, temperature: float) -> int:
-    """num_draft_tokens (a llama_tp extension): prompt-lookup drafts per step, greedy only.
-
-    Drafting is refused for sampled requests: a seeded request must give the same text
-    alone (where it would draft) and in a batch (where it cannot). The server's default
-    applies to greedy requests only.
-    """
-    name = "num_draft_tokens"
-    k = _integer(body, name, 0, MAX_DRAFT_TOKENS)
-    if k is None:
-        return defaults.num_draft_tokens if temperature == 0 else 0
-    if k and temperature > 0:
-        raise RequestError(
-            f"'{name}' needs greedy decoding (temperature 0): drafts are not verified "
-            f"for sampled requests, got temperature {temperature:g}",
-            name,
-        )
-    return k
-
-
-def _common(body: Any, defaults: Defaults, chat: bool) -> Request:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", None, code="invalid_type")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError("'model' must be a string", "model", code="invalid_type")
-    n = _integer(body, "n", 1)
-    if n not in (None, 1):
-        raise RequestError(f"'n' must be 1 (one choice per request), got {n}", "n")
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    max_tokens, given = defaults.max_tokens, False
-    for name in names:
-        v = _integer(body, name, 1)
-        if v is not None:
-            max_tokens, given = v, True
-            break
-    temperature = _number(body, "temperature", 0.0, 2.0, defaults.temperature)
-    top_p = _number(body, "top_p", 0.0, 1.0, defaults.top_p)
-    if top_p == 0.0:
-        raise RequestError("'top_p' must be greater than 0", "top_p")
-    seed = _integer(body, "seed", -(2**63), 2**63 - 1)
-    stream = _boolean(body, "stream")
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise RequestError(
-                "'stream_options' must be an object", "stream_options", code="invalid_type"
-            )
-        try:
-            include_usage = _boolean(opts, "include_usage")
-        except RequestError as e:
-            raise RequestError(str(e), "stream_options.include_usage", code=e.code) from None
-    if chat:
-        logprobs = _boolean(body, "logprobs")
-        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-        if top is not None and not logprobs:
-            raise RequestError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-        k = (top or 0) if logprobs else None
-    else:
-        k = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        min_p=defaults.min_p,
-        top_k=defaults.top_k,
-        stop=_stops(body),
-        logprobs=k,
-        num_draft_tokens=_drafts(body, defaults, temperature),
-    )
-    return Request(chat, params, stream, include_usage, seed, max_tokens_given=given)
+    typed = kind.endswith("_type") or kind in ("missing", "union_tag_invalid")
+    msg = e["msg"]
+    message = f"'{param}': {msg[:1].lower()}{msg[1:]}" if param else msg
+    if "input" in e and kind != "missing":
+        message += f", got {e['input']!r}"[:200]
+    return RequestError(message, param or None, code="invalid_type" if typed else "invalid_value")
 
 
 def parse_chat(body: Any, defaults: Defaults) -> Request:
-    """A /v1/chat/completions body -> Request (RequestError naming the bad field)."""
-    req = _common(body, defaults, chat=True)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RequestError("'messages' must be a non-empty list", "messages", code="invalid_type")
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise RequestError(f"'{where}' must be an object", where, code="invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise RequestError(f"'{where}.role' must be one of {', '.join(ROLES)}", f"{where}.role")
-        req.messages.append({"role": role, "content": _content(m.get("content"), where, role)})
+    """A decoded /v1/chat/completions body -> Request (RequestError naming the bad field)."""
+    return chat_request(_validate(ChatBody, body), defaults)
+
+
+def parse_completion(body: Any, defaults: Defaults) -> Request:
+    """A decoded /v1/completions body -> Request (RequestError naming the bad field)."""
+    return completion_request(_validate(CompletionBody, body), defaults)
+
+
+def _validate(model: type[_Body], body: Any) -> _Body:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def chat_request(body: ChatBody, defaults: Defaults) -> Request:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    req = _request(body, defaults, True, max_tokens, k)
+    req.messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     if defaults.system_prompt and not any(m["role"] == "system" for m in req.messages):
         req.messages.insert(0, {"role": "system", "content": defaults.system_prompt})
     return req
 
 
-def _content(c: Any, where: str, role: str) -> str:
-    if c is None and role == "assistant":
-        return ""
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):  # content parts: text only
-        texts = []
-        for j, part in enumerate(c):
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                raise RequestError(
-                    f"'{where}.content[{j}]' must be a text part",
-                    f"{where}.content",
-                    code="invalid_type",
-                )
-            if not isinstance(part.get("text"), str):
-                raise RequestError(
-                    f"'{where}.content[{j}].text' must be a string", f"{where}.content"
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise RequestError(
-        f"'{where}.content' must be a string or a list of text parts",
-        f"{where}.content",
-        code="invalid_type",
-    )
-
-
-def parse_completion(body: Any, defaults: Defaults) -> Request:
-    """A /v1/completions body -> Request; `prompt` is a string or a list of token ids."""
-    req = _common(body, defaults, chat=False)
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+def completion_request(body: CompletionBody, defaults: Defaults) -> Request:
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise RequestError(
+                f"'prompt' must be one prompt (one per request), got {len(p)}", "prompt"
+            )
         p = p[0]  # a batch of one prompt
-    ok = isinstance(p, str) or (
-        isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-    )
-    if not ok:
-        raise RequestError(
-            "'prompt' must be a string or a list of token ids (one prompt per request)",
-            "prompt",
-            code="invalid_type",
-        )
     if not p:
         raise RequestError("'prompt' is empty", "prompt")
+    req = _request(body, defaults, False, body.max_tokens, body.logprobs)
     req.prompt = p
     return req
 
 
-def encode(req: Request, tokenizer, defaults: Defaults, vocab_size: int) -> list[int]:
-    """The prompt's token ids: chat messages through the chat template (as `generate`)."""
-    if not req.chat:
-        if isinstance(req.prompt, str):
-            return list(tokenizer.encode(req.prompt))
-        if any(not 0 <= t < vocab_size for t in req.prompt):
-            raise RequestError(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
-        return list(req.prompt)
-    if defaults.use_chat_template and tokenizer.has_chat_template:
+def _request(body: _Common, defaults: Defaults, chat: bool, max_tokens, logprobs) -> Request:
+    """The settings every route shares, as the engine's SamplingParams."""
+    drafts = body.num_draft_tokens
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens or defaults.max_tokens,
+            temperature=_given(body.temperature, defaults.temperature),
+            top_p=_given(body.top_p, defaults.top_p),
+            min_p=_given(body.min_p, defaults.min_p),
+            top_k=defaults.top_k if body.top_k is None else body.top_k,
+            stop=tuple(
+                s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s
+            ),
+            logprobs=logprobs,
+            num_draft_tokens=defaults.num_draft_tokens if drafts is None else drafts,
+        )
+    except SettingsError as e:
+        raise RequestError(e.named(f"'{e.field}'"), e.field) from None
+    opts = body.stream_options
+    return Request(chat, params, bool(body.stream), bool(opts and opts.include_usage), body.seed)
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
+
+
+def prompt_tokens(req: Request, renderer, vocab_size: int) -> tuple[list[int], tuple[str, ...]]:
+    """The prompt's token ids, and the stop strings its rendering adds: chat messages
+    through the one prompt renderer (as `generate` and `Chat` render them)."""
+    if req.chat:
         try:
-            ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
-        except Exception as e:  # the template may reject e.g. a role order
+            return renderer.encode(req.messages), renderer.stops
+        except ChatTemplateError as e:  # the template may reject e.g. a role order
             raise RequestError(
                 f"the chat template rejected the messages: {e}", "messages"
             ) from None
-        return list(ids)
-    return list(tokenizer.encode("\n".join(m["content"] for m in req.messages)))
+    if isinstance(req.prompt, str):
+        return list(renderer.tokenizer.encode(req.prompt)), ()
+    if any(not 0 <= t < vocab_size for t in req.prompt):
+        raise RequestError(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
+    return list(req.prompt), ()
 
 
 def fit(req: Request, n_prompt: int, context: int) -> None:
@@ -291,4 +263,4 @@ def fit(req: Request, n_prompt: int, context: int) -> None:
             "messages" if req.chat else "prompt",
             code="context_length_exceeded",
         )
-    req.params.max_tokens = min(req.params.max_tokens, context - n_prompt)
+    req.params = req.params.but(max_tokens=min(req.params.max_tokens, context - n_prompt))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.nn as nn
 
+from ..checkpoints.chat_template import renderer_for
 from ..cluster import watchdog
 from ..cluster.distributed import agree_ok, eprint0, world
 from ..engine.batch import BatchEngine
@@ -25,12 +26,12 @@ from .protocol import MAX_DRAFT_TOKENS, Defaults
 from .scheduler import Scheduler, run_steps
 
 
-def model_info(model: nn.Module, tokenizer, name: str) -> ModelInfo:
+def model_info(model: nn.Module, tokenizer, name: str, use_chat_template: bool = True) -> ModelInfo:
     return ModelInfo(
         name=name,
         context=model.args.max_position_embeddings,
         vocab_size=model.args.vocab_size,
-        eos=frozenset(tokenizer.eos_token_ids),
+        renderer=renderer_for(tokenizer, use_chat_template),
     )
 
 
@@ -44,24 +45,27 @@ def create_app(
     prompt_cache_size: int = 10,
     defaults: Defaults | None = None,
     api_key: str | None = None,
+    cors: list[str] | None = None,
 ):
     """A ready FastAPI app serving `model` in this process (one rank), e.g. for tests:
 
         app = create_app(model, tokenizer)
         uvicorn.run(app, port=8080)
 
-    The step loop runs on a daemon thread started here.
+    The step loop runs on a daemon thread started here (`app.state.scheduler.request_stop()`
+    ends it).
     """
     scheduler = Scheduler(max_batch, max_queue)
     engine = BatchEngine(model, tokenizer, prompt_cache_size=prompt_cache_size)
-    scheduler.ready = True
-    app = build_app(
-        scheduler, tokenizer, model_info(model, tokenizer, model_name), defaults, api_key
-    )
+    app = build_app(scheduler, defaults, api_key, cors)
+    use_template = (defaults or Defaults()).use_chat_template
+    app.state.model = model_info(model, tokenizer, model_name, use_template)
     app.state.scheduler, app.state.engine = scheduler, engine
-    threading.Thread(
+    scheduler.ready = True
+    app.state.steps = threading.Thread(
         target=run_steps, args=(engine, scheduler, world()), name="llama_tp-steps", daemon=True
-    ).start()
+    )
+    app.state.steps.start()
     return app
 
 
@@ -132,9 +136,9 @@ def serve(args: argparse.Namespace) -> int:
             error = e
     agree_ok(error, group)
     if rank0:
-        # Listening before the model loads: /health answers 503 "loading" meanwhile.
-        holder: dict = {}
-        http = HTTPThread(_late_app(holder, scheduler), sock)
+        # Listening before the model loads: the app answers 503 "loading" meanwhile.
+        app = build_app(scheduler, defaults_from(args), args.api_key, _origins(args.cors))
+        http = HTTPThread(app, sock)
         eprint0(f"serve: listening on http://{args.host}:{args.port}; loading the model ...")
     else:
         # Ctrl-C at a terminal reaches every rank: the others wait for rank 0's stop.
@@ -144,8 +148,8 @@ def serve(args: argparse.Namespace) -> int:
     name = args.model_name or Path(str(ckpt.path)).name
     engine = BatchEngine(model, tokenizer, prompt_cache_size=args.prompt_cache_size)
     if rank0:
-        info = model_info(model, tokenizer, name)
-        holder["app"] = build_app(scheduler, tokenizer, info, defaults_from(args), args.api_key)
+        info = model_info(model, tokenizer, name, not args.ignore_chat_template)
+        app.state.model = info
         scheduler.ready = True
 
         def stop(signum, frame) -> None:
@@ -185,31 +189,9 @@ def _mesh_words(mesh) -> str:
     return f" ({mesh.dp} replicas of {shape}: ranks {ranks})"
 
 
-def _late_app(holder: dict, scheduler: Scheduler):
-    """An ASGI app that answers /health (503) until the real app is in `holder`."""
-    from starlette.responses import JSONResponse
-
-    async def app(scope, receive, send):
-        real = holder.get("app")
-        if real is not None:
-            return await real(scope, receive, send)
-        if scope["type"] != "http":
-            return
-        body = (
-            {"status": "loading"}
-            if scope["path"] == "/health"
-            else {
-                "error": {
-                    "message": "the model is still loading",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "loading",
-                }
-            }
-        )
-        await JSONResponse(body, status_code=503)(scope, receive, send)
-
-    return app
+def _origins(cors: str | None) -> list[str] | None:
+    """--cors "https://a.example,https://b.example" (or "*") as a list of origins."""
+    return [o.strip() for o in cors.split(",") if o.strip()] if cors else None
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -219,7 +201,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag in ("max_batch", "max_queue"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if not 0 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+    if not 0 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:  # a request's own limit
         raise UsageError(
             f"--num-draft-tokens must be from 0 to {MAX_DRAFT_TOKENS}, got {args.num_draft_tokens}"
         )

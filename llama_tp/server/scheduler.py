@@ -2,11 +2,10 @@
 
 Rank 0 keeps the requests: a bounded queue of waiting ones and the admitted
 ones' event channels. Before every step it makes one `Decision` (which waiting
-requests join, which running ones are cancelled, or stop, and whether a batch of
-one sequence drafts tokens) and sends it to every rank with one
-`broadcast_object`; then every rank applies it and decodes one token for the
-whole batch, or verifies the drafts of the one sequence
-(`llama_tp.engine.batch.BatchEngine`). With nothing
+requests join, which running ones are cancelled, or stop) and sends it to every
+rank with one `broadcast_object`; then every rank applies it and decodes one
+token for the whole batch, or checks the drafts of a lone sequence that asked
+for them (`llama_tp.engine.batch.BatchEngine`). With nothing
 to do, rank 0 waits on a condition variable for up to `IDLE_TICK` and then sends
 an idle decision; the other ranks sleep for that long before they wait for the
 next one. MLX's ring backend spins while a rank waits in a collective, so ranks
@@ -42,9 +41,10 @@ from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.generate import wired_limit
 
 from ..cluster import watchdog
-from ..cluster.distributed import all_gather_object, broadcast_object
+from ..cluster.distributed import all_gather_object, broadcast_object, first_line
 from ..engine.batch import BatchEngine, Decision, Event, Join, SamplingParams
 from .protocol import RequestError
 
@@ -96,15 +96,21 @@ class Scheduler:
         self._rng = random.SystemRandom()
         self.steps = 0
 
+    def unavailable(self) -> RequestError | None:
+        """Why requests cannot be served now (503: stopping, failed, or still loading),
+        or None: the one place that decides it, for the routes and /health alike."""
+        if self.closed:
+            return RequestError(self.closed, None, 503, "unavailable", "server_error")
+        if not self.ready:
+            return RequestError("the model is still loading", None, 503, "loading", "server_error")
+        return None
+
     def submit(self, prompt: list[int], params: SamplingParams, seed: int | None, loop) -> Job:
-        """Queue a request; RequestError 429 when the queue is full, 503 when closed."""
+        """Queue a request; RequestError 429 when the queue is full, 503 when unavailable."""
         with self._cond:
-            if self.closed:
-                raise RequestError(self.closed, None, 503, "unavailable", "server_error")
-            if not self.ready:
-                raise RequestError(
-                    "the model is still loading", None, 503, "loading", "server_error"
-                )
+            problem = self.unavailable()
+            if problem is not None:
+                raise problem
             if len(self._pending) >= self.max_queue:
                 raise RequestError(
                     f"the server is busy: {len(self._pending)} requests are waiting "
@@ -115,8 +121,8 @@ class Scheduler:
                     "rate_limit_error",
                 )
             # Rank 0 picks the seed of an unseeded request: every rank gets it in the decision.
-            params.seed = self._rng.randrange(2**31) if seed is None else seed
-            job = Job(next(self._uids), prompt, params, loop)
+            seed = self._rng.randrange(2**31) if seed is None else seed
+            job = Job(next(self._uids), prompt, params.but(seed=seed), loop)
             self._pending.append(job)
             self._cond.notify()
             return job
@@ -170,19 +176,7 @@ class Scheduler:
                 rows[d] += 1
                 self.served[d] += 1
             self.steps += 1
-            decisions = []
-            for d in range(len(active)):
-                # Drafts only when the step's batch is one sequence that asked for them:
-                # then a (K+1)-token forward costs little more than a 1-token one; a batch
-                # of several already shares each forward, and drafts would multiply its work.
-                live = [
-                    j
-                    for uid, j in self._running.items()
-                    if self._where[uid] == d and uid not in cancelled
-                ]
-                draft = live[0].params.num_draft_tokens if len(live) == 1 else 0
-                decisions.append(Decision(joins=joins[d], cancels=cancels[d], draft=draft))
-            return decisions
+            return [Decision(joins=joins[d], cancels=cancels[d]) for d in range(len(active))]
 
     def rows(self) -> list[int]:
         """Each replica's running sequences (its engine's rows after the last step)."""
@@ -231,54 +225,9 @@ def run_steps(
     """
     rank0 = group.rank() == 0
     dp = mesh.dp if mesh is not None else 1
-    rest = 0.0  # seconds the replicas' last decode-only step took (the longest)
     try:
-        while True:
-            decisions = None
-            if rank0:
-                active = [len(engine)] if dp == 1 else scheduler.rows()
-                decisions = scheduler.next_decisions(active, wait=IDLE_TICK)
-                if decisions is None:
-                    if group.size() == 1:
-                        continue
-                    decisions = [Decision(idle=IDLE_TICK)]  # keeps the others sleeping
-            if group.size() > 1:
-                # The one exchange per step besides the model's own (unarmed: rank 0
-                # may still be deciding).
-                decisions = broadcast_object(decisions, group)
-            if decisions[0].idle:
-                if not rank0:  # rank 0 waits on its queue instead
-                    time.sleep(max(0.0, decisions[0].idle - IDLE_MARGIN))
-                continue
-            if decisions[0].stop:
-                if rank0:
-                    scheduler.fail_all("the server is shutting down")
-                return
-            decision = decisions[mesh.replica if dp > 1 else 0]
-            events = []
-            if decision.joins or decision.cancels:
-                n = sum(len(j.prompt) for j in decision.joins)
-                with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
-                    events = engine.apply(decision)
-            with watchdog.stage(f"generation step ({len(engine)} sequences)"):
-                resting = dp > 1 and not len(engine)  # other replicas are stepping
-                tic = time.perf_counter()
-                if not resting:
-                    events += engine.step(decision.draft)
-                if dp > 1:  # each replica's first rank sends its events to rank 0
-                    # A decode-only step's time, for the replicas that rest next time.
-                    took = None if resting or decision.joins else time.perf_counter() - tic
-                    if resting:
-                        # Off the CPU for most of the others' last decode step (the ring
-                        # backend spins inside a collective), then join the exchange.
-                        time.sleep(REST_SHARE * rest)
-                    sender = mesh.replica_group.rank() == 0
-                    gathered = all_gather_object((events, took) if sender else ([], None), group)
-                    events = [e for part, _ in gathered for e in part]
-                    steps = [t for _, t in gathered if t is not None]
-                    rest = max(steps) if steps else rest
-            if rank0:
-                scheduler.dispatch(events)
+        with wired_limit(engine.model):  # Metal: keep the weights resident (CPU: nothing)
+            _step_loop(engine, scheduler, group, mesh, rank0, dp)
     except BaseException as e:
         if rank0 and scheduler is not None:
             scheduler.fail_all(_failure_message(e))
@@ -286,10 +235,61 @@ def run_steps(
         raise
 
 
+def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
+    """run_steps' loop, until a stop decision."""
+    rest = 0.0  # seconds the replicas' last decode-only step took (the longest)
+    while True:
+        decisions = None
+        if rank0:
+            active = [len(engine)] if dp == 1 else scheduler.rows()
+            decisions = scheduler.next_decisions(active, wait=IDLE_TICK)
+            if decisions is None:
+                if group.size() == 1:
+                    continue
+                decisions = [Decision(idle=IDLE_TICK)]  # keeps the others sleeping
+        if group.size() > 1:
+            # The one exchange per step besides the model's own (unarmed: rank 0
+            # may still be deciding).
+            decisions = broadcast_object(decisions, group)
+        if decisions[0].idle:
+            if not rank0:  # rank 0 waits on its queue instead
+                time.sleep(max(0.0, decisions[0].idle - IDLE_MARGIN))
+            continue
+        if decisions[0].stop:
+            if rank0:
+                scheduler.fail_all("the server is shutting down")
+            return
+        decision = decisions[mesh.replica if dp > 1 else 0]
+        events = []
+        if decision.joins or decision.cancels:
+            n = sum(len(j.prompt) for j in decision.joins)
+            with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
+                events = engine.apply(decision)
+        with watchdog.stage(f"generation step ({len(engine)} sequences)"):
+            resting = dp > 1 and not len(engine)  # other replicas are stepping
+            tic = time.perf_counter()
+            if not resting:
+                events += engine.step()
+            if dp > 1:  # each replica's first rank sends its events to rank 0
+                # A decode-only step's time, for the replicas that rest next time.
+                took = None if resting or decision.joins else time.perf_counter() - tic
+                if resting:
+                    # Off the CPU for most of the others' last decode step (the ring
+                    # backend spins inside a collective), then join the exchange.
+                    time.sleep(REST_SHARE * rest)
+                sender = mesh.replica_group.rank() == 0
+                gathered = all_gather_object((events, took) if sender else ([], None), group)
+                events = [e for part, _ in gathered for e in part]
+                steps = [t for _, t in gathered if t is not None]
+                rest = max(steps) if steps else rest
+        if rank0:
+            scheduler.dispatch(events)
+
+
 def _failure_message(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "the server is shutting down"
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = first_line(e)
     if "connection to a peer was lost" in text:
         return f"a rank of the server failed: {watchdog.PEER_LOST}"
     return f"the server failed: {text}"

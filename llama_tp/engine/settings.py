@@ -1,0 +1,87 @@
+"""One request's sampling settings, validated once for every driver.
+
+`SamplingParams` is what `stream_generate`, `Chat`, the batch engine behind the
+server and `batch_generate` all take (OpenAI's names where they exist). Its
+checks are the engine's own rules; a bad value raises `SettingsError` naming the
+field, which the command line turns into a flag (`--top-p ...`) and the server
+into OpenAI's `param`. Limits that belong to an API (OpenAI's temperature <= 2,
+at most 20 top log-probabilities) stay with that API's request model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+MAX_DRAFT_TOKENS = 64
+
+
+class SettingsError(ValueError):
+    """A setting out of range: `field` is its name, the message says the rule and value."""
+
+    def __init__(self, field: str, rule: str, value: object):
+        super().__init__(f"{field} {rule}, got {value!r}")
+        self.field, self.rule, self.value = field, rule, value
+
+    def named(self, name: str) -> str:
+        """The message with the setting called `name` (a flag, an API field)."""
+        return f"{name} {self.rule}, got {self.value!r}"
+
+
+@dataclass
+class SamplingParams:
+    """One sequence's settings. `seed` with the token's index picks every random draw
+    (`sampling.token_key`): the same settings and prompt give the same tokens."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: no log-probabilities; k: the token's and the k best
+    num_draft_tokens: int = 0  # prompt-lookup / draft-model tokens verified per step
+
+    def __post_init__(self) -> None:
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _integer("max_tokens", self.max_tokens, 1)
+        _number("temperature", self.temperature, 0.0, math.inf, "must be >= 0")
+        _number("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1]", open_low=True)
+        _number("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
+        _integer("top_k", self.top_k, 0)
+        _integer("seed", self.seed, -(2**63), 2**64 - 1)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SettingsError("stop", "must hold non-empty strings", self.stop)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0)
+        _integer("num_draft_tokens", self.num_draft_tokens, 0, MAX_DRAFT_TOKENS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        """Sampled with top-p, min-p or top-k (the candidates path of the sampler)."""
+        return not self.greedy and (self.top_p < 1.0 or self.min_p > 0.0 or self.top_k > 0)
+
+    def but(self, **changes) -> SamplingParams:
+        """A copy with `changes`, validated again."""
+        return replace(self, **changes)
+
+
+def _integer(field: str, v: object, lo: int, hi: int | None = None) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SettingsError(field, "must be an integer", v)
+    if v < lo or (hi is not None and v > hi):
+        rule = f"must be from {lo} to {hi}" if hi is not None else f"must be >= {lo}"
+        rule = "must be positive" if (lo, hi) == (1, None) else rule
+        raise SettingsError(field, rule, v)
+
+
+def _number(field: str, v: object, lo: float, hi: float, rule: str, open_low=False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SettingsError(field, "must be a number", v)
+    if not (lo < v <= hi if open_low else lo <= v <= hi):  # NaN fails both
+        raise SettingsError(field, rule, v)

@@ -1,0 +1,175 @@
+"""Layers whose products go through the native kernels (no ranks here: `parallel/`
+shards them).
+
+- `GGUFLinear`, `GGUFEmbedding`: GGUF blocks as the file stores them, uint8
+  (rows, blocks * bytes): a K-quant file is held at its size and computes its exact
+  weights. The loader builds them only while the native path is on.
+- `use_native(model)`: mlx's affine quantized layers (`nn.QuantizedLinear` and its
+  sharded twins in `mlx.nn.layers.distributed`) replaced by subclasses whose forward
+  calls `kernels.quantized_matmul` (the project's own range and vocabulary layers call
+  it directly), and `nn.RoPE` by one that is a single native primitive on the CPU.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers import distributed as dist
+
+from . import _on_cpu, ext, gguf_dequantize, gguf_matmul, quantized_matmul
+from .blocks import GGUF_TYPES, row_bytes
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ bias) for W in GGUF blocks: weight (output_dims, blocks * bytes) uint8.
+
+    `lead` values of the first block precede the layer's `input_dims` columns (0 unless
+    the layer is a column slice that starts inside a block). Frozen, like MLX's
+    quantized layers.
+    """
+
+    def __init__(
+        self, input_dims: int, output_dims: int, type_name: str, bias: bool = False, lead: int = 0
+    ):
+        super().__init__()
+        self.input_dims, self.output_dims = input_dims, output_dims
+        self.type_name, self.lead = type_name, lead
+        _, per, _ = GGUF_TYPES[type_name]
+        width = row_bytes(-(-(lead + input_dims) // per) * per, type_name)
+        self.weight = mx.zeros((output_dims, width), dtype=mx.uint8)
+        if bias:
+            self.bias = mx.zeros((output_dims,))
+        self.freeze()
+
+    def _extra_repr(self) -> str:
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"type={self.type_name}, bias={'bias' in self}"
+        )
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = gguf_matmul(x, self["weight"], self.type_name, self.lead)
+        return y + self["bias"] if "bias" in self else y
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table in GGUF blocks: weight (num_embeddings, blocks * bytes) uint8.
+    Rows come out dequantized as `dtype` (float16, as the converted tables give); as a
+    tied head (`as_linear`) it is a `GGUFLinear` product."""
+
+    def __init__(self, num_embeddings: int, dims: int, type_name: str, dtype=mx.float16):
+        super().__init__()
+        self.num_embeddings, self.dims, self.type_name = num_embeddings, dims, type_name
+        self.dtype = dtype
+        self.weight = mx.zeros((num_embeddings, row_bytes(dims, type_name)), dtype=mx.uint8)
+        self.freeze()
+
+    def _extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dims}, type={self.type_name}"
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return gguf_dequantize(self["weight"][ids], self.type_name, 0, self.dims, self.dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return gguf_matmul(x, self["weight"], self.type_name)
+
+
+def _affine(m: nn.Module, x: mx.array) -> mx.array:
+    return quantized_matmul(
+        x,
+        m["weight"],
+        m["scales"],
+        m.get("biases"),
+        transpose=True,
+        group_size=m.group_size,
+        bits=m.bits,
+        mode=m.mode,
+    )
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` with its product through `kernels.quantized_matmul`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _affine(self, x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class QuantizedAllToShardedLinear(dist.QuantizedAllToShardedLinear):
+    """mlx's all-to-sharded quantized linear, product through `kernels.quantized_matmul`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _affine(self, dist.sum_gradients(self.group)(x))
+        return y + self["bias"] if "bias" in self else y
+
+
+class QuantizedShardedToAllLinear(dist.QuantizedShardedToAllLinear):
+    """mlx's sharded-to-all quantized linear, product through `kernels.quantized_matmul`."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.distributed.all_sum(_affine(self, x), group=self.group)
+        return y + self["bias"] if "bias" in self else y
+
+
+class QuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose tied-head product goes through the native kernels."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return _affine(self, x)
+
+
+class RoPE(nn.RoPE):
+    """`nn.RoPE` as one native primitive on the CPU (MLX composes it of a dozen there)."""
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        e = ext()
+        if e is not None and isinstance(offset, int) and x.ndim == 4 and _on_cpu():
+            return e.rope(
+                x,
+                dims=self.dims,
+                traditional=self.traditional,
+                base=float(self.base),
+                scale=float(self.scale),
+                offset=offset,
+            )
+        return super().__call__(x, offset)
+
+
+_NATIVE = {
+    nn.RoPE: RoPE,
+    nn.QuantizedLinear: QuantizedLinear,
+    nn.QuantizedEmbedding: QuantizedEmbedding,
+    dist.QuantizedAllToShardedLinear: QuantizedAllToShardedLinear,
+    dist.QuantizedShardedToAllLinear: QuantizedShardedToAllLinear,
+}
+
+
+def _twin(m: nn.Module) -> nn.Module | None:
+    """A shallow copy of `m` as its native subclass (the same arrays and settings)."""
+    cls = _NATIVE.get(type(m))
+    if cls is None:
+        return None
+    twin = cls.__new__(cls)
+    dict.update(twin, m)  # parameters (an mlx Module is a dict of them)
+    twin.__dict__.update(m.__dict__)  # group_size, bits, mode, group, frozen state
+    return twin
+
+
+def use_native(model: nn.Module) -> int:
+    """Replace, in place, every mlx affine quantized linear of `model` by its twin that
+    calls `kernels.quantized_matmul`; the number replaced."""
+    count = 0
+    for _, parent in model.named_modules():
+        for name in parent.children():
+            child = parent[name]
+            children = child if isinstance(child, list) else [child]
+            for i, c in enumerate(children):
+                twin = _twin(c) if isinstance(c, nn.Module) else None
+                if twin is None:
+                    continue
+                if isinstance(child, list):
+                    child[i] = twin
+                else:
+                    setattr(parent, name, twin)
+                count += 1
+    return count

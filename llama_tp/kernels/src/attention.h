@@ -1,0 +1,98 @@
+// Rotary embeddings and attention for a few query positions, in plain C++: on MLX's CPU
+// stream each is one primitive where MLX composes them of about a dozen operations
+// (each with its own dispatch), which made them half of a small model's decode step.
+// Header-only templates over the element type T (anything convertible to and from float):
+// the MLX shim instantiates them with MLX's float16/bfloat16 types.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace lt {
+
+// A 4-D strided view (elements), e.g. a KV cache's (B, H, S, D) slice of its buffer.
+struct View4 {
+  const void* data;
+  int64_t shape[4], strides[4];
+};
+
+// mx.fast.rope: positions offset + l along axis 2 of x (B, H, L, D); the first `dims`
+// features rotated in pairs (traditional: adjacent; else i and i + dims / 2) by
+// (offset + l) * scale * base^(-2i / dims). out is (B, H, L, D) row-major, same type.
+// attention: softmax(scale * q k^T [+ causal mask, aligned to the last keys]) v for
+// q (B, Hq, L, D), k, v (B, Hkv, S, D), Hq a multiple of Hkv; out (B, Hq, L, D)
+// row-major; float32 inside.
+namespace detail {
+
+template <typename T>
+inline float at(const View4& a, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+  const T* p = static_cast<const T*>(a.data);
+  return static_cast<float>(
+      p[i0 * a.strides[0] + i1 * a.strides[1] + i2 * a.strides[2] + i3 * a.strides[3]]);
+}
+
+}  // namespace detail
+
+template <typename T>
+void rope(const View4& x, int dims, bool traditional, float base, float scale, int offset,
+          T* out) {
+  const int64_t B = x.shape[0], H = x.shape[1], L = x.shape[2], D = x.shape[3];
+  const int half = dims / 2;
+  std::vector<float> cs(L * half), sn(L * half);
+  for (int64_t l = 0; l < L; l++) {
+    for (int i = 0; i < half; i++) {
+      double theta = std::pow((double)base, -2.0 * i / dims);
+      double angle = (double)scale * (double)(offset + l) * theta;
+      cs[l * half + i] = (float)std::cos(angle);
+      sn[l * half + i] = (float)std::sin(angle);
+    }
+  }
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t l = 0; l < L; l++) {
+        T* o = out + ((b * H + h) * L + l) * D;
+        const float* c = &cs[l * half];
+        const float* s = &sn[l * half];
+        for (int i = 0; i < half; i++) {
+          int64_t i0 = traditional ? 2 * i : i, i1 = traditional ? 2 * i + 1 : i + half;
+          float x0 = detail::at<T>(x, b, h, l, i0), x1 = detail::at<T>(x, b, h, l, i1);
+          o[i0] = static_cast<T>(x0 * c[i] - x1 * s[i]);
+          o[i1] = static_cast<T>(x0 * s[i] + x1 * c[i]);
+        }
+        for (int64_t d = dims; d < D; d++) o[d] = static_cast<T>(detail::at<T>(x, b, h, l, d));
+      }
+}
+
+template <typename T>
+void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, T* out) {
+  const int64_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], S = k.shape[2], rep = Hq / Hkv;
+  std::vector<float> qv(D), p(S), acc(D);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < Hq; h++)
+      for (int64_t l = 0; l < L; l++) {
+        const int64_t g = h / rep;
+        const int64_t keys = causal ? S - L + l + 1 : S;  // the mask's lower-right alignment
+        for (int64_t d = 0; d < D; d++) qv[d] = detail::at<T>(q, b, h, l, d) * scale;
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < keys; s++) {
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; d++) dot += qv[d] * detail::at<T>(k, b, g, s, d);
+          p[s] = dot;
+          mx = std::fmax(mx, dot);
+        }
+        float sum = 0.f;
+        for (int64_t s = 0; s < keys; s++) {
+          p[s] = std::exp(p[s] - mx);
+          sum += p[s];
+        }
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+        for (int64_t s = 0; s < keys; s++)
+          for (int64_t d = 0; d < D; d++) acc[d] += p[s] * detail::at<T>(v, b, g, s, d);
+        T* o = out + ((b * Hq + h) * L + l) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(acc[d] / sum);
+      }
+}
+
+}  // namespace lt

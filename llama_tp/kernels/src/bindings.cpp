@@ -1,0 +1,53 @@
+// The Python module `llama_tp.kernels._ext` (nanobind, in MLX's nanobind domain so that
+// its functions take and return mx.array).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "matmul.h"
+#include "mlx/version.h"
+#include "pool.h"
+#include "primitive.h"
+#include "selftest.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_ext, m) {
+  m.doc() = "llama_tp's native quantized matrix-vector products on MLX's CPU stream";
+  m.def("qmatmul", &lt::qmatmul, "x"_a, "w"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
+        nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0, "stream"_a = nb::none(),
+        "x (..., n) @ W^T for quantized W: GGUF blocks or MLX affine 4/8-bit.");
+  m.def("dequantize", &lt::dequantize, "w"_a, nb::kw_only(), "format"_a, "lead"_a, "n"_a,
+        "dtype"_a, "stream"_a = nb::none(), "Rows of GGUF blocks -> values [lead, lead + n).");
+  m.def("rope", &lt::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+        "offset"_a, "stream"_a = nb::none(), "mx.fast.rope of (B, H, L, D), one primitive.");
+  m.def("attention", &lt::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a,
+        "stream"_a = nb::none(), "Attention of (B, Hq, L, D) over (B, Hkv, S, D), one primitive.");
+  m.def("isa", &lt::isa, "The instruction set in use.");
+  m.def("set_isa", &lt::set_isa, "name"_a, "Use another instruction set this CPU runs.");
+  m.def("compiled_isas", [] {
+    int n;
+    const lt::Kernels* const* all = lt::compiled_kernels(&n);
+    std::vector<std::pair<std::string, bool>> out;
+    for (int i = 0; i < n; i++) out.emplace_back(all[i]->isa, lt::cpu_supports(all[i]->isa));
+    return out;
+  }, "(instruction set, this CPU runs it) for each one compiled in.");
+  m.def("threads", [] { return lt::Pool::get().threads(); });
+  m.def("read_bandwidth", &lt::read_bandwidth, "bytes"_a, "reps"_a = 5,
+        "GB/s of reading a buffer of this many bytes over the pool's threads (best of reps).");
+  m.def("set_threads", [](int n) { lt::Pool::get().set_threads(n); }, "n"_a);
+  m.def("mlx_version", [] { return std::string(mlx::core::version()); },
+        "The version of the MLX library this module is linked against.");
+  m.attr("BUILT_WITH_MLX") = std::to_string(MLX_VERSION_MAJOR) + "." +
+                             std::to_string(MLX_VERSION_MINOR) + "." +
+                             std::to_string(MLX_VERSION_PATCH);
+  m.def("selftest", [](double bound) {
+    bool ok;
+    std::string report = lt::selftest(bound, &ok);
+    return std::make_pair(report, ok);
+  }, "bound"_a = 1e-5, "Every SIMD kernel this CPU runs against the scalar one.");
+}

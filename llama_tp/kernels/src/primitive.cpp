@@ -1,0 +1,338 @@
+#include "primitive.h"
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "attention.h"
+#include "matmul.h"
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "qmv.h"
+
+namespace lt {
+
+namespace {
+
+std::atomic<const Kernels*> current{nullptr};
+
+const Kernels& kernels() {
+  const Kernels* k = current.load();
+  return k ? *k : best_kernels();
+}
+
+int scale_type(mx::Dtype t) {
+  if (t == mx::float32) return F32;
+  if (t == mx::float16) return F16;
+  if (t == mx::bfloat16) return BF16;
+  throw std::invalid_argument("llama_tp kernels: scales must be float32, float16 or bfloat16");
+}
+
+// What a kernel needs of an input array, taken when the primitive is evaluated (the
+// task runs later on the stream's thread: it keeps pointers, not the graph).
+struct View {
+  const uint8_t* data;
+  mx::Shape shape;
+  mx::Strides strides;
+  bool flat;
+  size_t item, size;
+  mx::Dtype dtype;
+  explicit View(const mx::array& a)
+      : data(a.data<uint8_t>()), shape(a.shape()), strides(a.strides()),
+        flat(a.flags().row_contiguous), item(a.itemsize()), size(a.size()), dtype(a.dtype()) {}
+  int64_t at(size_t i) const { return flat ? (int64_t)i : mx::elem_to_loc((int)i, shape, strides); }
+  // Row-major bytes: the array's own, or a copy kept in `keep`.
+  const uint8_t* bytes(std::vector<uint8_t>& keep) const {
+    if (flat) return data;
+    keep.resize(size * item);
+    for (size_t i = 0; i < size; i++) std::memcpy(keep.data() + i * item, data + at(i) * item, item);
+    return keep.data();
+  }
+  // Float32, row-major.
+  void floats(float* out) const {
+    if (dtype == mx::float32) {
+      const float* p = reinterpret_cast<const float*>(data);
+      for (size_t i = 0; i < size; i++) out[i] = p[at(i)];
+    } else if (dtype == mx::float16) {
+      const mx::float16_t* p = reinterpret_cast<const mx::float16_t*>(data);
+      for (size_t i = 0; i < size; i++) out[i] = static_cast<float>(p[at(i)]);
+    } else {
+      const mx::bfloat16_t* p = reinterpret_cast<const mx::bfloat16_t*>(data);
+      for (size_t i = 0; i < size; i++) out[i] = static_cast<float>(p[at(i)]);
+    }
+  }
+};
+
+void store_floats(const float* y, size_t n, mx::Dtype dtype, void* out) {
+  if (dtype == mx::float32) {
+    std::memcpy(out, y, n * sizeof(float));
+  } else if (dtype == mx::float16) {
+    mx::float16_t* p = static_cast<mx::float16_t*>(out);
+    for (size_t i = 0; i < n; i++) p[i] = static_cast<mx::float16_t>(y[i]);
+  } else {
+    mx::bfloat16_t* p = static_cast<mx::bfloat16_t*>(out);
+    for (size_t i = 0; i < n; i++) p[i] = static_cast<mx::bfloat16_t>(y[i]);
+  }
+}
+
+void check_float(const mx::array& x, const char* what) {
+  if (x.dtype() != mx::float32 && x.dtype() != mx::float16 && x.dtype() != mx::bfloat16)
+    throw std::invalid_argument(std::string("llama_tp kernels: ") + what +
+                                " must be float32, float16 or bfloat16");
+}
+
+}  // namespace
+
+const char* isa() { return kernels().isa; }
+
+bool set_isa(const char* name) {
+  int n;
+  const Kernels* const* all = compiled_kernels(&n);
+  for (int i = 0; i < n; i++) {
+    if (!std::strcmp(all[i]->isa, name) && cpu_supports(name)) {
+      current.store(all[i]);
+      return true;
+    }
+  }
+  return false;
+}
+
+mx::array qmatmul(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
+                  const std::optional<mx::array>& biases, int format, int group_size, int lead,
+                  mx::StreamOrDevice s) {
+  check_float(x, "x");
+  if (w.ndim() != 2 || x.ndim() < 1)
+    throw std::invalid_argument("llama_tp kernels: w must be 2-D and x at least 1-D");
+  int n = x.shape(-1), N = w.shape(0), k;
+  std::vector<mx::array> inputs = {x, w};
+  if (format == AFFINE4 || format == AFFINE8) {
+    int bits = format == AFFINE4 ? 4 : 8;
+    if (w.dtype() != mx::uint32 || !scales || !biases)
+      throw std::invalid_argument("llama_tp kernels: affine weights are uint32 with scales and biases");
+    if (group_size != 32 && group_size != 64 && group_size != 128)
+      throw std::invalid_argument("llama_tp kernels: group size must be 32, 64 or 128, got " +
+                                  std::to_string(group_size));
+    k = w.shape(1) * 32 / bits;
+    if (scales->shape() != mx::Shape{N, k / group_size} || biases->shape() != scales->shape() ||
+        biases->dtype() != scales->dtype())
+      throw std::invalid_argument("llama_tp kernels: scales and biases must be (" +
+                                  std::to_string(N) + ", " + std::to_string(k / group_size) + ")");
+    scale_type(scales->dtype());
+    if (lead != 0 || n != k)
+      throw std::invalid_argument("llama_tp kernels: x has " + std::to_string(n) +
+                                  " values per row, the weights " + std::to_string(k));
+    inputs.push_back(*scales);
+    inputs.push_back(*biases);
+  } else {
+    int per = block_values(format), bytes = block_bytes(format);
+    if (per == 0) throw std::invalid_argument("llama_tp kernels: unknown format " + std::to_string(format));
+    if (w.dtype() != mx::uint8 || w.shape(1) % bytes)
+      throw std::invalid_argument("llama_tp kernels: GGUF weights are uint8 rows of whole blocks");
+    k = w.shape(1) / bytes * per;
+    if (lead < 0 || lead + n > k)
+      throw std::invalid_argument("llama_tp kernels: x's " + std::to_string(n) + " values from " +
+                                  std::to_string(lead) + " exceed the blocks' " + std::to_string(k));
+  }
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  auto stream = mx::to_stream(s);
+  return mx::array(shape, x.dtype(),
+                   std::make_shared<QMatmul>(stream, format, group_size, lead, k), inputs);
+}
+
+void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  bool affine = inputs.size() == 4;
+  int n = inputs[0].shape(-1), N = inputs[1].shape(0);
+  int B = (int)(inputs[0].size() / n);
+  size_t row_bytes = inputs[1].shape(1) * inputs[1].itemsize();
+  int stype = affine ? scale_type(inputs[2].dtype()) : F16;
+  enc.dispatch([x = View(inputs[0]), w = View(inputs[1]), s = View(inputs[affine ? 2 : 1]),
+                b = View(inputs[affine ? 3 : 1]), y_out = out.data<void>(), y_dtype = out.dtype(),
+                affine, n, N, B, row_bytes, stype, format = format_, gs = group_size_,
+                lead = lead_, k = k_]() {
+    std::vector<uint8_t> keep_w, keep_s, keep_b;
+    Matrix m{};
+    m.format = format;
+    m.data = w.bytes(keep_w);
+    m.row_bytes = row_bytes;
+    m.k = k;
+    if (affine) {
+      m.scales = s.bytes(keep_s);
+      m.biases = b.bytes(keep_b);
+      m.scale_type = stype;
+      m.group_size = gs;
+      m.groups = k / gs;
+    }
+    std::vector<float> xf((size_t)B * n), y((size_t)B * N);
+    x.floats(xf.data());
+    matmul(kernels(), m, N, xf.data(), B, n, lead, y.data());
+    store_floats(y.data(), y.size(), y_dtype, y_out);
+  });
+}
+
+void QMatmul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+bool QMatmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const QMatmul&>(other);
+  return format_ == o.format_ && group_size_ == o.group_size_ && lead_ == o.lead_ && k_ == o.k_;
+}
+
+mx::array dequantize(const mx::array& w, int format, int lead, int n, mx::Dtype dtype,
+                     mx::StreamOrDevice s) {
+  int per = block_values(format), bytes = block_bytes(format);
+  if (per == 0) throw std::invalid_argument("llama_tp kernels: unknown format " + std::to_string(format));
+  if (w.dtype() != mx::uint8 || w.ndim() < 1 || w.shape(-1) % bytes)
+    throw std::invalid_argument("llama_tp kernels: GGUF weights are uint8 rows of whole blocks");
+  if (lead < 0 || n < 1 || lead + n > w.shape(-1) / bytes * per)
+    throw std::invalid_argument("llama_tp kernels: values [" + std::to_string(lead) + ", " +
+                                std::to_string(lead + n) + ") are outside the blocks");
+  if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16)
+    throw std::invalid_argument("llama_tp kernels: dequantize to a float dtype");
+  mx::Shape shape = w.shape();
+  shape.back() = n;
+  return mx::array(shape, dtype, std::make_shared<Dequantize>(mx::to_stream(s), format, lead, n),
+                   {w});
+}
+
+void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const mx::array& w = inputs[0];
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(w);
+  enc.set_output_array(out);
+  int rows = (int)(w.size() / w.shape(-1));
+  size_t row_bytes = w.shape(-1);
+  enc.dispatch([v = View(w), y_out = out.data<void>(), y_dtype = out.dtype(), rows, row_bytes,
+                format = format_, lead = lead_, n = n_]() {
+    std::vector<uint8_t> keep;
+    std::vector<float> y((size_t)rows * n);
+    dequantize_rows(format, v.bytes(keep), row_bytes, rows, lead, n, y.data());
+    store_floats(y.data(), y.size(), y_dtype, y_out);
+  });
+}
+
+void Dequantize::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+bool Dequantize::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Dequantize&>(other);
+  return format_ == o.format_ && lead_ == o.lead_ && n_ == o.n_;
+}
+
+namespace {
+
+View4 view4(const mx::array& a) {
+  View4 v{a.data<void>(), {}, {}};
+  for (int i = 0; i < 4; i++) {
+    v.shape[i] = a.shape(i);
+    v.strides[i] = a.strides()[i];
+  }
+  return v;
+}
+
+void check_4d(const mx::array& a, const char* what) {
+  check_float(a, what);
+  if (a.ndim() != 4)
+    throw std::invalid_argument(std::string("llama_tp kernels: ") + what + " must be 4-D");
+}
+
+// Run `f(T*)` with T the C++ type of `dtype` (float32, float16 or bfloat16).
+template <typename F>
+void by_type(mx::Dtype dtype, F&& f) {
+  if (dtype == mx::float32) {
+    f(static_cast<float*>(nullptr));
+  } else if (dtype == mx::float16) {
+    f(static_cast<mx::float16_t*>(nullptr));
+  } else {
+    f(static_cast<mx::bfloat16_t*>(nullptr));
+  }
+}
+
+}  // namespace
+
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
+               int offset, mx::StreamOrDevice s) {
+  check_4d(x, "x");
+  if (dims < 2 || dims % 2 || dims > x.shape(3))
+    throw std::invalid_argument("llama_tp kernels: rope dims must be even and <= the last axis");
+  return mx::array(x.shape(), x.dtype(),
+                   std::make_shared<Rope>(mx::to_stream(s), dims, traditional, base, scale, offset),
+                   {x});
+}
+
+void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  enc.set_output_array(out);
+  enc.dispatch([x = view4(inputs[0]), dtype = out.dtype(), o = out.data<void>(), dims = dims_,
+                trad = traditional_, base = base_, scale = scale_, offset = offset_]() {
+    by_type(dtype, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      lt::rope<T>(x, dims, trad, base, scale, offset, static_cast<T*>(o));
+    });
+  });
+}
+
+void Rope::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+bool Rope::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Rope&>(other);
+  return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ &&
+         scale_ == o.scale_ && offset_ == o.offset_;
+}
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, mx::StreamOrDevice s) {
+  check_4d(q, "q");
+  check_4d(k, "k");
+  check_4d(v, "v");
+  if (k.shape() != v.shape() || k.dtype() != q.dtype() || v.dtype() != q.dtype() ||
+      q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) || q.shape(1) % k.shape(1) ||
+      (causal && q.shape(2) > k.shape(2)))
+    throw std::invalid_argument("llama_tp kernels: attention shapes or dtypes do not match");
+  return mx::array(q.shape(), q.dtype(),
+                   std::make_shared<Attention>(mx::to_stream(s), scale, causal), {q, k, v});
+}
+
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([q = view4(inputs[0]), k = view4(inputs[1]), v = view4(inputs[2]),
+                dtype = out.dtype(), o = out.data<void>(), scale = scale_, causal = causal_]() {
+    by_type(dtype, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      lt::attention<T>(q, k, v, scale, causal, static_cast<T*>(o));
+    });
+  });
+}
+
+void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+bool Attention::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Attention&>(other);
+  return scale_ == o.scale_ && causal_ == o.causal_;
+}
+
+}  // namespace lt

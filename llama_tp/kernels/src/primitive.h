@@ -1,0 +1,95 @@
+// The MLX side: two primitives that run the plain kernels on MLX's CPU stream.
+#pragma once
+
+#include <optional>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace lt {
+
+namespace mx = mlx::core;
+
+// x (..., n) @ W^T -> (..., N), W quantized: a GGUF format (w uint8 (N, blocks * bytes),
+// x's values at columns [lead, lead + n) of the blocks) or MLX affine (w uint32
+// (N, k * bits / 32), scales and biases (N, k / group_size)).
+mx::array qmatmul(const mx::array& x, const mx::array& w, const std::optional<mx::array>& scales,
+                  const std::optional<mx::array>& biases, int format, int group_size, int lead,
+                  mx::StreamOrDevice s = {});
+
+// Rows of GGUF blocks w (..., blocks * bytes) -> values [lead, lead + n) of each, (..., n).
+mx::array dequantize(const mx::array& w, int format, int lead, int n, mx::Dtype dtype,
+                     mx::StreamOrDevice s = {});
+
+class QMatmul : public mx::Primitive {
+ public:
+  QMatmul(mx::Stream stream, int format, int group_size, int lead, int k)
+      : mx::Primitive(stream), format_(format), group_size_(group_size), lead_(lead), k_(k) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpQMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int format_, group_size_, lead_, k_;
+};
+
+class Dequantize : public mx::Primitive {
+ public:
+  Dequantize(mx::Stream stream, int format, int lead, int n)
+      : mx::Primitive(stream), format_(format), lead_(lead), n_(n) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int format_, lead_, n_;
+};
+
+// mx.fast.rope of x (B, H, L, D) with an integer offset; one primitive.
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
+               int offset, mx::StreamOrDevice s = {});
+
+// Attention of q (B, Hq, L, D) over k, v (B, Hkv, S, D): no mask, or causal (aligned to
+// the last keys, as MLX's); one primitive.
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, mx::StreamOrDevice s = {});
+
+class Rope : public mx::Primitive {
+ public:
+  Rope(mx::Stream stream, int dims, bool traditional, float base, float scale, int offset)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base),
+        scale_(scale), offset_(offset) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+  int offset_;
+};
+
+class Attention : public mx::Primitive {
+ public:
+  Attention(mx::Stream stream, float scale, bool causal)
+      : mx::Primitive(stream), scale_(scale), causal_(causal) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+// The instruction set in use ("avx512", "avx2", "neon", "scalar"); set_isa picks another
+// one this CPU runs (false if it does not).
+const char* isa();
+bool set_isa(const char* name);
+
+}  // namespace lt

@@ -1,0 +1,403 @@
+// x86-64 kernels, compiled once per instruction-set level (CMakeLists.txt):
+//   LT_LEVEL=avx2    -mavx2 -mfma -mf16c: 16 int16 products per instruction (vpmaddwd)
+//   LT_LEVEL=avx512  + AVX-512 F/BW/VL: 32 per instruction, a whole 32-value chunk
+// Each chunk of 32 weights is decoded to integers u (one byte each), widened to int16
+// and multiplied with the int16 activations; the int32 sums of each half of 16 are
+// scaled by A * dx in float, and the offsets B enter through the activation sums m.
+#include <immintrin.h>
+
+#include <vector>
+
+#include "formats.h"
+
+#ifndef LT_LEVEL
+#error "compile with -DLT_LEVEL=avx2 or avx512"
+#endif
+#define LT_CAT2(a, b) a##b
+#define LT_CAT(a, b) LT_CAT2(a, b)
+#define LT_NS LT_CAT(x86_, LT_LEVEL)
+#define LT_STR2(a) #a
+#define LT_STR(a) LT_STR2(a)
+
+namespace lt {
+namespace LT_NS {
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LT_512 1
+// Accumulator of one row: 16 float lanes, lanes 0-7 from values 0-15 of a chunk.
+typedef __m512 Acc;
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+// u (32 bytes, values 0..31; signed for Q8_0) . q (32 int16) -> 16 int32 (two halves)
+template <bool SIGNED>
+inline __m512i chunk_dot(__m256i u, const int16_t* q) {
+  __m512i w = SIGNED ? _mm512_cvtepi8_epi16(u) : _mm512_cvtepu8_epi16(u);
+  return _mm512_madd_epi16(w, _mm512_loadu_si512((const void*)q));
+}
+inline Acc fma_same(__m512i p, float s, Acc acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(s), acc);
+}
+inline Acc fma_halves(__m512i p, float s0, float s1, Acc acc) {
+  __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
+}
+#else
+typedef __m256 Acc;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(Acc a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+struct Halves {
+  __m256i p0, p1;  // 8 int32 each: values 0-15, 16-31
+};
+template <bool SIGNED>
+inline Halves chunk_dot(__m256i u, const int16_t* q) {
+  __m128i a = _mm256_castsi256_si128(u), b = _mm256_extracti128_si256(u, 1);
+  __m256i w0 = SIGNED ? _mm256_cvtepi8_epi16(a) : _mm256_cvtepu8_epi16(a);
+  __m256i w1 = SIGNED ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
+  return {_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)q)),
+          _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(q + 16)))};
+}
+inline Acc fma_same(Halves p, float s, Acc acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p.p0, p.p1)), _mm256_set1_ps(s),
+                         acc);
+}
+inline Acc fma_halves(Halves p, float s0, float s1, Acc acc) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p.p0), _mm256_set1_ps(s0), acc);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p.p1), _mm256_set1_ps(s1), acc);
+}
+#endif
+
+inline float f16(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+
+// 16 bytes -> 32 values: the low nibbles (values 0-15), then the high ones (16-31).
+inline __m256i nibbles16(const uint8_t* p) {
+  __m128i b = _mm_loadu_si128((const __m128i*)p);
+  __m128i m4 = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
+}
+
+// 32 bits -> 32 bytes, 16 where the bit is set (Q5_0/Q5_1's fifth bits; ggml's trick).
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                         0x0101010101010101, 0x0000000000000000);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)),
+                          _mm256_set1_epi8(16));
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32, one scale (and offset) each.
+template <int F>
+void rows_small(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  constexpr bool MIN = F == Q4_1 || F == Q5_1, FIVE = F == Q5_0 || F == Q5_1;
+  const int bytes = block_bytes(F), nb = w.k / 32;
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* blk = w.data + (size_t)r * w.row_bytes;
+    Acc acc = acc_zero();
+    float off = 0.f;
+    for (int c = 0; c < nb; c++, blk += bytes) {
+      float d = f16(blk);
+      if (F == Q8_0) {
+        __m256i u = _mm256_loadu_si256((const __m256i*)(blk + 2));
+        acc = fma_same(chunk_dot<true>(u, x.q + 32 * c), d * x.d[c], acc);
+        continue;
+      }
+      __m256i u = nibbles16(blk + (MIN ? 4 : 2) + (FIVE ? 4 : 0));
+      if (FIVE) u = _mm256_or_si256(u, fifth_bits(blk + (MIN ? 4 : 2)));
+      acc = fma_same(chunk_dot<false>(u, x.q + 32 * c), d * x.d[c], acc);
+      float b = MIN ? f16(blk + 2) : -d * (FIVE ? 16.f : 8.f);
+      off += b * (x.m[2 * c] + x.m[2 * c + 1]);
+    }
+    y[r - r0] = acc_sum(acc) + off;
+  }
+}
+
+// The K-quants: blocks of 256 in 8 chunks of 32.
+template <int F>
+void rows_k(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  const int bytes = block_bytes(F), nb = w.k / 256;
+  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* blk = w.data + (size_t)r * w.row_bytes;
+    Acc acc = acc_zero();
+    float off = 0.f;
+    for (int b = 0; b < nb; b++, blk += bytes) {
+      const int16_t* q = x.q + 256 * b;
+      const float* dx = x.d + 8 * b;
+      const float* mx = x.m + 16 * b;
+      if (F == Q4_K || F == Q5_K) {
+        uint8_t sc[8], mn[8];
+        k4_scale_min(blk + 4, sc, mn);
+        float d = f16(blk), dmin = f16(blk + 2);
+        const uint8_t* qs = blk + (F == Q5_K ? 48 : 16);
+        __m256i qh = F == Q5_K ? _mm256_loadu_si256((const __m256i*)(blk + 16)) : m1;
+        for (int j = 0; j < 8; j++) {
+          __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * (j / 2)));
+          __m256i u = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bits, 4) : bits, m4);
+          if (F == Q5_K) {
+            __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), m1);
+            u = _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
+          }
+          acc = fma_same(chunk_dot<false>(u, q + 32 * j), d * sc[j] * dx[j], acc);
+          off -= dmin * mn[j] * (mx[2 * j] + mx[2 * j + 1]);
+        }
+      } else if (F == Q6_K) {
+        const int8_t* sc = (const int8_t*)(blk + 192);
+        float d = f16(blk + 208);
+        for (int hh = 0; hh < 2; hh++) {
+          __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh));
+          __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh + 32));
+          __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * hh));
+          __m256i u[4] = {
+              _mm256_or_si256(_mm256_and_si256(l0, m4),
+                              _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(l1, m4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)),
+          };
+          for (int jj = 0; jj < 4; jj++) {
+            int j = 4 * hh + jj;
+            float a0 = d * sc[2 * j], a1 = d * sc[2 * j + 1];
+            acc = fma_halves(chunk_dot<false>(u[jj], q + 32 * j), a0 * dx[j], a1 * dx[j], acc);
+            off -= 32.f * (a0 * mx[2 * j] + a1 * mx[2 * j + 1]);
+          }
+        }
+      } else if (F == Q3_K) {
+        int sc[16];
+        k3_scales(blk + 96, sc);
+        float d = f16(blk + 108);
+        __m256i hm = _mm256_loadu_si256((const __m256i*)blk);
+        for (int hh = 0; hh < 2; hh++) {
+          __m256i qs = _mm256_loadu_si256((const __m256i*)(blk + 32 + 32 * hh));
+          for (int jj = 0; jj < 4; jj++) {
+            int j = 4 * hh + jj;
+            __m256i lo = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * jj)), m3);
+            __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(j)), m1);
+            __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 2));
+            float a0 = d * sc[2 * j], a1 = d * sc[2 * j + 1];
+            acc = fma_halves(chunk_dot<false>(u, q + 32 * j), a0 * dx[j], a1 * dx[j], acc);
+            off -= 4.f * (a0 * mx[2 * j] + a1 * mx[2 * j + 1]);
+          }
+        }
+      } else {  // Q2_K
+        const uint8_t* sc = blk;
+        float d = f16(blk + 80), dmin = f16(blk + 82);
+        for (int hh = 0; hh < 2; hh++) {
+          __m256i qs = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * hh));
+          for (int jj = 0; jj < 4; jj++) {
+            int j = 4 * hh + jj;
+            __m256i u = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * jj)), m3);
+            float a0 = d * (sc[2 * j] & 15), a1 = d * (sc[2 * j + 1] & 15);
+            acc = fma_halves(chunk_dot<false>(u, q + 32 * j), a0 * dx[j], a1 * dx[j], acc);
+            off -= dmin * ((sc[2 * j] >> 4) * mx[2 * j] + (sc[2 * j + 1] >> 4) * mx[2 * j + 1]);
+          }
+        }
+      }
+    }
+    y[r - r0] = acc_sum(acc) + off;
+  }
+}
+
+template <int S>
+inline float scale(const void* p, size_t i) {
+  if (S == F32) return static_cast<const float*>(p)[i];
+  uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return S == F16 ? _cvtsh_ss(h) : bf16_to_f32(h);
+}
+
+// MLX affine: 4 bits (16 bytes per 32 values, EVEN_ODD activations) or 8 bits.
+template <int F, int S>
+void rows_affine_t(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  constexpr int STEP = F == AFFINE4 ? 16 : 32;
+  const int per_group = w.group_size / 32, ng = w.k / w.group_size;
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* row = w.data + (size_t)r * w.row_bytes;
+    size_t g0 = (size_t)r * w.groups;
+    Acc acc = acc_zero();
+    float off = 0.f;
+    for (int g = 0, c = 0; g < ng; g++) {
+      float a = scale<S>(w.scales, g0 + g), b = scale<S>(w.biases, g0 + g);
+      for (int e = c + per_group; c < e; c++) {
+        __m256i u = F == AFFINE4 ? nibbles16(row + STEP * c)
+                                 : _mm256_loadu_si256((const __m256i*)(row + STEP * c));
+        acc = fma_same(chunk_dot<false>(u, x.q + 32 * c), a * x.d[c], acc);
+        off += b * (x.m[2 * c] + x.m[2 * c + 1]);
+      }
+    }
+    y[r - r0] = acc_sum(acc) + off;
+  }
+}
+
+template <int F>
+void rows_affine(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  switch (w.scale_type) {
+    case F32: return rows_affine_t<F, F32>(w, x, r0, r1, y);
+    case F16: return rows_affine_t<F, F16>(w, x, r0, r1, y);
+    default: return rows_affine_t<F, BF16>(w, x, r0, r1, y);
+  }
+}
+
+#ifdef LT_512
+// Two blocks of 4-bit values per instruction (PAIRED activations): the 16 bytes of block
+// c and of block c + 1, widened to words: low nibbles (values 0-15 of both), high ones.
+inline void nibbles_pair(__m256i bytes, __m512i& lo, __m512i& hi) {
+  __m512i w = _mm512_cvtepu8_epi16(bytes);
+  lo = _mm512_and_si512(w, _mm512_set1_epi16(15));
+  hi = _mm512_srli_epi16(w, 4);
+}
+
+inline __m256i two16(const uint8_t* a, const uint8_t* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
+                                 _mm_loadu_si128((const __m128i*)b), 1);
+}
+
+// [A0, B0, A1, B1] (two blocks' scale and offset) times x.dm's [dx0, m0, dx1, m1]: the
+// offsets go into `off` (lanes 1 and 3), the factors come back as 8 lanes of A0 dx0 and
+// 8 of A1 dx1, the order of the pair's products.
+inline __m512 pair_factors(__m128 ab, const float* dm, __m128& off) {
+  __m128 p = _mm_mul_ps(ab, _mm_loadu_ps(dm));
+  off = _mm_add_ps(off, p);
+  const __m512i idx = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(p));
+}
+
+inline __m512 pair_dot(__m512i lo, __m512i hi, const int16_t* q) {
+  __m512i p = _mm512_add_epi32(_mm512_madd_epi16(lo, _mm512_loadu_si512((const void*)q)),
+                               _mm512_madd_epi16(hi, _mm512_loadu_si512((const void*)(q + 32))));
+  return _mm512_cvtepi32_ps(p);
+}
+
+inline float off_sum(__m128 off) {
+  return _mm_cvtss_f32(_mm_add_ss(_mm_shuffle_ps(off, off, 1), _mm_shuffle_ps(off, off, 3)));
+}
+
+template <int F>
+void rows_small_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  constexpr bool MIN = F == Q4_1 || F == Q5_1, FIVE = F == Q5_0 || F == Q5_1;
+  constexpr int AT = (MIN ? 4 : 2) + (FIVE ? 4 : 0);  // where the nibbles start
+  const int bytes = block_bytes(F), nc = w.k / 32;
+  const __m128 offset = _mm_setr_ps(1.f, FIVE ? -16.f : -8.f, 1.f, FIVE ? -16.f : -8.f);
+  const __m512i sixteen = _mm512_set1_epi16(16);
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* blk = w.data + (size_t)r * w.row_bytes;
+    __m512 acc = _mm512_setzero_ps();
+    __m128 off = _mm_setzero_ps();
+    int c = 0;
+    for (; c + 1 < nc; c += 2, blk += 2 * bytes) {
+      const uint8_t* b1 = blk + bytes;
+      __m512i lo, hi;
+      nibbles_pair(two16(blk + AT, b1 + AT), lo, hi);
+      if (FIVE) {  // bit i of a block's qh: value i's fifth bit
+        uint32_t h0, h1;
+        std::memcpy(&h0, blk + AT - 4, 4);
+        std::memcpy(&h1, b1 + AT - 4, 4);
+        lo = _mm512_mask_add_epi16(lo, (h0 & 0xFFFF) | (h1 << 16), lo, sixteen);
+        hi = _mm512_mask_add_epi16(hi, (h0 >> 16) | (h1 & 0xFFFF0000u), hi, sixteen);
+      }
+      __m128 ab;
+      if (MIN) {  // d, m of each block: 4 bytes at its start
+        uint32_t a, b;
+        std::memcpy(&a, blk, 4);
+        std::memcpy(&b, b1, 4);
+        ab = _mm_cvtph_ps(_mm_set_epi32(0, 0, (int)b, (int)a));
+      } else {  // d of each block, offset -8 d (-16 d)
+        uint32_t a = load_u16(blk), b = load_u16(b1);
+        ab = _mm_mul_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, (int)(b | b << 16), (int)(a | a << 16))),
+                        offset);
+      }
+      acc = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), pair_factors(ab, x.dm + 2 * c, off),
+                            acc);
+    }
+    float rest = 0.f;
+    if (c < nc) {  // a last block on its own (activations in the base order)
+      Acc one = acc_zero();
+      __m256i u = nibbles16(blk + AT);
+      if (FIVE) u = _mm256_or_si256(u, fifth_bits(blk + AT - 4));
+      float d = f16(blk);
+      one = fma_same(chunk_dot<false>(u, x.q + 32 * c), d * x.d[c], one);
+      float b = MIN ? f16(blk + 2) : -d * (FIVE ? 16.f : 8.f);
+      rest = acc_sum(one) + b * x.dm[2 * c + 1];
+    }
+    y[r - r0] = _mm512_reduce_add_ps(acc) + off_sum(off) + rest;
+  }
+}
+
+// [A_g, B_g, A_h, B_h] of groups g and h of one row's scales and biases
+template <int S>
+inline __m128 affine_ab(const void* sc, const void* bi, size_t g, size_t h) {
+  if (S == F16) {
+    const uint16_t *s = static_cast<const uint16_t*>(sc), *b = static_cast<const uint16_t*>(bi);
+    return _mm_cvtph_ps(_mm_setr_epi16((short)s[g], (short)b[g], (short)s[h], (short)b[h], 0, 0,
+                                       0, 0));
+  }
+  return _mm_setr_ps(scale<S>(sc, g), scale<S>(bi, g), scale<S>(sc, h), scale<S>(bi, h));
+}
+
+template <int S>
+void rows_affine4_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  const int nc = w.k / 32;
+  const int shift = w.group_size == 32 ? 0 : w.group_size == 64 ? 1 : 2;  // chunk -> group
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* row = w.data + (size_t)r * w.row_bytes;
+    size_t g0 = (size_t)r * w.groups;
+    __m512 acc = _mm512_setzero_ps();
+    __m128 off = _mm_setzero_ps();
+    int c = 0;
+    for (; c + 1 < nc; c += 2) {
+      __m512i lo, hi;
+      nibbles_pair(_mm256_loadu_si256((const __m256i*)(row + 16 * c)), lo, hi);
+      __m128 ab = affine_ab<S>(w.scales, w.biases, g0 + (c >> shift), g0 + ((c + 1) >> shift));
+      acc = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), pair_factors(ab, x.dm + 2 * c, off),
+                            acc);
+    }
+    float rest = 0.f;
+    if (c < nc) {
+      size_t g = g0 + (c >> shift);
+      Acc one = fma_same(chunk_dot<false>(nibbles16(row + 16 * c), x.q + 32 * c),
+                         scale<S>(w.scales, g) * x.d[c], acc_zero());
+      rest = acc_sum(one) + scale<S>(w.biases, g) * x.dm[2 * c + 1];
+    }
+    y[r - r0] = _mm512_reduce_add_ps(acc) + off_sum(off) + rest;
+  }
+}
+
+void rows_affine4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  switch (w.scale_type) {
+    case F32: return rows_affine4_paired<F32>(w, x, r0, r1, y);
+    case F16: return rows_affine4_paired<F16>(w, x, r0, r1, y);
+    default: return rows_affine4_paired<BF16>(w, x, r0, r1, y);
+  }
+}
+#endif
+
+}  // namespace
+
+#ifdef LT_512
+extern const Kernels kernels = {
+    LT_STR(LT_LEVEL),
+    {rows_small_paired<Q4_0>, rows_small_paired<Q4_1>, rows_small_paired<Q5_0>,
+     rows_small_paired<Q5_1>, rows_small<Q8_0>, rows_k<Q2_K>, rows_k<Q3_K>, rows_k<Q4_K>,
+     rows_k<Q5_K>, rows_k<Q6_K>, rows_affine4_512, rows_affine<AFFINE8>},
+    {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0},
+};
+#else
+extern const Kernels kernels = {
+    LT_STR(LT_LEVEL),
+    {rows_small<Q4_0>, rows_small<Q4_1>, rows_small<Q5_0>, rows_small<Q5_1>, rows_small<Q8_0>,
+     rows_k<Q2_K>, rows_k<Q3_K>, rows_k<Q4_K>, rows_k<Q5_K>, rows_k<Q6_K>,
+     rows_affine<AFFINE4>, rows_affine<AFFINE8>},
+};
+#endif
+
+}  // namespace LT_NS
+}  // namespace lt
