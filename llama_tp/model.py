@@ -72,10 +72,34 @@ class ModelArgs:
     moe_hidden_dim: int = 0  # each expert's intermediate size
     shared_expert_dim: int = 0  # Qwen2-MoE's shared expert (0: none)
     norm_topk_prob: bool = False  # renormalise the k router weights to sum to 1
-    router: str = "softmax_topk"  # Qwen: softmax over all, top-k; Mixtral: "topk_softmax"
+    # Qwen: softmax over all, top-k; Mixtral: "topk_softmax"; DeepSeek-V3: "sigmoid_group"
+    # (sigmoid scores plus a correction bias pick the experts, in `n_group` groups of which
+    # the best `topk_group` compete; the weights are the sigmoid scores, renormalised with
+    # norm_topk_prob, times `routed_scaling_factor`)
+    router: str = "softmax_topk"
     sparse_layers: list[int] | None = None  # the layers with experts (None: all of them)
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate (DeepSeek: none)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek-V3, `models/latent_attention.py`); kv_lora_rank
+    # 0: not MLA. head_dim is then v_head_dim (the columns of each head in the output).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: queries projected directly (q_proj)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
+        if self.kv_lora_rank:
+            dims = (self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+            if min(dims) <= 0 or self.kv_lora_rank < 0 or self.q_lora_rank < 0:
+                raise ValueError(
+                    f"model config: latent attention needs positive qk_nope_head_dim, "
+                    f"qk_rope_head_dim and v_head_dim, got {', '.join(map(str, dims))}"
+                )
+            self.head_dim = self.v_head_dim
+            self.n_kv_heads = self.n_heads  # one latent for all heads: no KV head groups
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
@@ -103,8 +127,15 @@ class ModelArgs:
                 f"model config: expert intermediate size must be positive, got "
                 f"{self.moe_hidden_dim}"
             )
-        if self.router not in ("softmax_topk", "topk_softmax"):
+        if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group"):
             raise ValueError(f"model config: unknown router {self.router!r}")
+        g, tg = self.n_group, self.topk_group
+        if g < 1 or e % g or not 1 <= tg <= g or k > tg * (e // g) or (g > 1 and e // g < 2):
+            raise ValueError(
+                f"model config: {e} experts in {g} groups, top {tg} groups, top-k {k}: need "
+                "groups of at least 2 experts, 1 <= topk_group <= n_group and top-k <= the "
+                "experts of topk_group groups"
+            )
         bad = [i for i in self.sparse_layers or [] if not 0 <= i < self.n_layers]
         if bad:
             raise ValueError(

@@ -4,11 +4,14 @@ python -m llama_tp.plan -n 3
 python -m llama_tp.plan -n 2 --sequence-parallel
 python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (engine/mesh_plan.py)
 python -m llama_tp.plan -n 4 --pp 2 --dp 2      # the server's replicas: each one's plan
+python -m llama_tp.plan -n 3 --model DIR/config.json   # before downloading: the config alone
 python -m llama_tp.plan -n 2 --split 3:1        # rank 0 takes 3/4 (parallel/shares.py)
 python -m llama_tp.plan --synthetic 70b-q4 -n 2 # a model's shape, no weights needed
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def main() -> int:
@@ -21,7 +24,11 @@ def main() -> int:
         "split over N ranks.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="GGUF file or Hugging Face/MLX directory (default: built-in)")
+    src.add_argument(
+        "--model",
+        help="GGUF file, Hugging Face/MLX directory, or a model's config.json alone (its "
+        "tensors' shapes, nothing downloaded) (default: built-in)",
+    )
     src.add_argument(
         "--synthetic",
         metavar="SIZE-DTYPE",
@@ -71,18 +78,18 @@ def main() -> int:
         return print_mesh(args)
 
     # Reading shapes is lazy: no weight is loaded to print the plan.
-    from .checkpoints import open_checkpoint
     from .checkpoints.build import skeleton
     from .checkpoints.slices import model_shape
     from .parallel.parallelize import format_plan_table
-    from .parallel.placement import place
+    from .parallel.placement import kv_cache_bytes, place
     from .parallel.plan_text import format_plan
     from .parallel.shard import builtin_plan
 
-    ckpt = open_checkpoint(model_path(args))
+    ckpt = _open(model_path(args))
+    shape = model_shape(ckpt)
     try:
         placement = place(
-            model_shape(ckpt),
+            shape,
             args.n,
             vocab_parallel=not args.no_vocab_parallel,
             moe_split=args.moe_split,
@@ -96,14 +103,34 @@ def main() -> int:
     print(format_plan_table(model, styles, args.n))
     print()
     print(f"{ckpt.path.name}:")
-    vocab = [r.vocab for r in placement.ranks]
-    print(format_plan(placement.plan, [r.nbytes for r in placement.ranks], vocab))
+    a = ckpt.args
+    print(
+        format_plan(
+            placement.plan,
+            [r.nbytes for r in placement.ranks],
+            [r.vocab for r in placement.ranks],
+            [kv_cache_bytes(shape, r) for r in placement.ranks],
+            (a.kv_lora_rank, a.qk_rope_head_dim) if a.kv_lora_rank else None,
+        )
+    )
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
         for note in [*ckpt.notes, *split_notes(ckpt, placement.plan)]:
             print(note)
     return 0
+
+
+def _open(model: str | Path):
+    """The checkpoint at `model`, or a model's `config.json` alone: the plan of the tensors
+    it implies, before downloading them."""
+    from .checkpoints import open_checkpoint
+    from .checkpoints.hf import read_config_only
+
+    path = Path(model)
+    if path.name == "config.json" and path.is_file():
+        return read_config_only(path)
+    return open_checkpoint(path)
 
 
 def model_path(args):
@@ -138,13 +165,12 @@ def replicas_line(n: int, dp: int) -> str:
 def print_mesh(args) -> int:
     """The tp x pp mesh: each rank's stage, layers, tensor rank and slice, then each
     stage's plan table (engine/mesh_plan.py)."""
-    from .checkpoints import open_checkpoint
     from .console.cli import UsageError
     from .engine.mesh_plan import format_mesh, mesh_plan
     from .parallel.mesh import MeshError
     from .parallel.shares import SplitError
 
-    ckpt = open_checkpoint(model_path(args))
+    ckpt = _open(model_path(args))
     try:
         mp = mesh_plan(
             ckpt,

@@ -113,6 +113,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -141,9 +142,49 @@ def moe_config(
     return out
 
 
+def mla_config(
+    experts: int,
+    top_k: int,
+    expert_dim: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    shared: int = 1,
+    dense_layers: int = 1,
+    q_lora_rank: int | None = 48,
+    kv_lora_rank: int = 32,
+    nope: int = 16,
+    rope: int = 8,
+    v: int = 16,
+) -> dict:
+    """The DeepSeek-V3 keys of a config.json: latent attention, grouped sigmoid routing,
+    shared experts and `dense_layers` dense layers first."""
+    return {
+        "n_routed_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_dim,
+        "n_shared_experts": shared or None,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "first_k_dense_replace": dense_layers,
+        "moe_layer_freq": 1,
+        "q_lora_rank": q_lora_rank,
+        "kv_lora_rank": kv_lora_rank,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v,
+    }
+
+
 def _experts(config: dict) -> tuple[int, int, int]:
     """(experts, expert width, shared-expert width) of a config (0, 0, 0: dense)."""
     t = config["model_type"]
+    if t == "deepseek_v3":
+        dim = config["moe_intermediate_size"]
+        return config["n_routed_experts"], dim, (config["n_shared_experts"] or 0) * dim
     if t == "mixtral":
         return config["num_local_experts"], config["intermediate_size"], 0
     if t in ("qwen2_moe", "qwen3_moe"):
@@ -157,6 +198,8 @@ def _sparse(config: dict, layer: int) -> bool:
         return False
     if config["model_type"] == "mixtral":
         return True
+    if config["model_type"] == "deepseek_v3":
+        return layer >= config["first_k_dense_replace"]
     step = config.get("decoder_sparse_step", 1)
     return layer not in config.get("mlp_only_layers", []) and (layer + 1) % step == 0
 
@@ -183,10 +226,13 @@ def random_weights(config: dict, seed: int = 0, dtype=mx.float32) -> dict[str, m
         out["lm_head.weight"] = w(config["vocab_size"], d)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out[p + "self_attn.q_proj.weight"] = w(nh * hd, d)
-        out[p + "self_attn.k_proj.weight"] = w(nkv * hd, d)
-        out[p + "self_attn.v_proj.weight"] = w(nkv * hd, d)
-        out[p + "self_attn.o_proj.weight"] = w(d, nh * hd)
+        if "kv_lora_rank" in config:
+            out |= _latent_attention(config, p + "self_attn.", w, dtype)
+        else:
+            out[p + "self_attn.q_proj.weight"] = w(nh * hd, d)
+            out[p + "self_attn.k_proj.weight"] = w(nkv * hd, d)
+            out[p + "self_attn.v_proj.weight"] = w(nkv * hd, d)
+            out[p + "self_attn.o_proj.weight"] = w(d, nh * hd)
         if bias:
             for n, size in (("q", nh * hd), ("k", nkv * hd), ("v", nkv * hd)):
                 out[p + f"self_attn.{n}_proj.bias"] = (0.1 * mx.random.normal((size,))).astype(
@@ -204,17 +250,42 @@ def random_weights(config: dict, seed: int = 0, dtype=mx.float32) -> dict[str, m
                     ("down_proj", (d, expert_dim)),
                 ):
                     out[p + f"{moe}.experts.{e}.{projs.get(proj, proj)}.weight"] = w(*shape)
+            if config["model_type"] == "deepseek_v3":  # ungated shared experts, score bias
+                out[p + "mlp.gate.e_score_correction_bias"] = 0.1 * mx.random.normal((n_experts,))
+                shared = p + "mlp.shared_experts."
+            else:
+                shared = p + "mlp.shared_expert."
+                if shared_dim:
+                    out[p + "mlp.shared_expert_gate.weight"] = w(1, d)
             if shared_dim:
-                out[p + "mlp.shared_expert.gate_proj.weight"] = w(shared_dim, d)
-                out[p + "mlp.shared_expert.up_proj.weight"] = w(shared_dim, d)
-                out[p + "mlp.shared_expert.down_proj.weight"] = w(d, shared_dim)
-                out[p + "mlp.shared_expert_gate.weight"] = w(1, d)
+                out[shared + "gate_proj.weight"] = w(shared_dim, d)
+                out[shared + "up_proj.weight"] = w(shared_dim, d)
+                out[shared + "down_proj.weight"] = w(d, shared_dim)
         else:
             out[p + "mlp.gate_proj.weight"] = w(h, d)
             out[p + "mlp.up_proj.weight"] = w(h, d)
             out[p + "mlp.down_proj.weight"] = w(d, h)
         for n in ("input_layernorm", "post_attention_layernorm"):
             out[p + f"{n}.weight"] = (1 + 0.1 * mx.random.normal((d,))).astype(dtype)
+    return out
+
+
+def _latent_attention(config: dict, p: str, w, dtype) -> dict[str, mx.array]:
+    """DeepSeek-V3's attention tensors (prefix `p`), Hugging Face names."""
+    d, nh = config["hidden_size"], config["num_attention_heads"]
+    r, q_rank = config["kv_lora_rank"], config["q_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    out = {}
+    if q_rank:
+        out[p + "q_a_proj.weight"] = w(q_rank, d)
+        out[p + "q_a_layernorm.weight"] = (1 + 0.1 * mx.random.normal((q_rank,))).astype(dtype)
+        out[p + "q_b_proj.weight"] = w(nh * (nope + rope), q_rank)
+    else:
+        out[p + "q_proj.weight"] = w(nh * (nope + rope), d)
+    out[p + "kv_a_proj_with_mqa.weight"] = w(r + rope, d)
+    out[p + "kv_a_layernorm.weight"] = (1 + 0.1 * mx.random.normal((r,))).astype(dtype)
+    out[p + "kv_b_proj.weight"] = w(nh * (nope + v), r)
+    out[p + "o_proj.weight"] = w(d, nh * v)
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fixtures import moe_config, write_hf_model
+from fixtures import mla_config, moe_config, write_hf_model
 from gguf_writer import Q4_0, Q4_1, Q5_1, Q8_0, gguf_from_hf
 
 FAMILIES = {
@@ -43,6 +43,22 @@ FAMILIES = {
         n_kv_heads=4,
         **moe_config("qwen2_moe", 6, 3, 32, shared_dim=64, norm_topk_prob=False),
     ),
+    # latent attention (5 heads: uneven over 2, 3, 4), a dense first layer, 9 experts in 3
+    # groups (top 3 of the best 2 groups), a shared expert
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        n_layers=3,
+        n_heads=5,
+        n_kv_heads=5,
+        **mla_config(9, 3, 32, n_group=3, topk_group=2),
+    ),
+    # queries projected directly (no q_lora_rank), no shared expert, every layer experts
+    "deepseek_v3_direct_q": dict(
+        model_type="deepseek_v3",
+        n_heads=3,
+        n_kv_heads=3,
+        **mla_config(5, 2, 32, shared=0, dense_layers=0, q_lora_rank=None),
+    ),
 }
 # Widths on 32-value groups (4 of them: 1 per rank on 4), heads of 32 columns.
 QUANTIZABLE = {
@@ -70,6 +86,17 @@ QUANTIZABLE = {
         **moe_config("qwen2_moe", 6, 3, 128, shared_dim=128, norm_topk_prob=False),
     ),
 }
+# DeepSeek-V3 on 32-value groups: heads of 32 + 16 query columns, 32 value columns, a latent
+# of 64, 6 experts of 128 columns in 2 groups (mlx-lm's convert quantizes it; no GGUF)
+DEEPSEEK_G32 = dict(
+    model_type="deepseek_v3",
+    dim=128,
+    n_layers=2,
+    n_heads=3,
+    n_kv_heads=3,
+    hidden_dim=128,
+    **mla_config(6, 2, 128, n_group=2, q_lora_rank=64, kv_lora_rank=64, nope=32, rope=16, v=32),
+)
 EXPERTS = "blk.*.ffn_{}_exps.weight"
 
 
@@ -81,12 +108,12 @@ def families(root: Path, names=FAMILIES, tokenizer: bool = False) -> dict[str, P
 
 
 def quantized(root: Path) -> dict[str, Path]:
-    """mlx-lm's convert of two quantizable fixtures: 4-bit and 8-bit, groups of 32."""
+    """mlx-lm's convert of three quantizable fixtures: 4-bit and 8-bit, groups of 32."""
     from mlx_lm import convert
 
-    src = families(root / "src", QUANTIZABLE, tokenizer=True)
+    src = families(root / "src", {**QUANTIZABLE, "deepseek_v3_g32": DEEPSEEK_G32}, tokenizer=True)
     out = {}
-    for name, bits in (("qwen3_moe_g32", 4), ("mixtral_g32", 8)):
+    for name, bits in (("qwen3_moe_g32", 4), ("mixtral_g32", 8), ("deepseek_v3_g32", 4)):
         out[f"{name}-q{bits}"] = root / f"{name}-q{bits}"
         convert(
             str(src[name]), str(out[f"{name}-q{bits}"]), quantize=True, q_bits=bits, q_group_size=32

@@ -13,6 +13,8 @@ For every model and expert split, every rank loads the model sharded over the wo
 - logits of a prefill then cached single-token steps within 1e-4 (the mesh: the last
   position's, as a stage returns);
 - `--steps` (32) greedy tokens identical;
+- its KV cache per token: what `plan` says (`placement.kv_cache_bytes`: its KV heads'
+  keys and values, or the whole latent of multi-head latent attention);
 - what the loader read and held: its placement's bytes (read exactly, from
   safetensors), and, for a float checkpoint's stacked
   experts, its share: E/N whole experts (larger first) split by expert, its balanced
@@ -38,12 +40,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
+from llama_tp.checkpoints.slices import model_shape
 from llama_tp.checkpoints.tokenizer import load_tokenizer
 from llama_tp.cluster.distributed import all_gather_object
 from llama_tp.engine.generation import generate_step
 from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import make_sampler, vocab_shard
 from llama_tp.kernels.layers import use_native
+from llama_tp.parallel.placement import kv_cache_bytes
 
 ATOL = 1e-4
 
@@ -75,6 +79,16 @@ def greedy(model, prompt: list[int], steps: int, tokenizer=None) -> list[int]:
         eos_token_ids=set(),
     )  # fmt: skip
     return [r.token for r in out]
+
+
+def cache_bytes_per_token(model, x: mx.array) -> int:
+    """What the model's KV cache holds per token after a prefill of `x`."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(x, cache=cache))
+    held = sum(
+        c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in cache
+    )
+    return held // x.shape[1]
 
 
 def expert_bytes(model) -> int:
@@ -137,7 +151,10 @@ def check(spec: str, split: str, world, steps: int) -> dict:
     stats = ckpt.load_stats
     split = ckpt.placement.moe_split or split  # a pre-split folder keeps its own
     expected = expected_expert_bytes(whole, sharded, split, t, r)
+    placed = ckpt.placement.at(sharded.mesh.stage, r) if mesh else ckpt.placement.ranks[r]
     mine = {
+        "cache": cache_bytes_per_token(sharded, x),
+        "planned_cache": kv_cache_bytes(model_shape(ckpt), placed, tokens=1),
         "held": stats["bytes_held"],
         "placement": stats["placement_bytes"],
         "experts": expert_bytes(sharded),
@@ -157,6 +174,8 @@ def check(spec: str, split: str, world, steps: int) -> dict:
         "atol": atol(whole),
         "same_tokens": tokens == ref_tokens,
         "held_is_placement": all(m["held"] == m["placement"] for m in ranks),
+        "cache_is_planned": all(m["cache"] == m["planned_cache"] for m in ranks),
+        "cache_per_token": [m["cache"] for m in ranks],
         "read_is_held": all(m["read_is_held"] for m in ranks),
         "experts_are_shares": all(
             m["expected_experts"] is None or m["experts"] == m["expected_experts"] for m in ranks
@@ -200,7 +219,7 @@ def main() -> int:
     for path in args.models:
         for split in args.splits.split(","):
             line = check(path, split, world, args.steps)
-            ok = line["diff"] <= line["atol"] and line["same_tokens"]
+            ok = line["diff"] <= line["atol"] and line["same_tokens"] and line["cache_is_planned"]
             ok = ok and line["held_is_placement"] and line["experts_are_shares"]
             ok = ok and line["read_is_held"]
             failed |= not ok

@@ -315,6 +315,7 @@ SECTIONS = {
     "sequence-parallel-memory": ("sequence_parallel_memory", "section"),
     "mpi-backend": ("mpi_backend", "section"),
     "mixture-of-experts": ("moe", "section"),
+    "deepseek-v3": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
 }

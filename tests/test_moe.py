@@ -1,7 +1,9 @@
 """Qwen3 and mixture-of-experts models (issue 26): Qwen3, Qwen3-MoE (with and without
 norm_topk_prob, a dense layer among expert layers), Mixtral and Qwen2-MoE (a shared
-expert). mlx-lm's own implementations of the same architectures, loaded from the same
-folders, are the oracle in one process; GGUF files are held to the float64 reference
+expert); DeepSeek-V3 (issue 30: multi-head latent attention, grouped sigmoid routing with
+the score-correction bias, shared experts, dense first layers). mlx-lm's own
+implementations of the same architectures, loaded from the same folders, are the oracle
+in one process; GGUF files are held to the float64 reference
 (`reference64.py`); every multi-rank launch checks several models under both expert
 splits against one process (`mp_moe.py`), and what each rank's loader held.
 """
@@ -48,25 +50,41 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t, _ in generate_step(model, prompt, make_sampler(0.0), n)]
 
 
-def test_one_process_equals_mlx_lm(models):
+def test_one_process_equals_mlx_lm(models, tmp_path):
     """Logits within 1e-4 (float32) and 32 greedy tokens identical to mlx-lm's model of
-    the same folder: Hugging Face (per-expert tensors) and mlx-lm's 4/8-bit folders."""
-    from mlx_lm.utils import load_model
+    the same folder: Hugging Face (per-expert tensors, DeepSeek's kv_b_proj), mlx-lm's
+    4/8-bit folders, and llama_tp's convert of a DeepSeek-V3 to 4 bits."""
+    from mlx_lm.utils import MODEL_REMAPPING, load_model
 
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.convert import convert
 
-    names = [*FAMILIES, "qwen3_moe_g32-q4", "mixtral_g32-q8"]
+    paths = {k: models[k] for k in (*FAMILIES, "qwen3_moe_g32-q4", "mixtral_g32-q8")}
+    paths["deepseek_v3_g32-q4"] = models["deepseek_v3_g32-q4"]
+    paths["converted"] = convert(
+        models["deepseek_v3"], tmp_path / "converted", quantize=4, group_size=32, progress=False
+    )
+    paths["kimi_k2"] = _variant(models["deepseek_v3"], tmp_path / "kimi_k2", model_type="kimi_k2")
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    for name in names:
-        ours, theirs = build_model(open_checkpoint(models[name])), load_model(models[name])[0]
-        assert type(theirs).__module__.endswith(
-            json.loads((models[name] / "config.json").read_text())["model_type"]
-        )
+    for name, path in paths.items():
+        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+        model_type = json.loads((path / "config.json").read_text())["model_type"]
+        assert type(theirs).__module__.endswith(MODEL_REMAPPING.get(model_type, model_type))
         diff = mx.abs(ours(x) - theirs(x)).max().item()
         assert diff <= ATOL, (name, diff)
         prompt = x[0].tolist()
         assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+
+
+def _variant(src: Path, path: Path, **changes) -> Path:
+    """A copy of the folder `src` with `changes` to its config.json."""
+    import shutil
+
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path
 
 
 def test_gguf_files_match_the_float64_reference(models):
@@ -104,10 +122,10 @@ def test_two_ranks_every_format_both_splits(models, tmp_path):
     expert (convert --shards)."""
     from llama_tp.checkpoints.convert import convert
 
-    split = convert(
-        models["qwen3_moe"], tmp_path / "split", shards=2, moe_split="expert", progress=False
-    )
-    specs = [str(p) for p in models.values()] + [str(K_QUANT), f"{split}={models['qwen3_moe']}"]
+    specs = [str(p) for k, p in models.items() if k != "converted"] + [str(K_QUANT)]
+    for name in ("qwen3_moe", "deepseek_v3"):
+        split = convert(models[name], tmp_path / name, shards=2, moe_split="expert", progress=False)
+        specs.append(f"{split}={models[name]}")
     lines = _lines(launch(2, ["tests/mp_moe.py", *specs, "--extras"], timeout=600))
     assert len(lines) == 2 * len(specs) + 1
     by = {(Path(x["path"]).name, x["split"]): x for x in lines if "split" in x}
@@ -117,8 +135,10 @@ def test_two_ranks_every_format_both_splits(models, tmp_path):
 
 
 def test_three_ranks_both_splits(models):
-    """Odd expert counts (5, 6, 7) over 3 ranks: uneven by expert and by columns."""
-    specs = [str(models[k]) for k in (*FAMILIES, "qwen3_moe_g32-q4", "qwen2_moe_g32.gguf")]
+    """Odd expert counts (5, 6, 7, 9) over 3 ranks: uneven by expert and by columns;
+    DeepSeek-V3's 5 heads as 2, 2 and 1."""
+    names = (*FAMILIES, "qwen3_moe_g32-q4", "qwen2_moe_g32.gguf", "deepseek_v3_g32-q4")
+    specs = [str(models[k]) for k in names]
     r = launch(3, ["tests/mp_moe.py", *specs, "--steps", "8"], timeout=600)
     assert len(_lines(r)) == 2 * len(specs)
 
@@ -132,21 +152,24 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models, tmp_path):
     folders = convert_mesh(
         src, tmp_path / "mesh", shards=4, tp=2, pp=2, moe_split="expert", progress=False
     )
-    names = ("qwen3_moe", "mixtral", "qwen2_moe", "mixtral_g32.gguf")
-    specs = [str(models[k]) for k in names[:3]] + [f"{models[k]}@2,2" for k in names[::3]]
+    names = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "mixtral_g32.gguf")
+    specs = [str(models[k]) for k in names[:4]]
+    specs += [f"{models[k]}@2,2" for k in ("qwen3_moe", "deepseek_v3", "mixtral_g32.gguf")]
     specs.append(f"{folders}={src}@2,2")
     r = launch(4, ["tests/mp_moe.py", *specs, "--steps", "8"], timeout=600)
     lines = _lines(r)
     assert len(lines) == 2 * len(specs)
-    assert sum(x["mesh"] == [2, 2] for x in lines) == 6
+    assert sum(x["mesh"] == [2, 2] for x in lines) == 8
 
 
-def test_serve_concurrent_requests_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_serve_concurrent_requests_on_two_ranks(tmp_path, family):
     """A MoE model on 2 ranks answers concurrent requests exactly as it answers each alone
-    (batches route every row's tokens to the experts; the prompt cache is on)."""
+    (batches route every row's tokens to the experts, and DeepSeek-V3's latent caches
+    take the batch's masks; the prompt cache is on)."""
     from serve_client import Server, chat
 
-    path = families(tmp_path, {"qwen3_moe": FAMILIES["qwen3_moe"]}, tokenizer=True)["qwen3_moe"]
+    path = families(tmp_path, {family: FAMILIES[family]}, tokenizer=True)[family]
     server = Server(2, path, tmp_path, "--max-batch", "8", "--moe-split", "expert")
     try:
         server.wait_ready()
@@ -175,18 +198,12 @@ def test_refusals_are_one_line(models, tmp_path):
     """An architecture llama_tp does not run names itself and the supported list; an
     inconsistent expert config, or a GGUF whose expert tensors disagree with its
     metadata, is one line with the numbers."""
-    import shutil
-
     from gguf_writer import gguf_from_hf, tiny_llama_gguf
 
-    def variant(name: str, **changes) -> Path:
-        path = tmp_path / name
-        shutil.copytree(models["qwen3_moe"], path)
-        config = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, **changes}))
-        return path
+    def variant(name: str, base: str = "qwen3_moe", **changes) -> Path:
+        return _variant(models[base], tmp_path / name, **changes)
 
-    supported = "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe"
+    supported = "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2"
     path = variant("gemma", model_type="gemma3")
     _one_error(
         run_python(_generate(path)),
@@ -203,6 +220,25 @@ def test_refusals_are_one_line(models, tmp_path):
         run_python(_generate(path)),
         f"{path}: model.layers.0.mlp.switch_mlp.down_proj.weight holds 7 experts but "
         "config.json's num_experts is 8",
+    )
+    path = variant("groups", "deepseek_v3", n_group=4)
+    _one_error(
+        run_python(_generate(path)),
+        f"{path / 'config.json'}: model config: 9 experts in 4 groups, top 2 groups, top-k 3: "
+        "need groups of at least 2 experts, 1 <= topk_group <= n_group and top-k <= the "
+        "experts of topk_group groups",
+    )
+    path = variant("greedy", "deepseek_v3", topk_method="greedy")
+    _one_error(
+        run_python(_generate(path)),
+        f"{path / 'config.json'}: model config: routing 'greedy' with 'sigmoid' scores is not "
+        "supported (DeepSeek-V3's is 'noaux_tc' with 'sigmoid')",
+    )
+    path = variant("latent", "deepseek_v3", kv_lora_rank=16)
+    _one_error(
+        run_python(_generate(path)),
+        f"{path}: model.layers.0.self_attn.kv_b_proj.weight has shape [160, 32], but 5 heads "
+        "of 16 + 16 rows over a latent of 16 need [160, 16]",
     )
     gguf = gguf_from_hf(models["qwen3_moe"], tmp_path / "count.gguf", expert_count=8)
     _one_error(
@@ -245,3 +281,30 @@ def test_plan_shows_experts_and_bytes_per_rank(models):
     by = run_python(["-m", "llama_tp.plan", "-n", "3", "--model", path])
     rows = [line.split() for line in by.stdout.splitlines() if line[:2] in ("0 ", "1 ", "2 ")]
     assert [r[7:11] for r in rows][0] == ["0-6", "[7]", "0-15", "[16]"]
+
+
+def test_plan_of_a_config_alone_is_the_checkpoints(models):
+    """`plan --model DIR/config.json` (nothing downloaded) prints what the checkpoint's own
+    plan prints: heads, experts, bytes and KV cache per rank; DeepSeek-V3's cache line
+    says every rank holds the whole latent."""
+    out = {}
+    for name, split in (
+        ("deepseek_v3", "expert"),
+        ("deepseek_v3_g32-q4", "tensor"),
+        ("qwen3_moe", "tensor"),
+    ):
+        folder = models[name]
+        plans = [
+            run_python(["-m", "llama_tp.plan", "-n", "3", "--model", str(m), "--moe-split", split])
+            for m in (folder, folder / "config.json")
+        ]
+        assert all(p.returncode == 0 for p in plans), plans[1].stderr
+        whole, alone = (p.stdout.split(f"{folder.name}:\n")[-1] for p in plans)
+        assert alone == whole, (name, split, alone)
+        out[name] = alone
+    # 3 layers of a 32-value latent and an 8-value RoPE key, float32: 480 bytes per token
+    assert (
+        "KV cache per 1,000 tokens: rank 0 468.75 KiB, rank 1 468.75 KiB, rank 2 468.75 KiB "
+        "(every rank caches the whole latent, 32 + 8 RoPE values" in out["deepseek_v3"]
+    )
+    assert "(keys and values of its KV heads)" in out["qwen3_moe"]

@@ -155,7 +155,8 @@ def shorter(c: Command, tiny: Path) -> list[str]:
         if "--synthetic" in args:
             i = args.index("--synthetic") + 1
             size, _, dtype = args[i].rpartition("-")
-            args[i] = ("moe-tiny-" if size.startswith("moe") else "tiny-") + dtype
+            tiny = {"moe": "moe-tiny-", "deepseek": "deepseek-tiny-"}.get(size.split("-")[0])
+            args[i] = (tiny or "tiny-") + dtype
     elif c.name == "perplexity":
         args = _set(args, ("--limit-tokens",), "24")
     elif c.name == "doctor" and "--quick" not in args:

@@ -191,9 +191,11 @@ def test_plan_prints_each_ranks_share(tiny_dir):
     assert rows[0].startswith("0 0 [1] 0* [1] 0-11 [12] 0-48 [49] ")
     assert rows[1].startswith("1 1-2 [2] 0* [1] 12-35 [24] 49-145 [97] ")
     assert rows[2].startswith("2 3-7 (mapped) [5] 0*,1 [2] 36-95 [60] 146-388 [243] ")
-    assert lines[-1].startswith("split 1:2:5 (12.5% / 25.0% / 62.5%): weight bytes ")
+    share, cache = lines[-2:]  # the shares, then each rank's KV cache
+    assert share.startswith("split 1:2:5 (12.5% / 25.0% / 62.5%): weight bytes ")
+    assert cache.startswith("KV cache per 1,000 tokens: ")
     placement = place(model_shape(open_checkpoint(tiny_dir)), 3, split=(1, 2, 5))
-    shares = [float(x.rstrip("%")) for x in lines[-1].split("weight bytes ")[1].split(" / ")]
+    shares = [float(x.rstrip("%")) for x in share.split("weight bytes ")[1].split(" / ")]
     total = sum(r.nbytes for r in placement.ranks)
     assert shares == [round(100 * r.nbytes / total, 1) for r in placement.ranks]
     bad = run_python(["-m", "llama_tp.plan", "-n", "2", "--split", "3:0"])

@@ -12,7 +12,11 @@ size is Llama-3-70B's shape), never a model to run. Specs are `SIZE-DTYPE`: size
 `SIZES`, dtypes fp16, bf16, fp32 and q4 (MLX 4-bit, group 64, as mlx-community
 folders, with float32 scales and norms). The `moe-*` sizes are Qwen3-MoE
 models with the experts stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's
-shape scaled down: 128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2).
+shape scaled down: 128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). The
+`deepseek-*` sizes are DeepSeek-V3 models (latent attention, grouped sigmoid routing, a
+shared expert, a dense first layer) stored as mlx-lm's convert writes them (`embed_q` /
+`unembed_out`, stacked experts); `deepseek-v3` is its shape scaled down (256 -> 64
+experts in 8 groups, 8 per token, 61 -> 8 layers, 128 -> 16 heads, widths / 4 to / 7).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
@@ -44,6 +48,16 @@ SIZES = {
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, hidden_dim=3072, vocab=32000,
         experts=64, top_k=8, expert_dim=384, head_dim=64,
     ),
+    # DeepSeek-V3: latent attention (q/kv ranks, nope/rope/v head dims), experts in groups,
+    # one shared expert, the first layer dense
+    "deepseek-tiny": dict(
+        dim=64, n_layers=2, n_heads=5, n_kv_heads=5, hidden_dim=96, vocab=512,
+        experts=8, top_k=2, expert_dim=32, latent=(48, 32, 16, 8, 16), groups=(4, 2),
+    ),
+    "deepseek-v3": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
+        experts=64, top_k=8, expert_dim=256, latent=(384, 128, 64, 32, 64), groups=(8, 4),
+    ),
 }  # fmt: skip
 # q4: quantized from float32 (float32 scales: MLX's CPU quantized kernels are slow in float16)
 DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32, "q4": mx.float32}
@@ -60,9 +74,36 @@ def parse_spec(spec: str) -> tuple[dict, mx.Dtype]:
     return SIZES[size], DTYPES[dtype]
 
 
+def _deepseek_config(s: dict) -> dict:
+    q_rank, kv_rank, nope, rope, v = s["latent"]
+    return {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "n_routed_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "moe_intermediate_size": s["expert_dim"],
+        "n_shared_experts": 1,
+        "n_group": s["groups"][0],
+        "topk_group": s["groups"][1],
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "q_lora_rank": q_rank,
+        "kv_lora_rank": kv_rank,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v,
+    }
+
+
 def hf_config(s: dict, dtype_name: str) -> dict:
     moe = {}
-    if "experts" in s:
+    if "latent" in s:
+        moe = _deepseek_config(s)
+    elif "experts" in s:
         moe = {
             "model_type": "qwen3_moe",
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -96,49 +137,89 @@ def hf_config(s: dict, dtype_name: str) -> dict:
     }
 
 
-def _tensors(s: dict) -> list[tuple[str, tuple[int, ...], bool]]:
-    """Every Hugging Face-named tensor: (name, shape, random: else ones, a norm)."""
+def _tensors(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
+    "zeros" a float32 routing bias), in the order the random ones are drawn."""
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]
-    out = [("model.embed_tokens.weight", (s["vocab"], d), True)]
-    out += [("lm_head.weight", (s["vocab"], d), True), ("model.norm.weight", (d,), False)]
+    out = [("model.embed_tokens.weight", (s["vocab"], d), "normal")]
+    out += [("lm_head.weight", (s["vocab"], d), "normal"), ("model.norm.weight", (d,), "ones")]
     for i in range(s["n_layers"]):
         p = f"model.layers.{i}."
-        out += [
-            (p + "self_attn.q_proj.weight", (nh * hd, d), True),
-            (p + "self_attn.k_proj.weight", (nkv * hd, d), True),
-            (p + "self_attn.v_proj.weight", (nkv * hd, d), True),
-            (p + "self_attn.o_proj.weight", (d, nh * hd), True),
-        ]
-        if "experts" in s:  # stacked, as mlx-lm stores them
-            e, m = s["experts"], s["expert_dim"]
-            out += [
-                (p + "mlp.gate.weight", (e, d), True),
-                (p + "mlp.switch_mlp.gate_proj.weight", (e, m, d), True),
-                (p + "mlp.switch_mlp.up_proj.weight", (e, m, d), True),
-                (p + "mlp.switch_mlp.down_proj.weight", (e, d, m), True),
-                (p + "self_attn.q_norm.weight", (hd,), False),
-                (p + "self_attn.k_norm.weight", (hd,), False),
-            ]
+        if "latent" in s:
+            out += _latent_attention(s, p + "self_attn.")
         else:
             out += [
-                (p + "mlp.gate_proj.weight", (h, d), True),
-                (p + "mlp.up_proj.weight", (h, d), True),
-                (p + "mlp.down_proj.weight", (d, h), True),
+                (p + "self_attn.q_proj.weight", (nh * hd, d), "normal"),
+                (p + "self_attn.k_proj.weight", (nkv * hd, d), "normal"),
+                (p + "self_attn.v_proj.weight", (nkv * hd, d), "normal"),
+                (p + "self_attn.o_proj.weight", (d, nh * hd), "normal"),
             ]
-        out += [(p + "input_layernorm.weight", (d,), False)]
-        out += [(p + "post_attention_layernorm.weight", (d,), False)]
+        if "latent" in s and i == 0:  # DeepSeek-V3's dense first layer
+            out += _dense(p, d, h)
+        elif "latent" in s:  # grouped routing with its bias, the experts, a shared expert
+            e, m = s["experts"], s["expert_dim"]
+            out += [
+                (p + "mlp.gate.weight", (e, d), "normal"),
+                (p + "mlp.gate.e_score_correction_bias", (e,), "zeros"),
+                (p + "mlp.switch_mlp.gate_proj.weight", (e, m, d), "normal"),
+                (p + "mlp.switch_mlp.up_proj.weight", (e, m, d), "normal"),
+                (p + "mlp.switch_mlp.down_proj.weight", (e, d, m), "normal"),
+                (p + "mlp.shared_experts.gate_proj.weight", (m, d), "normal"),
+                (p + "mlp.shared_experts.up_proj.weight", (m, d), "normal"),
+                (p + "mlp.shared_experts.down_proj.weight", (d, m), "normal"),
+            ]
+        elif "experts" in s:  # stacked, as mlx-lm stores them
+            e, m = s["experts"], s["expert_dim"]
+            out += [
+                (p + "mlp.gate.weight", (e, d), "normal"),
+                (p + "mlp.switch_mlp.gate_proj.weight", (e, m, d), "normal"),
+                (p + "mlp.switch_mlp.up_proj.weight", (e, m, d), "normal"),
+                (p + "mlp.switch_mlp.down_proj.weight", (e, d, m), "normal"),
+                (p + "self_attn.q_norm.weight", (hd,), "ones"),
+                (p + "self_attn.k_norm.weight", (hd,), "ones"),
+            ]
+        else:
+            out += _dense(p, d, h)
+        out += [(p + "input_layernorm.weight", (d,), "ones")]
+        out += [(p + "post_attention_layernorm.weight", (d,), "ones")]
     return out
+
+
+def _dense(p: str, d: int, h: int) -> list[tuple[str, tuple[int, ...], str]]:
+    return [
+        (p + "mlp.gate_proj.weight", (h, d), "normal"),
+        (p + "mlp.up_proj.weight", (h, d), "normal"),
+        (p + "mlp.down_proj.weight", (d, h), "normal"),
+    ]
+
+
+def _latent_attention(s: dict, p: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """DeepSeek-V3's attention as mlx-lm stores it (kv_b_proj split per head)."""
+    d, nh = s["dim"], s["n_heads"]
+    q_rank, kv_rank, nope, rope, v = s["latent"]
+    return [
+        (p + "q_a_proj.weight", (q_rank, d), "normal"),
+        (p + "q_a_layernorm.weight", (q_rank,), "ones"),
+        (p + "q_b_proj.weight", (nh * (nope + rope), q_rank), "normal"),
+        (p + "kv_a_proj_with_mqa.weight", (kv_rank + rope, d), "normal"),
+        (p + "kv_a_layernorm.weight", (kv_rank,), "ones"),
+        (p + "embed_q.weight", (nh, kv_rank, nope), "normal"),
+        (p + "unembed_out.weight", (nh, v, kv_rank), "normal"),
+        (p + "o_proj.weight", (d, nh * v), "normal"),
+    ]
 
 
 def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
     """Hugging Face-named random weights, scaled so that activations stay O(1)."""
     key = mx.random.key(seed)
     out: dict[str, mx.array] = {}
-    for name, shape, random in _tensors(s):
-        if random:
+    for name, shape, init in _tensors(s):
+        if init == "normal":
             key, sub = mx.random.split(key)
             out[name] = (mx.random.normal(shape, key=sub) * shape[-1] ** -0.5).astype(dtype)
+        elif init == "zeros":  # DeepSeek's routing bias: float32, as mlx-lm keeps it
+            out[name] = mx.zeros(shape, mx.float32)
         else:
             out[name] = mx.ones(shape, dtype)
     return out
@@ -150,8 +231,13 @@ _SAFETENSORS = {mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32", mx.ui
 def _stored(s: dict, dtype: mx.Dtype, q4: bool) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
     """Every stored tensor's (shape, dtype), as `_weights` (and `_quantized`) make them."""
     out = {}
-    for name, shape, _ in _tensors(s):
-        if q4 and len(shape) >= 2 and shape[-1] % Q4_GROUP == 0:
+    tensors = _tensors(s)
+    routers = {n.removesuffix(".e_score_correction_bias") for n, _, i in tensors if i == "zeros"}
+    for name, shape, init in tensors:
+        router = name.removesuffix(".weight") in routers  # DeepSeek's gate: float, as _quantized
+        if init == "zeros":
+            out[name] = (shape, mx.float32)
+        elif q4 and len(shape) >= 2 and shape[-1] % Q4_GROUP == 0 and not router:
             base = name.removesuffix(".weight")
             out[name] = ((*shape[:-1], shape[-1] // 8), mx.uint32)  # 8 4-bit values per uint32
             for k in ("scales", "biases"):
@@ -180,7 +266,8 @@ def _quantized(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     width is a multiple of the group, as mlx-lm's convert does; norms stay as they are."""
     out = {}
     for name, v in weights.items():
-        if v.ndim >= 2 and v.shape[-1] % Q4_GROUP == 0:
+        router = f"{name.removesuffix('.weight')}.e_score_correction_bias" in weights
+        if v.ndim >= 2 and v.shape[-1] % Q4_GROUP == 0 and not router:  # DeepSeek's: float
             base = name.removesuffix(".weight")
             out[name], out[f"{base}.scales"], out[f"{base}.biases"] = mx.quantize(v, Q4_GROUP, 4)
         else:

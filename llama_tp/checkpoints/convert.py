@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 
 from ..parallel.placement import DEFAULT_MOE_SPLIT
 from ..parallel.shares import SplitSpec, Weights, fixed_weights
@@ -45,9 +46,11 @@ def requantize(ckpt: Checkpoint, bits: int, group_size: int) -> nn.Module:
     model = build_model(ckpt)
     floats = []
     for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedMultiLinear)):
             w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
-            if isinstance(m, nn.QuantizedEmbedding):
+            if isinstance(m, QuantizedMultiLinear):  # latent attention's per-head weights
+                f = MultiLinear(w.shape[2], w.shape[1], w.shape[0])
+            elif isinstance(m, nn.QuantizedEmbedding):
                 f = nn.Embedding(*w.shape)
             else:
                 f = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)

@@ -16,6 +16,7 @@ from ..model import ModelArgs
 from ..models.registry import MODEL_TYPES, unsupported
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts
+from .latent import split_kv_b
 from .safetensors import SafetensorsFile
 
 # Hugging Face parameter names -> the model's names.
@@ -54,14 +55,32 @@ _RENAMES = [
         r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.",
         r"layers.\1.feed_forward.shared_expert_gate.",
     ),
+    # DeepSeek-V3's shared experts (one FeedForward of n_shared_experts experts' width)
+    (
+        r"^model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.",
+        r"layers.\1.feed_forward.shared_expert.w1.",
+    ),
+    (
+        r"^model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.",
+        r"layers.\1.feed_forward.shared_expert.w2.",
+    ),
+    (
+        r"^model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.",
+        r"layers.\1.feed_forward.shared_expert.w3.",
+    ),
     (r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.", r"layers.\1.feed_forward.router."),
     (
         r"^model\.layers\.(\d+)\.block_sparse_moe\.switch_mlp\.",
         r"layers.\1.feed_forward.switch_mlp.",
     ),
+    # multi-head latent attention's own projections and norms, under their own names (last:
+    # the projections every attention has are named above)
+    (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attention."),
 ]
 # The families whose mixture-of-experts block mlx-lm names `block_sparse_moe` (not `mlp`)
 BLOCK_SPARSE_MOE = ("mixtral",)
+# The DeepSeek-V3 architecture (Kimi K2 is one, mlx-lm reads both with its deepseek_v3)
+DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 # Precomputed rotary frequencies some checkpoints carry; the model computes its own.
 _DROP = re.compile(r"rotary_emb\.inv_freq$")
@@ -111,7 +130,46 @@ def moe_fields(config: dict, model_type: str) -> dict:
             "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
             "sparse_layers": None if len(sparse) == n_layers else sparse,
         }
+    elif model_type in DEEPSEEK_V3:
+        out |= deepseek_v3_fields(config)
     return out
+
+
+def deepseek_v3_fields(config: dict) -> dict:
+    """Latent attention and routing fields of a DeepSeek-V3 config (mlx-lm's defaults)."""
+    from mlx_lm.models.deepseek_v3 import ModelArgs as DeepseekV3Args
+
+    d = DeepseekV3Args.from_dict(config)
+    if d.topk_method != "noaux_tc" or d.scoring_func != "sigmoid":
+        raise ValueError(
+            f"model config: routing {d.topk_method!r} with {d.scoring_func!r} scores is not "
+            "supported (DeepSeek-V3's is 'noaux_tc' with 'sigmoid')"
+        )
+    routed = d.n_routed_experts or 0
+    freq = d.moe_layer_freq or 1
+    sparse = [
+        i
+        for i in range(d.num_hidden_layers)
+        if routed and i >= d.first_k_dense_replace and i % freq == 0
+    ]
+    return {
+        "n_experts": routed,
+        "n_experts_per_tok": d.num_experts_per_tok if routed else 0,
+        "moe_hidden_dim": d.moe_intermediate_size,
+        "shared_expert_dim": (d.n_shared_experts or 0) * d.moe_intermediate_size,
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(d.norm_topk_prob),
+        "router": "sigmoid_group",
+        "n_group": d.n_group,
+        "topk_group": d.topk_group,
+        "routed_scaling_factor": float(d.routed_scaling_factor),
+        "sparse_layers": None if len(sparse) == d.num_hidden_layers else sparse,
+        "kv_lora_rank": d.kv_lora_rank,
+        "q_lora_rank": d.q_lora_rank or 0,
+        "qk_nope_head_dim": d.qk_nope_head_dim,
+        "qk_rope_head_dim": d.qk_rope_head_dim,
+        "v_head_dim": d.v_head_dim,
+    }
 
 
 def args_from_config(config: dict, path: Path) -> ModelArgs:
@@ -138,6 +196,8 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
             "(only MLX affine quantization)"
         )
     attention_bias = bool(config.get("attention_bias", False))
+    if model_type in DEEPSEEK_V3 and attention_bias:
+        raise CheckpointError(f"{path / 'config.json'}: attention_bias is not supported")
     try:
         return ModelArgs(
             dim=config["hidden_size"],
@@ -205,17 +265,38 @@ def load_weights(
     return weights, sources
 
 
+def _deepseek_v3(weights: dict, sources: dict, args: ModelArgs, path: Path) -> None:
+    """The DeepSeek-V3 checkpoint's tensors as the model holds them, in place: kv_b_proj
+    split into embed_q / unembed_out (`latent.py`); the multi-token prediction layers
+    after the last (layer 61 of DeepSeek-V3) dropped, as mlx-lm drops them."""
+    for _, stored in sources.values():
+        if stored.endswith(("_scale_inv", "weight_packed")):
+            raise CheckpointError(
+                f"{path}: {stored}: FP8 / packed int4 weights are not read; convert the "
+                "checkpoint with mlx_lm.convert first"
+            )
+    for name in list(weights):
+        m = re.match(r"^layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= args.n_layers:
+            del weights[name]
+            sources.pop(name, None)
+    split_kv_b(weights, sources, args, str(path))
+
+
 def read(path: Path) -> Checkpoint:
     config = read_config(path)
     args = args_from_config(config, path)
     files = weight_files(path)
     weights, sources = load_weights(files)
+    if args.kv_lora_rank:
+        _deepseek_v3(weights, sources, args, path)
     if "output.weight" not in weights and not args.tie_word_embeddings:
         # Converters drop lm_head when it equals the embedding.
         args.tie_word_embeddings = True
     if args.tie_word_embeddings:
         weights.pop("output.weight", None)
     key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
+    key = "n_routed_experts" if args.model_type in DEEPSEEK_V3 else key
     check_experts(
         args,
         {k: tuple(v.shape) for k, v in weights.items()},
@@ -224,3 +305,32 @@ def read(path: Path) -> Checkpoint:
         f"config.json's {key}",
     )
     return Checkpoint(path, "hf", args, weights, config, files, sources)
+
+
+def read_config_only(config_file: Path) -> Checkpoint:
+    """A `config.json` alone, for `plan` before anything is downloaded: the tensors its
+    model holds in its `torch_dtype` (default float32), quantized as its `quantization`
+    block says (mlx-lm's way: every layer whose input width is a multiple of the group,
+    scales in that dtype), as lazy placeholders never evaluated.
+    Their shapes and bytes are the checkpoint's; their values are not: nothing but the
+    plan may use them."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from ..models import build
+
+    config = read_config(config_file.parent)
+    args = args_from_config(config, config_file.parent)
+    model = build(args)
+    dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+    model.set_dtype(dtypes.get(config.get("torch_dtype"), mx.float32))
+    quant = config.get("quantization") or {}
+    if quant:
+        gs, bits = quant["group_size"], quant["bits"]
+
+        def predicate(path: str, m: nn.Module) -> bool:
+            return hasattr(m, "to_quantized") and m.weight.shape[-1] % gs == 0
+
+        nn.quantize(model, gs, bits, class_predicate=predicate)
+    weights = dict(tree_flatten(model.parameters()))
+    return Checkpoint(config_file.parent, "config", args, weights, config)

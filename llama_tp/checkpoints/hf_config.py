@@ -13,9 +13,10 @@ from typing import Any
 
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.mla import QuantizedMultiLinear
 
 from .base import Checkpoint, CheckpointError
-from .hf import _RENAMES, BLOCK_SPARSE_MOE, to_model_name
+from .hf import _RENAMES, BLOCK_SPARSE_MOE, DEEPSEEK_V3, to_model_name
 
 
 def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
@@ -37,6 +38,7 @@ def hf_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face name (as mlx-lm stores it) of the model's tensor `name` in a
     `model_type` model (checked against the reader)."""
     first = "block_sparse_moe" if model_type in BLOCK_SPARSE_MOE else "mlp."
+    first = "shared_experts" if model_type in DEEPSEEK_V3 else first
     for pattern, repl in sorted(_TO_HF, key=lambda r: first not in r[1]):
         new, n = pattern.subn(repl, name)
         if n and to_model_name(new) == name:
@@ -67,7 +69,7 @@ def quantized_modules(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Module path -> (group_size, bits) of every quantized layer."""
     out = {}
     for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedMultiLinear)):
             if m.mode != "affine":
                 raise CheckpointError(f"{path}: unsupported quantization mode {m.mode!r}")
             out[path] = (m.group_size, m.bits)
@@ -101,11 +103,47 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
+
+
+def _deepseek_v3_config(a: Any) -> dict[str, Any]:
+    """The latent attention and routing keys of a DeepSeek-V3 `config.json`."""
+    sparse = [i for i in range(a.n_layers) if a.is_sparse(i)]
+    first = sparse[0] if sparse else a.n_layers
+    freq = sparse[1] - sparse[0] if len(sparse) > 1 else 1
+    if sparse != [i for i in range(first, a.n_layers) if i % freq == 0]:
+        raise CheckpointError(
+            f"expert layers {sparse} are not first_k_dense_replace / moe_layer_freq"
+        )
+    return {
+        "n_routed_experts": a.n_experts or None,
+        "num_experts_per_tok": a.n_experts_per_tok,
+        "moe_intermediate_size": a.moe_hidden_dim,
+        "n_shared_experts": a.shared_expert_dim // a.moe_hidden_dim
+        if a.shared_expert_dim
+        else None,
+        "routed_scaling_factor": a.routed_scaling_factor,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": a.norm_topk_prob,
+        "n_group": a.n_group,
+        "topk_group": a.topk_group,
+        "first_k_dense_replace": first,
+        "moe_layer_freq": freq,
+        "q_lora_rank": a.q_lora_rank or None,
+        "kv_lora_rank": a.kv_lora_rank,
+        "qk_nope_head_dim": a.qk_nope_head_dim,
+        "qk_rope_head_dim": a.qk_rope_head_dim,
+        "v_head_dim": a.v_head_dim,
+    }
 
 
 def _experts_config(a: Any) -> dict[str, Any]:
     """The mixture-of-experts keys of `config.json`, as the family's mlx-lm model reads them."""
+    if a.model_type in DEEPSEEK_V3:
+        return _deepseek_v3_config(a)
     if not a.n_experts:
         return {}
     if a.model_type == "mixtral":

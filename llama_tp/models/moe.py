@@ -1,14 +1,18 @@
-"""The mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen2-MoE).
+"""The mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3).
 
 A router picks `n_experts_per_tok` of `n_experts` SwiGLU experts for every token, and
 their outputs are summed with the router's weights; Qwen2-MoE adds a shared expert
-that every token goes through, behind a sigmoid gate. The experts are mlx-lm's
-`SwitchGLU`: all of them in one (E, out, in) tensor per projection, applied with
-`mx.gather_mm` / `mx.gather_qmm`, the tokens sorted by expert when there are many
-(prefill, batches), as mlx-lm does. Two routers:
+that every token goes through, behind a sigmoid gate (DeepSeek-V3: without a gate).
+The experts are mlx-lm's `SwitchGLU`: all of them in one (E, out, in) tensor per
+projection, applied with `mx.gather_mm` / `mx.gather_qmm`, the tokens sorted by expert
+when there are many (prefill, batches), as mlx-lm does. Three routers:
 
-    Mixtral:    top-k of the router's logits, softmax over those k
-    Qwen:       softmax over all experts, top-k, renormalised to 1 with norm_topk_prob
+    Mixtral:     top-k of the router's logits, softmax over those k
+    Qwen:        softmax over all experts, top-k, renormalised to 1 with norm_topk_prob
+    DeepSeek-V3: sigmoid scores; the top-k of the scores plus a correction bias among
+                 the best `topk_group` of `n_group` groups; their sigmoid scores,
+                 renormalised with norm_topk_prob, times routed_scaling_factor
+                 (mlx-lm's `MoEGate`: the router's `weight` and `e_score_correction_bias`)
 
 Apart from `shard`, nothing here knows about ranks: how the experts split (by tensor
 or by expert) is `parallel/experts.py`'s.
@@ -18,34 +22,42 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.deepseek_v3 import MoEGate
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..model import FeedForward, ModelArgs
 from ..parallel.experts import moe_styles
 from ..parallel.parallelize import parallelize
 from ..parallel.partition import RankPart
+from .latent_attention import deepseek_v3_args
 
 
 class MoEFeedForward(nn.Module):
     """x (B, L, dim) -> (B, L, dim): `router` (dim -> E, replicated when sharded),
     `switch_mlp` (the E experts), and with `shared_expert_dim` a `shared_expert`
-    FeedForward and its `shared_expert_gate` (dim -> 1)."""
+    FeedForward and, if `shared_expert_gated`, its `shared_expert_gate` (dim -> 1)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
         self.softmax_first = args.router == "softmax_topk"
         self.norm_topk_prob = args.norm_topk_prob
-        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        if args.router == "sigmoid_group":
+            self.router = MoEGate(deepseek_v3_args(args))
+        else:
+            self.router = nn.Linear(args.dim, args.n_experts, bias=False)
         self.switch_mlp = SwitchGLU(args.dim, args.moe_hidden_dim, args.n_experts)
         if args.shared_expert_dim:
             self.shared_expert = FeedForward(args, args.shared_expert_dim)
-            self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
+            if args.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
         # Tokens routed to each expert (E,), counted while `record_expert_load` is on.
         object.__setattr__(self, "expert_load", None)
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """The chosen experts of every token and their weights: (B, L, k) each."""
+        if isinstance(self.router, MoEGate):
+            return self.router(x)
         gates = self.router(x)
         k = self.top_k
         if self.softmax_first:
@@ -66,8 +78,10 @@ class MoEFeedForward(nn.Module):
             object.__setattr__(self, "expert_load", self.expert_load + counts)
         y = self.switch_mlp(x, inds)  # (B, L, k, dim)
         y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-        if "shared_expert" in self:
+        if "shared_expert_gate" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif "shared_expert" in self:
+            y = y + self.shared_expert(x)
         return y
 
     def shard(self, group: mx.distributed.Group, part: RankPart, split: str = "tensor") -> None:

@@ -11,6 +11,9 @@ feed-forward in some layers, chosen by the args, not by name:
     Qwen2-MoE   qwen2_moe          qwen2moe                 + q/k/v bias  experts + shared expert
     Qwen3-MoE   qwen3_moe          qwen3moe                 qk-norm       experts (softmax, top-k)
                                                                           or dense by layer
+    DeepSeek-V3 deepseek_v3,       -                        latent (MLA)  experts (sigmoid, groups)
+    Kimi K2     kimi_k2                                                   + shared experts;
+                                                                          dense first layers
 
 The readers (`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into
 `ModelArgs`; `build` makes the model.
@@ -21,10 +24,21 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from ..model import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
+from .latent_attention import LatentAttention
 from .moe import MoEFeedForward
 from .qk_norm import QKNormAttention
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "kimi_k2",
+)
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
@@ -35,7 +49,10 @@ def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
 
 def block(args: ModelArgs, i: int) -> TransformerBlock:
     """Layer `i` of the family `args` describe."""
-    attention: nn.Module = QKNormAttention(args) if args.qk_norm else Attention(args)
+    if args.kv_lora_rank:
+        attention: nn.Module = LatentAttention(args)
+    else:
+        attention = QKNormAttention(args) if args.qk_norm else Attention(args)
     feed_forward: nn.Module = MoEFeedForward(args) if args.is_sparse(i) else FeedForward(args)
     return TransformerBlock(args, attention, feed_forward)
 

@@ -35,7 +35,7 @@ import mlx.nn as nn
 from .sequence import _rewrap, gather_input, scatter_output
 from .styles import Layout, PlanError, Ranges, Split, Style, _check_layout, _ranges
 
-Dim = Literal["rows", "columns", "experts"]
+Dim = Literal["rows", "columns", "experts", "heads"]
 
 
 def _quantized(module: nn.Module) -> bool:
@@ -52,7 +52,8 @@ def _check_affine(module: nn.Module, path: str) -> None:
 class ShardInPlace(Style):
     """Keep units `ranges[r]` of a linear or stacked-experts layer's weight along `dim`
     ("rows": outputs; "columns": inputs, on quantization groups; "experts": axis 0 of an
-    (E, out, in) weight), in place. x -> this rank's rows (rows), a partial sum
+    (E, out, in) weight; "heads": axis 0 of mlx-lm's per-head (H, out, in) MultiLinear),
+    in place. x -> this rank's rows (rows), a partial sum
     (columns: the enclosing module's `MoEParallel` sums it), or the outputs of its
     experts (experts). A column split refuses a bias (it would be added N times)."""
 
@@ -61,7 +62,7 @@ class ShardInPlace(Style):
 
     def _axis(self, module: nn.Module) -> int:
         ndim = module["weight"].ndim
-        return {"rows": ndim - 2, "columns": ndim - 1, "experts": 0}[self.dim]
+        return {"rows": ndim - 2, "columns": ndim - 1, "experts": 0, "heads": 0}[self.dim]
 
     def split(self, module: nn.Module, path: str, n: int) -> Split:
         if "weight" not in module or module["weight"].ndim not in (2, 3):
@@ -71,8 +72,8 @@ class ShardInPlace(Style):
             )
         _check_affine(module, path)
         w = module["weight"]
-        if self.dim == "experts" and w.ndim != 3:
-            raise PlanError(f"{path}: splitting by expert needs stacked (E, out, in) weights")
+        if self.dim in ("experts", "heads") and w.ndim != 3:
+            raise PlanError(f"{path}: splitting by {self.dim} needs stacked (N, out, in) weights")
         if self.dim == "columns" and "bias" in module:
             raise PlanError(f"{path}: a column split in place cannot keep a bias")
         axis = self._axis(module)
@@ -81,7 +82,7 @@ class ShardInPlace(Style):
         if self.dim == "columns" and _quantized(module):
             total = total * 32 // module.bits
             unit = module.group_size
-        what = {"rows": "output rows", "columns": "input columns", "experts": "experts"}[self.dim]
+        what = {"rows": "output rows", "columns": "input columns"}.get(self.dim, self.dim)
         ranges = _ranges(self.ranges, total, n, path, what, unit)
         return Split(axis, total, ranges, "cols" if self.dim == "columns" else self.dim)
 
@@ -96,7 +97,7 @@ class ShardInPlace(Style):
                 continue
             v = module[key]
             if key == "bias":
-                ax = axis if self.dim == "experts" else v.ndim - 1
+                ax = axis if self.dim in ("experts", "heads") else v.ndim - 1
             else:
                 ax = axis
             size = v.shape[ax]

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .experts import moe_styles
+from .experts import ShardInPlace, moe_styles
 from .partition import Plan, RankPart
 from .placement import ModelShape, partition
 from .sequence import gather_input
@@ -130,6 +130,30 @@ def attention_styles(
     }
 
 
+def latent_attention_styles(
+    q_head_dim: int, v_head_dim: int, direct_q: bool, parts: Parts, sequence: bool = False
+) -> dict[str, Style]:
+    """Styles of one multi-head latent attention module (`models/latent_attention.py`) by
+    path relative to it: each rank's query heads, any count (the rows of q_b_proj, or of
+    wq when queries are projected directly, and those heads of embed_q / unembed_out,
+    axis 0), wo by the same heads' columns; the latent projections stay whole."""
+    by = _by_rank(parts)
+    heads = {r: (p.q_heads.start, p.q_heads.stop) for r, p in by.items()}
+    layout: Layout = "sequence" if sequence else "replicate"
+    return {
+        "": AttentionHeads(parts, input_layout=layout),
+        "wq" if direct_q else "q_b_proj": ColwiseParallel(
+            {r: (a * q_head_dim, b * q_head_dim) for r, (a, b) in heads.items()}
+        ),
+        "embed_q": ShardInPlace("heads", heads),
+        "unembed_out": ShardInPlace("heads", heads),
+        "wo": RowwiseParallel(
+            {r: (a * v_head_dim, b * v_head_dim) for r, (a, b) in heads.items()},
+            output_layout=layout,
+        ),
+    }
+
+
 def feed_forward_styles(parts: Parts | None = None, sequence: bool = False) -> dict[str, Style]:
     """Styles of one feed-forward module, by path relative to it ("" is the module)."""
     f = None
@@ -183,10 +207,15 @@ def llama_plan(
     each rank's vocabulary rows (default: as even as possible)."""
     p = plan or plan_for(model, n)
     sp = sequence_parallel
-    table = _under(
-        "layers.*.attention",
-        attention_styles(p.head_dim, None if p.even_attention else p.parts, sp),
-    )
+    a = model.args
+    if getattr(a, "kv_lora_rank", 0):
+        q_head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
+        attention = latent_attention_styles(
+            q_head_dim, a.v_head_dim, not a.q_lora_rank, p.parts, sp
+        )
+    else:
+        attention = attention_styles(p.head_dim, None if p.even_attention else p.parts, sp)
+    table = _under("layers.*.attention", attention)
     table |= _feed_forward_table(model, p, sp)
     norm: Style = SequenceParallel() if sp else Replicate()
     table |= {"layers.*.attention_norm": norm, "layers.*.ffn_norm": norm, "norm": norm}

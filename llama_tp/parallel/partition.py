@@ -269,6 +269,10 @@ _RULES = {
     ("attention", None, "wk"): ("kv_heads", ROWS),
     ("attention", None, "wv"): ("kv_heads", ROWS),
     ("attention", None, "wo"): ("q_heads", COLUMNS),
+    # multi-head latent attention: the query heads' rows, and (H, out, in) per-head weights
+    ("attention", None, "q_b_proj"): ("q_heads", ROWS),
+    ("attention", None, "embed_q"): ("q_heads", ROWS),
+    ("attention", None, "unembed_out"): ("q_heads", ROWS),
     ("feed_forward", None, "w1"): ("ffn", ROWS),
     ("feed_forward", None, "w3"): ("ffn", ROWS),
     ("feed_forward", None, "w2"): ("ffn", COLUMNS),

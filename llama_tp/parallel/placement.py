@@ -103,6 +103,28 @@ class Placement:
         return self.plan.experts.split if self.plan.experts else None
 
 
+def _itemsize(shape: ModelShape) -> int:
+    """Bytes per activation value (and cache entry): the wider of the embedding's float
+    dtype (its scales' when quantized) and the first layer norm's (MLX promotes)."""
+    t = shape.tensors
+    names = ["tok_embeddings.scales" if "tok_embeddings.scales" in t else "tok_embeddings.weight"]
+    names.append("layers.0.attention_norm.weight")
+    return max(t[n][1] // math.prod(t[n][0]) for n in names if n in t)
+
+
+def kv_cache_bytes(shape: ModelShape, mine: RankPlacement, tokens: int = 1000) -> int:
+    """What rank `mine`'s KV cache holds for `tokens` tokens: per layer it holds, the keys
+    and values of its KV heads; with multi-head latent attention, the whole latent and
+    RoPE key (kv_lora_rank + qk_rope_head_dim values per token), as one process does."""
+    a = shape.args
+    if getattr(a, "kv_lora_rank", 0):
+        per_layer = a.kv_lora_rank + a.qk_rope_head_dim
+    else:
+        kv = len(mine.part.kv_heads) if mine.part is not None else a.n_kv_heads
+        per_layer = 2 * kv * a.head_dim
+    return tokens * len(mine.layers) * per_layer * _itemsize(shape)
+
+
 def _unit(
     shape: ModelShape, suffix: str, width: int, n: int, weights: Weights | None = None
 ) -> int | None:

@@ -88,13 +88,32 @@ def expert_line(plan: Plan) -> str:
     return f"; {e.n_experts} experts of {e.hidden_dim} columns{shared}, split by {e.split}"
 
 
+def cache_line(cache_per_rank: list[int], latent: tuple[int, int] | None) -> str:
+    """'KV cache per 1,000 tokens: rank 0 1.50 MiB, ...' and what it holds."""
+    ranks = ", ".join(f"rank {i} {human_bytes(b)}" for i, b in enumerate(cache_per_rank))
+    if latent is None:
+        return f"KV cache per 1,000 tokens: {ranks} (keys and values of its KV heads)"
+    rank, rope = latent
+    return (
+        f"KV cache per 1,000 tokens: {ranks} (every rank caches the whole latent, "
+        f"{rank} + {rope} RoPE values per token and layer, as one process does)"
+    )
+
+
 def format_plan(
-    plan: Plan, bytes_per_rank: list[int] | None = None, vocab: list[range | None] | None = None
+    plan: Plan,
+    bytes_per_rank: list[int] | None = None,
+    vocab: list[range | None] | None = None,
+    cache_per_rank: list[int] | None = None,
+    latent: tuple[int, int] | None = None,
 ) -> str:
     """Human-readable table of the plan, one row per rank (with each rank's vocabulary
-    rows when `vocab` says them), then the imbalance, or the shares of a weighted split."""
+    rows when `vocab` says them), then the imbalance, or the shares of a weighted split,
+    and each rank's KV cache. `latent`: (kv_lora_rank, qk_rope_head_dim) of multi-head
+    latent attention, whose heads share one cached latent (no KV heads)."""
     replicated = plan.replicated_kv_heads()
-    header = ["rank", "q heads", "kv heads", "ffn columns", *expert_header(plan)]
+    kv_header = [] if latent else ["kv heads"]
+    header = ["rank", "q heads", *kv_header, "ffn columns", *expert_header(plan)]
     vocab = vocab if vocab and all(v is not None for v in vocab) else None
     if vocab is not None:
         header.append("vocabulary rows")
@@ -103,10 +122,11 @@ def format_plan(
     rows = [header]
     for p in plan.parts:
         q = format_ranges(list(p.q_heads)) + ("" if p.kv_map is None else " (mapped)")
+        kv = [] if latent else [f"{format_kv_heads(p.kv_heads, replicated)} [{len(p.kv_heads)}]"]
         row = [
             str(p.rank),
             f"{q} [{len(p.q_heads)}]",
-            f"{format_kv_heads(p.kv_heads, replicated)} [{len(p.kv_heads)}]",
+            *kv,
             _span(p.ffn),
             *expert_cells(plan, p),
         ]
@@ -116,9 +136,13 @@ def format_plan(
             row.append(human_bytes(bytes_per_rank[p.rank]))
         rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    heads = (
+        f"{plan.n_heads} heads of latent attention (v_head_dim {plan.head_dim})"
+        if latent
+        else f"{plan.n_heads} query / {plan.n_kv_heads} KV heads (head_dim {plan.head_dim})"
+    )
     lines = [
-        f"{plan.n} ranks: {plan.n_heads} query / {plan.n_kv_heads} KV heads "
-        f"(head_dim {plan.head_dim}), hidden_dim {plan.hidden_dim}"
+        f"{plan.n} ranks: {heads}, hidden_dim {plan.hidden_dim}"
         + (f", group_size {plan.group_size}" if plan.group_size else "")
         + f"; attention {'even' if plan.even_attention else 'uneven'}, "
         f"feed-forward {'even' if plan.even_ffn else 'uneven'}" + expert_line(plan)
@@ -134,4 +158,6 @@ def format_plan(
     else:
         counts = [len(p.q_heads) for p in plan.parts]
         lines.append(f"imbalance: {imbalance(counts):.1f}% of query heads")
+    if cache_per_rank is not None:
+        lines.append(cache_line(cache_per_rank, latent))
     return "\n".join(lines)

@@ -1,0 +1,104 @@
+"""Multi-head latent attention (DeepSeek-V3, Kimi K2): mlx-lm's `DeepseekV3Attention`
+under the model's names and masks, with `shard`.
+
+Keys and values come from one small latent per token: `kv_a_proj_with_mqa` (dim ->
+kv_lora_rank + qk_rope_head_dim) gives the latent c (normalised by `kv_a_layernorm`)
+and one RoPE key k_pe that every head shares. A head's key and value are c through its
+slice of the checkpoint's `kv_b_proj`, held as mlx-lm holds them: `embed_q`
+(H, kv_lora_rank, qk_nope_head_dim) and `unembed_out` (H, v_head_dim, kv_lora_rank),
+so that decoding attends in the latent space (the query absorbs `embed_q`) and prefill
+expands the keys and values. The cache holds c and k_pe only: kv_lora_rank +
+qk_rope_head_dim values per token and layer (DeepSeek-V3: 512 + 64), whatever the heads.
+
+Split by heads (`parallel/llama_plan.latent_attention_styles`): the rows of q_b_proj (or
+wq) and the heads of embed_q / unembed_out, wo by columns; the latent projections and
+norms are replicated, so every rank computes and caches the same latent as one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
+from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
+from mlx_lm.models.deepseek_v3 import ModelArgs as DeepseekV3Args
+
+from ..model import ModelArgs
+from ..parallel.llama_plan import latent_attention_styles
+from ..parallel.parallelize import parallelize
+from ..parallel.partition import RankPart
+
+
+def deepseek_v3_args(args: ModelArgs) -> DeepseekV3Args:
+    """mlx-lm's config of the attention and router pieces reused here."""
+    return DeepseekV3Args(
+        hidden_size=args.dim,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_heads,
+        q_lora_rank=args.q_lora_rank or None,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_rope_head_dim=args.qk_rope_head_dim,
+        qk_nope_head_dim=args.qk_nope_head_dim,
+        v_head_dim=args.v_head_dim,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=args.rope_theta,
+        rope_scaling=args.rope_scaling,
+        n_routed_experts=args.n_experts,
+        num_experts_per_tok=args.n_experts_per_tok,
+        norm_topk_prob=args.norm_topk_prob,
+        routed_scaling_factor=args.routed_scaling_factor,
+        n_group=args.n_group,
+        topk_group=args.topk_group,
+    )
+
+
+class LatentAttention(DeepseekV3Attention):
+    """x (B, L, dim) -> (B, L, dim): mlx-lm's multi-head latent attention, its output
+    projection named `wo` (and a direct query projection `wq`), with `n_heads` local."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(deepseek_v3_args(args))
+        self.wo = self.pop("o_proj")  # the names every attention of the model uses
+        if "q_proj" in self:
+            self.wq = self.pop("q_proj")
+        self.n_heads = self.n_kv_heads = args.n_heads  # set to the local heads by `shard`
+        self.head_dim = args.v_head_dim
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.wq(x) if "wq" in self else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(B, L, self.n_heads, self.q_head_dim).transpose(0, 2, 1, 3)
+        q_nope, q_pe = mx.split(q, [self.qk_nope_head_dim], axis=-1)
+        latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
+        k_pe = k_pe.reshape(B, L, 1, self.qk_rope_head_dim).transpose(0, 2, 1, 3)
+        latent = mx.expand_dims(self.kv_a_layernorm(latent), axis=1)  # (B, 1, L, rank)
+        offset = cache.offset if cache is not None else 0
+        q_pe, k_pe = self.rope(q_pe, offset), self.rope(k_pe, offset)
+        if isinstance(mask, str):  # "causal": the RoPE scores below need it as an array
+            mask = create_causal_mask(L, offset)
+        if cache is not None:
+            latent, k_pe = cache.update_and_fetch(latent, k_pe)
+        pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
+        if mask is not None:
+            low = mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype)
+            pe_scores = mx.where(mask, pe_scores, low)
+        if L == 1:  # decoding: attend in the latent space
+            q_nope = self.embed_q(q_nope)
+            k = v = latent
+        else:
+            k = self.embed_q(latent, transpose=False)
+            v = self.unembed_out(latent)
+        out = scaled_dot_product_attention(
+            q_nope, k, v, cache=cache, scale=self.scale, mask=pe_scores
+        )
+        if L == 1:
+            out = self.unembed_out(out)
+        return self.wo(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def shard(self, group: mx.distributed.Group, part: RankPart) -> None:
+        """Keep the heads `part.q_heads` (any count per rank), the latent replicated."""
+        styles = latent_attention_styles(
+            self.q_head_dim, self.v_head_dim, "wq" in self, {group.rank(): part}
+        )
+        parallelize(self, styles, group)
