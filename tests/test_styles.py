@@ -66,8 +66,8 @@ def run_styles(n: int, models: dict, builtin=(), custom=(), sp=(), einshard=Fals
 
 
 def check(out: dict) -> None:
-    for path, (vs_default, vs_whole) in out["builtin"].items():
-        assert vs_default == 0.0 and vs_whole <= ATOL, (path, vs_default, vs_whole)
+    for path, (vs_default, vs_whole, atol) in out["builtin"].items():
+        assert vs_default == 0.0 and vs_whole <= atol, (path, vs_default, vs_whole)
     for path, (vs_whole, whole_ffn) in out["custom"].items():
         assert vs_whole <= ATOL and whole_ffn, (path, vs_whole, whole_ffn)
     for path, res in out["sp"].items():

@@ -75,9 +75,18 @@ def _place(
         pp_split,
         vocab_parallel=vocab_parallel,
         moe_split=moe_split,
-        stages=mesh.stages if mesh is not None else None,
+        stages=_replica_stages(mesh),
         split=weights,
     )
+
+
+def _replica_stages(mesh: Mesh | None) -> list[list[int]] | None:
+    """The mesh's stages as ranks of its replica (with --dp a replica's stages name world
+    ranks 2, 3, ...): every replica then places, and agrees on, the same plan."""
+    if mesh is None or not mesh.replicas:
+        return None if mesh is None else mesh.stages
+    members = mesh.replicas[mesh.replica]
+    return [[members.index(r) for r in ranks] for ranks in mesh.stages]
 
 
 def split_weights(

@@ -96,7 +96,9 @@ class Placement:
     ranks: tuple[RankPlacement, ...]  # by rank
 
     def at(self, stage: int, tp_rank: int) -> RankPlacement:
-        return self.ranks[self.stages[stage][tp_rank]]
+        # by the rank's number: with --dp a replica's stages name world ranks (2, 3, ...)
+        rank = self.stages[stage][tp_rank]
+        return next(r for r in self.ranks if r.rank == rank)
 
     @property
     def moe_split(self) -> str | None:
