@@ -83,6 +83,7 @@ def test_perplexity_equal_across_ranks_default_model():
     assert re.search(r"^Tokens evaluated: \d+$", single.stdout, re.M)
     for n in (2, 3):
         r = launch(n, args)
+        assert r.returncode == 0 and "Perplexity:" in r.stdout, (n, r.stderr[-3000:])
         got = perplexity_of(r.stdout)
         assert abs(got - reference) / reference < 1e-4, (n, got, reference, r.stderr[-2000:])
 
