@@ -253,6 +253,19 @@ def test_synthetic_spec():
         parse_spec("0.5b")
 
 
+def test_synthetic_folder_of_an_older_format_is_not_reused(tmp_path, monkeypatch):
+    from llama_tp.benchmarks import synthetic
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    old = synthetic.cache_root() / "tiny-fp32-seed0"  # the name before format versions
+    old.mkdir(parents=True)
+    (old / "config.json").write_text("{}")
+    path = synthetic.synthetic_dir("tiny-fp32")
+    assert path != old and path.name.endswith(f"-v{synthetic.FORMAT}")
+    assert json.loads((path / "config.json").read_text())["hidden_size"] > 0
+    assert synthetic.synthetic_dir("tiny-fp32") == path  # written once, then reused
+
+
 def test_blas_hint_without_openblas():
     info = blas.BlasInfo("/x/mlx_cpu.libs/libblas-1.so.3", True, None, 1.0)
     assert blas.hint(info) == (

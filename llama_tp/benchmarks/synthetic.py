@@ -315,6 +315,12 @@ def write_synthetic(
     return out
 
 
+# The version of what write_synthetic stores (the scales' dtype, tensor names): part of a
+# weights folder's name, so that one written by an older version is never reused (q4
+# scales were float16 before version 2). Shapes-only folders hold no values.
+FORMAT = 2
+
+
 def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "llama_tp" / "synthetic"
@@ -328,7 +334,8 @@ def synthetic_dir(spec: str, seed: int = 0, shapes_only: bool = False) -> Path:
     write it (each writes the same bytes) never see a half-written one.
     """
     parse_spec(spec)
-    path = cache_root() / (f"{spec}-shapes" if shapes_only else f"{spec}-seed{seed}")
+    name = f"{spec}-shapes" if shapes_only else f"{spec}-seed{seed}-v{FORMAT}"
+    path = cache_root() / name
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
