@@ -11,12 +11,10 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 parser = pytest.importorskip("prometheus_client.parser")
-from serve_client import http  # noqa: E402
+from serve_client import KEY, http  # noqa: E402
 from test_server_plumbing import client, serving  # noqa: E402
 
 from llama_tp.server.runner import create_app  # noqa: E402
-
-KEY = "sesame"
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -40,12 +38,15 @@ def status(base: str, key: str = KEY) -> tuple[int, dict]:
 
 
 def wait_for_reports(base: str, ranks: int, timeout: float = 30) -> dict:
-    """The status once every rank has reported (they do about once a second)."""
-    deadline = time.monotonic() + timeout
+    """The status once every rank has reported after this call (they do about once a
+    second), so that the reports cover what happened before it."""
+    start = time.monotonic()
     while True:
         code, body = status(base)
         assert code == 200, body
-        if len(body["ranks"]) == ranks or time.monotonic() > deadline:
+        age = body["reported_seconds_ago"]
+        fresh = age is not None and age < time.monotonic() - start
+        if (fresh and len(body["ranks"]) == ranks) or time.monotonic() > start + timeout:
             return body
         time.sleep(0.2)
 
@@ -83,7 +84,7 @@ def test_status_lists_the_rank_and_metrics_move_with_traffic(served):
     assert rank["active_memory"] > 0 and rank["peak_memory"] >= rank["active_memory"]
     assert body["watchdog"]["active"] is False  # one process: no watchdog
     before = scrape(served)
-    c = client(served)
+    c = client(served, KEY)
     messages = [{"role": "user", "content": "Hello there"}]
     r = c.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
     # The next turn starts with the first one: a prompt-cache hit.
@@ -116,7 +117,7 @@ def test_status_lists_the_rank_and_metrics_move_with_traffic(served):
     assert moved("llama_tp_batch_size_count") >= out - 2
     assert after[("llama_tp_queue_depth", ())] == 0
     assert after[("llama_tp_rank_memory_bytes", (("kind", "active"), ("rank", "0")))] > 0
-    time.sleep(1.2)  # the next report carries the steps' time
+    wait_for_reports(served, 1)  # a report after the steps carries their time
     assert ("llama_tp_rank_step_seconds", (("rank", "0"),)) in scrape(served)
     assert status(served)[1]["totals"]["completion_tokens"] >= out
 
@@ -128,7 +129,7 @@ def test_two_apps_in_one_process_keep_their_own_counts(tiny_dir, served):
     app = create_app(model, tokenizer, model_name="other", api_key=KEY)
     with serving(app) as base:
         before = scrape(served)
-        client(base).models.list()
+        client(base, KEY).models.list()
         assert (
             scrape(base)[("llama_tp_requests_total", (("route", "/v1/models"), ("status", "200")))]
             == 1

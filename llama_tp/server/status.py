@@ -63,7 +63,7 @@ class StepClock:
     def take(self) -> float | None:
         """The mean step since the last call (the last known one when no step ran)."""
         if self.count:
-            self.last = self.total / self.count
+            self.last = round(self.total / self.count, 6)
         self.total, self.count = 0.0, 0
         return self.last
 
@@ -196,7 +196,9 @@ class Monitor:
         """The JSON of GET /v1/status."""
         with self._lock:
             reports = [asdict(r) for r in self.reports]
-            age = None if self.reported_at is None else time.monotonic() - self.reported_at
+            age = (
+                None if self.reported_at is None else round(time.monotonic() - self.reported_at, 3)
+            )
             totals = {
                 "prompt_tokens": self.tokens_in,
                 "completion_tokens": self.tokens_out,
@@ -212,7 +214,7 @@ class Monitor:
             "object": "status",
             "model": model,
             "state": "ok" if problem is None else problem.code,
-            "uptime": time.time() - self.started,
+            "uptime": round(time.time() - self.started, 3),
             "mesh": {"ranks": self.ranks, **shape},
             "ranks": reports,
             "reported_seconds_ago": age,
