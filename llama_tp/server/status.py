@@ -220,7 +220,7 @@ class Monitor:
             "reported_seconds_ago": age,
             "queue": scheduler.queued(),
             "running": sum(scheduler.rows()),
-            "batch": self.batch,
+            "last_batch": self.batch,  # sequences in the last step
             "max_batch": scheduler.max_batch,
             "tokens_per_second": round(self.tokens_per_second(), 3),
             "totals": totals,
