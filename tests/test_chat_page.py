@@ -25,7 +25,9 @@ SCREENSHOT_ENV = "LLAMA_TP_PAGE_SCREENSHOT"
 
 @pytest.fixture(scope="module")
 def server(default_gguf, tmp_path_factory):
-    s = Server(2, default_gguf, tmp_path_factory.mktemp("page-logs"), "--max-batch", "4")
+    # llama_tp's launcher: it waits without spinning (mlx.launch's would take a core).
+    logs = tmp_path_factory.mktemp("page-logs")
+    s = Server(2, default_gguf, logs, "--max-batch", "4", launcher="llama_tp")
     try:
         s.wait_ready(300)
         yield s

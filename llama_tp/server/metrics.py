@@ -78,9 +78,6 @@ class Metrics:
     def stepped(self, batch: int) -> None:
         self.batch.observe(batch)
 
-    def reported(self, reports) -> None:  # the per-rank gauges are read at scrape time
-        pass
-
     def watch(self, monitor, scheduler) -> None:
         """Export `monitor`'s per-rank figures and `scheduler`'s queue at each scrape."""
         self.registry.register(_Live(monitor, scheduler))

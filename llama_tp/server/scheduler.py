@@ -25,6 +25,10 @@ with no sequence sleeps through most of the others' step (REST_SHARE of the long
 decode-only step the replicas reported in the last exchange) before it joins the
 exchange, rather than spin in it.
 
+About once a second rank 0 marks a decision (an idle one too) `report`: after the
+broadcast every rank sends rank 0 its memory and step time in one `all_gather_object`
+(server/status.py), all of them because all received the same decision.
+
 The HTTP side runs on another thread (uvicorn's event loop); it hands in jobs
 with `submit` / `cancel`, and gets its events back through the job's asyncio
 queue (`loop.call_soon_threadsafe`).
@@ -137,6 +141,8 @@ class Scheduler:
             for job in self._pending:
                 if job.uid == uid:
                     self._pending.remove(job)
+                    if self.monitor is not None:
+                        self.monitor.forget([uid])
                     return
             if uid in self._running:
                 self._cancels.add(uid)
@@ -216,6 +222,8 @@ class Scheduler:
             self.closed = self.closed or message
             for job in [*self._pending, *self._running.values()]:
                 job.post(Failure(message, status))
+            if self.monitor is not None:
+                self.monitor.forget([*(j.uid for j in self._pending), *self._running])
             self._pending.clear()
             self._running.clear()
             self._where.clear()

@@ -142,8 +142,6 @@ class Monitor:
     def update(self, reports: list[RankReport]) -> None:
         with self._lock:
             self.reports, self.reported_at = reports, time.monotonic()
-        if self.sink is not None:
-            self.sink.reported(reports)
 
     def stepped(self, batch: int) -> None:
         self.batch = batch
@@ -154,6 +152,12 @@ class Monitor:
         """A request was queued (from the HTTP thread)."""
         with self._lock:
             self._flows[uid] = Flow(time.monotonic())
+
+    def forget(self, uids: list[int]) -> None:
+        """Requests that ended without a last event (cancelled while waiting, failed)."""
+        with self._lock:
+            for uid in uids:
+                self._flows.pop(uid, None)
 
     def event(self, e) -> None:
         """An engine event (`engine.sequence.Event`) reached its request."""
