@@ -15,7 +15,9 @@ from .server.runner import create_app
 
 __all__ = ["create_app", "main"]
 
-INSTALL_HINT = 'the server needs FastAPI and uvicorn: pip install "llama_tp[serve]"'
+INSTALL_HINT = (
+    'the server needs FastAPI, uvicorn and prometheus_client: pip install "llama_tp[serve]"'
+)
 
 
 def _parser():

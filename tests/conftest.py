@@ -206,7 +206,11 @@ COMPONENTS = {
         "an arm64 cross-compiler and qemu-user",
         "apt-get install g++-aarch64-linux-gnu qemu-user",
     ),
-    "chromium": (_has("chromium"), "Chromium", "apt-get install chromium"),
+    "chromium": (
+        _has("chromium", "chromedriver"),
+        "Chromium and its driver",
+        "apt-get install chromium chromium-driver",
+    ),
 }
 
 

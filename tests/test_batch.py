@@ -101,7 +101,8 @@ def test_serve_without_fastapi_says_how_to_install_it():
     r = run_python(["-c", code], timeout=60)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
-        'error: the server needs FastAPI and uvicorn: pip install "llama_tp[serve]"'
+        "error: the server needs FastAPI, uvicorn and prometheus_client: "
+        'pip install "llama_tp[serve]"'
     ]
 
 

@@ -103,6 +103,13 @@ def test_wheel_in_a_fresh_venv_runs_the_console_scripts(venv, tmp_path):
         timeout=600,
     )
     assert kernels.returncode == 0 and "native kernels" in kernels.stdout, kernels.stderr
+    # and the server's chat page (package data, GET /)
+    page = "from importlib import resources as r; "
+    page += "print(r.files('llama_tp.server').joinpath('page', 'index.html').read_text()[:15])"
+    shown = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", page], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert shown.stdout.startswith("<!doctype html>"), shown.stderr
 
 
 def test_console_script_under_mlx_launch(venv, tiny_dir, tmp_path):

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import run_python
 from serve_client import DRAFTS, REPEAT, Server, chat, complete, http
+from test_server_status import wait_for_reports
 
 from llama_tp.engine.batch import SamplingParams
 from llama_tp.server.scheduler import Scheduler
@@ -51,6 +52,15 @@ def test_replicas_of_pipelines_answer_as_one_process(pair):
     status, body = http(f"{pair['mesh'].base}/health")
     served = json.loads(body)["replicas"]
     assert status == 200 and len(served) == 2 and min(served) >= 1 and sum(served) == 6, body
+    # The status route places each rank: (stage, tensor rank, replica), each with memory.
+    ranks = wait_for_reports(pair["mesh"].base, 4)["ranks"]
+    assert [(r["stage"], r["tensor"], r["replica"]) for r in ranks] == [
+        (0, 0, 0),
+        (1, 0, 0),
+        (0, 0, 1),
+        (1, 0, 1),
+    ], ranks
+    assert all(r["active_memory"] > 0 and r["step_seconds"] > 0 for r in ranks), ranks
     # A seeded sampled request samples the same tokens on either replica and alone.
     seeded = {"temperature": 0.9, "seed": 7, "max_tokens": 16}
     assert complete(mesh, "Tensor parallel", **seeded) == complete(one, "Tensor parallel", **seeded)

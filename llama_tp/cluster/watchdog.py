@@ -338,3 +338,18 @@ def progress(name: str, kind: str = "step") -> None:
 def on_exit(cleanup: Callable[[], None]) -> None:
     if _active is not None:
         _active.on_exit(cleanup)
+
+
+def state() -> dict:
+    """This process's watchdog for a status page: whether one runs, its timeouts and
+    the stage it is timing now (None between stages, e.g. on an idle server)."""
+    w = _active
+    if w is None:
+        return {"active": False, "timeouts": {}, "stage": None, "seconds_left": None}
+    current = w._state
+    return {
+        "active": True,
+        "timeouts": {k: v for k, v in w.timeouts.items() if v},
+        "stage": current[0] if current else None,
+        "seconds_left": round(current[2] - time.monotonic(), 3) if current else None,
+    }

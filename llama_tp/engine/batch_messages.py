@@ -30,3 +30,4 @@ class Decision:
     cancels: list[int] = field(default_factory=list)
     stop: bool = False
     idle: float = 0.0  # nothing to do: sleep this long before the next decision
+    report: bool = False  # every rank sends rank 0 its status (server/status.py) first

@@ -4,7 +4,9 @@
 - `responses`: the response bodies and stream chunks;
 - `app`: the FastAPI routes, authentication and server-sent events;
 - `scheduler`: rank 0's queue and per-step decisions, and the step loop of every rank;
-- `runner`: `create_app` (in-process, one rank) and the command's run on every rank.
+- `runner`: `create_app` (in-process, one rank) and the command's run on every rank;
+- `status`, `metrics`, `page/`: every rank's figures gathered to rank 0 (`GET /v1/status`),
+  Prometheus metrics (`GET /metrics`), the chat page (`GET /`).
 
 FastAPI and uvicorn are an optional extra (`pip install "llama_tp[serve]"`);
 importing this package does not need them.

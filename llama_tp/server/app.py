@@ -9,6 +9,12 @@ the request body to the engine's one request (prompt tokens and
 one JSON body, or as server-sent events ending with `data: [DONE]`. A streaming
 client that disconnects cancels its sequence (Starlette cancels the stream; the
 `finally` tells the scheduler).
+
+`GET /` is the chat page (server/page/, package data); `GET /v1/status` the JSON
+of its cluster panel (rank 0's `status.Monitor`); `GET /metrics` Prometheus' text
+(server/metrics.py). The status route and /metrics take the API key like /v1's
+routes (they name hosts and traffic); the page itself does not (it holds no data,
+and asks for the key when a request gets a 401).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations,
@@ -19,6 +25,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from importlib import resources
 from typing import Annotated, Any
 
 from ..checkpoints.chat_template import PromptRenderer
@@ -37,6 +44,7 @@ from .protocol import (
 )
 from .responses import Logprobs, chunk, completion_body, usage_chunk
 from .scheduler import Failure, Scheduler
+from .status import Monitor
 
 POLL = 0.5  # seconds between checks that a non-streaming client is still connected
 
@@ -63,8 +71,10 @@ def build_app(
     from fastapi import APIRouter, Depends, FastAPI, Header
     from fastapi.exceptions import RequestValidationError
     from fastapi.middleware.cors import CORSMiddleware
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.requests import Request as HTTPRequest
+
+    from .metrics import CONTENT_TYPE, Metrics, RequestCounter
 
     defaults = defaults or Defaults()
     app = FastAPI(title="llama_tp", docs_url=None, redoc_url=None)
@@ -74,6 +84,11 @@ def build_app(
         app.add_middleware(
             CORSMiddleware, allow_origins=cors, allow_methods=["*"], allow_headers=["*"]
         )
+    # Status and metrics: the runner sets the monitor's ranks and mesh once loaded.
+    metrics = Metrics()
+    scheduler.monitor = app.state.monitor = Monitor(sink=metrics)
+    metrics.watch(scheduler.monitor, scheduler)
+    app.add_middleware(RequestCounter, metrics=metrics)
 
     @app.exception_handler(RequestError)
     async def request_error(request: HTTPRequest, e: RequestError):
@@ -126,6 +141,21 @@ def build_app(
     @v1.post("/completions")
     async def completions(body: CompletionBody, request: HTTPRequest, info: Model):
         return await complete(request, completion_request(body, defaults), info)
+
+    @v1.get("/status")
+    async def status():
+        model = app.state.model.name if app.state.model is not None else None
+        return app.state.monitor.snapshot(scheduler, model)
+
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
+
+    page = resources.files(__package__).joinpath("page", "index.html").read_text()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     app.include_router(v1)
 

@@ -61,6 +61,7 @@ def create_app(
     use_template = (defaults or Defaults()).use_chat_template
     app.state.model = model_info(model, tokenizer, model_name, use_template)
     app.state.scheduler, app.state.engine = scheduler, engine
+    app.state.monitor.ranks = world().size()
     scheduler.ready = True
     app.state.steps = threading.Thread(
         target=run_steps, args=(engine, scheduler, world()), name="llama_tp-steps", daemon=True
@@ -150,6 +151,7 @@ def serve(args: argparse.Namespace) -> int:
     if rank0:
         info = model_info(model, tokenizer, name, not args.ignore_chat_template)
         app.state.model = info
+        app.state.monitor.ranks, app.state.monitor.mesh = group.size(), ckpt.mesh
         scheduler.ready = True
 
         def stop(signum, frame) -> None:
@@ -214,6 +216,7 @@ def check_args(args: argparse.Namespace) -> None:
 def fastapi_missing() -> bool:
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         return True

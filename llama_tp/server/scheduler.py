@@ -25,6 +25,10 @@ with no sequence sleeps through most of the others' step (REST_SHARE of the long
 decode-only step the replicas reported in the last exchange) before it joins the
 exchange, rather than spin in it.
 
+About once a second rank 0 marks a decision (an idle one too) `report`: after the
+broadcast every rank sends rank 0 its memory and step time in one `all_gather_object`
+(server/status.py), all of them because all received the same decision.
+
 The HTTP side runs on another thread (uvicorn's event loop); it hands in jobs
 with `submit` / `cancel`, and gets its events back through the job's asyncio
 queue (`loop.call_soon_threadsafe`).
@@ -47,6 +51,7 @@ from ..cluster import watchdog
 from ..cluster.distributed import all_gather_object, broadcast_object, first_line
 from ..engine.batch import BatchEngine, Decision, Event, Join, SamplingParams
 from .protocol import RequestError
+from .status import StepClock, gather_reports
 
 IDLE_TICK = 0.1  # seconds between idle decisions: the longest a new request waits
 IDLE_MARGIN = 0.01  # the other ranks wake this much earlier than rank 0 sends
@@ -95,6 +100,7 @@ class Scheduler:
         self._uids = itertools.count(1)
         self._rng = random.SystemRandom()
         self.steps = 0
+        self.monitor = None  # status.Monitor: sees submissions and events (status, metrics)
 
     def unavailable(self) -> RequestError | None:
         """Why requests cannot be served now (503: stopping, failed, or still loading),
@@ -124,6 +130,8 @@ class Scheduler:
             seed = self._rng.randrange(2**31) if seed is None else seed
             job = Job(next(self._uids), prompt, params.but(seed=seed), loop)
             self._pending.append(job)
+            if self.monitor is not None:
+                self.monitor.submitted(job.uid)
             self._cond.notify()
             return job
 
@@ -133,6 +141,8 @@ class Scheduler:
             for job in self._pending:
                 if job.uid == uid:
                     self._pending.remove(job)
+                    if self.monitor is not None:
+                        self.monitor.forget([uid])
                     return
             if uid in self._running:
                 self._cancels.add(uid)
@@ -178,6 +188,11 @@ class Scheduler:
             self.steps += 1
             return [Decision(joins=joins[d], cancels=cancels[d]) for d in range(len(active))]
 
+    def queued(self) -> int:
+        """Requests waiting for a place in a batch."""
+        with self._cond:
+            return len(self._pending)
+
     def rows(self) -> list[int]:
         """Each replica's running sequences (its engine's rows after the last step)."""
         with self._cond:
@@ -193,6 +208,8 @@ class Scheduler:
                 job = self._running.get(e.uid)
                 if job is None:
                     continue
+                if self.monitor is not None:
+                    self.monitor.event(e)
                 if e.finish_reason:
                     del self._running[e.uid]
                     self._where.pop(e.uid, None)
@@ -205,6 +222,8 @@ class Scheduler:
             self.closed = self.closed or message
             for job in [*self._pending, *self._running.values()]:
                 job.post(Failure(message, status))
+            if self.monitor is not None:
+                self.monitor.forget([*(j.uid for j in self._pending), *self._running])
             self._pending.clear()
             self._running.clear()
             self._where.clear()
@@ -217,6 +236,8 @@ def run_steps(
     mesh=None,
 ) -> None:
     """The step loop: rank 0 (with `scheduler`) decides, every rank applies and decodes.
+    About once a second every rank reports its memory and step time to rank 0's
+    `scheduler.monitor` (server/status.py), when it has one.
 
     `group`: the world. `mesh` (parallel.mesh.Mesh): with `mesh.dp` > 1 this rank's
     engine is replica `mesh.replica` (see the module's docstring).
@@ -238,6 +259,8 @@ def run_steps(
 def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
     """run_steps' loop, until a stop decision."""
     rest = 0.0  # seconds the replicas' last decode-only step took (the longest)
+    clock = StepClock()
+    monitor = scheduler.monitor if rank0 else None
     while True:
         decisions = None
         if rank0:
@@ -245,12 +268,19 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             decisions = scheduler.next_decisions(active, wait=IDLE_TICK)
             if decisions is None:
                 if group.size() == 1:
+                    if monitor is not None and monitor.due():
+                        monitor.update(gather_reports(group, mesh, clock))
                     continue
                 decisions = [Decision(idle=IDLE_TICK)]  # keeps the others sleeping
+            decisions[0].report = monitor is not None and monitor.due()
         if group.size() > 1:
             # The one exchange per step besides the model's own (unarmed: rank 0
             # may still be deciding).
             decisions = broadcast_object(decisions, group)
+        if decisions[0].report:  # every rank got the same decision: all of them gather
+            reports = gather_reports(group, mesh, clock)
+            if monitor is not None:
+                monitor.update(reports)
         if decisions[0].idle:
             if not rank0:  # rank 0 waits on its queue instead
                 time.sleep(max(0.0, decisions[0].idle - IDLE_MARGIN))
@@ -265,11 +295,13 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             n = sum(len(j.prompt) for j in decision.joins)
             with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
                 events = engine.apply(decision)
+        batch = len(engine) if dp == 1 or not rank0 else sum(scheduler.rows())
         with watchdog.stage(f"generation step ({len(engine)} sequences)"):
             resting = dp > 1 and not len(engine)  # other replicas are stepping
             tic = time.perf_counter()
             if not resting:
                 events += engine.step()
+                clock.add(time.perf_counter() - tic)
             if dp > 1:  # each replica's first rank sends its events to rank 0
                 # A decode-only step's time, for the replicas that rest next time.
                 took = None if resting or decision.joins else time.perf_counter() - tic
@@ -283,6 +315,8 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
                 steps = [t for _, t in gathered if t is not None]
                 rest = max(steps) if steps else rest
         if rank0:
+            if monitor is not None and batch:
+                monitor.stepped(batch)
             scheduler.dispatch(events)
 
 
