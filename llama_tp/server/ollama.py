@@ -261,7 +261,7 @@ def routes(openai: OpenAIRoutes):
     from fastapi.responses import StreamingResponse
     from starlette.requests import Request as HTTPRequest
 
-    from .. import __version__
+    from ..cluster.diagnostics import llama_tp_version
 
     router = APIRouter()
     started = now()
@@ -325,7 +325,7 @@ def routes(openai: OpenAIRoutes):
 
     @router.get("/version")
     async def version():
-        return {"version": __version__}
+        return {"version": llama_tp_version()}
 
     return router
 
