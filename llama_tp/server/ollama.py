@@ -10,6 +10,7 @@ Ollama's counts and durations (nanoseconds). Errors are Ollama's `{"error": "...
 
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations.
 
+import asyncio
 import json
 import time
 from typing import Annotated, Any, Literal
@@ -18,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .protocol import MAX_STOPS, RequestError
 from .translation import OpenAIRoutes, chunks, json_body, validate
+
+POLL = 0.5  # seconds between checks that a non-streaming client is still connected
 
 
 class _Body(BaseModel):
@@ -275,10 +278,7 @@ def routes(openai: OpenAIRoutes):
             return line
         response = await (openai.completion if text else openai.chat)(request, body)
         if not stream:
-            async for c in chunks(response):
-                lines = reply.feed(c)
-                if "error" in c:
-                    raise RequestError(lines[0]["error"], None, 500)
+            await until_done(request, read(response, reply))
             return reply.whole()
 
         async def ndjson():
@@ -328,6 +328,25 @@ def routes(openai: OpenAIRoutes):
         return {"version": llama_tp_version()}
 
     return router
+
+
+async def read(response, reply: Reply) -> None:
+    """Feed `reply` the whole OpenAI stream (RequestError on a mid-stream failure)."""
+    async for c in chunks(response):
+        lines = reply.feed(c)
+        if "error" in c:
+            raise RequestError(lines[0]["error"], None, 500, "unavailable", "server_error")
+
+
+async def until_done(request, work) -> None:
+    """Await `work` (a coroutine) while the client is connected; a client that goes away
+    cancels it, which cancels the request (as the OpenAI route's non-streaming answer)."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=POLL))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            raise RequestError("client closed the request", None, 499, None)
+    task.result()
 
 
 def _entry(info) -> dict[str, Any]:
