@@ -29,6 +29,7 @@ from importlib import resources
 from typing import Annotated, Any
 
 from ..checkpoints.chat_template import PromptRenderer
+from . import anthropic, ollama
 from .protocol import (
     ChatBody,
     CompletionBody,
@@ -39,12 +40,15 @@ from .protocol import (
     completion_request,
     error_body,
     fit,
+    parse_chat,
+    parse_completion,
     prompt_tokens,
     validation_error,
 )
 from .responses import Logprobs, chunk, completion_body, usage_chunk
 from .scheduler import Failure, Scheduler
 from .status import Monitor
+from .translation import OpenAIRoutes
 
 POLL = 0.5  # seconds between checks that a non-streaming client is still connected
 
@@ -92,18 +96,25 @@ def build_app(
 
     @app.exception_handler(RequestError)
     async def request_error(request: HTTPRequest, e: RequestError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(route_error(request.url.path, e), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: HTTPRequest, e: RequestValidationError):
         return await request_error(request, validation_error(list(e.errors())))
 
-    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
-        expected = f"Bearer {api_key}".encode()
-        if api_key is None or secrets.compare_digest((authorization or "").encode(), expected):
+    def authorized(
+        authorization: Annotated[str | None, Header()] = None,
+        x_api_key: Annotated[str | None, Header()] = None,  # Anthropic's header
+    ) -> None:
+        if api_key is None:
+            return
+        bearer = secrets.compare_digest(
+            (authorization or "").encode(), f"Bearer {api_key}".encode()
+        )
+        if bearer or secrets.compare_digest((x_api_key or "").encode(), api_key.encode()):
             return
         raise RequestError(
-            "invalid or missing API key (Authorization: Bearer ...)",
+            "invalid or missing API key (Authorization: Bearer ... or x-api-key: ...)",
             None,
             401,
             "invalid_api_key",
@@ -159,6 +170,22 @@ def build_app(
 
     app.include_router(v1)
 
+    # The Anthropic and Ollama routes: their bodies translated to OpenAI's, answered here.
+    async def openai_chat(request: HTTPRequest, body: dict):
+        return await complete(request, parse_chat(body, defaults), available())
+
+    async def openai_completion(request: HTTPRequest, body: dict):
+        return await complete(request, parse_completion(body, defaults), available())
+
+    def count(body: dict) -> int:
+        info = available()
+        return len(prompt_tokens(parse_chat(body, defaults), info.renderer, info.vocab_size)[0])
+
+    openai = OpenAIRoutes(openai_chat, openai_completion, available, count)
+    auth = [Depends(authorized)]
+    app.include_router(anthropic.routes(openai), prefix="/v1", dependencies=auth)
+    app.include_router(ollama.routes(openai), prefix="/api", dependencies=auth)
+
     async def complete(request: HTTPRequest, req: Request, info: ModelInfo):
         ids, stops = prompt_tokens(req, info.renderer, info.vocab_size)
         fit(req, len(ids), info.context)
@@ -212,7 +239,10 @@ def build_app(
                     yield sse(chunk(req, rid, name, item.text, logprobs=entry))
                 if item.finish_reason:
                     done = True
-                    yield sse(chunk(req, rid, name, None, item.finish_reason))
+                    end = chunk(
+                        req, rid, name, None, item.finish_reason, stop_reason=item.stop_string
+                    )
+                    yield sse(end)
                     if req.include_usage:
                         yield sse(usage_chunk(req, rid, name, item))
                     yield "data: [DONE]\n\n"
@@ -222,6 +252,15 @@ def build_app(
                 scheduler.cancel(job.uid)
 
     return app
+
+
+def route_error(path: str, e: RequestError) -> dict:
+    """`e` in the error shape of the API `path` belongs to."""
+    if path.startswith("/v1/messages"):
+        return anthropic.error_body(str(e), e.status)
+    if path.startswith("/api/"):
+        return ollama.error_body(str(e))
+    return e.body()
 
 
 def wants_logprob(e) -> bool:

@@ -73,6 +73,7 @@ def completion_body(
         choice = {"index": 0, "text": text}
     choice["logprobs"] = lp.body() if lp is not None else None
     choice["finish_reason"] = finish
+    choice["stop_reason"] = e.stop_string  # vLLM's: the stop string that ended the reply
     return _envelope(req, rid, model, [choice], "chat.completion", e)
 
 
@@ -84,8 +85,11 @@ def chunk(
     finish: str | None = None,
     logprobs: dict | None = None,
     role: bool = False,
+    stop_reason: str | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk; chat deltas carry the role first, then content pieces."""
+    """One streamed chunk; chat deltas carry the role first, then content pieces. The last
+    one carries the finish_reason and (vLLM's) stop_reason: the stop string that ended the
+    reply, if one did."""
     if req.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
@@ -95,6 +99,8 @@ def chunk(
         choice = {"index": 0, "text": text or ""}
     choice["logprobs"] = logprobs
     choice["finish_reason"] = finish
+    if finish is not None:
+        choice["stop_reason"] = stop_reason
     return _envelope(req, rid, model, [choice], "chat.completion.chunk")
 
 

@@ -1,0 +1,416 @@
+"""Anthropic's Messages API (POST /v1/messages) as a thin translation onto the OpenAI chat
+route: the same engine request, the same text.
+
+`openai_body` turns a Messages body into an OpenAI chat body (`system` -> a system message,
+an assistant's tool_use blocks -> its `tool_calls`, tool_result blocks -> role "tool"
+messages, `tools` -> functions, `stop_sequences` -> `stop`); `message` turns the chat
+completion back into a Message, `Events` its stream chunks into Anthropic's event sequence
+(message_start, ping, content_block_start / _delta / _stop for each text or tool_use block,
+message_delta with the stop reason and usage, message_stop). A bad body is a 400 in
+Anthropic's error shape naming the field as Anthropic does ("messages.0.content.1.type").
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations.
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .protocol import MAX_STOPS, RequestError
+from .translation import OpenAIRoutes, chunks, json_body, validate
+
+JOIN = "\n\n"  # between a message's text blocks (and a system prompt's)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # e.g. cache_control, metadata
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[dict[str, Any]] = ""
+    is_error: bool | None = None
+
+
+class ThinkingBlock(_Body):
+    """An earlier turn's reasoning, handed back by the client: left out of the prompt."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+BLOCKS: dict[str, type[_Body]] = {
+    "text": TextBlock,
+    "tool_use": ToolUseBlock,
+    "tool_result": ToolResultBlock,
+    "thinking": ThinkingBlock,
+    "redacted_thinking": ThinkingBlock,
+}
+
+
+class InputMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+
+
+class Tool(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class MessagesBody(_Body):
+    model: str | None = None  # one model is served: any name is taken
+    messages: Annotated[list[InputMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)]
+    system: str | list[TextBlock] | None = None
+    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stream: bool | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+def openai_body(body: Any) -> dict[str, Any]:
+    """A Messages body -> the OpenAI chat body asking the same (RequestError naming the
+    field of a bad one). Fields the server leaves out (temperature, top_p, top_k) take the
+    server's defaults, as on the OpenAI route."""
+    b = validate(MessagesBody, body)
+    messages: list[dict[str, Any]] = []
+    if b.system:
+        system = b.system if isinstance(b.system, str) else JOIN.join(t.text for t in b.system)
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(b.messages):
+        messages += _messages(m, f"messages.{i}")
+    out: dict[str, Any] = {"messages": messages, "max_tokens": b.max_tokens}
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(b, name) is not None:
+            out[name] = getattr(b, name)
+    if b.stop_sequences:
+        out["stop"] = b.stop_sequences
+    if b.tools:
+        out["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": t.input_schema,
+                },
+            }
+            for t in b.tools
+        ]
+    if b.tool_choice is not None:
+        out.update(_tool_choice(b.tool_choice, [t.name for t in b.tools or []]))
+    if b.stream:
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def _messages(m: InputMessage, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI messages: a user's tool_result blocks become "tool"
+    messages (before its text, as Anthropic puts them first), an assistant's tool_use
+    blocks its `tool_calls`."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, raw in enumerate(m.content):
+        at = f"{where}.content.{j}"
+        block = _block(raw, at)
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            if m.role != "assistant":
+                raise RequestError(f"{at}: tool_use blocks belong to assistant messages", at)
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            function = {"name": block.name, "arguments": arguments}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif isinstance(block, ToolResultBlock):
+            if m.role != "user":
+                raise RequestError(f"{at}: tool_result blocks belong to user messages", at)
+            content = _result_text(block, at)
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
+    if m.role == "assistant":
+        reply: dict[str, Any] = {"role": "assistant", "content": JOIN.join(texts)}
+        if calls:
+            reply["tool_calls"] = calls
+            reply["content"] = reply["content"] or None
+        return [reply]
+    return results + ([{"role": "user", "content": JOIN.join(texts)}] if texts else [])
+
+
+def _block(raw: Any, at: str) -> _Body:
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    model = BLOCKS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        known = ", ".join(repr(k) for k in BLOCKS)
+        why = "this server's model reads text only" if kind in ("image", "document") else ""
+        raise RequestError(
+            f"{at}.type: content blocks are {known}; got {kind!r}" + (f" ({why})" if why else ""),
+            f"{at}.type",
+        )
+    return validate(model, raw, at)
+
+
+def _result_text(block: ToolResultBlock, at: str) -> str:
+    """A tool_result's content as text (its text blocks; an error result says so)."""
+    if isinstance(block.content, str):
+        text = block.content
+    else:
+        text = JOIN.join(
+            validate(TextBlock, part, f"{at}.content.{k}").text
+            for k, part in enumerate(block.content)
+        )
+    return f"Error: {text}" if block.is_error else text
+
+
+def _tool_choice(choice: ToolChoice, names: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if choice.type == "tool":
+        if choice.name not in names:
+            raise RequestError(
+                f"tool_choice.name: {choice.name!r} is not one of the tools ({names})",
+                "tool_choice.name",
+            )
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    else:
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    if choice.disable_parallel_tool_use:
+        out["parallel_tool_calls"] = False
+    return out
+
+
+# -- the answer back -----------------------------------------------------------------------
+
+
+def message(completion: dict[str, Any], stops: list[str]) -> dict[str, Any]:
+    """An OpenAI chat completion -> Anthropic's Message (`stops`: the request's
+    stop_sequences, to tell "stop_sequence" from "end_turn")."""
+    choice = completion["choices"][0]
+    msg = choice["message"]
+    calls = msg.get("tool_calls") or []
+    text = msg.get("content") or ""
+    content = [{"type": "text", "text": text}] if text or not calls else []
+    content += [tool_use(c) for c in calls]
+    reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"), stops)
+    return {
+        "id": message_id(completion["id"]),
+        "type": "message",
+        "role": "assistant",
+        "model": completion["model"],
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(completion.get("usage")),
+    }
+
+
+def tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call -> a tool_use block (its JSON arguments as the input object)."""
+    f = call["function"]
+    try:
+        args = json.loads(f.get("arguments") or "{}")
+    except ValueError:
+        args = None
+    args = args if isinstance(args, dict) else {"arguments": f.get("arguments")}
+    return {"type": "tool_use", "id": call["id"], "name": f["name"], "input": args}
+
+
+def stop_reason(finish: str | None, stop: Any, stops: list[str]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of an OpenAI finish_reason; `stop` is the string that
+    ended the reply (vLLM's choice.stop_reason), one of `stops` for "stop_sequence"."""
+    if finish == "stop" and isinstance(stop, str) and stop in stops:
+        return "stop_sequence", stop
+    return STOP_REASONS.get(finish, "end_turn"), None
+
+
+def usage(u: dict[str, Any] | None) -> dict[str, int]:
+    """OpenAI's usage -> Anthropic's, where input_tokens leaves out the tokens read from
+    the prompt cache (cache_read_input_tokens)."""
+    u = u or {}
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {
+        "input_tokens": u.get("prompt_tokens", 0) - cached,
+        "output_tokens": u.get("completion_tokens", 0),
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def message_id(rid: str) -> str:
+    return "msg_" + rid.split("-", 1)[-1]
+
+
+class Events:
+    """OpenAI chat stream chunks -> Anthropic's server-sent events, chunk by chunk."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.started = False
+        self.blocks = 0  # content blocks opened so far
+        self.open: Any = None  # the open block: "text", a tool call's index, or None
+        self.finish: str | None = None
+        self.stop: Any = None
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: dict[str, Any]) -> list[str]:
+        """The events of one OpenAI chunk (an "error" chunk is Anthropic's error event)."""
+        if "error" in chunk:
+            return [sse("error", error_body(chunk["error"].get("message", ""), 500))]
+        out = [] if self.started else self._start(chunk)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._open("text", {"type": "text", "text": ""})
+                text_delta = {"type": "text_delta", "text": delta["content"]}
+                out.append(self._delta(text_delta))
+            for call in delta.get("tool_calls") or []:
+                key = ("tool", call.get("index", 0))
+                if self.open != key:
+                    f = call.get("function") or {}
+                    block = {"type": "tool_use", "id": call.get("id"), "name": f.get("name")}
+                    out += self._open(key, {**block, "input": {}})
+                args = (call.get("function") or {}).get("arguments")
+                if args:
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": args}))
+            if choice.get("finish_reason"):
+                self.finish, self.stop = choice["finish_reason"], choice.get("stop_reason")
+        return out
+
+    def end(self) -> list[str]:
+        """The closing events: the last block's stop, message_delta, message_stop."""
+        out = [] if self.blocks else self._open("text", {"type": "text", "text": ""})
+        out += self._close()
+        reason, sequence = stop_reason(self.finish, self.stop, self.stops)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        out.append(
+            sse(
+                "message_delta",
+                {"type": "message_delta", "delta": delta, "usage": usage(self.usage)},
+            )
+        )
+        out.append(sse("message_stop", {"type": "message_stop"}))
+        return out
+
+    def _start(self, chunk: dict[str, Any]) -> list[str]:
+        self.started = True
+        msg = {
+            "id": message_id(chunk.get("id", "")),
+            "type": "message",
+            "role": "assistant",
+            "model": chunk.get("model"),
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage(None),  # the counts come with message_delta
+        }
+        start = sse("message_start", {"type": "message_start", "message": msg})
+        return [start, sse("ping", {"type": "ping"})]
+
+    def _open(self, key: Any, block: dict[str, Any]) -> list[str]:
+        if self.open == key:
+            return []
+        out = self._close()
+        self.open = key
+        self.blocks += 1
+        start = {"type": "content_block_start", "index": self.blocks - 1, "content_block": block}
+        return [*out, sse("content_block_start", start)]
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        body = {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}
+        return sse("content_block_delta", body)
+
+
+def sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def error_body(message: str, status: int) -> dict[str, Any]:
+    """Anthropic's error body for an answer of `status`."""
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def routes(openai: OpenAIRoutes):
+    """The router of POST /messages and /messages/count_tokens (mounted under /v1)."""
+    from fastapi import APIRouter
+    from fastapi.responses import StreamingResponse
+    from starlette.requests import Request as HTTPRequest
+
+    router = APIRouter()
+
+    @router.post("/messages")
+    async def messages(request: HTTPRequest):
+        body = openai_body(json_body(await request.body()))
+        stops = body.get("stop", [])
+        answer = await openai.chat(request, body)
+        if not body.get("stream"):
+            return message(answer, stops)
+        return StreamingResponse(
+            _stream(answer, stops),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(request: HTTPRequest):
+        raw = json_body(await request.body())
+        if isinstance(raw, dict):
+            raw = {"max_tokens": 1, **raw}  # count_tokens bodies have none
+        return {"input_tokens": openai.prompt_tokens(openai_body(raw))}
+
+    return router
+
+
+async def _stream(response, stops: list[str]):
+    events = Events(stops)
+    async for c in chunks(response):
+        for e in events.feed(c):
+            yield e
+        if "error" in c:
+            return
+    for e in events.end():
+        yield e

@@ -1,0 +1,360 @@
+"""Ollama's API (/api/chat, /api/generate, /api/tags, /api/show, /api/version) as a thin
+translation onto the OpenAI routes: the same engine request, the same text.
+
+`chat_body` / `generate_body` turn an Ollama body into an OpenAI one (`options` ->
+sampling fields, `format` -> `response_format`, tool calls' argument objects -> JSON
+strings); `Reply` turns the OpenAI stream chunks back into Ollama's NDJSON lines (`stream`
+defaults to true, as in Ollama) or, for `"stream": false`, into its one answer, with
+Ollama's counts and durations (nanoseconds). Errors are Ollama's `{"error": "..."}`.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations.
+
+import asyncio
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .protocol import MAX_STOPS, RequestError
+from .translation import OpenAIRoutes, chunks, json_body, validate
+
+POLL = 0.5  # seconds between checks that a non-streaming client is still connected
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # e.g. keep_alive, think
+
+
+class Function(_Body):
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class ToolCall(_Body):
+    function: Function
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+
+
+class Options(_Body):
+    """The sampling options taken (others, such as num_ctx, are ignored as by a model
+    that cannot change them)."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    num_predict: int | None = None  # <= 0 (Ollama's -1, -2): until the context is full
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+Format = Literal["", "json"] | dict[str, Any] | None
+
+
+class _Request(_Body):
+    model: str | None = None  # one model is served: any name is taken
+    format: Format = None
+    options: Options | None = None
+    stream: bool = True
+
+
+class ChatBody(_Request):
+    messages: list[Message] = []
+    tools: list[dict[str, Any]] | None = None  # OpenAI's function format already
+
+
+class GenerateBody(_Request):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    images: list[str] | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+
+
+def chat_body(body: Any, context: int) -> dict[str, Any] | None:
+    """An /api/chat body -> the OpenAI chat body asking the same (`context`: the model's,
+    for num_predict <= 0). An empty `messages` is Ollama's "load the model": None."""
+    b = validate(ChatBody, body)
+    if not b.messages:
+        return None
+    messages: list[dict[str, Any]] = []
+    pending: list[tuple[str, str]] = []  # (id, name) of tool calls not yet answered
+    for i, m in enumerate(b.messages):
+        if m.images:
+            at = f"messages.{i}.images"
+            raise RequestError(f"{at}: this server's model reads text only", at)
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            msg["tool_calls"] = []
+            for k, c in enumerate(m.tool_calls):
+                call_id = f"call_{i}_{k}"
+                arguments = json.dumps(c.function.arguments, ensure_ascii=False)
+                function = {"name": c.function.name, "arguments": arguments}
+                msg["tool_calls"].append({"id": call_id, "type": "function", "function": function})
+            pending = [(c["id"], c["function"]["name"]) for c in msg["tool_calls"]]
+        if m.role == "tool" and pending:  # Ollama's tool messages name the tool, not the call
+            k = next((k for k, (_, n) in enumerate(pending) if n == m.tool_name), 0)
+            msg["tool_call_id"] = pending.pop(k)[0]
+        if m.tool_name:
+            msg["name"] = m.tool_name
+        messages.append(msg)
+    out = {"messages": messages, **_settings(b, context)}
+    if b.tools:
+        out["tools"] = b.tools
+    return out
+
+
+def generate_body(body: Any, context: int) -> tuple[dict[str, Any] | None, bool]:
+    """An /api/generate body -> (the OpenAI body, whether it is a text completion: `raw`)
+    (None for an empty prompt: Ollama's "load the model")."""
+    b = validate(GenerateBody, body)
+    for name in ("images", "suffix", "template", "context"):
+        if getattr(b, name):
+            raise RequestError(f"{name}: not supported by this server", name)
+    if not b.prompt:
+        return None, b.raw
+    if b.raw:
+        return {"prompt": b.prompt, **_settings(b, context)}, True
+    messages = [{"role": "system", "content": b.system}] if b.system else []
+    messages.append({"role": "user", "content": b.prompt})
+    return {"messages": messages, **_settings(b, context)}, False
+
+
+def _settings(b: _Request, context: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+    o = b.options or Options()
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop"):
+        if getattr(o, name) is not None:
+            out[name] = getattr(o, name)
+    for name, openai in [
+        ("repeat_penalty", "repetition_penalty"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+    ]:
+        if getattr(o, name) is not None:
+            out[openai] = getattr(o, name)
+    if o.num_predict is not None:
+        out["max_tokens"] = o.num_predict if o.num_predict > 0 else context
+    if b.format == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(b.format, dict):
+        schema = {"name": "format", "schema": b.format, "strict": True}
+        out["response_format"] = {"type": "json_schema", "json_schema": schema}
+    return out
+
+
+# -- the answer back -----------------------------------------------------------------------
+
+
+def now() -> str:
+    """The time as Ollama writes it: RFC 3339 in UTC with nanoseconds."""
+    ns = time.time_ns()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
+
+
+class Reply:
+    """OpenAI stream chunks -> Ollama's answer lines: one per piece of text, then the
+    last with `done: true`, the done_reason, the counts and durations. `chat`: lines
+    carry a `message` (else the /api/generate `response` text)."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+        self.t0 = time.monotonic_ns()
+        self.first: int | None = None  # when the first text arrived (the prompt's time)
+        self.text: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}  # tool calls by index, arguments joined
+        self.finish: str | None = None
+        self.usage: dict[str, Any] = {}
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The lines of one OpenAI chunk (an "error" chunk is Ollama's error line)."""
+        if "error" in chunk:
+            return [error_body(chunk["error"].get("message", ""))]
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        out = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content") if "delta" in choice else choice.get("text")
+            if self.first is None and (text or delta.get("tool_calls")):
+                self.first = time.monotonic_ns()
+            for call in delta.get("tool_calls") or []:
+                held = self.calls.setdefault(call.get("index", 0), {"name": "", "arguments": ""})
+                f = call.get("function") or {}
+                held["name"] += f.get("name") or ""
+                held["arguments"] += f.get("arguments") or ""
+            if text:
+                self.text.append(text)
+                out.append(self._line(text, False))
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+        return out
+
+    def end(self) -> dict[str, Any]:
+        """The last line (`done: true`); with `whole`, carrying all the text."""
+        return self._done("")
+
+    def whole(self) -> dict[str, Any]:
+        """The one answer of a `"stream": false` request."""
+        return self._done("".join(self.text))
+
+    def _done(self, text: str) -> dict[str, Any]:
+        end = time.monotonic_ns()
+        first = self.first or end
+        line = self._line(text, True)
+        if self.chat and self.calls:
+            line["message"]["tool_calls"] = [
+                {"function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
+                for _, c in sorted(self.calls.items())
+            ]
+        line["done_reason"] = "length" if self.finish == "length" else "stop"
+        line.update(
+            total_duration=end - self.t0,
+            load_duration=0,
+            prompt_eval_count=self.usage.get("prompt_tokens", 0),
+            prompt_eval_duration=first - self.t0,
+            eval_count=self.usage.get("completion_tokens", 0),
+            eval_duration=end - first,
+        )
+        return line
+
+    def _line(self, text: str, done: bool) -> dict[str, Any]:
+        line: dict[str, Any] = {"model": self.model, "created_at": now()}
+        if self.chat:
+            line["message"] = {"role": "assistant", "content": text}
+        else:
+            line["response"] = text
+        line["done"] = done
+        return line
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text or "{}")
+    except ValueError:
+        return {"arguments": text}
+
+
+def error_body(message: str) -> dict[str, str]:
+    return {"error": message}
+
+
+def tag(name: str) -> str:
+    """A model name as Ollama lists one: with a tag."""
+    return name if ":" in name else f"{name}:latest"
+
+
+def routes(openai: OpenAIRoutes):
+    """The router of Ollama's routes (mounted under /api)."""
+    from fastapi import APIRouter
+    from fastapi.responses import StreamingResponse
+    from starlette.requests import Request as HTTPRequest
+
+    from ..cluster.diagnostics import llama_tp_version
+
+    router = APIRouter()
+    started = now()
+
+    async def answer(request: HTTPRequest, body: dict | None, text: bool, chat: bool, stream):
+        info = openai.model()
+        reply = Reply(tag(info.name), chat)
+        if body is None:  # nothing to say: Ollama's answer to "load the model"
+            line = reply.whole()
+            line["done_reason"] = "load"
+            return line
+        response = await (openai.completion if text else openai.chat)(request, body)
+        if not stream:
+            await until_done(request, read(response, reply))
+            return reply.whole()
+
+        async def ndjson():
+            async for c in chunks(response):
+                for line in reply.feed(c):
+                    yield json.dumps(line, ensure_ascii=False) + "\n"
+                if "error" in c:
+                    return
+            yield json.dumps(reply.end(), ensure_ascii=False) + "\n"
+
+        return StreamingResponse(ndjson(), media_type="application/x-ndjson")
+
+    @router.post("/chat")
+    async def chat(request: HTTPRequest):
+        raw = json_body(await request.body())
+        body = chat_body(raw, openai.model().context)
+        return await answer(request, body, False, True, raw.get("stream", True))
+
+    @router.post("/generate")
+    async def generate(request: HTTPRequest):
+        raw = json_body(await request.body())
+        body, text = generate_body(raw, openai.model().context)
+        return await answer(request, body, text, False, raw.get("stream", True))
+
+    @router.get("/tags")
+    async def tags():
+        info = openai.model()
+        return {"models": [{**_entry(info), "modified_at": started}]}
+
+    @router.post("/show")
+    async def show():
+        info = openai.model()
+        return {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": _entry(info)["details"],
+            "model_info": {
+                "general.architecture": "llama_tp",
+                "llama_tp.context_length": info.context,
+            },
+            "capabilities": ["completion", "tools"],
+        }
+
+    @router.get("/version")
+    async def version():
+        return {"version": llama_tp_version()}
+
+    return router
+
+
+async def read(response, reply: Reply) -> None:
+    """Feed `reply` the whole OpenAI stream (RequestError on a mid-stream failure)."""
+    async for c in chunks(response):
+        lines = reply.feed(c)
+        if "error" in c:
+            raise RequestError(lines[0]["error"], None, 500, "unavailable", "server_error")
+
+
+async def until_done(request, work) -> None:
+    """Await `work` (a coroutine) while the client is connected; a client that goes away
+    cancels it, which cancels the request (as the OpenAI route's non-streaming answer)."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=POLL))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            raise RequestError("client closed the request", None, 499, None)
+    task.result()
+
+
+def _entry(info) -> dict[str, Any]:
+    details = {"format": "", "family": "", "parameter_size": "", "quantization_level": ""}
+    return {
+        "name": tag(info.name),
+        "model": tag(info.name),
+        "size": 0,
+        "digest": "",
+        "details": details,
+    }
