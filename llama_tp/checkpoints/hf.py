@@ -73,10 +73,15 @@ _RENAMES = [
         r"^model\.layers\.(\d+)\.block_sparse_moe\.switch_mlp\.",
         r"layers.\1.feed_forward.switch_mlp.",
     ),
+    # gpt-oss (mlx-lm's names): the router and the stacked experts
+    (r"^model\.layers\.(\d+)\.mlp\.router\.", r"layers.\1.feed_forward.router."),
+    (r"^model\.layers\.(\d+)\.mlp\.experts\.", r"layers.\1.feed_forward.switch_mlp."),
     # multi-head latent attention's own projections and norms, under their own names (last:
     # the projections every attention has are named above)
     (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attention."),
 ]
+# MLX quantization modes read (and split): affine, and the MXFP4 of gpt-oss's experts
+QUANT_MODES = ("affine", "mxfp4")
 # The families whose mixture-of-experts block mlx-lm names `block_sparse_moe` (not `mlp`)
 BLOCK_SPARSE_MOE = ("mixtral",)
 # The DeepSeek-V3 architecture (Kimi K2 is one, mlx-lm reads both with its deepseek_v3)
@@ -132,7 +137,28 @@ def moe_fields(config: dict, model_type: str) -> dict:
         }
     elif model_type in DEEPSEEK_V3:
         out |= deepseek_v3_fields(config)
+    elif model_type == "gpt_oss":
+        out |= gpt_oss_fields(config)
     return out
+
+
+def gpt_oss_fields(config: dict) -> dict:
+    """gpt-oss's experts, sinks and sliding-window layers (mlx-lm's defaults: layers
+    alternating sliding and full attention, a window of 128)."""
+    n_layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention", "full_attention"] * (n_layers // 2)
+    return {
+        "n_experts": config.get("num_local_experts", 128),
+        "n_experts_per_tok": config.get("num_experts_per_tok", 4),
+        "moe_hidden_dim": config["intermediate_size"],
+        "router": "topk_softmax",
+        "expert_bias": True,
+        "activation": "swiglu_oai",
+        "swiglu_limit": float(config.get("swiglu_limit", 7.0)),
+        "attention_sinks": True,
+        "sliding_window": config.get("sliding_window", 128),
+        "layer_types": list(types),
+    }
 
 
 def deepseek_v3_fields(config: dict) -> dict:
@@ -190,11 +216,14 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
     if missing:
         raise CheckpointError(f"{path / 'config.json'}: missing {', '.join(missing)}")
     quant = config.get("quantization") or {}
-    if quant.get("mode", "affine") != "affine":
+    if quant.get("mode", "affine") not in QUANT_MODES:
         raise CheckpointError(
             f"{path / 'config.json'}: quantization mode {quant['mode']!r} is not supported "
-            "(only MLX affine quantization)"
+            f"(supported: {', '.join(QUANT_MODES)})"
         )
+    if model_type == "gpt_oss":  # mlx-lm's defaults, and its biases on every projection
+        config = {"rope_theta": 150000, "rms_norm_eps": 1e-5, "head_dim": 64, **config}
+        config["attention_bias"] = True
     attention_bias = bool(config.get("attention_bias", False))
     if model_type in DEEPSEEK_V3 and attention_bias:
         raise CheckpointError(f"{path / 'config.json'}: attention_bias is not supported")
@@ -296,6 +325,7 @@ def read(path: Path) -> Checkpoint:
     if args.tie_word_embeddings:
         weights.pop("output.weight", None)
     key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
+    key = "num_local_experts" if args.model_type == "gpt_oss" else key
     key = "n_routed_experts" if args.model_type in DEEPSEEK_V3 else key
     check_experts(
         args,
