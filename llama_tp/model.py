@@ -392,7 +392,8 @@ class Transformer(nn.Module):
             cache = [None] * len(self.layers)
         # Under sequence parallelism h is this rank's chunk (>= 2 positions, see
         # parallel/sequence.py): the mask is "causal" either way.
-        for layer, c, mask in zip(self.layers, cache, layer_masks(h, self.layers, cache)):
+        masks = layer_masks(h, self.layers, cache)
+        for layer, c, mask in zip(self.layers, cache, masks, strict=True):
             h = layer(h, mask, c)
         h = self.norm(h)
         if self.args.tie_word_embeddings:

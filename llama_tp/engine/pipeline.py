@@ -99,7 +99,8 @@ class PipelineModel(nn.Module):
                 h = self.tok_embeddings(tokens[:, a:b])
             else:
                 h = input_embeddings[:, a:b]
-            for layer, c, mask in zip(self.layers, cache, layer_masks(h, self.layers, cache)):
+            masks = layer_masks(h, self.layers, cache)
+            for layer, c, mask in zip(self.layers, cache, masks, strict=True):
                 h = layer(h, mask, c)
             if not mesh.last:
                 # Evaluated here: the next micro-batch starts only once this one is sent

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.deepseek_v3 import MoEGate
 from mlx_lm.models.activations import SwigluOAI
+from mlx_lm.models.deepseek_v3 import MoEGate
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..model import FeedForward, ModelArgs

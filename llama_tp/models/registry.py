@@ -27,9 +27,9 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from ..model import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
+from .gpt_oss import SinkAttention
 from .latent_attention import LatentAttention
 from .moe import MoEFeedForward
-from .gpt_oss import SinkAttention
 from .qk_norm import QKNormAttention
 
 MODEL_TYPES = (
