@@ -337,11 +337,19 @@ def read(path: Path) -> Checkpoint:
     return Checkpoint(path, "hf", args, weights, config, files, sources)
 
 
+def _mxfp4_release(config: dict) -> bool:
+    """A config of MXFP4 experts (Hugging Face's `quant_method` mxfp4, or mlx-lm's mode)."""
+    hf_quant = config.get("quantization_config") or {}
+    mode = (config.get("quantization") or {}).get("mode")
+    return hf_quant.get("quant_method") == "mxfp4" or mode == "mxfp4"
+
+
 def read_config_only(config_file: Path) -> Checkpoint:
     """A `config.json` alone, for `plan` before anything is downloaded: the tensors its
     model holds in its `torch_dtype` (default float32), quantized as its `quantization`
     block says (mlx-lm's way: every layer whose input width is a multiple of the group,
-    scales in that dtype), as lazy placeholders never evaluated.
+    scales in that dtype; MXFP4, gpt-oss's: the experts only), as lazy placeholders never
+    evaluated.
     Their shapes and bytes are the checkpoint's; their values are not: nothing but the
     plan may use them."""
     import mlx.nn as nn
@@ -355,7 +363,14 @@ def read_config_only(config_file: Path) -> Checkpoint:
     dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
     model.set_dtype(dtypes.get(config.get("torch_dtype"), mx.float32))
     quant = config.get("quantization") or {}
-    if quant:
+    if _mxfp4_release(config):
+        # gpt-oss's releases: the experts in MXFP4 (mlx-lm reads them as `mxfp4`), the rest
+        # in the torch_dtype
+        def experts(path: str, m: nn.Module) -> bool:
+            return ".switch_mlp." in path and hasattr(m, "to_quantized")
+
+        nn.quantize(model, 32, 4, mode="mxfp4", class_predicate=experts)
+    elif quant:
         gs, bits = quant["group_size"], quant["bits"]
 
         def predicate(path: str, m: nn.Module) -> bool:
