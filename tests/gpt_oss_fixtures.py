@@ -99,6 +99,47 @@ def mxfp4(src: Path, out: Path) -> Path:
 
 
 def gpt_oss_models(root: Path) -> dict[str, Path]:
-    """{"gpt_oss": float32 folder, "gpt_oss-mxfp4": its MXFP4 quantization}."""
+    """{"gpt_oss": float32 folder, "gpt_oss-mxfp4": its MXFP4 quantization by mlx-lm,
+    "gpt_oss-hf": its experts in MXFP4 as the Hugging Face release stores them}."""
     f32 = write_gpt_oss(root / "gpt_oss")
-    return {"gpt_oss": f32, "gpt_oss-mxfp4": mxfp4(f32, root / "gpt_oss-mxfp4")}
+    return {
+        "gpt_oss": f32,
+        "gpt_oss-mxfp4": mxfp4(f32, root / "gpt_oss-mxfp4"),
+        "gpt_oss-hf": hf_release(f32, root / "gpt_oss-hf"),
+    }
+
+
+def hf_release(src: Path, out: Path) -> Path:
+    """`src` in the layout of OpenAI's Hugging Face release: the experts' gate and up rows
+    interleaved in `gate_up_proj`, MXFP4 as `*_blocks` (16 bytes per 32 values) and
+    `*_scales` (uint8), their biases `*_bias`; `quantization_config` says `mxfp4`."""
+    import shutil
+
+    weights = mx.load(str(src / "model.safetensors"))
+    out.mkdir(parents=True, exist_ok=True)
+    stored = {}
+    for name, v in weights.items():
+        if ".experts." not in name:
+            stored[name] = v
+            continue
+        prefix = name[: name.index(".experts.") + len(".experts.")]
+        proj, part = name[len(prefix) :].split(".")
+        if proj == "up_proj":
+            continue  # with gate_proj
+        if proj == "gate_proj":
+            up = weights[f"{prefix}up_proj.{part}"]
+            v = mx.stack([v, up], axis=2).reshape(v.shape[0], -1, *v.shape[2:])
+            proj = "gate_up_proj"
+        if part == "bias":
+            stored[f"{prefix}{proj}_bias"] = v
+            continue
+        w, scales = mx.quantize(v, 32, 4, mode="mxfp4")
+        stored[f"{prefix}{proj}_blocks"] = w.view(mx.uint8).reshape(*w.shape[:2], -1, 16)
+        stored[f"{prefix}{proj}_scales"] = scales
+    mx.save_safetensors(str(out / "model.safetensors"), stored)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out

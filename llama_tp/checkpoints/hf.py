@@ -1,7 +1,8 @@
 """Hugging Face / MLX directories: `config.json` + `model*.safetensors`.
 
 Covers fp32/fp16/bf16 checkpoints and MLX affine-quantized ones (a
-`quantization` block in `config.json`, as in mlx-community 4-bit models).
+`quantization` block in `config.json`, as in mlx-community 4-bit models), MXFP4 experts
+(MLX's `mxfp4` mode, and gpt-oss's Hugging Face `*_blocks` layout: `mxfp4.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..models.registry import MODEL_TYPES, unsupported
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts
 from .latent import split_kv_b
+from .mxfp4 import mxfp4_experts, stored_part
 from .safetensors import SafetensorsFile
 
 # Hugging Face parameter names -> the model's names.
@@ -273,7 +275,7 @@ def load_weights(
 ) -> tuple[dict[str, mx.array], dict[str, tuple[SafetensorsFile, str]]]:
     """Lazily load safetensors files, keyed by the model's names; and where each
     tensor lives, for reading slices of it (headers are checked against the sizes)."""
-    weights, sources, experts = {}, {}, {}
+    weights, sources, experts, blocks = {}, {}, {}, {}
     for f in files:
         header = SafetensorsFile(f)  # a truncated file fails here, with the numbers
         try:
@@ -284,6 +286,9 @@ def load_weights(
             if stacked := per_expert(name):  # one expert's tensor: stacked below
                 experts.setdefault(stacked[0], {})[stacked[1]] = (header, name, value)
                 continue
+            if stored_part(name):  # gpt-oss's MXFP4 blocks: read as the model's, below
+                blocks[name] = (header, value)
+                continue
             new = to_model_name(name)
             if new is not None:
                 weights[new] = value
@@ -291,6 +296,8 @@ def load_weights(
     for name, (value, source) in stack_experts(experts, files[0].parent).items():
         new = to_model_name(name)
         weights[new], sources[new] = value, (source, name)
+    for name, (value, source) in mxfp4_experts(blocks).items():
+        weights[name], sources[name] = value, (source, source.stored)
     return weights, sources
 
 
