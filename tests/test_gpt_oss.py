@@ -152,7 +152,9 @@ def _one_error(r, expected: str) -> None:
 
 
 def test_refusals_are_one_line(models, tmp_path):
-    """Configs that disagree with themselves or with the tensors: one line, the numbers."""
+    """Configs that disagree with themselves or with the tensors: one line, the numbers;
+    a quantization mode that is not read, and sequence parallelism (its chunks' masks
+    are not windowed): one line."""
     from llama_tp.checkpoints import CheckpointError, open_checkpoint
 
     src = models["gpt_oss"]
@@ -195,6 +197,11 @@ def test_refusals_are_one_line(models, tmp_path):
         r,
         f"{path / 'config.json'}: quantization mode 'nvfp4' is not supported (supported: "
         "affine, mxfp4)",
+    )
+    args = ["--model", str(src), "--prompt", "hi", "-m", "2", "--sequence-parallel"]
+    _one_error(
+        run_python(["-m", "llama_tp.generate", *args]),
+        "--sequence-parallel does not take sliding-window layers (gpt-oss)",
     )
 
 
