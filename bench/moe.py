@@ -48,7 +48,8 @@ def bench(spec: str, ranks: int, flags: list[str], args) -> dict:
     cmd += ["-p", str(args.p), "-g", str(args.g), "-n", str(args.n), *flags]
     env = dict(os.environ)
     if ranks > 1:
-        cmd = [PY, "-m", "llama_tp.launch", "-n", str(ranks), "--", *cmd]
+        port = ["--starting-port", str(args.port)] if args.port else []
+        cmd = [PY, "-m", "llama_tp.launch", "-n", str(ranks), *port, "--", *cmd]
         env["OPENBLAS_NUM_THREADS"] = "1"
     else:
         env["OPENBLAS_NUM_THREADS"] = "2"
@@ -174,6 +175,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=7, help="interleaved 1-process rounds")
     p.add_argument("--out", default=str(sections.PAGE), help="the page whose section to rewrite")
     p.add_argument("--section", default=NAME, help="the section (and results file) to write")
+    p.add_argument("--port", type=int, help="the ranks' starting port (default: the launcher's)")
     p.add_argument("--one-process", help=argparse.SUPPRESS)  # the interleaved run's child
     args = p.parse_args()
     if args.one_process:

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels import scaled_dot_product_attention  # mlx-lm's, native on the CPU
@@ -89,6 +90,16 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # gpt-oss (`models/gpt_oss.py`): a learned logit per query head in every softmax's
+    # denominator (attention sinks); layers of `layer_types` "sliding_attention" attend to
+    # the last `sliding_window` positions only; biases on the router and every expert's
+    # projections; the clamped SwiGLU ("swiglu_oai": alpha 1.702, limit `swiglu_limit`)
+    attention_sinks: bool = False
+    sliding_window: int = 0
+    layer_types: list[str] | None = None  # "sliding_attention" | "full_attention" per layer
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank:
@@ -114,6 +125,28 @@ class ModelArgs:
             )
         if self.n_experts:
             self._check_experts()
+        if self.layer_types is not None:
+            self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        kinds = ("sliding_attention", "full_attention")
+        if len(self.layer_types) != self.n_layers:
+            raise ValueError(
+                f"model config: {len(self.layer_types)} layer_types for {self.n_layers} layers"
+            )
+        bad = [t for t in self.layer_types if t not in kinds]
+        if bad:
+            raise ValueError(f"model config: layer type {bad[0]!r} (supported: {', '.join(kinds)})")
+        if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+            raise ValueError(
+                f"model config: sliding-window layers with sliding_window {self.sliding_window}"
+            )
+
+    def window(self, layer: int) -> int | None:
+        """The positions layer `layer` attends to (None: all of them)."""
+        if self.layer_types is None or self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
 
     def _check_experts(self) -> None:
         e, k = self.n_experts, self.n_experts_per_tok
@@ -291,6 +324,30 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def layer_masks(h: mx.array, layers: list[nn.Module], cache: list[Any]) -> list[Any]:
+    """Each layer's attention mask for hidden states h (B, L, dim): causal, and windowed
+    for the sliding-window layers (an attention's `window`), each made once from the first
+    cache of its kind, as mlx-lm's gpt_oss does."""
+    made: dict[int | None, Any] = {}
+    out = []
+    for layer, c in zip(layers, cache, strict=True):
+        w = getattr(layer.attention, "window", None)
+        if w not in made:
+            made[w] = create_attention_mask(h, c, window_size=w)
+        out.append(made[w])
+    return out
+
+
+def layer_caches(layers: list[nn.Module]) -> list[Any]:
+    """mlx-lm's caches for `layers`: a RotatingKVCache of the window for sliding-window
+    attention (it never holds more than the window), a KVCache otherwise."""
+    out: list[Any] = []
+    for layer in layers:
+        w = getattr(layer.attention, "window", None)
+        out.append(RotatingKVCache(max_size=w) if w else KVCache())
+    return out
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, layers: list[nn.Module] | None = None):
         """The Llama core; `layers` (default: core blocks) for the other families
@@ -302,6 +359,10 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         if not args.tie_word_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def make_cache(self) -> list[Any]:
+        """One cache per layer (`layer_caches`), for mlx-lm's `make_prompt_cache`."""
+        return layer_caches(self.layers)
 
     def shard_vocab(self, group: mx.distributed.Group, start: int, stop: int) -> None:
         """Keep vocabulary rows [start, stop) of the embedding and the output head.
@@ -331,8 +392,8 @@ class Transformer(nn.Module):
             cache = [None] * len(self.layers)
         # Under sequence parallelism h is this rank's chunk (>= 2 positions, see
         # parallel/sequence.py): the mask is "causal" either way.
-        mask = create_attention_mask(h, cache[0])
-        for layer, c in zip(self.layers, cache, strict=True):
+        masks = layer_masks(h, self.layers, cache)
+        for layer, c, mask in zip(self.layers, cache, masks, strict=True):
             h = layer(h, mask, c)
         h = self.norm(h)
         if self.args.tie_word_embeddings:

@@ -111,6 +111,7 @@ def main() -> int:
             [r.vocab for r in placement.ranks],
             [kv_cache_bytes(shape, r) for r in placement.ranks],
             (a.kv_lora_rank, a.qk_rope_head_dim) if a.kv_lora_rank else None,
+            _sliding(a),
         )
     )
     if ckpt.format == "gguf":
@@ -119,6 +120,12 @@ def main() -> int:
         for note in [*ckpt.notes, *split_notes(ckpt, placement.plan)]:
             print(note)
     return 0
+
+
+def _sliding(a) -> tuple[int, int, int] | None:
+    """(sliding-window layers, layers, window) of a model with some (gpt-oss), else None."""
+    n = sum(a.window(i) is not None for i in range(a.n_layers))
+    return (n, a.n_layers, a.sliding_window) if n else None
 
 
 def _open(model: str | Path):

@@ -92,7 +92,11 @@ def cache_bytes_per_token(model, x: mx.array) -> int:
 
 
 def expert_bytes(model) -> int:
-    return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if ".switch_mlp." in k)
+    return sum(
+        v.nbytes
+        for k, v in tree_flatten(model.parameters())
+        if ".switch_mlp." in k and k.endswith(".weight")  # gpt-oss's biases: not split alike
+    )
 
 
 def share(total: int, n: int, i: int) -> int:

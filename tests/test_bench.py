@@ -329,6 +329,7 @@ SECTIONS = {
     "mpi-backend": ("mpi_backend", "section"),
     "mixture-of-experts": ("moe", "section"),
     "deepseek-v3": ("moe", "section"),
+    "gpt-oss": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
 }

@@ -203,7 +203,9 @@ def test_refusals_are_one_line(models, tmp_path):
     def variant(name: str, base: str = "qwen3_moe", **changes) -> Path:
         return _variant(models[base], tmp_path / name, **changes)
 
-    supported = "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2"
+    supported = (
+        "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, gpt_oss"
+    )
     path = variant("gemma", model_type="gemma3")
     _one_error(
         run_python(_generate(path)),

@@ -17,6 +17,12 @@ shape scaled down: 128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). 
 shared expert, a dense first layer) stored as mlx-lm's convert writes them (`embed_q` /
 `unembed_out`, stacked experts); `deepseek-v3` is its shape scaled down (256 -> 64
 experts in 8 groups, 8 per token, 61 -> 8 layers, 128 -> 16 heads, widths / 4 to / 7).
+The `gpt-oss-*` sizes are gpt-oss models as mlx-lm stores them (attention sinks and
+biases, layers alternating a sliding window of 128 and full attention, biased experts
+behind the clamped SwiGLU); `gpt-oss` is gpt-oss-120b's shape scaled down (128 -> 32
+experts, 4 per token, 36 -> 8 layers, 64 / 8 -> 16 / 2 heads of 64, widths 2880 -> 768).
+The `mxfp4` dtype stores the stacked experts in MLX's `mxfp4` mode (as the gpt-oss
+releases) and the rest in float32.
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
@@ -58,9 +64,24 @@ SIZES = {
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
         experts=64, top_k=8, expert_dim=256, latent=(384, 128, 64, 32, 64), groups=(8, 4),
     ),
+    # gpt-oss: sinks, sliding-window layers (window), biased experts behind the clamped SwiGLU
+    "gpt-oss-tiny": dict(
+        dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=64, vocab=512,
+        experts=8, top_k=2, expert_dim=64, head_dim=16, window=8,
+    ),
+    "gpt-oss": dict(
+        dim=768, n_layers=8, n_heads=16, n_kv_heads=2, hidden_dim=768, vocab=32000,
+        experts=32, top_k=4, expert_dim=768, head_dim=64, window=128,
+    ),
 }  # fmt: skip
 # q4: quantized from float32 (float32 scales: MLX's CPU quantized kernels are slow in float16)
-DTYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32, "q4": mx.float32}
+DTYPES = {
+    "fp16": mx.float16,
+    "bf16": mx.bfloat16,
+    "fp32": mx.float32,
+    "q4": mx.float32,
+    "mxfp4": mx.float32,  # stacked experts in MLX's mxfp4 mode, the rest float32
+}
 
 
 def parse_spec(spec: str) -> tuple[dict, mx.Dtype]:
@@ -99,9 +120,33 @@ def _deepseek_config(s: dict) -> dict:
     }
 
 
+def _gpt_oss_config(s: dict) -> dict:
+    return {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "head_dim": s["head_dim"],
+        "sliding_window": s["window"],
+        "layer_types": ["sliding_attention", "full_attention"] * (s["n_layers"] // 2),
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+    }
+
+
 def hf_config(s: dict, dtype_name: str) -> dict:
     moe = {}
-    if "latent" in s:
+    if "window" in s:
+        moe = _gpt_oss_config(s)
+    elif "latent" in s:
         moe = _deepseek_config(s)
     elif "experts" in s:
         moe = {
@@ -117,6 +162,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
         }
     if dtype_name == "q4":
         moe["quantization"] = {"group_size": Q4_GROUP, "bits": 4, "mode": "affine"}
+    if dtype_name == "mxfp4":
+        moe["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -148,6 +195,8 @@ def _tensors(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
         p = f"model.layers.{i}."
         if "latent" in s:
             out += _latent_attention(s, p + "self_attn.")
+        elif "window" in s:
+            out += _gpt_oss_layer(s, p)
         else:
             out += [
                 (p + "self_attn.q_proj.weight", (nh * hd, d), "normal"),
@@ -155,7 +204,9 @@ def _tensors(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 (p + "self_attn.v_proj.weight", (nkv * hd, d), "normal"),
                 (p + "self_attn.o_proj.weight", (d, nh * hd), "normal"),
             ]
-        if "latent" in s and i == 0:  # DeepSeek-V3's dense first layer
+        if "window" in s:
+            pass  # attention and experts above
+        elif "latent" in s and i == 0:  # DeepSeek-V3's dense first layer
             out += _dense(p, d, h)
         elif "latent" in s:  # grouped routing with its bias, the experts, a shared expert
             e, m = s["experts"], s["expert_dim"]
@@ -194,6 +245,25 @@ def _dense(p: str, d: int, h: int) -> list[tuple[str, tuple[int, ...], str]]:
     ]
 
 
+def _gpt_oss_layer(s: dict, p: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """gpt-oss's attention (biases, sinks) and experts as mlx-lm stores them."""
+    d, nh, nkv, hd = s["dim"], s["n_heads"], s["n_kv_heads"], s["head_dim"]
+    e, m = s["experts"], s["expert_dim"]
+    out = []
+    for name, rows, cols in (
+        ("q_proj", nh * hd, d), ("k_proj", nkv * hd, d), ("v_proj", nkv * hd, d),
+        ("o_proj", d, nh * hd),
+    ):  # fmt: skip
+        out += [(f"{p}self_attn.{name}.weight", (rows, cols), "normal")]
+        out += [(f"{p}self_attn.{name}.bias", (rows,), "small")]
+    out += [(p + "self_attn.sinks", (nh,), "small")]
+    out += [(p + "mlp.router.weight", (e, d), "normal"), (p + "mlp.router.bias", (e,), "small")]
+    for name, rows, cols in (("gate_proj", m, d), ("up_proj", m, d), ("down_proj", d, m)):
+        out += [(f"{p}mlp.experts.{name}.weight", (e, rows, cols), "normal")]
+        out += [(f"{p}mlp.experts.{name}.bias", (e, rows), "small")]
+    return out
+
+
 def _latent_attention(s: dict, p: str) -> list[tuple[str, tuple[int, ...], str]]:
     """DeepSeek-V3's attention as mlx-lm stores it (kv_b_proj split per head)."""
     d, nh = s["dim"], s["n_heads"]
@@ -220,6 +290,9 @@ def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
             out[name] = (mx.random.normal(shape, key=sub) * shape[-1] ** -0.5).astype(dtype)
         elif init == "zeros":  # DeepSeek's routing bias: float32, as mlx-lm keeps it
             out[name] = mx.zeros(shape, mx.float32)
+        elif init == "small":  # gpt-oss's biases and sinks
+            key, sub = mx.random.split(key)
+            out[name] = (mx.random.normal(shape, key=sub) * 0.1).astype(dtype)
         else:
             out[name] = mx.ones(shape, dtype)
     return out
@@ -228,8 +301,11 @@ def _weights(s: dict, dtype: mx.Dtype, seed: int) -> dict[str, mx.array]:
 _SAFETENSORS = {mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32", mx.uint32: "U32"}
 
 
-def _stored(s: dict, dtype: mx.Dtype, q4: bool) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
-    """Every stored tensor's (shape, dtype), as `_weights` (and `_quantized`) make them."""
+def _stored(
+    s: dict, dtype: mx.Dtype, q4: bool, mxfp4: bool = False
+) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+    """Every stored tensor's (shape, dtype), as `_weights` (and `_quantized`, `_mxfp4`)
+    make them."""
     out = {}
     tensors = _tensors(s)
     routers = {n.removesuffix(".e_score_correction_bias") for n, _, i in tensors if i == "zeros"}
@@ -237,6 +313,12 @@ def _stored(s: dict, dtype: mx.Dtype, q4: bool) -> dict[str, tuple[tuple[int, ..
         router = name.removesuffix(".weight") in routers  # DeepSeek's gate: float, as _quantized
         if init == "zeros":
             out[name] = (shape, mx.float32)
+        elif mxfp4 and _expert_weight(name, shape):
+            out[name] = ((*shape[:-1], shape[-1] // 8), mx.uint32)
+            out[name.removesuffix(".weight") + ".scales"] = (
+                (*shape[:-1], shape[-1] // 32),
+                mx.uint8,
+            )
         elif q4 and len(shape) >= 2 and shape[-1] % Q4_GROUP == 0 and not router:
             base = name.removesuffix(".weight")
             out[name] = ((*shape[:-1], shape[-1] // 8), mx.uint32)  # 8 4-bit values per uint32
@@ -275,6 +357,23 @@ def _quantized(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
+def _expert_weight(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 3 and name.endswith(".weight") and shape[-1] % 32 == 0
+
+
+def _mxfp4(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The stacked experts in MLX's mxfp4 mode (4-bit values, one uint8 exponent per 32
+    values, no biases), as the gpt-oss releases store them; the rest as it is."""
+    out = {}
+    for name, v in weights.items():
+        if _expert_weight(name, v.shape):
+            base = name.removesuffix(".weight")
+            out[name], out[f"{base}.scales"] = mx.quantize(v, 32, 4, mode="mxfp4")
+        else:
+            out[name] = v
+    return out
+
+
 def _write_tokenizer(out: Path, vocab_size: int) -> None:
     """A word-level tokenizer (`<unk> <s> </s> w3 w4 ...`): benchmarks feed token ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -302,11 +401,14 @@ def write_synthetic(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if shapes_only:
-        _write_shapes_only(_stored(s, dtype, spec.endswith("-q4")), out / "model.safetensors")
+        stored = _stored(s, dtype, spec.endswith("-q4"), spec.endswith("-mxfp4"))
+        _write_shapes_only(stored, out / "model.safetensors")
     else:
         weights = _weights(s, dtype, seed)
         if spec.endswith("-q4"):
             weights = _quantized(weights)
+        if spec.endswith("-mxfp4"):
+            weights = _mxfp4(weights)
         mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
         del weights
     config = hf_config(s, spec.rpartition("-")[2])

@@ -66,7 +66,9 @@ def _download(repo: str) -> Path:
         ) from None
 
 
-def quantization_of(weights: dict[str, mx.array], path: str, in_dims: int) -> dict[str, int] | None:
+def quantization_of(
+    weights: dict[str, mx.array], path: str, in_dims: int
+) -> dict[str, int | str] | None:
     """Bits and group size of a quantized tensor, read off its shapes.
 
     MLX's affine quantization packs `in_dims` values into `in_dims * bits / 32`
@@ -78,4 +80,13 @@ def quantization_of(weights: dict[str, mx.array], path: str, in_dims: int) -> di
     if scales is None:
         return None
     packed = weights[f"{path}.weight"].shape[-1]
-    return {"bits": packed * 32 // in_dims, "group_size": in_dims // scales.shape[-1]}
+    bits, group_size = packed * 32 // in_dims, in_dims // scales.shape[-1]
+    if f"{path}.biases" in weights or scales.dtype != mx.uint8:
+        return {"bits": bits, "group_size": group_size}
+    # MLX's microscaled modes keep one uint8 exponent per group and no biases
+    if (bits, group_size) != (4, 32):
+        raise CheckpointError(
+            f"{path}: {bits}-bit values in groups of {group_size} with uint8 scales: only "
+            "MXFP4 (4 bits, groups of 32) and affine quantization are read"
+        )
+    return {"bits": bits, "group_size": group_size, "mode": "mxfp4"}

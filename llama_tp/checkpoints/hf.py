@@ -1,7 +1,8 @@
 """Hugging Face / MLX directories: `config.json` + `model*.safetensors`.
 
 Covers fp32/fp16/bf16 checkpoints and MLX affine-quantized ones (a
-`quantization` block in `config.json`, as in mlx-community 4-bit models).
+`quantization` block in `config.json`, as in mlx-community 4-bit models), MXFP4 experts
+(MLX's `mxfp4` mode, and gpt-oss's Hugging Face `*_blocks` layout: `mxfp4.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ..models.registry import MODEL_TYPES, unsupported
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts
 from .latent import split_kv_b
+from .mxfp4 import mxfp4_experts, stored_part
 from .safetensors import SafetensorsFile
 
 # Hugging Face parameter names -> the model's names.
@@ -73,10 +75,15 @@ _RENAMES = [
         r"^model\.layers\.(\d+)\.block_sparse_moe\.switch_mlp\.",
         r"layers.\1.feed_forward.switch_mlp.",
     ),
+    # gpt-oss (mlx-lm's names): the router and the stacked experts
+    (r"^model\.layers\.(\d+)\.mlp\.router\.", r"layers.\1.feed_forward.router."),
+    (r"^model\.layers\.(\d+)\.mlp\.experts\.", r"layers.\1.feed_forward.switch_mlp."),
     # multi-head latent attention's own projections and norms, under their own names (last:
     # the projections every attention has are named above)
     (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attention."),
 ]
+# MLX quantization modes read (and split): affine, and the MXFP4 of gpt-oss's experts
+QUANT_MODES = ("affine", "mxfp4")
 # The families whose mixture-of-experts block mlx-lm names `block_sparse_moe` (not `mlp`)
 BLOCK_SPARSE_MOE = ("mixtral",)
 # The DeepSeek-V3 architecture (Kimi K2 is one, mlx-lm reads both with its deepseek_v3)
@@ -132,7 +139,28 @@ def moe_fields(config: dict, model_type: str) -> dict:
         }
     elif model_type in DEEPSEEK_V3:
         out |= deepseek_v3_fields(config)
+    elif model_type == "gpt_oss":
+        out |= gpt_oss_fields(config)
     return out
+
+
+def gpt_oss_fields(config: dict) -> dict:
+    """gpt-oss's experts, sinks and sliding-window layers (mlx-lm's defaults: layers
+    alternating sliding and full attention, a window of 128)."""
+    n_layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention", "full_attention"] * (n_layers // 2)
+    return {
+        "n_experts": config.get("num_local_experts", 128),
+        "n_experts_per_tok": config.get("num_experts_per_tok", 4),
+        "moe_hidden_dim": config["intermediate_size"],
+        "router": "topk_softmax",
+        "expert_bias": True,
+        "activation": "swiglu_oai",
+        "swiglu_limit": float(config.get("swiglu_limit", 7.0)),
+        "attention_sinks": True,
+        "sliding_window": config.get("sliding_window", 128),
+        "layer_types": list(types),
+    }
 
 
 def deepseek_v3_fields(config: dict) -> dict:
@@ -190,11 +218,14 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
     if missing:
         raise CheckpointError(f"{path / 'config.json'}: missing {', '.join(missing)}")
     quant = config.get("quantization") or {}
-    if quant.get("mode", "affine") != "affine":
+    if quant.get("mode", "affine") not in QUANT_MODES:
         raise CheckpointError(
             f"{path / 'config.json'}: quantization mode {quant['mode']!r} is not supported "
-            "(only MLX affine quantization)"
+            f"(supported: {', '.join(QUANT_MODES)})"
         )
+    if model_type == "gpt_oss":  # mlx-lm's defaults, and its biases on every projection
+        config = {"rope_theta": 150000, "rms_norm_eps": 1e-5, "head_dim": 64, **config}
+        config["attention_bias"] = True
     attention_bias = bool(config.get("attention_bias", False))
     if model_type in DEEPSEEK_V3 and attention_bias:
         raise CheckpointError(f"{path / 'config.json'}: attention_bias is not supported")
@@ -244,7 +275,7 @@ def load_weights(
 ) -> tuple[dict[str, mx.array], dict[str, tuple[SafetensorsFile, str]]]:
     """Lazily load safetensors files, keyed by the model's names; and where each
     tensor lives, for reading slices of it (headers are checked against the sizes)."""
-    weights, sources, experts = {}, {}, {}
+    weights, sources, experts, blocks = {}, {}, {}, {}
     for f in files:
         header = SafetensorsFile(f)  # a truncated file fails here, with the numbers
         try:
@@ -255,6 +286,9 @@ def load_weights(
             if stacked := per_expert(name):  # one expert's tensor: stacked below
                 experts.setdefault(stacked[0], {})[stacked[1]] = (header, name, value)
                 continue
+            if stored_part(name):  # gpt-oss's MXFP4 blocks: read as the model's, below
+                blocks[name] = (header, value)
+                continue
             new = to_model_name(name)
             if new is not None:
                 weights[new] = value
@@ -262,6 +296,8 @@ def load_weights(
     for name, (value, source) in stack_experts(experts, files[0].parent).items():
         new = to_model_name(name)
         weights[new], sources[new] = value, (source, name)
+    for name, (value, source) in mxfp4_experts(blocks).items():
+        weights[name], sources[name] = value, (source, source.stored)
     return weights, sources
 
 
@@ -296,6 +332,7 @@ def read(path: Path) -> Checkpoint:
     if args.tie_word_embeddings:
         weights.pop("output.weight", None)
     key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
+    key = "num_local_experts" if args.model_type == "gpt_oss" else key
     key = "n_routed_experts" if args.model_type in DEEPSEEK_V3 else key
     check_experts(
         args,
@@ -307,11 +344,19 @@ def read(path: Path) -> Checkpoint:
     return Checkpoint(path, "hf", args, weights, config, files, sources)
 
 
+def _mxfp4_release(config: dict) -> bool:
+    """A config of MXFP4 experts (Hugging Face's `quant_method` mxfp4, or mlx-lm's mode)."""
+    hf_quant = config.get("quantization_config") or {}
+    mode = (config.get("quantization") or {}).get("mode")
+    return hf_quant.get("quant_method") == "mxfp4" or mode == "mxfp4"
+
+
 def read_config_only(config_file: Path) -> Checkpoint:
     """A `config.json` alone, for `plan` before anything is downloaded: the tensors its
     model holds in its `torch_dtype` (default float32), quantized as its `quantization`
     block says (mlx-lm's way: every layer whose input width is a multiple of the group,
-    scales in that dtype), as lazy placeholders never evaluated.
+    scales in that dtype; MXFP4, gpt-oss's: the experts only), as lazy placeholders never
+    evaluated.
     Their shapes and bytes are the checkpoint's; their values are not: nothing but the
     plan may use them."""
     import mlx.nn as nn
@@ -325,7 +370,14 @@ def read_config_only(config_file: Path) -> Checkpoint:
     dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
     model.set_dtype(dtypes.get(config.get("torch_dtype"), mx.float32))
     quant = config.get("quantization") or {}
-    if quant:
+    if _mxfp4_release(config):
+        # gpt-oss's releases: the experts in MXFP4 (mlx-lm reads them as `mxfp4`), the rest
+        # in the torch_dtype
+        def experts(path: str, m: nn.Module) -> bool:
+            return ".switch_mlp." in path and hasattr(m, "to_quantized")
+
+        nn.quantize(model, 32, 4, mode="mxfp4", class_predicate=experts)
+    elif quant:
         gs, bits = quant["group_size"], quant["bits"]
 
         def predicate(path: str, m: nn.Module) -> bool:

@@ -164,6 +164,8 @@ def _experts_config(a: Any) -> dict[str, Any]:
 def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
     """`config.json` for mlx-lm's model of the family (and llama_tp's HF reader)."""
     a = ckpt.args
+    if a.model_type not in _ARCHITECTURES:
+        raise CheckpointError(f"convert does not write {a.model_type} folders yet")
     bos, eos = token_ids(ckpt)
     qwen2 = a.model_type in ("qwen2", "qwen2_moe")  # q/k/v biases implied by the family
     config: dict[str, Any] = {

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
-from mlx_lm.models.cache import BatchKVCache, LRUPromptCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..checkpoints.chat_template import renderer_for
@@ -93,15 +98,20 @@ class BatchEngine(Decoder):
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, join.prompt)
             if cache is not None and not rest:  # an exact hit: the last token is fed again
-                trim_prompt_cache(cache, 1)
-                rest = join.prompt[-1:]
+                if can_trim_prompt_cache(cache):
+                    trim_prompt_cache(cache, 1)
+                    rest = join.prompt[-1:]
+                else:  # a sliding window past its size (gpt-oss) cannot step back
+                    cache, rest = None, join.prompt
             cached = len(join.prompt) - len(rest) if cache is not None else 0
         cache = cache if cache is not None else make_prompt_cache(self.model)
         seq = Sequence(join.uid, join.prompt, join.params, self.tokenizer.detokenizer, self.eos)
         seq.cached = seq.fed = cached
         ahead = self.prefill(seq, cache)  # alone (B = 1): as a single-sequence run does
         self.prefilled_tokens += len(join.prompt) - cached
-        merged = [BatchKVCache.merge([c]) for c in cache]
+        # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into
+        # a BatchRotatingKVCache)
+        merged = [c.merge([c]) for c in cache]
         if self.cache is None:
             self.cache, self.ahead = merged, ahead
         else:
@@ -118,6 +128,8 @@ class BatchEngine(Decoder):
                 r = self.rows[i]
                 cache = [c.extract(i) for c in self.cache]
                 held = len(r.tokens) - 1  # all but the last token (see Decoder._release)
+                if r.fed > held and not can_trim_prompt_cache(cache):
+                    continue  # a sliding window past its size cannot step back: not kept
                 if r.fed > held:
                     trim_prompt_cache(cache, r.fed - held)
                 self.prompt_cache.insert_cache(_MODEL_KEY, r.tokens[:held], cache)

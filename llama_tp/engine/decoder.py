@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from ..cluster.collectives import collectives
 from .pipeline import verify_logits
@@ -252,6 +252,11 @@ class Decoder:
         return draw
 
     def _trim(self, r: Sequence, n: int) -> None:
+        if n > 0 and not can_trim_prompt_cache(self.cache):
+            raise ValueError(
+                "speculative decoding: a sliding-window layer's cache cannot step back once "
+                "it holds its whole window (gpt-oss); run without a draft"
+            )
         if n > 0:
             trim_prompt_cache(self.cache, n)
             r.fed -= n

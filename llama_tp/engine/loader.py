@@ -118,6 +118,10 @@ def _build(
 ) -> nn.Module:
     """The (lazy) model this rank runs, sharded as `placement` says: the whole model over
     `group`, or its stage of `mesh` over the stage's tensor group."""
+    a = ckpt.args
+    if sequence_parallel and any(a.window(i) for i in range(a.n_layers)):
+        # the chunks' masks would be causal, not windowed
+        raise ValueError("--sequence-parallel does not take sliding-window layers (gpt-oss)")
     model = skeleton(ckpt)
     if mesh is None:
         if group.size() > 1:

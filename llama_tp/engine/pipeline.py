@@ -35,10 +35,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.base import create_attention_mask
 
 from ..cluster.distributed import all_gather_object
-from ..model import ModelArgs
+from ..model import ModelArgs, layer_caches, layer_masks
 from ..parallel.mesh import Mesh
 from ..parallel.plan_text import human_bytes
 from ..parallel.vocab import VocabParallelEmbedding
@@ -63,6 +62,10 @@ class PipelineModel(nn.Module):
         object.__setattr__(self, "vocab", range(args.vocab_size))  # this rank's logits
         object.__setattr__(self, "in_dtype", None)  # of the hidden state received
         object.__setattr__(self, "logits_dtype", None)
+
+    def make_cache(self) -> list[Any]:
+        """One cache per layer of the stage (`layer_caches`: sliding-window ones bounded)."""
+        return layer_caches(self.layers)
 
     def _head(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
@@ -96,8 +99,8 @@ class PipelineModel(nn.Module):
                 h = self.tok_embeddings(tokens[:, a:b])
             else:
                 h = input_embeddings[:, a:b]
-            mask = create_attention_mask(h, cache[0])
-            for layer, c in zip(self.layers, cache, strict=True):
+            masks = layer_masks(h, self.layers, cache)
+            for layer, c, mask in zip(self.layers, cache, masks, strict=True):
                 h = layer(h, mask, c)
             if not mesh.last:
                 # Evaluated here: the next micro-batch starts only once this one is sent

@@ -1,4 +1,4 @@
-"""The mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3).
+"""The mixture-of-experts feed-forward (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, gpt-oss).
 
 A router picks `n_experts_per_tok` of `n_experts` SwiGLU experts for every token, and
 their outputs are summed with the router's weights; Qwen2-MoE adds a shared expert
@@ -7,7 +7,8 @@ The experts are mlx-lm's `SwitchGLU`: all of them in one (E, out, in) tensor per
 projection, applied with `mx.gather_mm` / `mx.gather_qmm`, the tokens sorted by expert
 when there are many (prefill, batches), as mlx-lm does. Three routers:
 
-    Mixtral:     top-k of the router's logits, softmax over those k
+    Mixtral:     top-k of the router's logits, softmax over those k (gpt-oss too, with a
+                 router bias, and experts with biases behind the clamped SwiGLU)
     Qwen:        softmax over all experts, top-k, renormalised to 1 with norm_topk_prob
     DeepSeek-V3: sigmoid scores; the top-k of the scores plus a correction bias among
                  the best `topk_group` of `n_group` groups; their sigmoid scores,
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import SwigluOAI
 from mlx_lm.models.deepseek_v3 import MoEGate
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..model import FeedForward, ModelArgs
 from ..parallel.experts import moe_styles
@@ -45,8 +47,12 @@ class MoEFeedForward(nn.Module):
         if args.router == "sigmoid_group":
             self.router = MoEGate(deepseek_v3_args(args))
         else:
-            self.router = nn.Linear(args.dim, args.n_experts, bias=False)
-        self.switch_mlp = SwitchGLU(args.dim, args.moe_hidden_dim, args.n_experts)
+            self.router = nn.Linear(args.dim, args.n_experts, bias=args.expert_bias)
+        # gpt-oss: the clamped SwiGLU (mlx-lm's), biases on every expert's projections
+        act = SwigluOAI(limit=args.swiglu_limit) if args.activation == "swiglu_oai" else SwiGLU()
+        self.switch_mlp = SwitchGLU(
+            args.dim, args.moe_hidden_dim, args.n_experts, activation=act, bias=args.expert_bias
+        )
         if args.shared_expert_dim:
             self.shared_expert = FeedForward(args, args.shared_expert_dim)
             if args.shared_expert_gated:

@@ -14,6 +14,9 @@ feed-forward in some layers, chosen by the args, not by name:
     DeepSeek-V3 deepseek_v3,       -                        latent (MLA)  experts (sigmoid, groups)
     Kimi K2     kimi_k2                                                   + shared experts;
                                                                           dense first layers
+    gpt-oss     gpt_oss            -                        sinks, bias,  experts (top-k,
+                                                            sliding window softmax), biased,
+                                                            layers        clamped SwiGLU
 
 The readers (`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into
 `ModelArgs`; `build` makes the model.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import mlx.nn as nn
 
 from ..model import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
+from .gpt_oss import SinkAttention
 from .latent_attention import LatentAttention
 from .moe import MoEFeedForward
 from .qk_norm import QKNormAttention
@@ -38,6 +42,7 @@ MODEL_TYPES = (
     "qwen3_moe",
     "deepseek_v3",
     "kimi_k2",
+    "gpt_oss",
 )
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
@@ -51,6 +56,8 @@ def block(args: ModelArgs, i: int) -> TransformerBlock:
     """Layer `i` of the family `args` describe."""
     if args.kv_lora_rank:
         attention: nn.Module = LatentAttention(args)
+    elif args.attention_sinks:
+        attention = SinkAttention(args, args.window(i))
     else:
         attention = QKNormAttention(args) if args.qk_norm else Attention(args)
     feed_forward: nn.Module = MoEFeedForward(args) if args.is_sparse(i) else FeedForward(args)

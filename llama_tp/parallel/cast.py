@@ -34,7 +34,12 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 def _dequantized(m: nn.Module, dtype: mx.Dtype) -> mx.array:
     w = mx.dequantize(
-        m["weight"], m["scales"], m["biases"], group_size=m.group_size, bits=m.bits, mode=m.mode
+        m["weight"],
+        m["scales"],
+        m.get("biases"),  # none in MXFP4 (gpt-oss's experts)
+        group_size=m.group_size,
+        bits=m.bits,
+        mode=getattr(m, "mode", "affine"),
     )
     return w.astype(dtype)  # (out, in) of this rank's slice
 

@@ -42,10 +42,17 @@ def _quantized(module: nn.Module) -> bool:
     return "scales" in module
 
 
-def _check_affine(module: nn.Module, path: str) -> None:
+# MXFP4 (gpt-oss's experts): 4-bit values with one uint8 exponent per 32, no biases;
+# splits on whole groups as affine does
+_SPLIT_MODES = ("affine", "mxfp4")
+
+
+def _check_mode(module: nn.Module, path: str) -> None:
     mode = getattr(module, "mode", "affine")
-    if _quantized(module) and mode != "affine":
-        raise PlanError(f"{path}: only affine quantization splits, got mode {mode!r}")
+    if _quantized(module) and mode not in _SPLIT_MODES:
+        raise PlanError(
+            f"{path}: quantization mode {mode!r} does not split (only {', '.join(_SPLIT_MODES)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,9 @@ class ShardInPlace(Style):
     (E, out, in) weight; "heads": axis 0 of mlx-lm's per-head (H, out, in) MultiLinear),
     in place. x -> this rank's rows (rows), a partial sum
     (columns: the enclosing module's `MoEParallel` sums it), or the outputs of its
-    experts (experts). A column split refuses a bias (it would be added N times)."""
+    experts (experts). A column split of stacked experts (gpt-oss's down projections)
+    keeps their bias on the rank holding the first columns only, so that the sum adds it
+    once; of a plain linear layer it refuses a bias."""
 
     dim: Dim
     ranges: Ranges
@@ -70,11 +79,11 @@ class ShardInPlace(Style):
                 f"{path}: ShardInPlace applies to a linear or stacked-experts layer, "
                 f"not {type(module).__name__}"
             )
-        _check_affine(module, path)
+        _check_mode(module, path)
         w = module["weight"]
         if self.dim in ("experts", "heads") and w.ndim != 3:
             raise PlanError(f"{path}: splitting by {self.dim} needs stacked (N, out, in) weights")
-        if self.dim == "columns" and "bias" in module:
+        if self.dim == "columns" and "bias" in module and w.ndim != 3:
             raise PlanError(f"{path}: a column split in place cannot keep a bias")
         axis = self._axis(module)
         total = w.shape[axis]
@@ -96,6 +105,10 @@ class ShardInPlace(Style):
             if key not in module:
                 continue
             v = module[key]
+            if key == "bias" and self.dim == "columns":
+                if a > 0:  # added once, by the rank holding column 0 (see the docstring)
+                    module.pop("bias")
+                continue
             if key == "bias":
                 ax = axis if self.dim in ("experts", "heads") else v.ndim - 1
             else:

@@ -72,7 +72,7 @@ class AttentionHeads(Style):
     map onto its KV heads as plain GQA, the KV map) from the partition plan's `parts`;
     None: N equal blocks of query and KV heads. `input_layout="sequence"` gathers the
     sequence chunks first. Goes with `ColwiseParallel` on wq/wk/wv and `RowwiseParallel`
-    on wo over the same heads."""
+    on wo over the same heads; attention sinks (gpt-oss) are sliced to the local heads."""
 
     parts: Parts | None = None
     input_layout: Layout = "replicate"
@@ -100,11 +100,15 @@ class AttentionHeads(Style):
         if self.parts is None:
             module.n_heads //= group.size()
             module.n_kv_heads //= group.size()
+            first = group.rank() * module.n_heads
         else:
             part = _by_rank(self.parts)[group.rank()]
             module.n_heads, module.n_kv_heads = len(part.q_heads), len(part.kv_heads)
+            first = part.q_heads.start
             if part.kv_map is not None:
                 object.__setattr__(module, "_kv_index", mx.array(part.kv_map, dtype=mx.int32))
+        if "sinks" in module:  # gpt-oss: each query head's sink logit goes with its head
+            module.sinks = mx.contiguous(module.sinks[first : first + module.n_heads])
         if self.input_layout == "sequence":
             # The queries go in sequence chunks too (see `gather_input`).
             gather_input(module, ctx, query_chunks=True)

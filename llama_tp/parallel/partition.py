@@ -315,6 +315,13 @@ def _split(plan: Plan, part: RankPart, name: str) -> tuple[int, range, int] | No
     return None if units is None else (axis, units, _total(plan, field))
 
 
+_SINKS = re.compile(r"^layers\.\d+\.attention\.sinks$")
+# the bias of stacked experts' down projections split by their columns: held (and added)
+# by the rank holding the first columns only (`experts.ShardInPlace`)
+_ONCE = re.compile(r"^layers\.\d+\.feed_forward\.switch_mlp\.down_proj\.bias$")
+NOT_HELD = (0, 0, 0)  # the slice of a tensor a rank does not hold at all
+
+
 def tensor_slice(
     plan: Plan, part: RankPart, name: str, shape: tuple[int, ...], vocab: range | None = None
 ) -> tuple[int, int, int] | None:
@@ -325,10 +332,17 @@ def tensor_slice(
     is proportional to the count of heads or columns; quantized splits fall on
     group boundaries); stacked experts' tensors by columns of each expert or by
     whole experts; the rows `vocab` of the embedding and output head when
-    they are vocabulary-parallel; everything else (norms, routers, wo/w2 bias) whole.
+    they are vocabulary-parallel; attention sinks by query heads; the bias of stacked
+    down projections split by columns on the first rank only (`NOT_HELD` elsewhere);
+    everything else (norms, routers, wo/w2 bias) whole.
     """
     if name.startswith(("tok_embeddings.", "output.")):
         return None if vocab is None else (0, vocab.start, vocab.stop)
+    if _SINKS.match(name):  # gpt-oss: one sink logit per query head
+        r = part.q_heads
+        return None if (r.start, r.stop) == (0, plan.n_heads) else (0, r.start, r.stop)
+    if _ONCE.match(name) and plan.experts is not None and plan.experts.split == "tensor":
+        return None if part.expert_ffn.start == 0 else NOT_HELD
     split = _split(plan, part, name)
     if split is None or len(shape) <= split[0]:
         return None

@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .mesh import MeshError, balanced_split, parse_split
-from .partition import Experts, Plan, RankPart, held_bytes, make_plan, tensor_slice, vocab_ranges
+from .partition import (
+    NOT_HELD,
+    Experts,
+    Plan,
+    RankPart,
+    held_bytes,
+    make_plan,
+    tensor_slice,
+    vocab_ranges,
+)
 from .shares import Weights
 from .shares import parse_split as parse_weights
 
@@ -117,14 +126,18 @@ def _itemsize(shape: ModelShape) -> int:
 def kv_cache_bytes(shape: ModelShape, mine: RankPlacement, tokens: int = 1000) -> int:
     """What rank `mine`'s KV cache holds for `tokens` tokens: per layer it holds, the keys
     and values of its KV heads; with multi-head latent attention, the whole latent and
-    RoPE key (kv_lora_rank + qk_rope_head_dim values per token), as one process does."""
+    RoPE key (kv_lora_rank + qk_rope_head_dim values per token), as one process does. A
+    sliding-window layer (gpt-oss) holds the last `sliding_window` tokens at most (its
+    RotatingKVCache, between steps)."""
     a = shape.args
     if getattr(a, "kv_lora_rank", 0):
         per_layer = a.kv_lora_rank + a.qk_rope_head_dim
     else:
         kv = len(mine.part.kv_heads) if mine.part is not None else a.n_kv_heads
         per_layer = 2 * kv * a.head_dim
-    return tokens * len(mine.layers) * per_layer * _itemsize(shape)
+    windows = [a.window(i) if hasattr(a, "window") else None for i in mine.layers]
+    held = sum(tokens if w is None else min(tokens, w) for w in windows)
+    return held * per_layer * _itemsize(shape)
 
 
 def _unit(
@@ -263,7 +276,9 @@ def place(
             slices = {}
             for name in names:
                 stored = shape.tensors[name][0]
-                slices[name] = tensor_slice(plan, part, name, stored, vocab[t]) if tp > 1 else None
+                cut = tensor_slice(plan, part, name, stored, vocab[t]) if tp > 1 else None
+                if cut != NOT_HELD:
+                    slices[name] = cut
             nbytes = sum(held_bytes(*shape.tensors[k], s) for k, s in slices.items())
             ranks.append(RankPlacement(rank, s, t, layers[s], part, vocab[t], slices, nbytes))
     ranks.sort(key=lambda r: r.rank)

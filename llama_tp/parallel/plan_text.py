@@ -88,9 +88,21 @@ def expert_line(plan: Plan) -> str:
     return f"; {e.n_experts} experts of {e.hidden_dim} columns{shared}, split by {e.split}"
 
 
-def cache_line(cache_per_rank: list[int], latent: tuple[int, int] | None) -> str:
-    """'KV cache per 1,000 tokens: rank 0 1.50 MiB, ...' and what it holds."""
+def cache_line(
+    cache_per_rank: list[int],
+    latent: tuple[int, int] | None,
+    sliding: tuple[int, int, int] | None = None,
+) -> str:
+    """'KV cache per 1,000 tokens: rank 0 1.50 MiB, ...' and what it holds. `sliding`:
+    (sliding-window layers, layers, window) when some layers attend to a window only."""
     ranks = ", ".join(f"rank {i} {human_bytes(b)}" for i, b in enumerate(cache_per_rank))
+    if latent is None and sliding:
+        n, total, window = sliding
+        return (
+            f"KV cache per 1,000 tokens: {ranks} (keys and values of its KV heads; {n} of "
+            f"{total} layers slide over a window of {window} tokens: their cache holds "
+            f"{window} tokens at most, whatever the length)"
+        )
     if latent is None:
         return f"KV cache per 1,000 tokens: {ranks} (keys and values of its KV heads)"
     rank, rope = latent
@@ -106,11 +118,13 @@ def format_plan(
     vocab: list[range | None] | None = None,
     cache_per_rank: list[int] | None = None,
     latent: tuple[int, int] | None = None,
+    sliding: tuple[int, int, int] | None = None,
 ) -> str:
     """Human-readable table of the plan, one row per rank (with each rank's vocabulary
     rows when `vocab` says them), then the imbalance, or the shares of a weighted split,
     and each rank's KV cache. `latent`: (kv_lora_rank, qk_rope_head_dim) of multi-head
-    latent attention, whose heads share one cached latent (no KV heads)."""
+    latent attention, whose heads share one cached latent (no KV heads); `sliding`:
+    (sliding-window layers, layers, window) (`cache_line`)."""
     replicated = plan.replicated_kv_heads()
     kv_header = [] if latent else ["kv heads"]
     header = ["rank", "q heads", *kv_header, "ffn columns", *expert_header(plan)]
@@ -159,5 +173,5 @@ def format_plan(
         counts = [len(p.q_heads) for p in plan.parts]
         lines.append(f"imbalance: {imbalance(counts):.1f}% of query heads")
     if cache_per_rank is not None:
-        lines.append(cache_line(cache_per_rank, latent))
+        lines.append(cache_line(cache_per_rank, latent, sliding))
     return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""gpt-oss's attention: attention sinks, and sliding-window layers.
+
+Every query head has a learned logit `sinks[h]` that joins the softmax's denominator
+(a position nothing attends to: the weights over the real keys may sum to less than
+1); mlx-lm's `scaled_dot_product_attention` takes it as `sinks`. Layers whose
+`layer_types` entry is "sliding_attention" attend to the last `sliding_window`
+positions only: their `window` makes the model build them a windowed mask
+(`model.layer_masks`) and a RotatingKVCache of the window (`model.layer_caches`), as
+mlx-lm's gpt_oss does; the others attend to everything through a KVCache.
+
+The rest of gpt-oss is the Llama core with biases on q/k/v/o (`qkv_bias`, `o_bias`), YaRN
+RoPE (`rope_scaling`, mlx-lm's `initialize_rope`), and a mixture of experts with a
+biased router (top-k of its logits, softmax over those k) and biased experts behind
+the clamped SwiGLU (`models/moe.py`).
+
+Split by heads like any attention (`parallel/llama_plan.attention_styles`); each rank
+keeps the sinks of its query heads (`AttentionHeads`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ..kernels import scaled_dot_product_attention
+from ..model import Attention, ModelArgs
+
+
+class SinkAttention(Attention):
+    """x (B, L, dim) -> (B, L, dim): the core attention with a sink logit per query head
+    (`sinks`, (n_heads,)), attending to the last `window` positions (None: all)."""
+
+    def __init__(self, args: ModelArgs, window: int | None = None):
+        super().__init__(args)
+        self.sinks = mx.zeros((args.n_heads,))
+        object.__setattr__(self, "window", window)
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any) -> mx.array:
+        return scaled_dot_product_attention(
+            q, k, v, cache=cache, scale=self.scale, mask=mask, sinks=self.sinks
+        )

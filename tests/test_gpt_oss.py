@@ -1,0 +1,227 @@
+"""gpt-oss (issue 30): attention sinks, sliding-window layers, biased experts behind the
+clamped SwiGLU, YaRN RoPE, MXFP4 experts. mlx-lm's own gpt_oss model on the same folder
+is the oracle in one process; every multi-rank launch checks both fixtures (float32,
+MXFP4 experts) under both expert splits against one process (`mp_moe.py`), and what
+each rank's loader read and held against its placement (what `plan` prints).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import launch, run_python
+from gpt_oss_fixtures import gpt_oss_models
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return gpt_oss_models(tmp_path_factory.mktemp("gpt_oss"))
+
+
+def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda lp: lp.argmax(-1))
+    return [int(t) for t, _ in steps]
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    from llama_tp.engine.generation import generate_step
+    from llama_tp.engine.sampling import make_sampler
+
+    return [int(t) for t, _ in generate_step(model, prompt, make_sampler(0.0), n)]
+
+
+def test_one_process_equals_mlx_lm(models):
+    """Logits within 1e-4 of mlx-lm's gpt_oss on the same folder (float32, MXFP4 experts
+    as mlx-lm's convert writes them and as the Hugging Face release stores them: blocks,
+    scales, gate and up interleaved) and the same 32 greedy tokens (past the window of 4:
+    the rotating caches wrap); the experts held as MXFP4, never dequantized; each layer's
+    cache the kind mlx-lm's model makes, holding what `plan` says (sliding ones: the
+    window)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.slices import model_shape
+    from llama_tp.parallel.cast import cast_model
+    from llama_tp.parallel.placement import kv_cache_bytes, place
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    for name, path in models.items():
+        ckpt = open_checkpoint(path)
+        ours, theirs = build_model(ckpt), load_model(path)[0]
+        assert type(theirs).__module__.endswith("gpt_oss")
+        diff = mx.abs(ours(x) - theirs(x)).max().item()
+        assert diff <= ATOL, (name, diff)
+        prompt = x[0].tolist()
+        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        experts = ours.layers[0].feed_forward.switch_mlp
+        if name != "gpt_oss":
+            assert experts.down_proj.mode == "mxfp4" and experts.down_proj.weight.dtype == mx.uint32
+            assert experts.down_proj.scales.dtype == mx.uint8
+        cache = make_prompt_cache(ours)
+        kinds = [type(c).__name__ for c in cache]
+        assert kinds == [type(c).__name__ for c in theirs.make_cache()]
+        assert kinds == ["RotatingKVCache", "KVCache"] * 2
+        mx.eval(ours(x, cache=cache))
+        for t in range(6):
+            mx.eval(ours(mx.array([[t]]), cache=cache))
+        held = sum(c.keys[..., : c.offset, :].nbytes * 2 for c in cache)
+        shape = model_shape(ckpt)
+        assert held == kv_cache_bytes(shape, place(shape).ranks[0], tokens=18)
+        if name != "gpt_oss":  # --dtype float32: the MXFP4 experts dequantized, same logits
+            quantized = ours(x)
+            cast_model(ours, "float32")
+            assert mx.abs(ours(x) - quantized).max().item() <= ATOL
+
+
+def _lines(r) -> list[dict]:
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines and all(x["ok"] for x in lines), f"{r.stdout}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, r.stderr[-3000:]
+    return lines
+
+
+def test_two_ranks_both_splits(models):
+    """The three fixtures by tensor and by expert on 2 ranks (3/2 KV heads, 3/2 experts,
+    96/64 expert columns: 3/2 MXFP4 blocks): logits, 32 greedy tokens, KV cache per token,
+    bytes read == held == placement (the release's interleaved gate and up rows read once
+    for both), each rank's share of the experts."""
+    lines = _lines(launch(2, ["tests/mp_moe.py", *map(str, models.values())], timeout=900))
+    assert len(lines) == 6
+    by = {(Path(x["path"]).name, x["split"]): x for x in lines}
+    a, b = by[("gpt_oss-mxfp4", "tensor")]["experts_per_rank"]
+    assert a * 2 == b * 3  # 3 and 2 blocks of 32 columns of every expert
+
+
+def test_three_ranks_both_splits(models):
+    """10 query / 5 KV heads over 3 ranks (4/4/2 and 2/2/1, as gpt-oss-120b's 64 / 8 over
+    3 are 24/24/16 and 3/3/2), 5 experts as 2/2/1, 160 columns as 64/64/32."""
+    r = launch(3, ["tests/mp_moe.py", *map(str, models.values()), "--steps", "16"], timeout=900)
+    lines = _lines(r)
+    assert len(lines) == 6
+    assert all(x["cache_per_token"] == [1024, 1024, 512] for x in lines)
+
+
+def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
+    """4 ranks (2/1/1/1 KV heads, 2/1/1/1 experts or MXFP4 blocks) both splits, and the
+    release layout as 2 stages of 2 tensor ranks (each stage a sliding and a full layer)."""
+    specs = [str(models["gpt_oss-mxfp4"]), f"{models['gpt_oss-hf']}@2,2"]
+    lines = _lines(launch(4, ["tests/mp_moe.py", *specs, "--steps", "16"], timeout=900))
+    assert len(lines) == 4
+    assert sum(x["mesh"] == [2, 2] for x in lines) == 2
+
+
+def test_serve_concurrent_requests_on_two_ranks(models, tmp_path):
+    """gpt-oss on 2 ranks answers concurrent requests exactly as it answers each alone:
+    batches merge each sliding-window layer's rotating cache (mlx-lm's
+    BatchRotatingKVCache) and the full layers' caches, with the prompt cache on."""
+    from serve_client import Server, chat
+
+    server = Server(2, models["gpt_oss-mxfp4"], tmp_path, "--max-batch", "8")
+    try:
+        server.wait_ready()
+        c = server.client()
+        prompts = ["hello", "The quick brown fox", "Tensor parallel", "abc", "xyz 0123"]
+        alone = [chat(c, p, max_tokens=16)[0] for p in prompts]
+        with ThreadPoolExecutor(5) as pool:
+            together = list(pool.map(lambda p: chat(c, p, stream=True, max_tokens=16)[0], prompts))
+        assert together == alone
+    finally:
+        server.close()
+
+
+def _variant(src: Path, path: Path, **changes) -> Path:
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path
+
+
+def _one_error(r, expected: str) -> None:
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert errors[0] == f"error: {expected}", errors[0]
+    assert r.returncode == 1, r.stderr
+
+
+def test_refusals_are_one_line(models, tmp_path):
+    """Configs that disagree with themselves or with the tensors: one line, the numbers;
+    a quantization mode that is not read, and sequence parallelism (its chunks' masks
+    are not windowed): one line."""
+    from llama_tp.checkpoints import CheckpointError, open_checkpoint
+
+    src = models["gpt_oss"]
+    cases = {
+        "types": (
+            dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+            "config.json: model config: 3 layer_types for 4 layers",
+        ),
+        "window": (
+            dict(sliding_window=0),
+            "config.json: model config: sliding-window layers with sliding_window 0",
+        ),
+        "kind": (
+            dict(layer_types=["chunked_attention", "full_attention"] * 2),
+            "config.json: model config: layer type 'chunked_attention' (supported: "
+            "sliding_attention, full_attention)",
+        ),
+        "experts": (
+            dict(num_local_experts=6),
+            ": model.layers.0.mlp.experts.down_proj.weight holds 5 experts but config.json's "
+            "num_local_experts is 6",
+        ),
+        "topk": (
+            dict(num_experts_per_tok=6),
+            "config.json: model config: 6 experts per token (top-k) with 5 experts: need "
+            "1 <= top-k <= experts",
+        ),
+    }
+    for name, (changes, message) in cases.items():
+        path = _variant(src, tmp_path / name, **changes)
+        with pytest.raises(CheckpointError) as e:
+            open_checkpoint(path)
+        assert str(e.value) == f"{path}{'/' if message[0] != ':' else ''}{message}"
+    quant = json.loads((models["gpt_oss-mxfp4"] / "config.json").read_text())["quantization"]
+    path = _variant(
+        models["gpt_oss-mxfp4"], tmp_path / "nvfp4", quantization={**quant, "mode": "nvfp4"}
+    )
+    r = run_python(["-m", "llama_tp.generate", "--model", str(path), "--prompt", "hi", "-m", "2"])
+    _one_error(
+        r,
+        f"{path / 'config.json'}: quantization mode 'nvfp4' is not supported (supported: "
+        "affine, mxfp4)",
+    )
+    args = ["--model", str(src), "--prompt", "hi", "-m", "2", "--sequence-parallel"]
+    _one_error(
+        run_python(["-m", "llama_tp.generate", *args]),
+        "--sequence-parallel does not take sliding-window layers (gpt-oss)",
+    )
+
+
+def test_plan_of_gpt_oss_120b_config():
+    """`plan` of gpt-oss-120b's own config.json (MXFP4 experts, bfloat16 rest) on 3 ranks:
+    64 / 8 heads as 24/24/16 and 3/3/2, every expert's 2880 columns in whole 32-value
+    blocks, and the KV cache line naming the window."""
+    config = Path(__file__).parents[1] / "docs" / "configs" / "gpt-oss-120b" / "config.json"
+    out = run_python(["-m", "llama_tp.plan", "-n", "3", "--model", str(config)])
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if re.match(r"^[0-2] ", line)]
+    assert [r[1:5] for r in rows] == [
+        ["0-23", "[24]", "0-2", "[3]"],
+        ["24-47", "[24]", "3-5", "[3]"],
+        ["48-63", "[16]", "6-7", "[2]"],
+    ]
+    assert [int(r[9].strip("[]")) % 32 for r in rows] == [0, 0, 0]
+    assert "18 of 36 layers slide over a window of 128 tokens" in out.stdout
