@@ -318,6 +318,7 @@ SECTIONS = {
     "deepseek-v3": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
+    "constrained-decoding": ("constrained_decoding", "section"),
 }
 
 
