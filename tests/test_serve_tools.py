@@ -321,3 +321,11 @@ def test_bad_requests_get_their_400_and_the_servers_keep_serving(servers):
         assert (
             chat(s.client(timeout=TIMEOUT), "hello", max_tokens=3)[1] == "length"
         )  # still serving
+    # A forced call whose function's parameters llguidance cannot compile names `tools`.
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}
+    status, body = http(
+        f"{started[('hermes', 2)].base}/v1/chat/completions",
+        {"messages": ASK, "tools": [bad], "tool_choice": "required"},
+        {"Authorization": f"Bearer {KEY}"},
+    )
+    assert status == 400 and json.loads(body)["error"]["param"] == "tools", body

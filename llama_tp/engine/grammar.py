@@ -53,7 +53,10 @@ def lark_grammar(lark: str) -> str:
     """A Lark grammar (llguidance's dialect: `%json {schema}` embeds a JSON schema)."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    except Exception as e:  # a bad embedded schema
+        raise GrammarError(str(e).splitlines()[0]) from None
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

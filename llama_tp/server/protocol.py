@@ -157,22 +157,26 @@ class Request:
     response_format: ResponseFormat | None = None
 
 
-_FIELDS = {
-    name
-    for m in (ChatBody, CompletionBody, Message, TextPart, StreamOptions, ResponseFormat)
-    for name in m.model_fields
-} | {
-    name
-    for m in (
-        JsonSchema,
-        ToolCall,
-        FunctionCall,
-        tool_calls.Tool,
-        tool_calls.Function,
-        tool_calls.NamedChoice,
-    )
-    for name in m.model_fields
-}
+_FIELDS = (
+    {
+        name
+        for m in (ChatBody, CompletionBody, Message, TextPart, StreamOptions, ResponseFormat)
+        for name in m.model_fields
+    }
+    | {
+        name
+        for m in (
+            JsonSchema,
+            ToolCall,
+            FunctionCall,
+            tool_calls.Tool,
+            tool_calls.Function,
+            tool_calls.NamedChoice,
+        )
+        for name in m.model_fields
+    }
+    | {"schema"}
+)
 
 
 def validation_error(errors: list[dict]) -> RequestError:
@@ -247,8 +251,6 @@ def _request(body: _Common, defaults: Defaults, chat: bool, max_tokens, logprobs
     """The settings every route shares, as the engine's SamplingParams."""
     drafts = body.num_draft_tokens
     bias = _bias(body.logit_bias)
-    if body.response_format is not None and body.response_format.type != "text":
-        drafts = 0  # a grammar's matcher follows one token at a time
     try:
         params = SamplingParams(
             max_tokens=max_tokens or defaults.max_tokens,
@@ -320,13 +322,13 @@ def constrain(req: Request, renderer, vocab_size: int) -> None:
                 raise GrammarError("'json_schema' is required with type 'json_schema'")
             grammar = json_schema_grammar(fmt.json_schema.schema_)
         if grammar is None and req.tools:
-            field_ = "tool_choice"
+            field_ = "tools"  # a function's parameters: the schema of a forced call
             grammar = tool_calls.forced_call_grammar(req, renderer.tokenizer)
         if grammar is not None:
             check_grammar(grammar, renderer.tokenizer, vocab_size, renderer.eos)
     except GrammarError as e:
         raise RequestError(f"'{field_}' cannot be compiled into a grammar: {e}", field_) from None
-    if grammar is not None:
+    if grammar is not None:  # a grammar's matcher follows one token at a time: no drafts
         req.params = req.params.but(grammar=grammar, num_draft_tokens=0)
 
 
