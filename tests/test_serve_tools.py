@@ -121,9 +121,9 @@ def servers(tiny_dir, default_gguf, tmp_path_factory):
     root = tmp_path_factory.mktemp("tools")
     dirs = {name: _model(tiny_dir, root, name) for name in TEMPLATES}
     started = {(name, 1): Server(1, d, root) for name, d in dirs.items()}
-    started[("hermes", 2)] = Server(2, dirs["hermes"], root)
+    started[("hermes", 2)] = Server(2, dirs["hermes"], root, launcher="llama_tp")
     started[("builtin", 1)] = Server(1, default_gguf, root)
-    started[("builtin", 2)] = Server(2, default_gguf, root)
+    started[("builtin", 2)] = Server(2, default_gguf, root, launcher="llama_tp")
     try:
         for s in started.values():
             s.wait_ready(180)
