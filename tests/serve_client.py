@@ -84,9 +84,8 @@ class Server:
         raise TimeoutError(f"server not ready after {timeout} s: {self.stderr()}")
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(
-            base_url=f"{self.base}/v1", api_key=KEY, timeout=60, max_retries=0, **kw
-        )
+        kw = {"timeout": 60, **kw}
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=KEY, max_retries=0, **kw)
 
     def stderr(self) -> str:
         return self.err_path.read_text()

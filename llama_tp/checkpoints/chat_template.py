@@ -50,10 +50,17 @@ class PromptRenderer:
         self.eos = frozenset(tokenizer.eos_token_ids) | self._end_of_turn()
 
     def apply(
-        self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        tokenize: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int] | str:
-        """`messages` through the chat template (or the fallback): token ids, or text."""
+        """`messages` through the chat template (or the fallback): token ids, or text.
+        `tools`: OpenAI's tool definitions, for the template to show (transformers' way)."""
         kwargs = {"chat_template": self.template} if self.template else {}
+        if tools:
+            kwargs["tools"] = tools
         try:
             out = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
@@ -62,11 +69,11 @@ class PromptRenderer:
             raise ChatTemplateError(f"the chat template failed: {e}") from e
         return list(out) if tokenize else out
 
-    def encode(self, messages: list[dict]) -> list[int]:
+    def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The prompt tokens of `messages`, ending with the assistant's generation prompt."""
         if not self.use_chat_template:
             return list(self.tokenizer.encode("\n".join(m["content"] for m in messages)))
-        return self.apply(messages)
+        return self.apply(messages, tools=tools)
 
     def prompt(self, text: str, system: str | None = None) -> list[int]:
         """The prompt tokens of one user message (after a system message, if any)."""

@@ -37,6 +37,7 @@ from ..cluster.distributed import world
 from .batch_messages import Decision, Event, Join, SamplingParams
 from .decoder import Decoder
 from .drafters import NgramDrafter
+from .logits_processors import processors_for
 from .sequence import Sequence
 
 __all__ = ["BatchEngine", "BatchResult", "Decision", "Event", "Join", "SamplingParams"]
@@ -107,6 +108,8 @@ class BatchEngine(Decoder):
         cache = cache if cache is not None else make_prompt_cache(self.model)
         seq = Sequence(join.uid, join.prompt, join.params, self.tokenizer.detokenizer, self.eos)
         seq.cached = seq.fed = cached
+        if join.params.processed:  # logit bias, penalties, a grammar
+            seq.processors = processors_for(join.params, self.tokenizer, self.shard.size, self.eos)
         ahead = self.prefill(seq, cache)  # alone (B = 1): as a single-sequence run does
         self.prefilled_tokens += len(join.prompt) - cached
         # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into

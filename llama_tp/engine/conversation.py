@@ -156,6 +156,14 @@ class Chat:
         self._tokens_of.clear()
         self._turn = 0
 
+    def _grammar_mask(self, schema: dict):
+        from .grammar import GrammarMask, check_grammar, json_schema_grammar
+
+        grammar = json_schema_grammar(schema)
+        size = self.model.args.vocab_size
+        check_grammar(grammar, self.tokenizer, size, self._renderer.eos)
+        return GrammarMask(grammar, self.tokenizer, size, self._renderer.eos)
+
     @property
     def context_tokens(self) -> int:
         """Tokens held in the KV cache."""
@@ -163,20 +171,35 @@ class Chat:
 
     # -- a turn -------------------------------------------------------------
 
-    def send(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> str:
+    def send(
+        self,
+        text: str,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+        schema: dict | None = None,
+    ) -> str:
         """The whole reply to `text` (see `stream`)."""
-        return "".join(self.stream(text, should_stop=should_stop))
+        return "".join(self.stream(text, should_stop=should_stop, schema=schema))
 
-    def stream(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+    def stream(
+        self,
+        text: str,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+        schema: dict | None = None,
+    ) -> Iterator[str]:
         """Add the user message `text` and yield the reply in pieces as it is decoded.
 
         The reply joins the history when it ends: at an end-of-turn token, a
         stop string, `max_tokens`, `should_stop()` (on any rank), or when the
         caller stops iterating (then with the text yielded so far; under
-        mlx.launch every rank must stop at the same piece).
+        mlx.launch every rank must stop at the same piece). `schema`: a JSON schema
+        the reply follows (constrained decoding, `engine/grammar.py`; {"type":
+        "object"} for any JSON object); `grammar.GrammarError` when it cannot compile.
         """
         if not isinstance(text, str):
             raise TypeError(f"the message must be a str, not {type(text).__name__}")
+        processors = [] if schema is None else [self._grammar_mask(schema)]
         before = list(self.history)
         messages, tokens, dropped = self._fit([*self.history, {"role": "user", "content": text}])
         reused = self._reuse(tokens)
@@ -201,8 +224,9 @@ class Chat:
             history=self._held[:reused],
             should_stop=should_stop or self.should_stop,
             group=self.group,
-            draft=self.drafter,
+            draft=self.drafter if schema is None else None,  # a grammar follows one token
             num_draft_tokens=self.num_draft_tokens,
+            logits_processors=processors,
         )
         generated: list[int] = []
         shown: list[str] = []

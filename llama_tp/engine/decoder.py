@@ -190,6 +190,10 @@ class Decoder:
         if any(r.n + 1 < r.params.max_tokens for r in rows):  # else every row ends now
             h = None if ahead.emb is None else ahead.emb[:, None]
             logits = self.model(ahead.tokens[:, None], cache=self.cache, input_embeddings=h)
+            if any(r.processors for r in rows):
+                # Processors read this step's fed tokens (a grammar's mask follows them):
+                # start the forward first, so that their Python work overlaps it.
+                mx.async_eval(logits)
             for r in rows:
                 r.fed += 1
             fed = ahead.tokens  # each row's token, fed now and not yet in its tokens

@@ -42,6 +42,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: no log-probabilities; k: the token's and the k best
     num_draft_tokens: int = 0  # prompt-lookup / draft-model tokens verified per step
+    # Logits processors (engine/constraints.py), on every rank's columns alike:
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    presence_penalty: float = 0.0  # mlx-lm's: over the last `penalty_context` tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0  # 0: off; else mlx-lm's divisor (> 0)
+    penalty_context: int = 20  # mlx-lm's repetition_context_size
+    grammar: str | None = None  # an llguidance grammar (JSON text) the reply must follow
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -56,6 +63,25 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0)
         _integer("num_draft_tokens", self.num_draft_tokens, 0, MAX_DRAFT_TOKENS)
+        self.logit_bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
+        for _, b in self.logit_bias:
+            _number("logit_bias", b, -100.0, 100.0, "values must be in [-100, 100]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2]")
+        _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "must be >= 0")
+        _integer("penalty_context", self.penalty_context, 1)
+        if self.grammar is not None and self.num_draft_tokens:
+            raise SettingsError(
+                "num_draft_tokens", "must be 0 with a grammar", self.num_draft_tokens
+            )
+
+    @property
+    def processed(self) -> bool:
+        """Some logits processor runs on this sequence's logits."""
+        return bool(
+            self.logit_bias or self.presence_penalty or self.frequency_penalty
+            or self.repetition_penalty or self.grammar
+        )  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -38,6 +38,7 @@ from .protocol import (
     RequestError,
     chat_request,
     completion_request,
+    constrain,
     error_body,
     fit,
     parse_chat,
@@ -48,6 +49,7 @@ from .protocol import (
 from .responses import Logprobs, chunk, completion_body, usage_chunk
 from .scheduler import Failure, Scheduler
 from .status import Monitor
+from .tools import ToolStream, tool_format
 from .translation import OpenAIRoutes
 
 POLL = 0.5  # seconds between checks that a non-streaming client is still connected
@@ -189,6 +191,7 @@ def build_app(
     async def complete(request: HTTPRequest, req: Request, info: ModelInfo):
         ids, stops = prompt_tokens(req, info.renderer, info.vocab_size)
         fit(req, len(ids), info.context)
+        constrain(req, info.renderer, info.vocab_size)
         if stops:
             req.params = req.params.but(stop=(*req.params.stop, *stops))
         seed = req.seed if req.seed is not None else defaults.seed
@@ -197,15 +200,17 @@ def build_app(
         rid = f"{prefix}-{job.uid}-{int(time.time() * 1000)}"
         decode = info.renderer.tokenizer.decode
         lp = Logprobs(req.chat, lambda t: decode([t])) if req.params.logprobs is not None else None
+        fmt = tool_format(info.renderer.tokenizer) if req.tools else None
+        calls = ToolStream(fmt, req.tools) if fmt is not None else None
         if req.stream:
             return StreamingResponse(
-                stream(req, rid, job, lp, info.name),
+                stream(req, rid, job, lp, info.name, calls),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await collect(request, req, rid, job, lp, info.name)
+        return await collect(request, req, rid, job, lp, info.name, calls)
 
-    async def collect(request: HTTPRequest, req: Request, rid: str, job, lp, name: str):
+    async def collect(request: HTTPRequest, req: Request, rid: str, job, lp, name: str, calls):
         text = []
         while True:
             try:
@@ -221,9 +226,16 @@ def build_app(
             if lp is not None and wants_logprob(item):
                 lp.add(item)
             if item.finish_reason:
-                return completion_body(req, rid, name, "".join(text), item.finish_reason, item, lp)
+                text, tool_calls = "".join(text), None
+                if calls is not None:
+                    text = calls.feed(text)
+                    rest, tool_calls = calls.finish()
+                    text += rest
+                return completion_body(
+                    req, rid, name, text, item.finish_reason, item, lp, tool_calls
+                )
 
-    async def stream(req: Request, rid: str, job, lp, name: str):
+    async def stream(req: Request, rid: str, job, lp, name: str, calls):
         done = False
         try:
             if req.chat:
@@ -235,14 +247,18 @@ def build_app(
                     yield sse(error_body(item.message, "server_error", None, item.status))
                     return
                 entry = lp.add(item) if lp is not None and wants_logprob(item) else None
-                if item.text or entry is not None:
-                    yield sse(chunk(req, rid, name, item.text, logprobs=entry))
+                text = item.text if calls is None else calls.feed(item.text)
+                if text or entry is not None:
+                    yield sse(chunk(req, rid, name, text, logprobs=entry))
                 if item.finish_reason:
                     done = True
-                    end = chunk(
-                        req, rid, name, None, item.finish_reason, stop_reason=item.stop_string
-                    )
-                    yield sse(end)
+                    finish = item.finish_reason
+                    if calls is not None:
+                        rest, tool_calls = calls.finish()
+                        if rest or tool_calls:
+                            yield sse(chunk(req, rid, name, rest or None, tool_calls=tool_calls))
+                        finish = "tool_calls" if tool_calls else finish
+                    yield sse(chunk(req, rid, name, None, finish, stop_reason=item.stop_string))
                     if req.include_usage:
                         yield sse(usage_chunk(req, rid, name, item))
                     yield "data: [DONE]\n\n"

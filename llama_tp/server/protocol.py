@@ -17,34 +17,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..checkpoints.chat_template import ChatTemplateError
+from ..engine.grammar import GrammarError, check_grammar, json_object_grammar, json_schema_grammar
 from ..engine.settings import SamplingParams, SettingsError
+from . import tools as tool_calls
+from .errors import RequestError, error_body  # noqa: F401 (routes import both from here)
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_DRAFT_TOKENS = 16  # a request's num_draft_tokens (drafts checked per step)
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class RequestError(ValueError):
-    """A bad request: answered with `status` and OpenAI's error body naming `param`."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        code: str | None = "invalid_value",
-        kind: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.param, self.status, self.code, self.kind = param, status, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return error_body(str(self), self.kind, self.param, self.code)
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass
@@ -71,9 +52,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal[ROLES]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content(self) -> Message:
@@ -89,6 +84,18 @@ class Message(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchema(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
 
 
 Count = Annotated[int, Field(ge=1)]
@@ -110,10 +117,20 @@ class _Common(_Body):
     # a llama_tp extension: drafts (prompt lookup) checked per step while the request
     # decodes alone; the text is the same with or without
     num_draft_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
+    # logits processors (engine/logits_processors.py); the penalties are mlx-lm's
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    repetition_context_size: Count | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatBody(_Common):
     messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[tool_calls.Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | tool_calls.NamedChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -133,15 +150,33 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     seed: int | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str | list[int] = ""
+    tools: list[dict] | None = None  # the tools the template shows and replies may call
+    tool_choice: str | dict = "auto"
+    response_format: ResponseFormat | None = None
 
 
-_FIELDS = {
-    name
-    for m in (ChatBody, CompletionBody, Message, TextPart, StreamOptions)
-    for name in m.model_fields
-}
+_FIELDS = (
+    {
+        name
+        for m in (ChatBody, CompletionBody, Message, TextPart, StreamOptions, ResponseFormat)
+        for name in m.model_fields
+    }
+    | {
+        name
+        for m in (
+            JsonSchema,
+            ToolCall,
+            FunctionCall,
+            tool_calls.Tool,
+            tool_calls.Function,
+            tool_calls.NamedChoice,
+        )
+        for name in m.model_fields
+    }
+    | {"schema"}
+)
 
 
 def validation_error(errors: list[dict]) -> RequestError:
@@ -190,7 +225,8 @@ def chat_request(body: ChatBody, defaults: Defaults) -> Request:
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     req = _request(body, defaults, True, max_tokens, k)
-    req.messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    req.messages = [tool_calls.message(m, i) for i, m in enumerate(body.messages)]
+    tool_calls.choose(req, body.tools, body.tool_choice)
     if defaults.system_prompt and not any(m["role"] == "system" for m in req.messages):
         req.messages.insert(0, {"role": "system", "content": defaults.system_prompt})
     return req
@@ -214,6 +250,7 @@ def completion_request(body: CompletionBody, defaults: Defaults) -> Request:
 def _request(body: _Common, defaults: Defaults, chat: bool, max_tokens, logprobs) -> Request:
     """The settings every route shares, as the engine's SamplingParams."""
     drafts = body.num_draft_tokens
+    bias = _bias(body.logit_bias)
     try:
         params = SamplingParams(
             max_tokens=max_tokens or defaults.max_tokens,
@@ -226,11 +263,28 @@ def _request(body: _Common, defaults: Defaults, chat: bool, max_tokens, logprobs
             ),
             logprobs=logprobs,
             num_draft_tokens=defaults.num_draft_tokens if drafts is None else drafts,
+            logit_bias=bias,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 0.0,
+            penalty_context=body.repetition_context_size or 20,
         )
     except SettingsError as e:
         raise RequestError(e.named(f"'{e.field}'"), e.field) from None
     opts = body.stream_options
-    return Request(chat, params, bool(body.stream), bool(opts and opts.include_usage), body.seed)
+    req = Request(chat, params, bool(body.stream), bool(opts and opts.include_usage), body.seed)
+    req.response_format = body.response_format
+    return req
+
+
+def _bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise RequestError(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 def _given(value: float | None, default: float) -> float:
@@ -240,9 +294,11 @@ def _given(value: float | None, default: float) -> float:
 def prompt_tokens(req: Request, renderer, vocab_size: int) -> tuple[list[int], tuple[str, ...]]:
     """The prompt's token ids, and the stop strings its rendering adds: chat messages
     through the one prompt renderer (as `generate` and `Chat` render them)."""
+    if any(not 0 <= t < vocab_size for t, _ in req.params.logit_bias):
+        raise RequestError(f"'logit_bias' token ids must be in [0, {vocab_size})", "logit_bias")
     if req.chat:
         try:
-            return renderer.encode(req.messages), renderer.stops
+            return renderer.encode(req.messages, req.tools), renderer.stops
         except ChatTemplateError as e:  # the template may reject e.g. a role order
             raise RequestError(
                 f"the chat template rejected the messages: {e}", "messages"
@@ -252,6 +308,28 @@ def prompt_tokens(req: Request, renderer, vocab_size: int) -> tuple[list[int], t
     if any(not 0 <= t < vocab_size for t in req.prompt):
         raise RequestError(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
     return list(req.prompt), ()
+
+
+def constrain(req: Request, renderer, vocab_size: int) -> None:
+    """Compile the grammar `response_format` (or a required tool call) asks for into the
+    request's settings: 400 naming the field when it does not compile."""
+    fmt, grammar, field_ = req.response_format, None, "response_format"
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            grammar = json_object_grammar()
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise GrammarError("'json_schema' is required with type 'json_schema'")
+            grammar = json_schema_grammar(fmt.json_schema.schema_)
+        if grammar is None and req.tools:
+            field_ = "tools"  # a function's parameters: the schema of a forced call
+            grammar = tool_calls.forced_call_grammar(req, renderer.tokenizer)
+        if grammar is not None:
+            check_grammar(grammar, renderer.tokenizer, vocab_size, renderer.eos)
+    except GrammarError as e:
+        raise RequestError(f"'{field_}' cannot be compiled into a grammar: {e}", field_) from None
+    if grammar is not None:  # a grammar's matcher follows one token at a time: no drafts
+        req.params = req.params.but(grammar=grammar, num_draft_tokens=0)
 
 
 def fit(req: Request, n_prompt: int, context: int) -> None:

@@ -64,11 +64,22 @@ class Logprobs:
 
 
 def completion_body(
-    req: Request, rid: str, model: str, text: str, finish: str, e: Event, lp: Logprobs | None
+    req: Request,
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    e: Event,
+    lp: Logprobs | None,
+    tool_calls: list[dict] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming answer of either endpoint."""
+    """The non-streaming answer of either endpoint (a chat's with the reply's tool calls:
+    finish_reason "tool_calls")."""
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        if tool_calls:
+            choice["message"].update(content=text or None, tool_calls=tool_calls)
+            finish = "tool_calls"
     else:
         choice = {"index": 0, "text": text}
     choice["logprobs"] = lp.body() if lp is not None else None
@@ -85,15 +96,19 @@ def chunk(
     finish: str | None = None,
     logprobs: dict | None = None,
     role: bool = False,
+    tool_calls: list[dict] | None = None,
     stop_reason: str | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk; chat deltas carry the role first, then content pieces. The last
-    one carries the finish_reason and (vLLM's) stop_reason: the stop string that ended the
+    """One streamed chunk; chat deltas carry the role first, then content pieces (and the
+    reply's tool calls, each with its index, in one chunk before the last). The last one
+    carries the finish_reason and (vLLM's) stop_reason: the stop string that ended the
     reply, if one did."""
     if req.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
         choice = {"index": 0, "delta": delta}
     else:
         choice = {"index": 0, "text": text or ""}
