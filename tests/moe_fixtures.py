@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fixtures import mla_config, moe_config, write_hf_model
+from fixtures import glm_config, mla_config, moe_config, write_hf_model
 from gguf_writer import Q4_0, Q4_1, Q5_1, Q8_0, gguf_from_hf
 
 FAMILIES = {
@@ -59,7 +59,30 @@ FAMILIES = {
         n_kv_heads=3,
         **mla_config(5, 2, 32, shared=0, dense_layers=0, q_lora_rank=None),
     ),
-}
+    # GLM-4.5: 10 query and 5 KV heads of 16 (8 rotated), q/k norms, q/k/v biases, a dense first
+    # layer, 7 experts of 37 columns and a shared expert; every width uneven over 2, 3 and 4
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        n_layers=3,
+        n_heads=10,
+        n_kv_heads=5,
+        head_dim=16,
+        hidden_dim=61,
+        **glm_config(7, 2, 37),
+    ),
+    # GLM-4.5-Air-like: no q/k norms, no biases, 8 experts in 2 groups (top 1), a quarter of
+    # each head rotated, no dense layer
+    "glm4_moe_air": dict(
+        model_type="glm4_moe",
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=16,
+        **glm_config(
+            8, 3, 35, n_group=2, topk_group=1, dense_layers=0, qk_norm=False, bias=False,
+            partial_rotary_factor=0.25,
+        ),
+    ),
+}  # fmt: skip
 # Widths on 32-value groups (4 of them: 1 per rank on 4), heads of 32 columns.
 QUANTIZABLE = {
     "qwen3_moe_g32": dict(
@@ -97,6 +120,18 @@ DEEPSEEK_G32 = dict(
     hidden_dim=128,
     **mla_config(6, 2, 128, n_group=2, q_lora_rank=64, kv_lora_rank=64, nope=32, rope=16, v=32),
 )
+# GLM-4.5 on 32-value groups (mlx-lm's convert quantizes it): heads of 32 (16 rotated),
+# 5 experts of 128 columns, a shared expert, a dense first layer
+GLM_G32 = dict(
+    model_type="glm4_moe",
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    hidden_dim=128,
+    **glm_config(5, 2, 128),
+)
 EXPERTS = "blk.*.ffn_{}_exps.weight"
 
 
@@ -108,12 +143,14 @@ def families(root: Path, names=FAMILIES, tokenizer: bool = False) -> dict[str, P
 
 
 def quantized(root: Path) -> dict[str, Path]:
-    """mlx-lm's convert of three quantizable fixtures: 4-bit and 8-bit, groups of 32."""
+    """mlx-lm's convert of four quantizable fixtures: 4-bit and 8-bit, groups of 32."""
     from mlx_lm import convert
 
-    src = families(root / "src", {**QUANTIZABLE, "deepseek_v3_g32": DEEPSEEK_G32}, tokenizer=True)
+    more = {"deepseek_v3_g32": DEEPSEEK_G32, "glm4_moe_g32": GLM_G32}
+    src = families(root / "src", {**QUANTIZABLE, **more}, tokenizer=True)
     out = {}
-    for name, bits in (("qwen3_moe_g32", 4), ("mixtral_g32", 8), ("deepseek_v3_g32", 4)):
+    names = ("qwen3_moe_g32", 4), ("mixtral_g32", 8), ("deepseek_v3_g32", 4), ("glm4_moe_g32", 4)
+    for name, bits in names:
         out[f"{name}-q{bits}"] = root / f"{name}-q{bits}"
         convert(
             str(src[name]), str(out[f"{name}-q{bits}"]), quantize=True, q_bits=bits, q_group_size=32

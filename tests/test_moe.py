@@ -53,18 +53,19 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_one_process_equals_mlx_lm(models, tmp_path):
     """Logits within 1e-4 (float32) and 32 greedy tokens identical to mlx-lm's model of
     the same folder: Hugging Face (per-expert tensors, DeepSeek's kv_b_proj), mlx-lm's
-    4/8-bit folders, and llama_tp's convert of a DeepSeek-V3 to 4 bits."""
+    4/8-bit folders, llama_tp's convert of a DeepSeek-V3 to 4 bits and of a GLM-4.5."""
     from mlx_lm.utils import MODEL_REMAPPING, load_model
 
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
     from llama_tp.checkpoints.convert import convert
 
-    paths = {k: models[k] for k in (*FAMILIES, "qwen3_moe_g32-q4", "mixtral_g32-q8")}
-    paths["deepseek_v3_g32-q4"] = models["deepseek_v3_g32-q4"]
+    quantized = ("qwen3_moe_g32-q4", "mixtral_g32-q8", "deepseek_v3_g32-q4", "glm4_moe_g32-q4")
+    paths = {k: models[k] for k in (*FAMILIES, *quantized)}
     paths["converted"] = convert(
         models["deepseek_v3"], tmp_path / "converted", quantize=4, group_size=32, progress=False
     )
+    paths["glm4_converted"] = convert(models["glm4_moe"], tmp_path / "glm", progress=False)
     paths["kimi_k2"] = _variant(models["deepseek_v3"], tmp_path / "kimi_k2", model_type="kimi_k2")
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
     for name, path in paths.items():
@@ -123,7 +124,7 @@ def test_two_ranks_every_format_both_splits(models, tmp_path):
     from llama_tp.checkpoints.convert import convert
 
     specs = [str(p) for k, p in models.items() if k != "converted"] + [str(K_QUANT)]
-    for name in ("qwen3_moe", "deepseek_v3"):
+    for name in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
         split = convert(models[name], tmp_path / name, shards=2, moe_split="expert", progress=False)
         specs.append(f"{split}={models[name]}")
     lines = _lines(launch(2, ["tests/mp_moe.py", *specs, "--extras"], timeout=600))
@@ -136,8 +137,9 @@ def test_two_ranks_every_format_both_splits(models, tmp_path):
 
 def test_three_ranks_both_splits(models):
     """Odd expert counts (5, 6, 7, 9) over 3 ranks: uneven by expert and by columns;
-    DeepSeek-V3's 5 heads as 2, 2 and 1."""
-    names = (*FAMILIES, "qwen3_moe_g32-q4", "qwen2_moe_g32.gguf", "deepseek_v3_g32-q4")
+    DeepSeek-V3's 5 heads as 2, 2 and 1; GLM-4.5's 5 KV heads as 2, 2 and 1."""
+    quantized = ("qwen3_moe_g32-q4", "qwen2_moe_g32.gguf", "deepseek_v3_g32-q4", "glm4_moe_g32-q4")
+    names = (*FAMILIES, *quantized)
     specs = [str(models[k]) for k in names]
     r = launch(3, ["tests/mp_moe.py", *specs, "--steps", "8"], timeout=600)
     assert len(_lines(r)) == 2 * len(specs)
@@ -152,17 +154,18 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models, tmp_path):
     folders = convert_mesh(
         src, tmp_path / "mesh", shards=4, tp=2, pp=2, moe_split="expert", progress=False
     )
-    names = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "mixtral_g32.gguf")
-    specs = [str(models[k]) for k in names[:4]]
-    specs += [f"{models[k]}@2,2" for k in ("qwen3_moe", "deepseek_v3", "mixtral_g32.gguf")]
+    names = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe")
+    specs = [str(models[k]) for k in names]
+    meshes = ("qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral_g32.gguf")
+    specs += [f"{models[k]}@2,2" for k in meshes]
     specs.append(f"{folders}={src}@2,2")
     r = launch(4, ["tests/mp_moe.py", *specs, "--steps", "8"], timeout=600)
     lines = _lines(r)
     assert len(lines) == 2 * len(specs)
-    assert sum(x["mesh"] == [2, 2] for x in lines) == 8
+    assert sum(x["mesh"] == [2, 2] for x in lines) == 10
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_serve_concurrent_requests_on_two_ranks(tmp_path, family):
     """A MoE model on 2 ranks answers concurrent requests exactly as it answers each alone
     (batches route every row's tokens to the experts, and DeepSeek-V3's latent caches
@@ -203,7 +206,10 @@ def test_refusals_are_one_line(models, tmp_path):
     def variant(name: str, base: str = "qwen3_moe", **changes) -> Path:
         return _variant(models[base], tmp_path / name, **changes)
 
-    supported = "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2"
+    supported = (
+        "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, "
+        "glm4_moe"
+    )
     path = variant("gemma", model_type="gemma3")
     _one_error(
         run_python(_generate(path)),
@@ -239,6 +245,18 @@ def test_refusals_are_one_line(models, tmp_path):
         run_python(_generate(path)),
         f"{path}: model.layers.0.self_attn.kv_b_proj.weight has shape [160, 32], but 5 heads "
         "of 16 + 16 rows over a latent of 16 need [160, 16]",
+    )
+    path = variant("rotary", "glm4_moe", partial_rotary_factor=1.5)
+    _one_error(
+        run_python(_generate(path)),
+        f"{path / 'config.json'}: model config: 24 rotary values per head of 16: need an even "
+        "count from 2 to head_dim",
+    )
+    path = variant("glm_count", "glm4_moe", n_routed_experts=6)
+    _one_error(
+        run_python(_generate(path)),
+        f"{path}: model.layers.1.mlp.switch_mlp.down_proj.weight holds 7 experts but "
+        "config.json's n_routed_experts is 6",
     )
     gguf = gguf_from_hf(models["qwen3_moe"], tmp_path / "count.gguf", expert_count=8)
     _one_error(
@@ -292,6 +310,8 @@ def test_plan_of_a_config_alone_is_the_checkpoints(models):
         ("deepseek_v3", "expert"),
         ("deepseek_v3_g32-q4", "tensor"),
         ("qwen3_moe", "tensor"),
+        ("glm4_moe", "expert"),
+        ("glm4_moe_g32-q4", "tensor"),
     ):
         folder = models[name]
         plans = [

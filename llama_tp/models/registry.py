@@ -14,6 +14,9 @@ feed-forward in some layers, chosen by the args, not by name:
     DeepSeek-V3 deepseek_v3,       -                        latent (MLA)  experts (sigmoid, groups)
     Kimi K2     kimi_k2                                                   + shared experts;
                                                                           dense first layers
+    GLM-4.5     glm4_moe           -                        + q/k/v bias, as DeepSeek-V3
+                                                            partial RoPE,
+                                                            qk-norm if set
 
 The readers (`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into
 `ModelArgs`; `build` makes the model.
@@ -38,6 +41,7 @@ MODEL_TYPES = (
     "qwen3_moe",
     "deepseek_v3",
     "kimi_k2",
+    "glm4_moe",
 )
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
