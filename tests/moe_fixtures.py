@@ -158,10 +158,41 @@ def quantized(root: Path) -> dict[str, Path]:
     return out
 
 
+# DeepSeek-V3's attention and GLM-4.5's in gguf-py's exact types where the widths allow
+ROUTED_TYPES = {
+    "blk.*.attn_q_b.weight": Q4_1,
+    "blk.*.attn_k_b.weight": Q8_0,
+    "blk.*.attn_v_b.weight": Q4_0,
+    "blk.*.attn_kv_a_mqa.weight": Q8_0,
+    "blk.*.attn_output.weight": Q8_0,
+    "blk.*.ffn_gate.weight": Q4_0,
+}
+# DeepSeek-V3 with YaRN (DeepSeek-V3's own scaling: mscale = mscale_all_dim = 1)
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
 def ggufs(root: Path) -> dict[str, Path]:
     """GGUF files: qwen3 (float32), and qwen3moe, llama with experts (Mixtral) and
-    qwen2moe with their experts and attention in gguf-py's exact types."""
-    src = families(root / "src", {"qwen3": FAMILIES["qwen3"], **QUANTIZABLE})
+    qwen2moe with their experts and attention in gguf-py's exact types; deepseek2 (its
+    attn_k_b / attn_v_b, and an older conversion's attn_kv_b; one with YaRN) and glm4moe
+    (a multi-token prediction layer after the last) in float32, and quantized. The
+    Hugging Face folder each was written from is `root / "src" / NAME`."""
+    routed = {
+        "deepseek_v3": FAMILIES["deepseek_v3"],
+        "deepseek_v3_yarn": {**FAMILIES["deepseek_v3"], "rope_scaling": YARN},
+        "glm4_moe": FAMILIES["glm4_moe"],
+        "deepseek_v3_g32": DEEPSEEK_G32,
+        "glm4_moe_g32": GLM_G32,
+    }
+    src = families(root / "src", {"qwen3": FAMILIES["qwen3"], **QUANTIZABLE, **routed})
     types = {
         EXPERTS.format("gate"): Q8_0,
         EXPERTS.format("up"): Q5_1,
@@ -172,4 +203,10 @@ def ggufs(root: Path) -> dict[str, Path]:
     out = {"qwen3.gguf": gguf_from_hf(src["qwen3"], root / "qwen3.gguf")}
     for name in QUANTIZABLE:
         out[f"{name}.gguf"] = gguf_from_hf(src[name], root / f"{name}.gguf", types)
+    for name in ("deepseek_v3", "deepseek_v3_yarn", "glm4_moe"):
+        out[f"{name}.gguf"] = gguf_from_hf(src[name], root / f"{name}.gguf")
+    kv_b = root / "deepseek_v3_kv_b.gguf"
+    out[kv_b.name] = gguf_from_hf(src["deepseek_v3"], kv_b, split_kv_b=False)
+    for name in ("deepseek_v3_g32", "glm4_moe_g32"):
+        out[f"{name}.gguf"] = gguf_from_hf(src[name], root / f"{name}.gguf", types | ROUTED_TYPES)
     return out

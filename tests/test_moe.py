@@ -89,17 +89,19 @@ def _variant(src: Path, path: Path, **changes) -> Path:
 
 
 def test_gguf_files_match_the_float64_reference(models):
-    """GGUF files of every family (qwen3, qwen3moe, llama with experts, qwen2moe; experts
-    stacked, in gguf-py's Q8_0/Q5_1/Q4_0 and Q4_1 attention: converted exactly) and llama.cpp's
-    own Q4_K_M of a Qwen3-MoE: next-token log-probabilities against float64 over gguf-py's
-    dequantization of the same bytes."""
+    """GGUF files of every family (qwen3, qwen3moe, llama with experts, qwen2moe, deepseek2
+    in both conversions, glm4moe; experts stacked, in gguf-py's Q8_0/Q5_1/Q4_0 and Q4_1
+    attention: converted exactly) and llama.cpp's own Q4_K_M of a Qwen3-MoE: next-token
+    log-probabilities against float64 over gguf-py's dequantization of the same bytes."""
     import reference64
 
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
 
     tokens = [1, 5, 9, 22, 7, 100, 3, 250, 11, 12]
-    files = [p for name, p in models.items() if name.endswith(".gguf")] + [K_QUANT]
+    yarn = "deepseek_v3_yarn.gguf"  # the reference has no YaRN: against safetensors above
+    files = [p for name, p in models.items() if name.endswith(".gguf") and name != yarn]
+    files.append(K_QUANT)
     for path in files:
         ckpt = open_checkpoint(path)
         got = np.array(build_model(ckpt)(mx.array([tokens]))[0])
@@ -107,6 +109,27 @@ def test_gguf_files_match_the_float64_reference(models):
         gap = reference64.top5_gap(got, ref)
         # Q6_K (in llama.cpp's Q4_K_M mix) is requantized to 8 bits: test_gguf_fidelity's bound
         assert gap <= (0.03 if path == K_QUANT else 1e-4), (path.name, gap)
+
+
+def test_deepseek2_and_glm4moe_ggufs_equal_their_safetensors(models):
+    """llama.cpp's deepseek2 (attn_k_b / attn_v_b, an older conversion's attn_kv_b, YaRN
+    from its rope.scaling metadata) and glm4moe (partial RoPE from rope.dimension_count,
+    its multi-token prediction layer dropped) files in float32: the logits and 32 greedy
+    tokens of the same weights read from the Hugging Face folder."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    names = ("deepseek_v3", "deepseek_v3_kv_b", "deepseek_v3_yarn", "glm4_moe")
+    for name in names:
+        path = models[f"{name}.gguf"]
+        src = path.parent / "src" / name.removesuffix("_kv_b")
+        ours, theirs = build_model(open_checkpoint(path)), build_model(open_checkpoint(src))
+        assert ours.args.rope_scaling == theirs.args.rope_scaling, name
+        diff = mx.abs(ours(x) - theirs(x)).max().item()
+        assert diff <= ATOL, (name, diff)
+        prompt = x[0].tolist()
+        assert _greedy(ours, prompt, 32) == _greedy(theirs, prompt, 32), name
 
 
 def _lines(r) -> list[dict]:
@@ -123,7 +146,8 @@ def test_two_ranks_every_format_both_splits(models, tmp_path):
     expert (convert --shards)."""
     from llama_tp.checkpoints.convert import convert
 
-    specs = [str(p) for k, p in models.items() if k != "converted"] + [str(K_QUANT)]
+    skip = ("converted", "deepseek_v3_yarn.gguf")  # YaRN: the one-process test above
+    specs = [str(p) for k, p in models.items() if k not in skip] + [str(K_QUANT)]
     for name in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
         split = convert(models[name], tmp_path / name, shards=2, moe_split="expert", progress=False)
         specs.append(f"{split}={models[name]}")
@@ -139,7 +163,8 @@ def test_three_ranks_both_splits(models):
     """Odd expert counts (5, 6, 7, 9) over 3 ranks: uneven by expert and by columns;
     DeepSeek-V3's 5 heads as 2, 2 and 1; GLM-4.5's 5 KV heads as 2, 2 and 1."""
     quantized = ("qwen3_moe_g32-q4", "qwen2_moe_g32.gguf", "deepseek_v3_g32-q4", "glm4_moe_g32-q4")
-    names = (*FAMILIES, *quantized)
+    ggufs = ("deepseek_v3_g32.gguf", "deepseek_v3_kv_b.gguf", "glm4_moe_g32.gguf")
+    names = (*FAMILIES, *quantized, *ggufs)
     specs = [str(models[k]) for k in names]
     r = launch(3, ["tests/mp_moe.py", *specs, "--steps", "8"], timeout=600)
     assert len(_lines(r)) == 2 * len(specs)
@@ -263,11 +288,24 @@ def test_refusals_are_one_line(models, tmp_path):
         run_python(_generate(gguf)),
         f"{gguf}: blk.0.ffn_down_exps.weight holds 7 experts but qwen3moe.expert_count is 8",
     )
-    gguf = tiny_llama_gguf(tmp_path / "ds.gguf", metadata={"general.architecture": "deepseek2"})
+    gguf = tiny_llama_gguf(tmp_path / "g.gguf", metadata={"general.architecture": "gemma3"})
     _one_error(
         run_python(_generate(gguf)),
-        f"{gguf}: unsupported GGUF architecture 'deepseek2' (supported: llama, qwen2, qwen3, "
-        "qwen2moe, qwen3moe)",
+        f"{gguf}: unsupported GGUF architecture 'gemma3' (supported: llama, qwen2, qwen3, "
+        "qwen2moe, qwen3moe, deepseek2, glm4moe)",
+    )
+    src = models["deepseek_v3"]
+    gguf = gguf_from_hf(src, tmp_path / "v2.gguf", expert_gating_func=1)
+    _one_error(
+        run_python(_generate(gguf)),
+        f"{gguf}: deepseek2.expert_gating_func is 1 (softmax routing, DeepSeek-V2's, when "
+        "missing or 1): only sigmoid routing (2) is read",
+    )
+    gguf = gguf_from_hf(src, tmp_path / "kv_b.gguf", {"blk.*.attn_kv_b.weight": 8}, False)
+    _one_error(
+        run_python(_generate(gguf)),
+        f"{gguf}: blk.0.attn_kv_b.weight is Q8_0: a quantized attn_kv_b cannot be split per "
+        "head; llama.cpp's newer conversions store attn_k_b and attn_v_b",
     )
 
 
@@ -299,6 +337,43 @@ def test_plan_shows_experts_and_bytes_per_rank(models):
     by = run_python(["-m", "llama_tp.plan", "-n", "3", "--model", path])
     rows = [line.split() for line in by.stdout.splitlines() if line[:2] in ("0 ", "1 ", "2 ")]
     assert [r[7:11] for r in rows][0] == ["0-6", "[7]", "0-15", "[16]"]
+
+
+def test_plan_of_a_gguf_mix_from_a_config_is_the_files(tmp_path):
+    """`plan --model DIR/config.json --gguf-quant Q4_K_M` gives every tensor the type
+    llama.cpp's quantizer gave it in its own Q4_K_M files (tests/data), and prints, for
+    the config of llama.cpp's Qwen3-MoE Q4_K_M, what `plan` of that file prints: the
+    bytes each rank holds (converted to MLX) and its KV cache."""
+    import gguf
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import skeleton
+    from llama_tp.checkpoints.gguf import to_model_name
+    from llama_tp.checkpoints.gguf_recipe import quantized_by, tensor_type
+    from llama_tp.checkpoints.hf_config import hf_config
+
+    for path in (K_QUANT, DATA / "llamacpp-Q4_K_M.gguf"):
+        args = open_checkpoint(path).args
+        for t in gguf.GGUFReader(path).tensors:
+            module = to_model_name(t.name).removesuffix(".weight")
+            if len(t.shape) < 2 or not quantized_by(module):
+                continue
+            kind = tensor_type(
+                module, int(t.shape[0]), "Q4_K_M", args.n_layers, args.n_experts, False
+            )
+            assert kind == t.tensor_type.name, (path.name, t.name, kind)
+    ckpt = open_checkpoint(K_QUANT)
+    config = hf_config(ckpt, skeleton(ckpt))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plans = [
+        run_python(["-m", "llama_tp.plan", "-n", "3", "--model", *m])
+        for m in ([str(K_QUANT)], [str(tmp_path / "config.json"), "--gguf-quant", "Q4_K_M"])
+    ]
+    assert all(p.returncode == 0 for p in plans), plans[1].stderr
+    file, alone = (p.stdout.split("3 ranks:")[1].split("KV cache")[1] for p in plans)
+    assert alone.splitlines()[0] == file.splitlines()[0]
+    file, alone = (p.stdout.split("3 ranks:")[1].split("KV cache")[0] for p in plans)
+    assert alone == file
 
 
 def test_plan_of_a_config_alone_is_the_checkpoints(models):

@@ -11,10 +11,10 @@ feed-forward in some layers, chosen by the args, not by name:
     Qwen2-MoE   qwen2_moe          qwen2moe                 + q/k/v bias  experts + shared expert
     Qwen3-MoE   qwen3_moe          qwen3moe                 qk-norm       experts (softmax, top-k)
                                                                           or dense by layer
-    DeepSeek-V3 deepseek_v3,       -                        latent (MLA)  experts (sigmoid, groups)
+    DeepSeek-V3 deepseek_v3,       deepseek2                latent (MLA)  experts (sigmoid, groups)
     Kimi K2     kimi_k2                                                   + shared experts;
                                                                           dense first layers
-    GLM-4.5     glm4_moe           -                        + q/k/v bias, as DeepSeek-V3
+    GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
 
@@ -43,7 +43,7 @@ MODEL_TYPES = (
     "kimi_k2",
     "glm4_moe",
 )
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "glm4moe")
 
 
 def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
