@@ -316,6 +316,7 @@ SECTIONS = {
     "mpi-backend": ("mpi_backend", "section"),
     "mixture-of-experts": ("moe", "section"),
     "deepseek-v3": ("moe", "section"),
+    "glm4-moe": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
 }
