@@ -134,7 +134,7 @@ def _open(model: str | Path, gguf_quant: str | None = None):
     """The checkpoint at `model`, or a model's `config.json` alone: the plan of the tensors
     it implies (as a GGUF of the mix `gguf_quant`), before downloading them."""
     from .checkpoints import open_checkpoint
-    from .checkpoints.hf import read_config_only
+    from .checkpoints.config_only import read_config_only
     from .console.cli import UsageError
 
     path = Path(model)
