@@ -2,6 +2,7 @@
 
     python bench/moe.py [--spec moe-a3b-fp32] [-p 128 -g 64 -n 3]
     python bench/moe.py --spec deepseek-v3-fp32 --section deepseek-v3
+    python bench/moe.py --spec glm4-moe-fp32 --section glm4-moe
 
 One run, three `python -m llama_tp.bench` invocations on the synthetic Qwen3-MoE `--spec`
 (written once into the cache; `moe-a3b` is Qwen3-30B-A3B's shape scaled down), then one
@@ -21,7 +22,7 @@ tokens/s (means of `-n` trials after a warm-up), each rank's MLX peak memory and
 weights, its resident set (max RSS), and the tokens routed to each rank's experts
 (counted in one more trial). Rewrites the section "Mixture of experts" of
 docs/benchmarks.md and docs/benchmarks/mixture-of-experts.json (`--section NAME`: the
-section NAME and docs/benchmarks/NAME.json, e.g. for the synthetic DeepSeek-V3).
+section NAME and docs/benchmarks/NAME.json, e.g. for the synthetic DeepSeek-V3 or GLM-4.5).
 Targets (issue 26): 1 rank >= 1.0x mlx-lm's generation tokens/s; 2 ranks' per-rank
 memory <= 0.55x the 1-rank figure.
 """

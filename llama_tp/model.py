@@ -59,6 +59,9 @@ class ModelArgs:
     # False: rotate the two halves of each head (Hugging Face layout).
     rope_traditional: bool = False
     rope_scaling: dict | None = None
+    # Rotated values of each head, the first `rope_dims` (GLM-4.5's partial rotary: half);
+    # 0: all of head_dim
+    rope_dims: int = 0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2-style checkpoints
@@ -113,6 +116,11 @@ class ModelArgs:
             self.n_kv_heads = self.n_heads  # one latent for all heads: no KV head groups
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
+        if self.rope_dims and not (0 < self.rope_dims <= self.head_dim and self.rope_dims % 2 == 0):
+            raise ValueError(
+                f"model config: {self.rope_dims} rotary values per head of {self.head_dim}: "
+                "need an even count from 2 to head_dim"
+            )
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(
@@ -200,7 +208,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * hd, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=args.o_bias)
         self.rope = initialize_rope(
-            hd,
+            args.rope_dims or hd,
             args.rope_theta,
             args.rope_traditional,
             args.rope_scaling,

@@ -35,6 +35,12 @@ def main() -> int:
         help="the shape of a synthetic model instead, e.g. 70b-q4 (Llama-3-70B's shape, MLX "
         "4-bit): its tensors' shapes written once into the cache, no weights",
     )
+    p.add_argument(
+        "--gguf-quant",
+        metavar="MIX",
+        help="with --model DIR/config.json: plan a GGUF of llama.cpp's quantization mix MIX "
+        "(Q4_K_M, Q5_K_M) of it, as the loader would hold it",
+    )
     p.add_argument("-n", type=int, required=True, help="number of ranks")
     p.add_argument(
         "--no-vocab-parallel", action="store_true", help="the plan with a whole embedding and head"
@@ -85,7 +91,7 @@ def main() -> int:
     from .parallel.plan_text import format_plan
     from .parallel.shard import builtin_plan
 
-    ckpt = _open(model_path(args))
+    ckpt = _open(model_path(args), args.gguf_quant)
     shape = model_shape(ckpt)
     try:
         placement = place(
@@ -119,6 +125,9 @@ def main() -> int:
 
         for note in [*ckpt.notes, *split_notes(ckpt, placement.plan)]:
             print(note)
+    elif ckpt.format == "config":  # a GGUF mix planned from the config (--gguf-quant)
+        for note in ckpt.notes:
+            print(note)
     return 0
 
 
@@ -128,15 +137,18 @@ def _sliding(a) -> tuple[int, int, int] | None:
     return (n, a.n_layers, a.sliding_window) if n else None
 
 
-def _open(model: str | Path):
+def _open(model: str | Path, gguf_quant: str | None = None):
     """The checkpoint at `model`, or a model's `config.json` alone: the plan of the tensors
-    it implies, before downloading them."""
+    it implies (as a GGUF of the mix `gguf_quant`), before downloading them."""
     from .checkpoints import open_checkpoint
-    from .checkpoints.hf import read_config_only
+    from .checkpoints.config_only import read_config_only
+    from .console.cli import UsageError
 
     path = Path(model)
     if path.name == "config.json" and path.is_file():
-        return read_config_only(path)
+        return read_config_only(path, gguf_quant)
+    if gguf_quant:
+        raise UsageError("--gguf-quant plans from a config.json alone: --model DIR/config.json")
     return open_checkpoint(path)
 
 

@@ -101,8 +101,10 @@ def hf_config(
         config["rope_scaling"] = rope_scaling
     if rope_traditional:
         config["rope_traditional"] = True
-    if model_type in ("qwen3", "qwen3_moe") and not head_dim:
-        config["head_dim"] = dim // n_heads  # required by mlx-lm's qwen3 models
+    if model_type in ("qwen3", "qwen3_moe", "glm4_moe") and not head_dim:
+        config["head_dim"] = dim // n_heads  # required by mlx-lm's qwen3 and glm4_moe models
+    if model_type == "glm4_moe":
+        config.setdefault("rope_scaling", None)  # required by mlx-lm's glm4_moe
     return {**config, **extra}
 
 
@@ -114,6 +116,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 
@@ -179,10 +182,40 @@ def mla_config(
     }
 
 
+def glm_config(
+    experts: int,
+    top_k: int,
+    expert_dim: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    shared: int = 1,
+    dense_layers: int = 1,
+    qk_norm: bool = True,
+    bias: bool = True,
+    partial_rotary_factor: float = 0.5,
+) -> dict:
+    """The GLM-4.5 keys of a config.json: partial rotary, q/k norms and q/k/v biases if
+    asked, DeepSeek-V3's routing, shared experts and `dense_layers` dense layers first."""
+    return {
+        "n_routed_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_dim,
+        "n_shared_experts": shared or None,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": dense_layers,
+        "use_qk_norm": qk_norm,
+        "attention_bias": bias,
+        "partial_rotary_factor": partial_rotary_factor,
+    }
+
+
 def _experts(config: dict) -> tuple[int, int, int]:
     """(experts, expert width, shared-expert width) of a config (0, 0, 0: dense)."""
     t = config["model_type"]
-    if t == "deepseek_v3":
+    if t in ("deepseek_v3", "glm4_moe"):
         dim = config["moe_intermediate_size"]
         return config["n_routed_experts"], dim, (config["n_shared_experts"] or 0) * dim
     if t == "mixtral":
@@ -198,7 +231,7 @@ def _sparse(config: dict, layer: int) -> bool:
         return False
     if config["model_type"] == "mixtral":
         return True
-    if config["model_type"] == "deepseek_v3":
+    if config["model_type"] in ("deepseek_v3", "glm4_moe"):
         return layer >= config["first_k_dense_replace"]
     step = config.get("decoder_sparse_step", 1)
     return layer not in config.get("mlp_only_layers", []) and (layer + 1) % step == 0
@@ -210,8 +243,8 @@ def random_weights(config: dict, seed: int = 0, dtype=mx.float32) -> dict[str, m
     d, h = config["hidden_size"], config["intermediate_size"]
     nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     hd = config.get("head_dim") or d // nh
-    bias = config["model_type"] in ("qwen2", "qwen2_moe")
-    qk_norm = config["model_type"] in ("qwen3", "qwen3_moe")
+    bias = config["model_type"] in ("qwen2", "qwen2_moe") or config.get("attention_bias")
+    qk_norm = config["model_type"] in ("qwen3", "qwen3_moe") or config.get("use_qk_norm")
     n_experts, expert_dim, shared_dim = _experts(config)
     moe = "block_sparse_moe" if config["model_type"] == "mixtral" else "mlp"
     # Mixtral names its experts' projections as Meta does
@@ -250,7 +283,7 @@ def random_weights(config: dict, seed: int = 0, dtype=mx.float32) -> dict[str, m
                     ("down_proj", (d, expert_dim)),
                 ):
                     out[p + f"{moe}.experts.{e}.{projs.get(proj, proj)}.weight"] = w(*shape)
-            if config["model_type"] == "deepseek_v3":  # ungated shared experts, score bias
+            if config["model_type"] in ("deepseek_v3", "glm4_moe"):  # ungated shared, bias
                 out[p + "mlp.gate.e_score_correction_bias"] = 0.1 * mx.random.normal((n_experts,))
                 shared = p + "mlp.shared_experts."
             else:

@@ -179,8 +179,21 @@ GGUF_ARCH = {
     "qwen3": "qwen3",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "deepseek_v3": "deepseek2",
+    "glm4_moe": "glm4moe",
 }
 _HF_TO_GGUF = [
+    # DeepSeek-V3's latent attention and routing bias, shared experts (llama.cpp's names)
+    (r"^model\.layers\.(\d+)\.self_attn\.q_a_proj\.", r"blk.\1.attn_q_a."),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_a_layernorm\.", r"blk.\1.attn_q_a_norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.q_b_proj\.", r"blk.\1.attn_q_b."),
+    (r"^model\.layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.", r"blk.\1.attn_kv_a_mqa."),
+    (r"^model\.layers\.(\d+)\.self_attn\.kv_a_layernorm\.", r"blk.\1.attn_kv_a_norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.kv_b_proj\.", r"blk.\1.attn_kv_b."),
+    (r"^model\.layers\.(\d+)\.mlp\.gate\.e_score_correction_bias$", r"blk.\1.exp_probs_b.bias"),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.", r"blk.\1.ffn_gate_shexp."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.", r"blk.\1.ffn_up_shexp."),
+    (r"^model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.", r"blk.\1.ffn_down_shexp."),
     (r"^model\.embed_tokens\.", "token_embd."),
     (r"^model\.norm\.", "output_norm."),
     (r"^lm_head\.", "output."),
@@ -215,13 +228,75 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def _routed_meta(config: dict, arch: str, split_kv_b: bool) -> dict:
+    """The `{arch}.*` keys llama.cpp's converter writes for deepseek2 / glm4moe beyond the
+    common ones (integers; the floats and flags are written by `gguf_from_hf`)."""
+    meta = {
+        "expert_count": config["n_routed_experts"],
+        "expert_used_count": config["num_experts_per_tok"],
+        "expert_feed_forward_length": config["moe_intermediate_size"],
+        "expert_shared_count": config["n_shared_experts"] or 0,
+        "leading_dense_block_count": config["first_k_dense_replace"],
+        "expert_gating_func": 2,  # sigmoid
+        "expert_group_count": config["n_group"],
+        "expert_group_used_count": config["topk_group"],
+    }
+    if arch == "glm4moe":
+        head_dim = config["head_dim"]
+        rope = int(head_dim * config["partial_rotary_factor"])
+        return meta | {"rope.dimension_count": rope, "nextn_predict_layers": 1}
+    rank, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    key, value = config["qk_nope_head_dim"] + rope, config["v_head_dim"]
+    meta |= {"rope.dimension_count": rope, "attention.kv_lora_rank": rank}
+    meta["attention.q_lora_rank"] = config["q_lora_rank"] or 0
+    if split_kv_b:  # the newer conversion: MQA over the latent, per-head sizes apart
+        return meta | {
+            "attention.head_count_kv": 1,
+            "attention.key_length": rank + rope,
+            "attention.value_length": rank,
+            "attention.key_length_mla": key,
+            "attention.value_length_mla": value,
+        }
+    return meta | {"attention.key_length": key, "attention.value_length": value}
+
+
+def _split_kv_b(tensors: dict[str, np.ndarray], config: dict) -> None:
+    """llama.cpp's newer deepseek2 conversion: attn_kv_b as attn_k_b (H, rank, nope), the
+    key rows transposed, and attn_v_b (H, v, rank)."""
+    heads, nope = config["num_attention_heads"], config["qk_nope_head_dim"]
+    for name in [k for k in tensors if k.endswith("attn_kv_b.weight")]:
+        kv_b = tensors.pop(name).reshape(heads, nope + config["v_head_dim"], -1)
+        tensors[name.replace("kv_b", "k_b")] = np.ascontiguousarray(kv_b[:, :nope].swapaxes(1, 2))
+        tensors[name.replace("kv_b", "v_b")] = np.ascontiguousarray(kv_b[:, nope:])
+
+
+def _nextn_layer(tensors: dict[str, np.ndarray], n: int, dim: int) -> None:
+    """A multi-token prediction layer `n` as GLM-4.5's conversions carry (never used)."""
+    rng = np.random.default_rng(n)
+    for name, shape in (
+        ("attn_norm.weight", (dim,)),
+        ("nextn.eh_proj.weight", (dim, 2 * dim)),
+        ("nextn.enorm.weight", (dim,)),
+        ("nextn.hnorm.weight", (dim,)),
+        ("nextn.shared_head_norm.weight", (dim,)),
+    ):
+        tensors[f"blk.{n}.{name}"] = rng.normal(0, 1, shape).astype(np.float32)
+
+
 def gguf_from_hf(
-    hf_dir: Path, out: Path, quantized: dict[str, int] | None = None, **overrides: int
+    hf_dir: Path,
+    out: Path,
+    quantized: dict[str, int] | None = None,
+    split_kv_b: bool = True,
+    **overrides: int,
 ) -> Path:
     """The Hugging Face fixture `hf_dir` (float32, per-expert tensors) as a GGUF file of its
     family, written with the gguf package: float32 tensors but for `quantized` (GGUF name
     pattern, `blk.*.` for every layer -> type id, quantized by gguf-py), the experts
     stacked as llama.cpp stores them, q/k permuted for the llama architecture.
+    DeepSeek-V3 (deepseek2) and GLM-4.5 (glm4moe) as llama.cpp's converter writes them:
+    deepseek2's attn_kv_b split into attn_k_b / attn_v_b (the newer conversion) unless
+    not `split_kv_b`; glm4moe with a multi-token prediction layer after the last.
     `overrides`: `{arch}.*` integers to write instead (e.g. expert_count=8)."""
     import json
 
@@ -247,11 +322,26 @@ def gguf_from_hf(
         "expert_used_count": config.get("num_experts_per_tok", 0),
         "expert_feed_forward_length": config.get("moe_intermediate_size", 0),
         "expert_shared_feed_forward_length": config.get("shared_expert_intermediate_size", 0),
-        **overrides,
     }
+    routed = arch in ("deepseek2", "glm4moe")
+    if routed:
+        meta |= _routed_meta(config, arch, split_kv_b)
+        meta["block_count"] += meta.get("nextn_predict_layers", 0)
+    meta |= overrides
     for key, value in meta.items():
         if value:
             w.add_uint32(f"{arch}.{key}", value)
+    if routed:
+        w.add_float32(f"{arch}.expert_weights_scale", config["routed_scaling_factor"])
+        w.add_bool(f"{arch}.expert_weights_norm", config["norm_topk_prob"])
+        w.add_uint32(f"{arch}.vocab_size", config["vocab_size"])
+    if (config.get("rope_scaling") or {}).get("type") == "yarn":
+        yarn = config["rope_scaling"]
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", yarn["factor"])
+        orig = yarn["original_max_position_embeddings"]
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * yarn["mscale_all_dim"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     w.add_float32(f"{arch}.rope.freq_base", config["rope_theta"])
     vocab = llama_vocabulary(config["vocab_size"])
@@ -278,11 +368,17 @@ def gguf_from_hf(
             a = _permute(a, heads if "attn_q" in new else kv)
         if new.endswith("ffn_gate_inp_shexp.weight"):
             a = a.reshape(-1)  # llama.cpp's (n_embd,) vector
+        if arch == "glm4moe":  # its feed-forward norm, by llama.cpp's tensor map
+            new = new.replace(".ffn_norm.", ".post_attention_norm.")
         tensors[new] = a
     for (layer, proj), by_expert in experts.items():
         tensors[f"blk.{layer}.ffn_{proj}_exps.weight"] = np.stack(
             [by_expert[e] for e in range(len(by_expert))]
         )
+    if arch == "deepseek2" and split_kv_b:
+        _split_kv_b(tensors, config)
+    if arch == "glm4moe":
+        _nextn_layer(tensors, config["num_hidden_layers"], config["hidden_size"])
     quantized = quantized or {}
     for name, a in tensors.items():
         kind = quantized.get(name, quantized.get(re.sub(r"^blk\.\d+\.", "blk.*.", name)))

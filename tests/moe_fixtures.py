@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fixtures import mla_config, moe_config, write_hf_model
+from fixtures import glm_config, mla_config, moe_config, write_hf_model
 from gguf_writer import Q4_0, Q4_1, Q5_1, Q8_0, gguf_from_hf
 
 FAMILIES = {
@@ -59,7 +59,30 @@ FAMILIES = {
         n_kv_heads=3,
         **mla_config(5, 2, 32, shared=0, dense_layers=0, q_lora_rank=None),
     ),
-}
+    # GLM-4.5: 10 query and 5 KV heads of 16 (8 rotated), q/k norms, q/k/v biases, a dense first
+    # layer, 7 experts of 37 columns and a shared expert; every width uneven over 2, 3 and 4
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        n_layers=3,
+        n_heads=10,
+        n_kv_heads=5,
+        head_dim=16,
+        hidden_dim=61,
+        **glm_config(7, 2, 37),
+    ),
+    # GLM-4.5-Air-like: no q/k norms, no biases, 8 experts in 2 groups (top 1), a quarter of
+    # each head rotated, no dense layer
+    "glm4_moe_air": dict(
+        model_type="glm4_moe",
+        n_heads=6,
+        n_kv_heads=2,
+        head_dim=16,
+        **glm_config(
+            8, 3, 35, n_group=2, topk_group=1, dense_layers=0, qk_norm=False, bias=False,
+            partial_rotary_factor=0.25,
+        ),
+    ),
+}  # fmt: skip
 # Widths on 32-value groups (4 of them: 1 per rank on 4), heads of 32 columns.
 QUANTIZABLE = {
     "qwen3_moe_g32": dict(
@@ -97,6 +120,18 @@ DEEPSEEK_G32 = dict(
     hidden_dim=128,
     **mla_config(6, 2, 128, n_group=2, q_lora_rank=64, kv_lora_rank=64, nope=32, rope=16, v=32),
 )
+# GLM-4.5 on 32-value groups (mlx-lm's convert quantizes it): heads of 32 (16 rotated),
+# 5 experts of 128 columns, a shared expert, a dense first layer
+GLM_G32 = dict(
+    model_type="glm4_moe",
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    hidden_dim=128,
+    **glm_config(5, 2, 128),
+)
 EXPERTS = "blk.*.ffn_{}_exps.weight"
 
 
@@ -108,12 +143,14 @@ def families(root: Path, names=FAMILIES, tokenizer: bool = False) -> dict[str, P
 
 
 def quantized(root: Path) -> dict[str, Path]:
-    """mlx-lm's convert of three quantizable fixtures: 4-bit and 8-bit, groups of 32."""
+    """mlx-lm's convert of four quantizable fixtures: 4-bit and 8-bit, groups of 32."""
     from mlx_lm import convert
 
-    src = families(root / "src", {**QUANTIZABLE, "deepseek_v3_g32": DEEPSEEK_G32}, tokenizer=True)
+    more = {"deepseek_v3_g32": DEEPSEEK_G32, "glm4_moe_g32": GLM_G32}
+    src = families(root / "src", {**QUANTIZABLE, **more}, tokenizer=True)
     out = {}
-    for name, bits in (("qwen3_moe_g32", 4), ("mixtral_g32", 8), ("deepseek_v3_g32", 4)):
+    names = ("qwen3_moe_g32", 4), ("mixtral_g32", 8), ("deepseek_v3_g32", 4), ("glm4_moe_g32", 4)
+    for name, bits in names:
         out[f"{name}-q{bits}"] = root / f"{name}-q{bits}"
         convert(
             str(src[name]), str(out[f"{name}-q{bits}"]), quantize=True, q_bits=bits, q_group_size=32
@@ -121,10 +158,41 @@ def quantized(root: Path) -> dict[str, Path]:
     return out
 
 
+# DeepSeek-V3's attention and GLM-4.5's in gguf-py's exact types where the widths allow
+ROUTED_TYPES = {
+    "blk.*.attn_q_b.weight": Q4_1,
+    "blk.*.attn_k_b.weight": Q8_0,
+    "blk.*.attn_v_b.weight": Q4_0,
+    "blk.*.attn_kv_a_mqa.weight": Q8_0,
+    "blk.*.attn_output.weight": Q8_0,
+    "blk.*.ffn_gate.weight": Q4_0,
+}
+# DeepSeek-V3 with YaRN (DeepSeek-V3's own scaling: mscale = mscale_all_dim = 1)
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
 def ggufs(root: Path) -> dict[str, Path]:
     """GGUF files: qwen3 (float32), and qwen3moe, llama with experts (Mixtral) and
-    qwen2moe with their experts and attention in gguf-py's exact types."""
-    src = families(root / "src", {"qwen3": FAMILIES["qwen3"], **QUANTIZABLE})
+    qwen2moe with their experts and attention in gguf-py's exact types; deepseek2 (its
+    attn_k_b / attn_v_b, and an older conversion's attn_kv_b; one with YaRN) and glm4moe
+    (a multi-token prediction layer after the last) in float32, and quantized. The
+    Hugging Face folder each was written from is `root / "src" / NAME`."""
+    routed = {
+        "deepseek_v3": FAMILIES["deepseek_v3"],
+        "deepseek_v3_yarn": {**FAMILIES["deepseek_v3"], "rope_scaling": YARN},
+        "glm4_moe": FAMILIES["glm4_moe"],
+        "deepseek_v3_g32": DEEPSEEK_G32,
+        "glm4_moe_g32": GLM_G32,
+    }
+    src = families(root / "src", {"qwen3": FAMILIES["qwen3"], **QUANTIZABLE, **routed})
     types = {
         EXPERTS.format("gate"): Q8_0,
         EXPERTS.format("up"): Q5_1,
@@ -135,4 +203,10 @@ def ggufs(root: Path) -> dict[str, Path]:
     out = {"qwen3.gguf": gguf_from_hf(src["qwen3"], root / "qwen3.gguf")}
     for name in QUANTIZABLE:
         out[f"{name}.gguf"] = gguf_from_hf(src[name], root / f"{name}.gguf", types)
+    for name in ("deepseek_v3", "deepseek_v3_yarn", "glm4_moe"):
+        out[f"{name}.gguf"] = gguf_from_hf(src[name], root / f"{name}.gguf")
+    kv_b = root / "deepseek_v3_kv_b.gguf"
+    out[kv_b.name] = gguf_from_hf(src["deepseek_v3"], kv_b, split_kv_b=False)
+    for name in ("deepseek_v3_g32", "glm4_moe_g32"):
+        out[f"{name}.gguf"] = gguf_from_hf(src[name], root / f"{name}.gguf", types | ROUTED_TYPES)
     return out

@@ -8,7 +8,12 @@ architecture (its Q and K rows are permuted for it) and on the halves of each he
 qwen2/qwen3/qwen2moe/qwen3moe; q/k biases where the file has them; Qwen3's per-head
 q/k RMSNorm; grouped KV heads, RMSNorm, SwiGLU; mixtures of experts as llama.cpp's
 build_moe_ffn computes them (softmax over all experts, top-k, renormalised but for
-qwen2moe, plus qwen2moe's shared expert behind a sigmoid gate).
+qwen2moe, plus qwen2moe's shared expert behind a sigmoid gate). DeepSeek-V3 (deepseek2) and
+GLM-4.5 (glm4moe): sigmoid routing with the `exp_probs_b` bias in groups, scaled, plus
+ungated shared experts; deepseek2's latent attention (keys and values expanded per head
+from the latent, through attn_kv_b or attn_k_b / attn_v_b; RoPE on adjacent pairs of the
+decoupled part); glm4moe's partial RoPE on the halves of the first `rope.dimension_count`
+values; multi-token prediction layers (`nextn_predict_layers`) skipped. No YaRN.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x: np.ndarray, theta: float, neox: bool) -> np.ndarray:
+def _rope(x: np.ndarray, theta: float, neox: bool, dims: int = 0) -> np.ndarray:
     """(L, heads, hd) rotated by position: adjacent pairs together (llama.cpp's 'normal',
-    the llama architecture) or the two halves of each head ('neox': the Qwen ones)."""
+    the llama architecture) or the two halves of each head ('neox': the Qwen ones); only
+    the first `dims` values (0: all), the rest as they are."""
+    if dims and dims < x.shape[-1]:
+        return np.concatenate([_rope(x[..., :dims], theta, neox), x[..., dims:]], axis=-1)
     L, _, hd = x.shape
     freqs = theta ** (-np.arange(0, hd, 2) / hd)  # (hd/2,)
     angle = np.arange(L)[:, None] * freqs[None, :]  # (L, hd/2)
@@ -90,6 +98,79 @@ def _experts(h: np.ndarray, w: dict, p: str, k: int, norm: bool) -> np.ndarray:
     return out
 
 
+def _sigmoid_experts(h: np.ndarray, w: dict, p: str, meta: dict, arch: str) -> np.ndarray:
+    """llama.cpp's build_moe_ffn with sigmoid gating: scores plus `exp_probs_b` choose
+    the top k among the best `expert_group_used_count` groups (a group scored by its two
+    best), the chosen sigmoid scores weigh them (renormalised with expert_weights_norm,
+    times expert_weights_scale); the shared experts added without a gate."""
+    k = int(meta[f"{arch}.expert_used_count"])
+    groups = int(meta.get(f"{arch}.expert_group_count", 1))
+    used = int(meta.get(f"{arch}.expert_group_used_count", 1))
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", False))
+    scale = float(meta.get(f"{arch}.expert_weights_scale", 1.0))
+    probs = 1 / (1 + np.exp(-(h @ w[p + "ffn_gate_inp.weight"].T)))  # (L, E)
+    choice = probs + w[p + "exp_probs_b.bias"]
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        by_group = choice[t].reshape(groups, -1)
+        best = np.argsort(-np.sort(by_group, axis=-1)[:, -2:].sum(-1))[:used]
+        masked = np.full_like(by_group, -np.inf)
+        masked[best] = by_group[best]
+        top = np.argsort(-masked.reshape(-1))[:k]
+        weights = probs[t, top] / (probs[t, top].sum() if norm else 1.0) * scale
+        for e, wt in zip(top, weights, strict=True):
+            out[t] += (
+                wt
+                * _swiglu(
+                    h[t : t + 1],
+                    w[p + "ffn_gate_exps.weight"][e],
+                    w[p + "ffn_up_exps.weight"][e],
+                    w[p + "ffn_down_exps.weight"][e],
+                )[0]
+            )
+    if p + "ffn_gate_shexp.weight" in w:
+        out += _swiglu(
+            h, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+            w[p + "ffn_down_shexp.weight"],
+        )  # fmt: skip
+    return out
+
+
+def _latent_attention(h: np.ndarray, w: dict, p: str, meta: dict, mask: np.ndarray) -> np.ndarray:
+    """deepseek2's attention: each head's key and value from the normalised latent, its
+    query and key RoPE parts (adjacent pairs) apart; (L, dim) -> (L, heads * v)."""
+    a = "deepseek2"
+    L, heads = h.shape[0], int(meta[f"{a}.attention.head_count"])
+    eps = float(meta[f"{a}.attention.layer_norm_rms_epsilon"])
+    theta = float(meta.get(f"{a}.rope.freq_base", 10000.0))
+    rope, rank = int(meta[f"{a}.rope.dimension_count"]), int(meta[f"{a}.attention.kv_lora_rank"])
+    key = int(meta.get(f"{a}.attention.key_length_mla", meta[f"{a}.attention.key_length"]))
+    nope = key - rope
+    if p + "attn_q_a.weight" in w:
+        q = _rms(h @ w[p + "attn_q_a.weight"].T, w[p + "attn_q_a_norm.weight"], eps)
+        q = q @ w[p + "attn_q_b.weight"].T
+    else:
+        q = h @ w[p + "attn_q.weight"].T
+    q = q.reshape(L, heads, key)
+    kv = h @ w[p + "attn_kv_a_mqa.weight"].T
+    c, k_pe = _rms(kv[:, :rank], w[p + "attn_kv_a_norm.weight"], eps), kv[:, rank:]
+    if p + "attn_kv_b.weight" in w:
+        kv_b = w[p + "attn_kv_b.weight"].reshape(heads, -1, rank)
+        k_nope = np.einsum("lr,hnr->lhn", c, kv_b[:, :nope])
+        v = np.einsum("lr,hvr->lhv", c, kv_b[:, nope:])
+    else:
+        k_nope = np.einsum("lr,hrn->lhn", c, w[p + "attn_k_b.weight"])
+        v = np.einsum("lr,hvr->lhv", c, w[p + "attn_v_b.weight"])
+    q_pe = _rope(q[..., nope:], theta, neox=False)
+    k_pe = _rope(k_pe[:, None, :], theta, neox=False)
+    scores = np.einsum("qhd,khd->hqk", q[..., :nope], k_nope)
+    scores += np.einsum("qhd,kd->hqk", q_pe, k_pe[:, 0])
+    scores = scores / np.sqrt(key) + mask
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", probs, v).reshape(L, -1)
+
+
 def logits(path: str, tokens: list[int]) -> np.ndarray:
     """Logits (L, vocab) in float64 for `tokens`, every position (causal)."""
     meta, w = read(path)
@@ -98,7 +179,8 @@ def logits(path: str, tokens: list[int]) -> np.ndarray:
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     eps = float(meta[f"{arch}.attention.layer_norm_rms_epsilon"])
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    layers = int(meta[f"{arch}.block_count"])
+    layers = int(meta[f"{arch}.block_count"]) - int(meta.get(f"{arch}.nextn_predict_layers", 0))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", 0))
     top_k = int(meta.get(f"{arch}.expert_used_count", 0))
     norm_topk = arch != "qwen2moe"  # llama.cpp: Mixtral and Qwen3-MoE renormalise
     neox = arch != "llama"
@@ -114,11 +196,15 @@ def logits(path: str, tokens: list[int]) -> np.ndarray:
             return y.reshape(L, out_heads, hd)
 
         h = _rms(x, w[p + "attn_norm.weight"], eps)
+        if arch == "deepseek2":
+            x = x + _latent_attention(h, w, p, meta, mask) @ w[p + "attn_output.weight"].T
+            x = x + _feed_forward(_rms(x, w[p + "ffn_norm.weight"], eps), w, p, meta, arch)
+            continue
         q, k, v = proj(h, "attn_q", heads), proj(h, "attn_k", kv_heads), proj(h, "attn_v", kv_heads)
         if p + "attn_q_norm.weight" in w:  # Qwen3: each head normalised before RoPE
             q = _rms(q, w[p + "attn_q_norm.weight"], eps)
             k = _rms(k, w[p + "attn_k_norm.weight"], eps)
-        q, k = _rope(q, theta, neox), _rope(k, theta, neox)
+        q, k = _rope(q, theta, neox, rope_dims), _rope(k, theta, neox, rope_dims)
         k = np.repeat(k, heads // kv_heads, axis=1)
         v = np.repeat(v, heads // kv_heads, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd) + mask
@@ -126,16 +212,22 @@ def logits(path: str, tokens: list[int]) -> np.ndarray:
         probs = scores / scores.sum(axis=-1, keepdims=True)
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(L, heads * hd)
         x = x + attn @ w[p + "attn_output.weight"].T
-        h = _rms(x, w[p + "ffn_norm.weight"], eps)
-        if p + "ffn_gate_exps.weight" in w:
+        norm = w.get(p + "ffn_norm.weight", w.get(p + "post_attention_norm.weight"))
+        h = _rms(x, norm, eps)  # glm4moe names it post_attention_norm
+        if p + "ffn_gate_exps.weight" in w and p + "exp_probs_b.bias" not in w:
             x = x + _experts(h, w, p, top_k, norm_topk)
         else:
-            x = x + _swiglu(
-                h, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"]
-            )
+            x = x + _feed_forward(h, w, p, meta, arch)
     x = _rms(x, w["output_norm.weight"], eps)
     head = w.get("output.weight", w["token_embd.weight"])
     return x @ head.T
+
+
+def _feed_forward(h: np.ndarray, w: dict, p: str, meta: dict, arch: str) -> np.ndarray:
+    """A dense SwiGLU, or the sigmoid-routed experts of deepseek2 / glm4moe."""
+    if p + "ffn_gate_exps.weight" in w:
+        return _sigmoid_experts(h, w, p, meta, arch)
+    return _swiglu(h, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

@@ -330,6 +330,7 @@ SECTIONS = {
     "mixture-of-experts": ("moe", "section"),
     "deepseek-v3": ("moe", "section"),
     "gpt-oss": ("moe", "section"),
+    "glm4-moe": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
     "constrained-decoding": ("constrained_decoding", "section"),

@@ -53,18 +53,19 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_one_process_equals_mlx_lm(models, tmp_path):
     """Logits within 1e-4 (float32) and 32 greedy tokens identical to mlx-lm's model of
     the same folder: Hugging Face (per-expert tensors, DeepSeek's kv_b_proj), mlx-lm's
-    4/8-bit folders, and llama_tp's convert of a DeepSeek-V3 to 4 bits."""
+    4/8-bit folders, llama_tp's convert of a DeepSeek-V3 to 4 bits and of a GLM-4.5."""
     from mlx_lm.utils import MODEL_REMAPPING, load_model
 
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
     from llama_tp.checkpoints.convert import convert
 
-    paths = {k: models[k] for k in (*FAMILIES, "qwen3_moe_g32-q4", "mixtral_g32-q8")}
-    paths["deepseek_v3_g32-q4"] = models["deepseek_v3_g32-q4"]
+    quantized = ("qwen3_moe_g32-q4", "mixtral_g32-q8", "deepseek_v3_g32-q4", "glm4_moe_g32-q4")
+    paths = {k: models[k] for k in (*FAMILIES, *quantized)}
     paths["converted"] = convert(
         models["deepseek_v3"], tmp_path / "converted", quantize=4, group_size=32, progress=False
     )
+    paths["glm4_converted"] = convert(models["glm4_moe"], tmp_path / "glm", progress=False)
     paths["kimi_k2"] = _variant(models["deepseek_v3"], tmp_path / "kimi_k2", model_type="kimi_k2")
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
     for name, path in paths.items():
@@ -88,17 +89,19 @@ def _variant(src: Path, path: Path, **changes) -> Path:
 
 
 def test_gguf_files_match_the_float64_reference(models):
-    """GGUF files of every family (qwen3, qwen3moe, llama with experts, qwen2moe; experts
-    stacked, in gguf-py's Q8_0/Q5_1/Q4_0 and Q4_1 attention: converted exactly) and llama.cpp's
-    own Q4_K_M of a Qwen3-MoE: next-token log-probabilities against float64 over gguf-py's
-    dequantization of the same bytes."""
+    """GGUF files of every family (qwen3, qwen3moe, llama with experts, qwen2moe, deepseek2
+    in both conversions, glm4moe; experts stacked, in gguf-py's Q8_0/Q5_1/Q4_0 and Q4_1
+    attention: converted exactly) and llama.cpp's own Q4_K_M of a Qwen3-MoE: next-token
+    log-probabilities against float64 over gguf-py's dequantization of the same bytes."""
     import reference64
 
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
 
     tokens = [1, 5, 9, 22, 7, 100, 3, 250, 11, 12]
-    files = [p for name, p in models.items() if name.endswith(".gguf")] + [K_QUANT]
+    yarn = "deepseek_v3_yarn.gguf"  # the reference has no YaRN: against safetensors above
+    files = [p for name, p in models.items() if name.endswith(".gguf") and name != yarn]
+    files.append(K_QUANT)
     for path in files:
         ckpt = open_checkpoint(path)
         got = np.array(build_model(ckpt)(mx.array([tokens]))[0])
@@ -106,6 +109,27 @@ def test_gguf_files_match_the_float64_reference(models):
         gap = reference64.top5_gap(got, ref)
         # Q6_K (in llama.cpp's Q4_K_M mix) is requantized to 8 bits: test_gguf_fidelity's bound
         assert gap <= (0.03 if path == K_QUANT else 1e-4), (path.name, gap)
+
+
+def test_deepseek2_and_glm4moe_ggufs_equal_their_safetensors(models):
+    """llama.cpp's deepseek2 (attn_k_b / attn_v_b, an older conversion's attn_kv_b, YaRN
+    from its rope.scaling metadata) and glm4moe (partial RoPE from rope.dimension_count,
+    its multi-token prediction layer dropped) files in float32: the logits and 32 greedy
+    tokens of the same weights read from the Hugging Face folder."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    names = ("deepseek_v3", "deepseek_v3_kv_b", "deepseek_v3_yarn", "glm4_moe")
+    for name in names:
+        path = models[f"{name}.gguf"]
+        src = path.parent / "src" / name.removesuffix("_kv_b")
+        ours, theirs = build_model(open_checkpoint(path)), build_model(open_checkpoint(src))
+        assert ours.args.rope_scaling == theirs.args.rope_scaling, name
+        diff = mx.abs(ours(x) - theirs(x)).max().item()
+        assert diff <= ATOL, (name, diff)
+        prompt = x[0].tolist()
+        assert _greedy(ours, prompt, 32) == _greedy(theirs, prompt, 32), name
 
 
 def _lines(r) -> list[dict]:
@@ -122,8 +146,9 @@ def test_two_ranks_every_format_both_splits(models, tmp_path):
     expert (convert --shards)."""
     from llama_tp.checkpoints.convert import convert
 
-    specs = [str(p) for k, p in models.items() if k != "converted"] + [str(K_QUANT)]
-    for name in ("qwen3_moe", "deepseek_v3"):
+    skip = ("converted", "deepseek_v3_yarn.gguf")  # YaRN: the one-process test above
+    specs = [str(p) for k, p in models.items() if k not in skip] + [str(K_QUANT)]
+    for name in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
         split = convert(models[name], tmp_path / name, shards=2, moe_split="expert", progress=False)
         specs.append(f"{split}={models[name]}")
     lines = _lines(launch(2, ["tests/mp_moe.py", *specs, "--extras"], timeout=600))
@@ -136,8 +161,10 @@ def test_two_ranks_every_format_both_splits(models, tmp_path):
 
 def test_three_ranks_both_splits(models):
     """Odd expert counts (5, 6, 7, 9) over 3 ranks: uneven by expert and by columns;
-    DeepSeek-V3's 5 heads as 2, 2 and 1."""
-    names = (*FAMILIES, "qwen3_moe_g32-q4", "qwen2_moe_g32.gguf", "deepseek_v3_g32-q4")
+    DeepSeek-V3's 5 heads as 2, 2 and 1; GLM-4.5's 5 KV heads as 2, 2 and 1."""
+    quantized = ("qwen3_moe_g32-q4", "qwen2_moe_g32.gguf", "deepseek_v3_g32-q4", "glm4_moe_g32-q4")
+    ggufs = ("deepseek_v3_g32.gguf", "glm4_moe_g32.gguf")  # attn_kv_b: on 2 ranks
+    names = (*FAMILIES, *quantized, *ggufs)
     specs = [str(models[k]) for k in names]
     r = launch(3, ["tests/mp_moe.py", *specs, "--steps", "8"], timeout=600)
     assert len(_lines(r)) == 2 * len(specs)
@@ -152,17 +179,18 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models, tmp_path):
     folders = convert_mesh(
         src, tmp_path / "mesh", shards=4, tp=2, pp=2, moe_split="expert", progress=False
     )
-    names = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "mixtral_g32.gguf")
-    specs = [str(models[k]) for k in names[:4]]
-    specs += [f"{models[k]}@2,2" for k in ("qwen3_moe", "deepseek_v3", "mixtral_g32.gguf")]
+    names = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "glm4_moe")
+    specs = [str(models[k]) for k in names]
+    meshes = ("qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral_g32.gguf")
+    specs += [f"{models[k]}@2,2" for k in meshes]
     specs.append(f"{folders}={src}@2,2")
     r = launch(4, ["tests/mp_moe.py", *specs, "--steps", "8"], timeout=600)
     lines = _lines(r)
     assert len(lines) == 2 * len(specs)
-    assert sum(x["mesh"] == [2, 2] for x in lines) == 8
+    assert sum(x["mesh"] == [2, 2] for x in lines) == 10
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_serve_concurrent_requests_on_two_ranks(tmp_path, family):
     """A MoE model on 2 ranks answers concurrent requests exactly as it answers each alone
     (batches route every row's tokens to the experts, and DeepSeek-V3's latent caches
@@ -204,7 +232,8 @@ def test_refusals_are_one_line(models, tmp_path):
         return _variant(models[base], tmp_path / name, **changes)
 
     supported = (
-        "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, gpt_oss"
+        "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, "
+        "gpt_oss, glm4_moe"
     )
     path = variant("gemma", model_type="gemma3")
     _one_error(
@@ -242,16 +271,41 @@ def test_refusals_are_one_line(models, tmp_path):
         f"{path}: model.layers.0.self_attn.kv_b_proj.weight has shape [160, 32], but 5 heads "
         "of 16 + 16 rows over a latent of 16 need [160, 16]",
     )
+    path = variant("rotary", "glm4_moe", partial_rotary_factor=1.5)
+    _one_error(
+        run_python(_generate(path)),
+        f"{path / 'config.json'}: model config: 24 rotary values per head of 16: need an even "
+        "count from 2 to head_dim",
+    )
+    path = variant("glm_count", "glm4_moe", n_routed_experts=6)
+    _one_error(
+        run_python(_generate(path)),
+        f"{path}: model.layers.1.mlp.switch_mlp.down_proj.weight holds 7 experts but "
+        "config.json's n_routed_experts is 6",
+    )
     gguf = gguf_from_hf(models["qwen3_moe"], tmp_path / "count.gguf", expert_count=8)
     _one_error(
         run_python(_generate(gguf)),
         f"{gguf}: blk.0.ffn_down_exps.weight holds 7 experts but qwen3moe.expert_count is 8",
     )
-    gguf = tiny_llama_gguf(tmp_path / "ds.gguf", metadata={"general.architecture": "deepseek2"})
+    gguf = tiny_llama_gguf(tmp_path / "g.gguf", metadata={"general.architecture": "gemma3"})
     _one_error(
         run_python(_generate(gguf)),
-        f"{gguf}: unsupported GGUF architecture 'deepseek2' (supported: llama, qwen2, qwen3, "
-        "qwen2moe, qwen3moe)",
+        f"{gguf}: unsupported GGUF architecture 'gemma3' (supported: llama, qwen2, qwen3, "
+        "qwen2moe, qwen3moe, deepseek2, glm4moe)",
+    )
+    src = models["deepseek_v3"]
+    gguf = gguf_from_hf(src, tmp_path / "v2.gguf", expert_gating_func=1)
+    _one_error(
+        run_python(_generate(gguf)),
+        f"{gguf}: deepseek2.expert_gating_func is 1 (softmax routing, DeepSeek-V2's, when "
+        "missing or 1): only sigmoid routing (2) is read",
+    )
+    gguf = gguf_from_hf(src, tmp_path / "kv_b.gguf", {"blk.*.attn_kv_b.weight": 8}, False)
+    _one_error(
+        run_python(_generate(gguf)),
+        f"{gguf}: blk.0.attn_kv_b.weight is Q8_0: a quantized attn_kv_b cannot be split per "
+        "head; llama.cpp's newer conversions store attn_k_b and attn_v_b",
     )
 
 
@@ -285,6 +339,43 @@ def test_plan_shows_experts_and_bytes_per_rank(models):
     assert [r[7:11] for r in rows][0] == ["0-6", "[7]", "0-15", "[16]"]
 
 
+def test_plan_of_a_gguf_mix_from_a_config_is_the_files(tmp_path):
+    """`plan --model DIR/config.json --gguf-quant Q4_K_M` gives every tensor the type
+    llama.cpp's quantizer gave it in its own Q4_K_M files (tests/data), and prints, for
+    the config of llama.cpp's Qwen3-MoE Q4_K_M, what `plan` of that file prints: the
+    bytes each rank holds (converted to MLX) and its KV cache."""
+    import gguf
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import skeleton
+    from llama_tp.checkpoints.gguf import to_model_name
+    from llama_tp.checkpoints.gguf_recipe import quantized_by, tensor_type
+    from llama_tp.checkpoints.hf_config import hf_config
+
+    for path in (K_QUANT, DATA / "llamacpp-Q4_K_M.gguf"):
+        args = open_checkpoint(path).args
+        for t in gguf.GGUFReader(path).tensors:
+            module = to_model_name(t.name).removesuffix(".weight")
+            if len(t.shape) < 2 or not quantized_by(module):
+                continue
+            kind = tensor_type(
+                module, int(t.shape[0]), "Q4_K_M", args.n_layers, args.n_experts, False
+            )
+            assert kind == t.tensor_type.name, (path.name, t.name, kind)
+    ckpt = open_checkpoint(K_QUANT)
+    config = hf_config(ckpt, skeleton(ckpt))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plans = [
+        run_python(["-m", "llama_tp.plan", "-n", "3", "--model", *m])
+        for m in ([str(K_QUANT)], [str(tmp_path / "config.json"), "--gguf-quant", "Q4_K_M"])
+    ]
+    assert all(p.returncode == 0 for p in plans), plans[1].stderr
+    file, alone = (p.stdout.split("3 ranks:")[1].split("KV cache")[1] for p in plans)
+    assert alone.splitlines()[0] == file.splitlines()[0]
+    file, alone = (p.stdout.split("3 ranks:")[1].split("KV cache")[0] for p in plans)
+    assert alone == file
+
+
 def test_plan_of_a_config_alone_is_the_checkpoints(models):
     """`plan --model DIR/config.json` (nothing downloaded) prints what the checkpoint's own
     plan prints: heads, experts, bytes and KV cache per rank; DeepSeek-V3's cache line
@@ -294,6 +385,8 @@ def test_plan_of_a_config_alone_is_the_checkpoints(models):
         ("deepseek_v3", "expert"),
         ("deepseek_v3_g32-q4", "tensor"),
         ("qwen3_moe", "tensor"),
+        ("glm4_moe", "expert"),
+        ("glm4_moe_g32-q4", "tensor"),
     ):
         folder = models[name]
         plans = [

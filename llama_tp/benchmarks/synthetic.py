@@ -23,6 +23,10 @@ behind the clamped SwiGLU); `gpt-oss` is gpt-oss-120b's shape scaled down (128 -
 experts, 4 per token, 36 -> 8 layers, 64 / 8 -> 16 / 2 heads of 64, widths 2880 -> 768).
 The `mxfp4` dtype stores the stacked experts in MLX's `mxfp4` mode (as the gpt-oss
 releases) and the rest in float32.
+The `glm-*` sizes are GLM-4.5 models (half of each head rotated, q/k norms, q/k/v biases,
+DeepSeek-V3's routing and shared expert, a dense first layer); `glm4-moe` is GLM-4.5's
+shape scaled down (160 -> 64 experts, 8 per token, 92 -> 8 layers, 96/8 -> 24/2 heads of
+128 -> 64, widths / 4 to / 5).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
@@ -72,6 +76,15 @@ SIZES = {
     "gpt-oss": dict(
         dim=768, n_layers=8, n_heads=16, n_kv_heads=2, hidden_dim=768, vocab=32000,
         experts=32, top_k=4, expert_dim=768, head_dim=64, window=128,
+    ),
+    # GLM-4.5: q/k-normed heads of head_dim, half rotated, biases; routed as DeepSeek-V3
+    "glm-tiny": dict(
+        dim=64, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=96, vocab=512,
+        experts=8, top_k=2, expert_dim=32, head_dim=16, glm=True,
+    ),
+    "glm4-moe": dict(
+        dim=1024, n_layers=8, n_heads=24, n_kv_heads=2, hidden_dim=3072, vocab=32000,
+        experts=64, top_k=8, expert_dim=384, head_dim=64, glm=True,
     ),
 }  # fmt: skip
 # q4: quantized from float32 (float32 scales: MLX's CPU quantized kernels are slow in float16)
@@ -142,12 +155,35 @@ def _gpt_oss_config(s: dict) -> dict:
     }
 
 
+def _glm_config(s: dict) -> dict:
+    return {
+        "model_type": "glm4_moe",
+        "architectures": ["Glm4MoeForCausalLM"],
+        "n_routed_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "moe_intermediate_size": s["expert_dim"],
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+        "head_dim": s["head_dim"],
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "rope_scaling": None,
+    }
+
+
 def hf_config(s: dict, dtype_name: str) -> dict:
     moe = {}
     if "window" in s:
         moe = _gpt_oss_config(s)
     elif "latent" in s:
         moe = _deepseek_config(s)
+    elif "glm" in s:
+        moe = _glm_config(s)
     elif "experts" in s:
         moe = {
             "model_type": "qwen3_moe",
@@ -204,11 +240,20 @@ def _tensors(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
                 (p + "self_attn.v_proj.weight", (nkv * hd, d), "normal"),
                 (p + "self_attn.o_proj.weight", (d, nh * hd), "normal"),
             ]
+        if "glm" in s:  # q/k/v biases and q/k norms
+            out += [
+                (p + "self_attn.q_proj.bias", (nh * hd,), "normal"),
+                (p + "self_attn.k_proj.bias", (nkv * hd,), "normal"),
+                (p + "self_attn.v_proj.bias", (nkv * hd,), "normal"),
+                (p + "self_attn.q_norm.weight", (hd,), "ones"),
+                (p + "self_attn.k_norm.weight", (hd,), "ones"),
+            ]
+        sigmoid_group = "latent" in s or "glm" in s
         if "window" in s:
             pass  # attention and experts above
-        elif "latent" in s and i == 0:  # DeepSeek-V3's dense first layer
+        elif sigmoid_group and i == 0:  # DeepSeek-V3's and GLM-4.5's dense first layer
             out += _dense(p, d, h)
-        elif "latent" in s:  # grouped routing with its bias, the experts, a shared expert
+        elif sigmoid_group:  # grouped routing with its bias, the experts, a shared expert
             e, m = s["experts"], s["expert_dim"]
             out += [
                 (p + "mlp.gate.weight", (e, d), "normal"),

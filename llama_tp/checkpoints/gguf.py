@@ -23,14 +23,16 @@ import mlx.core as mx
 from ..model import ModelArgs
 from ..models.registry import GGUF_ARCHITECTURES, unsupported
 from . import gguf_quants as gq
+from . import gguf_routed as routed
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts
 from .gguf_header import GGUFHeader, read_header
 from .gguf_reader import _MX, GGUFFile
+from .latent import split_kv_b
 
 # llama.cpp rotates the halves of each head (NEOX) in these: their q/k rows are not
 # permuted for interleaved pairs as the llama converter does
-_NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe")
+_NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe")
 # GGUF architecture -> the family's model_type (llama with experts: Mixtral)
 _MODEL_TYPES = {
     "llama": "llama",
@@ -38,6 +40,7 @@ _MODEL_TYPES = {
     "qwen3": "qwen3",
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    **routed.ARCHITECTURES,
 }
 
 _RENAMES = [
@@ -63,6 +66,7 @@ _RENAMES = [
     (r"^blk\.(\d+)\.ffn_up_shexp\.", r"layers.\1.feed_forward.shared_expert.w3."),
     (r"^blk\.(\d+)\.ffn_down_shexp\.", r"layers.\1.feed_forward.shared_expert.w2."),
     (r"^blk\.(\d+)\.ffn_gate_inp_shexp\.", r"layers.\1.feed_forward.shared_expert_gate."),
+    *routed.RENAMES,  # DeepSeek-V3's latent attention, the routing bias, GLM's norm
 ]
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 
@@ -124,11 +128,15 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
             "long-context outputs of Llama-3.1-style models may differ",
             stacklevel=2,
         )
-    experts = _experts(arch, get, weights, get("block_count"))
+    n_layers = routed.main_layers(arch, get) if arch in routed.ARCHITECTURES else get("block_count")
+    experts = _experts(arch, get, weights, n_layers)
+    if arch in routed.ARCHITECTURES:
+        experts |= routed.fields(arch, get, path)
+        scaling = experts.pop("rope_scaling", scaling)
     try:
         return ModelArgs(
             dim=dim,
-            n_layers=get("block_count"),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=get("attention.head_count_kv") or n_heads,
             # Without dense layers (Qwen3-MoE files may say 0): the experts' width
@@ -250,6 +258,19 @@ def split_notes(ckpt: Checkpoint, plan) -> list[str]:
     return out
 
 
+def _latent(weights: dict, sources: dict, args: ModelArgs, path: Path) -> None:
+    """An older deepseek2 conversion's `attn_kv_b` read per head as embed_q / unembed_out
+    (`latent.py`); a newer one's `attn_k_b` / `attn_v_b` are them already."""
+    quantized = sorted(k for k in weights if k.endswith("kv_b_proj.scales"))
+    if quantized:
+        file, stored = sources[quantized[0].replace(".scales", ".weight")]
+        raise CheckpointError(
+            f"{path}: {stored} is {file.gguf[stored].type_name}: a quantized attn_kv_b cannot "
+            "be split per head; llama.cpp's newer conversions store attn_k_b and attn_v_b"
+        )
+    split_kv_b(weights, sources, args, str(path))
+
+
 def read(path: Path, blocks: bool = False) -> Checkpoint:
     """The checkpoint of a GGUF file; with `blocks`, its quantized tensors stay as stored
     (for the native kernels: `ckpt.blocks` maps their model names to GGUF types)."""
@@ -279,7 +300,13 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         if weights[name].ndim == 1:  # llama.cpp stores the (1, dim) gate as a vector
             weights[name] = weights[name].reshape(1, -1)
             sources[name] = (_Row(*sources[name]), sources[name][1])
+    arch = header.architecture
+    if arch in routed.ARCHITECTURES:
+        get = lambda key, default=None: header.metadata.get(f"{arch}.{key}", default)  # noqa: E731
+        routed.drop_extra_layers(weights, sources, routed.main_layers(arch, get))
     args = args_from_metadata(header.metadata, weights, path)
+    if args.kv_lora_rank:
+        _latent(weights, sources, args, path)
     check_experts(
         args,
         {k: tuple(v.shape) for k, v in weights.items()},

@@ -88,6 +88,8 @@ QUANT_MODES = ("affine", "mxfp4")
 BLOCK_SPARSE_MOE = ("mixtral",)
 # The DeepSeek-V3 architecture (Kimi K2 is one, mlx-lm reads both with its deepseek_v3)
 DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
+# The families routed as DeepSeek-V3 (sigmoid, groups, correction bias; `mlp.shared_experts`)
+SIGMOID_GROUP = (*DEEPSEEK_V3, "glm4_moe")
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 # Precomputed rotary frequencies some checkpoints carry; the model computes its own.
 _DROP = re.compile(r"rotary_emb\.inv_freq$")
@@ -141,6 +143,8 @@ def moe_fields(config: dict, model_type: str) -> dict:
         out |= deepseek_v3_fields(config)
     elif model_type == "gpt_oss":
         out |= gpt_oss_fields(config)
+    elif model_type == "glm4_moe":
+        out |= glm4_moe_fields(config)
     return out
 
 
@@ -163,16 +167,49 @@ def gpt_oss_fields(config: dict) -> dict:
     }
 
 
+def _check_routing(topk_method: str, scoring_func: str) -> None:
+    if topk_method != "noaux_tc" or scoring_func != "sigmoid":
+        raise ValueError(
+            f"model config: routing {topk_method!r} with {scoring_func!r} scores is not "
+            "supported (DeepSeek-V3's is 'noaux_tc' with 'sigmoid')"
+        )
+
+
+def glm4_moe_fields(config: dict) -> dict:
+    """GLM-4.5's fields: partial rotary, optional q/k norms, DeepSeek-V3's routing and
+    shared experts, the first `first_k_dense_replace` layers dense (Hugging Face's
+    defaults for the keys a config leaves out)."""
+    _check_routing(config.get("topk_method", "noaux_tc"), config.get("scoring_func", "sigmoid"))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factor = config.get("partial_rotary_factor", 0.5)
+    routed = config["n_routed_experts"] or 0
+    first = config.get("first_k_dense_replace", 1)
+    n_layers = config["num_hidden_layers"]
+    sparse = [i for i in range(n_layers) if routed and i >= first]
+    return {
+        "qk_norm": bool(config.get("use_qk_norm", False)),
+        "rope_dims": int(head_dim * factor),
+        "n_experts": routed,
+        "n_experts_per_tok": config["num_experts_per_tok"] if routed else 0,
+        "moe_hidden_dim": config["moe_intermediate_size"],
+        "shared_expert_dim": (config.get("n_shared_experts", 1) or 0)
+        * config["moe_intermediate_size"],
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+        "router": "sigmoid_group",
+        "n_group": config.get("n_group", 1) or 1,
+        "topk_group": config.get("topk_group", 1) or 1,
+        "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+        "sparse_layers": None if len(sparse) == n_layers else sparse,
+    }
+
+
 def deepseek_v3_fields(config: dict) -> dict:
     """Latent attention and routing fields of a DeepSeek-V3 config (mlx-lm's defaults)."""
     from mlx_lm.models.deepseek_v3 import ModelArgs as DeepseekV3Args
 
     d = DeepseekV3Args.from_dict(config)
-    if d.topk_method != "noaux_tc" or d.scoring_func != "sigmoid":
-        raise ValueError(
-            f"model config: routing {d.topk_method!r} with {d.scoring_func!r} scores is not "
-            "supported (DeepSeek-V3's is 'noaux_tc' with 'sigmoid')"
-        )
+    _check_routing(d.topk_method, d.scoring_func)
     routed = d.n_routed_experts or 0
     freq = d.moe_layer_freq or 1
     sparse = [
@@ -215,6 +252,9 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
     if model_type in ("qwen2_moe", "qwen3_moe"):
         keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
         missing += [k for k in keys if k not in config]
+    if model_type == "glm4_moe":
+        keys = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+        missing += [k for k in keys if k not in config]
     if missing:
         raise CheckpointError(f"{path / 'config.json'}: missing {', '.join(missing)}")
     quant = config.get("quantization") or {}
@@ -246,7 +286,7 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             # Qwen2 has q/k/v biases and no output bias; Llama's flag covers all four.
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
-            o_bias=attention_bias,
+            o_bias=attention_bias and model_type != "glm4_moe",  # GLM: q/k/v biases only
             mlp_bias=bool(config.get("mlp_bias", False)),
             **moe_fields(config, model_type),
         )
@@ -301,10 +341,11 @@ def load_weights(
     return weights, sources
 
 
-def _deepseek_v3(weights: dict, sources: dict, args: ModelArgs, path: Path) -> None:
-    """The DeepSeek-V3 checkpoint's tensors as the model holds them, in place: kv_b_proj
-    split into embed_q / unembed_out (`latent.py`); the multi-token prediction layers
-    after the last (layer 61 of DeepSeek-V3) dropped, as mlx-lm drops them."""
+def _sigmoid_group(weights: dict, sources: dict, args: ModelArgs, path: Path) -> None:
+    """A DeepSeek-V3 or GLM-4.5 checkpoint's tensors as the model holds them, in place:
+    the multi-token prediction layers after the last (layer 61 of DeepSeek-V3, 92 of
+    GLM-4.5) dropped, as mlx-lm drops them; DeepSeek's kv_b_proj split into embed_q /
+    unembed_out (`latent.py`)."""
     for _, stored in sources.values():
         if stored.endswith(("_scale_inv", "weight_packed")):
             raise CheckpointError(
@@ -316,7 +357,8 @@ def _deepseek_v3(weights: dict, sources: dict, args: ModelArgs, path: Path) -> N
         if m and int(m.group(1)) >= args.n_layers:
             del weights[name]
             sources.pop(name, None)
-    split_kv_b(weights, sources, args, str(path))
+    if args.kv_lora_rank:
+        split_kv_b(weights, sources, args, str(path))
 
 
 def read(path: Path) -> Checkpoint:
@@ -324,8 +366,8 @@ def read(path: Path) -> Checkpoint:
     args = args_from_config(config, path)
     files = weight_files(path)
     weights, sources = load_weights(files)
-    if args.kv_lora_rank:
-        _deepseek_v3(weights, sources, args, path)
+    if args.model_type in SIGMOID_GROUP:
+        _sigmoid_group(weights, sources, args, path)
     if "output.weight" not in weights and not args.tie_word_embeddings:
         # Converters drop lm_head when it equals the embedding.
         args.tie_word_embeddings = True
@@ -333,7 +375,7 @@ def read(path: Path) -> Checkpoint:
         weights.pop("output.weight", None)
     key = "num_local_experts" if args.model_type == "mixtral" else "num_experts"
     key = "num_local_experts" if args.model_type == "gpt_oss" else key
-    key = "n_routed_experts" if args.model_type in DEEPSEEK_V3 else key
+    key = "n_routed_experts" if args.model_type in SIGMOID_GROUP else key
     check_experts(
         args,
         {k: tuple(v.shape) for k, v in weights.items()},
@@ -342,47 +384,3 @@ def read(path: Path) -> Checkpoint:
         f"config.json's {key}",
     )
     return Checkpoint(path, "hf", args, weights, config, files, sources)
-
-
-def _mxfp4_release(config: dict) -> bool:
-    """A config of MXFP4 experts (Hugging Face's `quant_method` mxfp4, or mlx-lm's mode)."""
-    hf_quant = config.get("quantization_config") or {}
-    mode = (config.get("quantization") or {}).get("mode")
-    return hf_quant.get("quant_method") == "mxfp4" or mode == "mxfp4"
-
-
-def read_config_only(config_file: Path) -> Checkpoint:
-    """A `config.json` alone, for `plan` before anything is downloaded: the tensors its
-    model holds in its `torch_dtype` (default float32), quantized as its `quantization`
-    block says (mlx-lm's way: every layer whose input width is a multiple of the group,
-    scales in that dtype; MXFP4, gpt-oss's: the experts only), as lazy placeholders never
-    evaluated.
-    Their shapes and bytes are the checkpoint's; their values are not: nothing but the
-    plan may use them."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
-    from ..models import build
-
-    config = read_config(config_file.parent)
-    args = args_from_config(config, config_file.parent)
-    model = build(args)
-    dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-    model.set_dtype(dtypes.get(config.get("torch_dtype"), mx.float32))
-    quant = config.get("quantization") or {}
-    if _mxfp4_release(config):
-        # gpt-oss's releases: the experts in MXFP4 (mlx-lm reads them as `mxfp4`), the rest
-        # in the torch_dtype
-        def experts(path: str, m: nn.Module) -> bool:
-            return ".switch_mlp." in path and hasattr(m, "to_quantized")
-
-        nn.quantize(model, 32, 4, mode="mxfp4", class_predicate=experts)
-    elif quant:
-        gs, bits = quant["group_size"], quant["bits"]
-
-        def predicate(path: str, m: nn.Module) -> bool:
-            return hasattr(m, "to_quantized") and m.weight.shape[-1] % gs == 0
-
-        nn.quantize(model, gs, bits, class_predicate=predicate)
-    weights = dict(tree_flatten(model.parameters()))
-    return Checkpoint(config_file.parent, "config", args, weights, config)

@@ -16,7 +16,7 @@ import numpy as np
 from mlx_lm.models.mla import QuantizedMultiLinear
 
 from .base import Checkpoint, CheckpointError
-from .hf import _RENAMES, BLOCK_SPARSE_MOE, DEEPSEEK_V3, to_model_name
+from .hf import _RENAMES, BLOCK_SPARSE_MOE, DEEPSEEK_V3, SIGMOID_GROUP, to_model_name
 
 
 def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
@@ -38,7 +38,7 @@ def hf_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face name (as mlx-lm stores it) of the model's tensor `name` in a
     `model_type` model (checked against the reader)."""
     first = "block_sparse_moe" if model_type in BLOCK_SPARSE_MOE else "mlp."
-    first = "shared_experts" if model_type in DEEPSEEK_V3 else first
+    first = "shared_experts" if model_type in SIGMOID_GROUP else first
     for pattern, repl in sorted(_TO_HF, key=lambda r: first not in r[1]):
         new, n = pattern.subn(repl, name)
         if n and to_model_name(new) == name:
@@ -105,11 +105,12 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 
-def _deepseek_v3_config(a: Any) -> dict[str, Any]:
-    """The latent attention and routing keys of a DeepSeek-V3 `config.json`."""
+def _first_dense(a: Any) -> tuple[int, int]:
+    """(first_k_dense_replace, moe_layer_freq) of the model's expert layers."""
     sparse = [i for i in range(a.n_layers) if a.is_sparse(i)]
     first = sparse[0] if sparse else a.n_layers
     freq = sparse[1] - sparse[0] if len(sparse) > 1 else 1
@@ -117,6 +118,35 @@ def _deepseek_v3_config(a: Any) -> dict[str, Any]:
         raise CheckpointError(
             f"expert layers {sparse} are not first_k_dense_replace / moe_layer_freq"
         )
+    return first, freq
+
+
+def _glm4_moe_config(a: Any) -> dict[str, Any]:
+    """GLM-4.5's keys: DeepSeek-V3's routing, partial rotary, q/k norms and biases."""
+    first, freq = _first_dense(a)
+    if freq != 1:
+        raise CheckpointError(f"glm4_moe: expert layers every {freq} layers cannot be written")
+    return {
+        "n_routed_experts": a.n_experts or None,
+        "num_experts_per_tok": a.n_experts_per_tok,
+        "moe_intermediate_size": a.moe_hidden_dim,
+        "n_shared_experts": a.shared_expert_dim // a.moe_hidden_dim
+        if a.shared_expert_dim
+        else None,
+        "routed_scaling_factor": a.routed_scaling_factor,
+        "norm_topk_prob": a.norm_topk_prob,
+        "n_group": a.n_group,
+        "topk_group": a.topk_group,
+        "first_k_dense_replace": first,
+        "use_qk_norm": a.qk_norm,
+        "partial_rotary_factor": (a.rope_dims or a.head_dim) / a.head_dim,
+        "rope_scaling": a.rope_scaling,
+    }
+
+
+def _deepseek_v3_config(a: Any) -> dict[str, Any]:
+    """The latent attention and routing keys of a DeepSeek-V3 `config.json`."""
+    first, freq = _first_dense(a)
     return {
         "n_routed_experts": a.n_experts or None,
         "num_experts_per_tok": a.n_experts_per_tok,
@@ -144,6 +174,8 @@ def _experts_config(a: Any) -> dict[str, Any]:
     """The mixture-of-experts keys of `config.json`, as the family's mlx-lm model reads them."""
     if a.model_type in DEEPSEEK_V3:
         return _deepseek_v3_config(a)
+    if a.model_type == "glm4_moe":
+        return _glm4_moe_config(a)
     if not a.n_experts:
         return {}
     if a.model_type == "mixtral":

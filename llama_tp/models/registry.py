@@ -11,12 +11,15 @@ feed-forward in some layers, chosen by the args, not by name:
     Qwen2-MoE   qwen2_moe          qwen2moe                 + q/k/v bias  experts + shared expert
     Qwen3-MoE   qwen3_moe          qwen3moe                 qk-norm       experts (softmax, top-k)
                                                                           or dense by layer
-    DeepSeek-V3 deepseek_v3,       -                        latent (MLA)  experts (sigmoid, groups)
+    DeepSeek-V3 deepseek_v3,       deepseek2                latent (MLA)  experts (sigmoid, groups)
     Kimi K2     kimi_k2                                                   + shared experts;
                                                                           dense first layers
     gpt-oss     gpt_oss            -                        sinks, bias,  experts (top-k,
                                                             sliding window softmax), biased,
                                                             layers        clamped SwiGLU
+    GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
+                                                            partial RoPE,
+                                                            qk-norm if set
 
 The readers (`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into
 `ModelArgs`; `build` makes the model.
@@ -43,8 +46,9 @@ MODEL_TYPES = (
     "deepseek_v3",
     "kimi_k2",
     "gpt_oss",
+    "glm4_moe",
 )
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "glm4moe")
 
 
 def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:

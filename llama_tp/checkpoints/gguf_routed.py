@@ -1,0 +1,126 @@
+"""GGUF files of the DeepSeek-V3 (`deepseek2`) and GLM-4.5 (`glm4moe`) architectures:
+their tensor names and metadata, as llama.cpp's converter writes them.
+
+Both route as DeepSeek-V3 (sigmoid scores, `exp_probs_b.bias` the score-correction bias,
+`{arch}.expert_group_count` / `expert_group_used_count` groups, `expert_weights_scale`,
+`expert_weights_norm`), have ungated shared experts (`ffn_*_shexp`) and
+`leading_dense_block_count` dense layers first, and may carry multi-token prediction
+layers after the last (`{arch}.nextn_predict_layers`, counted in `block_count`), which
+are dropped as mlx-lm drops them.
+
+deepseek2's latent attention: older conversions store `attn_kv_b` (each head's key then
+value rows over the latent: read per head by `latent.py`); newer ones split it into
+`attn_k_b` (H, kv_lora_rank, qk_nope_head_dim) and `attn_v_b` (H, v_head_dim,
+kv_lora_rank): exactly mlx-lm's `embed_q` and `unembed_out`. Their metadata then says
+the latent sizes (`key_length` = kv_lora_rank + rope, `value_length` = kv_lora_rank,
+`head_count_kv` 1) and the per-head ones in `key_length_mla` / `value_length_mla`.
+glm4moe: attention as Qwen's (q/k/v biases, q/k norms), `rope.dimension_count` of each
+head rotated on its halves (NEOX), `post_attention_norm` the feed-forward's norm.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .base import CheckpointError
+
+ARCHITECTURES = {"deepseek2": "deepseek_v3", "glm4moe": "glm4_moe"}
+_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, DeepSeek-V2)
+
+RENAMES = [
+    (r"^blk\.(\d+)\.attn_q_a_norm\.", r"layers.\1.attention.q_a_layernorm."),
+    (r"^blk\.(\d+)\.attn_q_a\.", r"layers.\1.attention.q_a_proj."),
+    (r"^blk\.(\d+)\.attn_q_b\.", r"layers.\1.attention.q_b_proj."),
+    (r"^blk\.(\d+)\.attn_kv_a_norm\.", r"layers.\1.attention.kv_a_layernorm."),
+    (r"^blk\.(\d+)\.attn_kv_a_mqa\.", r"layers.\1.attention.kv_a_proj_with_mqa."),
+    (r"^blk\.(\d+)\.attn_kv_b\.", r"layers.\1.attention.kv_b_proj."),
+    (r"^blk\.(\d+)\.attn_k_b\.", r"layers.\1.attention.embed_q."),
+    (r"^blk\.(\d+)\.attn_v_b\.", r"layers.\1.attention.unembed_out."),
+    (r"^blk\.(\d+)\.exp_probs_b\.bias$", r"layers.\1.feed_forward.router.e_score_correction_bias"),
+    (r"^blk\.(\d+)\.post_attention_norm\.", r"layers.\1.ffn_norm."),
+]
+
+
+def main_layers(arch: str, get: Callable[..., Any]) -> int:
+    """The model's layers: `block_count` less the multi-token prediction layers."""
+    return get("block_count") - (get("nextn_predict_layers") or 0)
+
+
+def drop_extra_layers(weights: dict, sources: dict, n_layers: int) -> None:
+    """Remove, in place, the tensors of layers `n_layers` and after (multi-token
+    prediction: `blk.N.nextn.*` and that layer's attention and experts)."""
+    for name in list(weights):
+        m = re.match(r"^(?:layers|blk)\.(\d+)\.", name)
+        if m and int(m.group(1)) >= n_layers:
+            del weights[name], sources[name]
+
+
+def routing_fields(arch: str, get: Callable[..., Any], path: Path) -> dict:
+    """DeepSeek-V3's routing from the `{arch}.*` metadata (llama.cpp's defaults: no
+    renormalisation, scale 1, one group)."""
+    gating = get("expert_gating_func")
+    if gating != _SIGMOID:
+        raise CheckpointError(
+            f"{path}: {arch}.expert_gating_func is {gating} (softmax routing, DeepSeek-V2's, "
+            f"when missing or 1): only sigmoid routing ({_SIGMOID}) is read"
+        )
+    return {
+        "router": "sigmoid_group",
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(get("expert_weights_norm", False)),
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
+        "n_group": get("expert_group_count") or 1,
+        "topk_group": get("expert_group_used_count") or 1,
+    }
+
+
+def latent_fields(arch: str, get: Callable[..., Any], path: Path) -> dict:
+    """deepseek2's latent attention sizes (both conversions' metadata)."""
+    rope, rank = get("rope.dimension_count"), get("attention.kv_lora_rank")
+    key = get("attention.key_length_mla") or get("attention.key_length")
+    value = get("attention.value_length_mla") or get("attention.value_length")
+    if not (rope and rank and key and value) or key <= rope:
+        raise CheckpointError(
+            f"{path}: {arch} latent attention needs rope.dimension_count, "
+            f"attention.kv_lora_rank and key/value lengths; got {rope}, {rank}, {key}, {value}"
+        )
+    return {
+        "kv_lora_rank": rank,
+        "q_lora_rank": get("attention.q_lora_rank") or 0,
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key - rope,
+        "v_head_dim": value,
+    }
+
+
+def rope_scaling(get: Callable[..., Any]) -> dict | None:
+    """DeepSeek-V3's YaRN from `rope.scaling.*` (llama.cpp keeps one log multiplier:
+    0.1 * mscale_all_dim; mlx-lm's mscale and mscale_all_dim are both taken from it,
+    as in DeepSeek-V3's own config where both are 1)."""
+    if get("rope.scaling.type") != "yarn":
+        return None
+    # the float32 the file holds as its shortest decimal (0.1, not 0.100000001)
+    mscale = float(f"{get('rope.scaling.yarn_log_multiplier') or 0.0:.7g}") / 0.1
+    return {
+        "type": "yarn",
+        "factor": get("rope.scaling.factor", 1.0),
+        "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+
+
+def fields(arch: str, get: Callable[..., Any], path: Path) -> dict:
+    """The ModelArgs fields of a deepseek2 or glm4moe file beyond the common ones."""
+    out = routing_fields(arch, get, path) if get("expert_count") else {}
+    if arch == "deepseek2":
+        out |= latent_fields(arch, get, path)
+        out["rope_scaling"] = rope_scaling(get)
+    else:
+        out["rope_dims"] = get("rope.dimension_count") or 0
+    return out
