@@ -371,6 +371,71 @@ void rows_affine4_paired(const Matrix& w, const XRow& x, int r0, int r1, float* 
   }
 }
 
+// Q4_K / Q5_K's twelve bytes of 6-bit scales and mins -> sc[0..7] in bytes 0-7, mn[0..7]
+// in bytes 8-15 (llama.cpp's unpacking, ggml-cpu/arch/x86/quants.c).
+inline __m128i k4_unpack(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t mins = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = mins;
+  u[0] &= m1;
+  return _mm_loadu_si128((const __m128i*)u);
+}
+
+// Q4_K, Q5_K: per block of 256, one vector of [d sc_j dx_j, dmin mn_j M_j] for its eight
+// chunks (x.dm holds [dx_j, M_j]); then per 32 bytes of nibbles two chunks (the low
+// nibbles are chunk 2p, the high ones 2p + 1), each one 32-value multiply-add, one
+// conversion and one multiply-add by its broadcast factor, in four accumulators (no
+// chain of dependent adds); the offsets gather in the odd lanes of one vector.
+template <int F>
+void rows_k4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  constexpr bool FIVE = F == Q5_K;
+  const int bytes = block_bytes(F), nb = w.k / 256;
+  const __m512i m4 = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* blk = w.data + (size_t)r * w.row_bytes;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    __m512 off = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, blk += bytes) {
+      const int16_t* q = x.q + 256 * b;
+      __m128i sm = k4_unpack(blk + 4);
+      __m512 ab = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm, _mm_srli_si128(sm, 8))));
+      uint32_t dd;
+      std::memcpy(&dd, blk, 4);  // d, dmin
+      __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+      __m512 dmul = _mm512_castpd_ps(_mm512_broadcastsd_pd(_mm_castps_pd(d2)));
+      __m512 p = _mm512_mul_ps(_mm512_mul_ps(ab, dmul), _mm512_loadu_ps(x.dm + 16 * b));
+      off = _mm512_mask_add_ps(off, 0xAAAA, off, p);
+      const uint8_t* qs = blk + (FIVE ? 48 : 16);
+      __m512i qh;
+      if (FIVE) qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 16)));
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; h++) {
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(qs + 32 * h)));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_srli_epi16(v, 4);
+        if (FIVE) {
+          lo = _mm512_mask_add_epi16(lo, _mm512_test_epi16_mask(qh, _mm512_set1_epi16(1 << (2 * h))),
+                                     lo, sixteen);
+          hi = _mm512_mask_add_epi16(
+              hi, _mm512_test_epi16_mask(qh, _mm512_set1_epi16(2 << (2 * h))), hi, sixteen);
+        }
+        __m512 s0 = _mm512_cvtepi32_ps(_mm512_madd_epi16(lo, _mm512_loadu_si512(q + 64 * h)));
+        __m512 s1 = _mm512_cvtepi32_ps(_mm512_madd_epi16(hi, _mm512_loadu_si512(q + 64 * h + 32)));
+        __m512 f0 = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h), p);
+        __m512 f1 = _mm512_permutexvar_ps(_mm512_set1_epi32(4 * h + 2), p);
+        acc[h] = _mm512_fmadd_ps(s0, f0, acc[h]);
+        acc[h] = _mm512_fmadd_ps(s1, f1, acc[h]);
+      }
+    }
+    __m512 a = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    y[r - r0] = _mm512_reduce_add_ps(a) - _mm512_reduce_add_ps(off);
+  }
+}
+
 void rows_affine4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   switch (w.scale_type) {
     case F32: return rows_affine4_paired<F32>(w, x, r0, r1, y);
@@ -386,8 +451,8 @@ void rows_affine4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) 
 extern const Kernels kernels = {
     LT_STR(LT_LEVEL),
     {rows_small_paired<Q4_0>, rows_small_paired<Q4_1>, rows_small_paired<Q5_0>,
-     rows_small_paired<Q5_1>, rows_small<Q8_0>, rows_k<Q2_K>, rows_k<Q3_K>, rows_k<Q4_K>,
-     rows_k<Q5_K>, rows_k<Q6_K>, rows_affine4_512, rows_affine<AFFINE8>},
+     rows_small_paired<Q5_1>, rows_small<Q8_0>, rows_k<Q2_K>, rows_k<Q3_K>, rows_k4_512<Q4_K>,
+     rows_k4_512<Q5_K>, rows_k<Q6_K>, rows_affine4_512, rows_affine<AFFINE8>},
     {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0},
 };
 #else
