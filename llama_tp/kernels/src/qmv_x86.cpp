@@ -6,6 +6,7 @@
 // scaled by A * dx in float, and the offsets B enter through the activation sums m.
 #include <immintrin.h>
 
+#include <utility>
 #include <vector>
 
 #include "formats.h"
@@ -208,6 +209,73 @@ void rows_k(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   }
 }
 
+// Q4_K / Q5_K's twelve bytes of 6-bit scales and mins -> sc[0..7] in bytes 0-7, mn[0..7]
+// in bytes 8-15 (llama.cpp's unpacking, ggml-cpu/arch/x86/quants.c).
+inline __m128i k4_unpack(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t mins = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = mins;
+  u[0] &= m1;
+  return _mm_loadu_si128((const __m128i*)u);
+}
+
+#ifndef LT_512
+// Q4_K, Q5_K with 256-bit vectors: as rows_k4_512 below, each chunk two 16-value
+// multiply-adds; the factors [d sc_j dx_j, dmin mn_j M_j] of chunks 0-3 and 4-7 in two
+// vectors.
+template <int F>
+void rows_k4_256(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  constexpr bool FIVE = F == Q5_K;
+  const int bytes = block_bytes(F), nb = w.k / 256;
+  const __m256i m4 = _mm256_set1_epi8(15), m1 = _mm256_set1_epi8(1);
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* blk = w.data + (size_t)r * w.row_bytes;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    __m256 off = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, blk += bytes) {
+      const int16_t* q = x.q + 256 * b;
+      __m128i sm = k4_unpack(blk + 4);
+      __m128i il = _mm_unpacklo_epi8(sm, _mm_srli_si128(sm, 8));
+      uint32_t dd;
+      std::memcpy(&dd, blk, 4);  // d, dmin
+      __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dd));
+      __m256 dmul = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(d2)));
+      __m256 p[2];
+      for (int i = 0; i < 2; i++) {
+        __m256 ab = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(i ? _mm_srli_si128(il, 8) : il));
+        p[i] = _mm256_mul_ps(_mm256_mul_ps(ab, dmul), _mm256_loadu_ps(x.dm + 16 * b + 8 * i));
+        off = _mm256_add_ps(off, _mm256_blend_ps(_mm256_setzero_ps(), p[i], 0xAA));
+      }
+      const uint8_t* qs = blk + (FIVE ? 48 : 16);
+      __m256i qh = FIVE ? _mm256_loadu_si256((const __m256i*)(blk + 16)) : m1;
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; h++) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * h));
+        __m256i u[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
+        for (int e = 0; e < 2; e++) {
+          int j = 2 * h + e;
+          if (FIVE) {
+            __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, j), m1);
+            u[e] = _mm256_or_si256(u[e], _mm256_slli_epi16(hb, 4));
+          }
+          Halves d = chunk_dot<false>(u[e], q + 32 * j);
+          __m256 f = _mm256_permutevar8x32_ps(p[j / 4], _mm256_set1_epi32(2 * (j % 4)));
+          acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d.p0, d.p1)), f, acc[h]);
+        }
+      }
+    }
+    __m256 a = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    y[r - r0] = acc_sum(a) - acc_sum(off);
+  }
+}
+
+#endif
+
 template <int S>
 inline float scale(const void* p, size_t i) {
   if (S == F32) return static_cast<const float*>(p)[i];
@@ -332,57 +400,84 @@ void rows_small_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y)
   }
 }
 
-// [A_g, B_g, A_h, B_h] of groups g and h of one row's scales and biases
+// n scales of row `g0` on as floats
 template <int S>
-inline __m128 affine_ab(const void* sc, const void* bi, size_t g, size_t h) {
+inline void scales_f32(const void* src, size_t g0, int n, float* out) {
+  int i = 0;
   if (S == F16) {
-    const uint16_t *s = static_cast<const uint16_t*>(sc), *b = static_cast<const uint16_t*>(bi);
-    return _mm_cvtph_ps(_mm_setr_epi16((short)s[g], (short)b[g], (short)s[h], (short)b[h], 0, 0,
-                                       0, 0));
+    const uint16_t* s = static_cast<const uint16_t*>(src) + g0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + i))));
+  } else if (S == BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + g0;
+    for (; i + 16 <= n; i += 16) {
+      __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + i)));
+      _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
   }
-  return _mm_setr_ps(scale<S>(sc, g), scale<S>(bi, g), scale<S>(sc, h), scale<S>(bi, h));
+  for (; i < n; i++) out[i] = scale<S>(src, g0 + i);
 }
 
+// MLX 4-bit, PAIRED activations. Per call (a chunk of rows): the pairs' activation scales
+// as vectors [dx_c x8, dx_c+1 x8] and the activation sums of each group; per row its
+// scales as floats, and its offsets as one dot product of its biases with those sums; then
+// per pair of chunks (32 bytes) two multiply-adds, one conversion and one multiply-add by
+// the pair's factors, alternating between two accumulators.
 template <int S>
 void rows_affine4_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
-  const int nc = w.k / 32;
-  const int shift = w.group_size == 32 ? 0 : w.group_size == 64 ? 1 : 2;  // chunk -> group
+  const int nc = w.k / 32, np = nc / 2, ng = w.k / w.group_size, per = w.group_size / 32;
+  thread_local std::vector<float> dxp, msum, as, bs;
+  dxp.resize((size_t)16 * np);
+  msum.resize(ng);
+  as.resize(ng);
+  bs.resize(ng);
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int p = 0; p < np; p++)
+    _mm512_storeu_ps(&dxp[16 * p], _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(
+                                                                   _mm_load_sd((const double*)(x.d + 2 * p))))));
+  for (int g = 0; g < ng; g++) {
+    float t = 0.f;
+    for (int c = g * per; c < (g + 1) * per; c++) t += x.dm[2 * c + 1];
+    msum[g] = t;
+  }
   for (int r = r0; r < r1; r++) {
     const uint8_t* row = w.data + (size_t)r * w.row_bytes;
     size_t g0 = (size_t)r * w.groups;
-    __m512 acc = _mm512_setzero_ps();
-    __m128 off = _mm_setzero_ps();
+    scales_f32<S>(w.scales, g0, ng, as.data());
+    scales_f32<S>(w.biases, g0, ng, bs.data());
+    float off = 0.f;
+    {
+      __m512 o = _mm512_setzero_ps();
+      int g = 0;
+      for (; g + 16 <= ng; g += 16)
+        o = _mm512_fmadd_ps(_mm512_loadu_ps(&bs[g]), _mm512_loadu_ps(&msum[g]), o);
+      off = _mm512_reduce_add_ps(o);
+      for (; g < ng; g++) off += bs[g] * msum[g];
+    }
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int c = 0;
     for (; c + 1 < nc; c += 2) {
       __m512i lo, hi;
       nibbles_pair(_mm256_loadu_si256((const __m256i*)(row + 16 * c)), lo, hi);
-      __m128 ab = affine_ab<S>(w.scales, w.biases, g0 + (c >> shift), g0 + ((c + 1) >> shift));
-      acc = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), pair_factors(ab, x.dm + 2 * c, off),
-                            acc);
+      __m512 a;
+      if (per == 1) {  // two groups: [a_c x8, a_c+1 x8]
+        a = _mm512_permutexvar_ps(
+            idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)&as[c]))));
+      } else {
+        a = _mm512_set1_ps(as[c / per]);
+      }
+      __m512 f = _mm512_mul_ps(a, _mm512_loadu_ps(&dxp[8 * c]));
+      acc0 = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), f, acc0);
+      std::swap(acc0, acc1);
     }
     float rest = 0.f;
-    if (c < nc) {
-      size_t g = g0 + (c >> shift);
+    if (c < nc) {  // a last chunk on its own (activations in the base order)
       Acc one = fma_same(chunk_dot<false>(nibbles16(row + 16 * c), x.q + 32 * c),
-                         scale<S>(w.scales, g) * x.d[c], acc_zero());
-      rest = acc_sum(one) + scale<S>(w.biases, g) * x.dm[2 * c + 1];
+                         as[c / per] * x.d[c], acc_zero());
+      rest = acc_sum(one);
     }
-    y[r - r0] = _mm512_reduce_add_ps(acc) + off_sum(off) + rest;
+    y[r - r0] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + off + rest;
   }
-}
-
-// Q4_K / Q5_K's twelve bytes of 6-bit scales and mins -> sc[0..7] in bytes 0-7, mn[0..7]
-// in bytes 8-15 (llama.cpp's unpacking, ggml-cpu/arch/x86/quants.c).
-inline __m128i k4_unpack(const uint8_t* s) {
-  uint32_t u[4];
-  std::memcpy(u, s, 12);
-  const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
-  const uint32_t mins = u[1] & m1;
-  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
-  u[2] = mins;
-  u[0] &= m1;
-  return _mm_loadu_si128((const __m128i*)u);
 }
 
 // Q4_K, Q5_K: per block of 256, one vector of [d sc_j dx_j, dmin mn_j M_j] for its eight
@@ -459,7 +554,7 @@ extern const Kernels kernels = {
 extern const Kernels kernels = {
     LT_STR(LT_LEVEL),
     {rows_small<Q4_0>, rows_small<Q4_1>, rows_small<Q5_0>, rows_small<Q5_1>, rows_small<Q8_0>,
-     rows_k<Q2_K>, rows_k<Q3_K>, rows_k<Q4_K>, rows_k<Q5_K>, rows_k<Q6_K>,
+     rows_k<Q2_K>, rows_k<Q3_K>, rows_k4_256<Q4_K>, rows_k4_256<Q5_K>, rows_k<Q6_K>,
      rows_affine<AFFINE4>, rows_affine<AFFINE8>},
 };
 #endif
