@@ -6,7 +6,6 @@
 // scaled by A * dx in float, and the offsets B enter through the activation sums m.
 #include <immintrin.h>
 
-#include <utility>
 #include <vector>
 
 #include "formats.h"
@@ -423,34 +422,37 @@ inline void scales_f32(const void* src, size_t g0, int n, float* out) {
 // scales as floats, and its offsets as one dot product of its biases with those sums; then
 // per pair of chunks (32 bytes) two multiply-adds, one conversion and one multiply-add by
 // the pair's factors, alternating between two accumulators.
-template <int S>
+template <int S, int PER>  // PER: chunks per group (1, 2, 4: groups of 32, 64, 128)
 void rows_affine4_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
-  const int nc = w.k / 32, np = nc / 2, ng = w.k / w.group_size, per = w.group_size / 32;
-  thread_local std::vector<float> dxp, msum, as, bs;
-  dxp.resize((size_t)16 * np);
-  msum.resize(ng);
-  as.resize(ng);
-  bs.resize(ng);
+  const int nc = w.k / 32, np = nc / 2, ng = w.k / w.group_size;
+  thread_local std::vector<float> dxp_v, msum_v, as_v, bs_v;
+  dxp_v.resize((size_t)16 * np);
+  msum_v.resize(ng);
+  as_v.resize(ng);
+  bs_v.resize(ng);
+  // plain pointers: a thread_local's address costs a call in a shared library
+  float *dxp = dxp_v.data(), *msum = msum_v.data(), *as = as_v.data(), *bs = bs_v.data();
   const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  for (int p = 0; p < np; p++)
-    _mm512_storeu_ps(&dxp[16 * p], _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(
-                                                                   _mm_load_sd((const double*)(x.d + 2 * p))))));
+  for (int p = 0; p < np; p++) {
+    __m128 d2 = _mm_castpd_ps(_mm_load_sd((const double*)(x.d + 2 * p)));
+    _mm512_storeu_ps(dxp + 16 * p, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2)));
+  }
   for (int g = 0; g < ng; g++) {
     float t = 0.f;
-    for (int c = g * per; c < (g + 1) * per; c++) t += x.dm[2 * c + 1];
+    for (int c = g * PER; c < (g + 1) * PER; c++) t += x.dm[2 * c + 1];
     msum[g] = t;
   }
   for (int r = r0; r < r1; r++) {
     const uint8_t* row = w.data + (size_t)r * w.row_bytes;
     size_t g0 = (size_t)r * w.groups;
-    scales_f32<S>(w.scales, g0, ng, as.data());
-    scales_f32<S>(w.biases, g0, ng, bs.data());
+    scales_f32<S>(w.scales, g0, ng, as);
+    scales_f32<S>(w.biases, g0, ng, bs);
     float off = 0.f;
     {
       __m512 o = _mm512_setzero_ps();
       int g = 0;
       for (; g + 16 <= ng; g += 16)
-        o = _mm512_fmadd_ps(_mm512_loadu_ps(&bs[g]), _mm512_loadu_ps(&msum[g]), o);
+        o = _mm512_fmadd_ps(_mm512_loadu_ps(bs + g), _mm512_loadu_ps(msum + g), o);
       off = _mm512_reduce_add_ps(o);
       for (; g < ng; g++) off += bs[g] * msum[g];
     }
@@ -460,23 +462,35 @@ void rows_affine4_paired(const Matrix& w, const XRow& x, int r0, int r1, float* 
       __m512i lo, hi;
       nibbles_pair(_mm256_loadu_si256((const __m256i*)(row + 16 * c)), lo, hi);
       __m512 a;
-      if (per == 1) {  // two groups: [a_c x8, a_c+1 x8]
+      if (PER == 1) {  // the pair's two groups: [a_c x8, a_c+1 x8]
         a = _mm512_permutexvar_ps(
-            idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)&as[c]))));
+            idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)(as + c)))));
       } else {
-        a = _mm512_set1_ps(as[c / per]);
+        a = _mm512_set1_ps(as[c / PER]);
       }
-      __m512 f = _mm512_mul_ps(a, _mm512_loadu_ps(&dxp[8 * c]));
-      acc0 = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), f, acc0);
-      std::swap(acc0, acc1);
+      __m512 f = _mm512_mul_ps(a, _mm512_loadu_ps(dxp + 8 * c));
+      if (c & 2) {
+        acc1 = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), f, acc1);
+      } else {
+        acc0 = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), f, acc0);
+      }
     }
     float rest = 0.f;
-    if (c < nc) {  // a last chunk on its own (activations in the base order)
+    if (c < nc) {  // a last chunk on its own (groups of 32; activations in the base order)
       Acc one = fma_same(chunk_dot<false>(nibbles16(row + 16 * c), x.q + 32 * c),
-                         as[c / per] * x.d[c], acc_zero());
+                         as[c] * x.d[c], acc_zero());
       rest = acc_sum(one);
     }
     y[r - r0] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + off + rest;
+  }
+}
+
+template <int S>
+void rows_affine4_groups(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  switch (w.group_size) {
+    case 32: return rows_affine4_paired<S, 1>(w, x, r0, r1, y);
+    case 64: return rows_affine4_paired<S, 2>(w, x, r0, r1, y);
+    default: return rows_affine4_paired<S, 4>(w, x, r0, r1, y);
   }
 }
 
@@ -533,9 +547,9 @@ void rows_k4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
 
 void rows_affine4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   switch (w.scale_type) {
-    case F32: return rows_affine4_paired<F32>(w, x, r0, r1, y);
-    case F16: return rows_affine4_paired<F16>(w, x, r0, r1, y);
-    default: return rows_affine4_paired<BF16>(w, x, r0, r1, y);
+    case F32: return rows_affine4_groups<F32>(w, x, r0, r1, y);
+    case F16: return rows_affine4_groups<F16>(w, x, r0, r1, y);
+    default: return rows_affine4_groups<BF16>(w, x, r0, r1, y);
   }
 }
 #endif
