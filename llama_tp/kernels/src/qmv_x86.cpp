@@ -545,6 +545,58 @@ void rows_k4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   }
 }
 
+// Q6_K: per block the sixteen factors d sc_h dx (one per 16 values) in one vector, and the
+// offsets -32 d sc_h m_h as one multiply-add of vectors; per chunk one 32-value
+// multiply-add, one conversion and one multiply-add by [its two factors x8], in four
+// accumulators.
+void rows_q6k_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  const int nb = w.k / 256;
+  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+  const __m512i halves = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  __m512i idx[8];
+  for (int j = 0; j < 8; j++)
+    idx[j] = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * j), _mm512_set1_epi32(2 * j + 1));
+  for (int r = r0; r < r1; r++) {
+    const uint8_t* blk = w.data + (size_t)r * w.row_bytes;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    __m512 off = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, blk += 210) {
+      const int16_t* q = x.q + 256 * b;
+      __m512 a = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192)))),
+          _mm512_set1_ps(f16(blk + 208)));
+      off = _mm512_fmadd_ps(a, _mm512_loadu_ps(x.m + 16 * b), off);
+      __m512 f = _mm512_mul_ps(
+          a, _mm512_permutexvar_ps(halves, _mm512_castps256_ps512(_mm256_loadu_ps(x.d + 8 * b))));
+#pragma GCC unroll 2
+      for (int hh = 0; hh < 2; hh++) {
+        __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh));
+        __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh + 32));
+        __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * hh));
+        __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, m4),
+                            _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(l1, m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)),
+        };
+#pragma GCC unroll 4
+        for (int jj = 0; jj < 4; jj++) {
+          int j = 4 * hh + jj;
+          __m512 s = _mm512_cvtepi32_ps(chunk_dot<false>(u[jj], q + 32 * j));
+          acc[jj] = _mm512_fmadd_ps(s, _mm512_permutexvar_ps(idx[j], f), acc[jj]);
+        }
+      }
+    }
+    __m512 t = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    y[r - r0] = _mm512_reduce_add_ps(t) - 32.f * _mm512_reduce_add_ps(off);
+  }
+}
+
 void rows_affine4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   switch (w.scale_type) {
     case F32: return rows_affine4_groups<F32>(w, x, r0, r1, y);
@@ -561,7 +613,7 @@ extern const Kernels kernels = {
     LT_STR(LT_LEVEL),
     {rows_small_paired<Q4_0>, rows_small_paired<Q4_1>, rows_small_paired<Q5_0>,
      rows_small_paired<Q5_1>, rows_small<Q8_0>, rows_k<Q2_K>, rows_k<Q3_K>, rows_k4_512<Q4_K>,
-     rows_k4_512<Q5_K>, rows_k<Q6_K>, rows_affine4_512, rows_affine<AFFINE8>},
+     rows_k4_512<Q5_K>, rows_q6k_512, rows_affine4_512, rows_affine<AFFINE8>},
     {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0},
 };
 #else
