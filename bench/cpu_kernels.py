@@ -3,6 +3,7 @@ float32 + OpenBLAS and llama.cpp; and the kernels' weight bandwidth against the 
 
     python bench/cpu_kernels.py --quantize PATH/TO/llama-quantize [--rounds 3] [-g 64]
     python bench/cpu_kernels.py --bandwidth-only [--formats Q4_K affine4/32] [--isa avx2]
+        [--cpu-seconds]
 
 - Bandwidth: `read_bandwidth` (a plain read of 512 MB over the kernels' own threads) and
   one matrix-vector product per format on ~130 MB of random weights (far over the
@@ -49,9 +50,11 @@ FORMATS = ("Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K", "affine4")  # what the two fi
 WEIGHT_BYTES = 130 << 20
 
 
-def bandwidth(rounds: int, formats: tuple[str, ...] = FORMATS) -> dict:
+def bandwidth(rounds: int, formats: tuple[str, ...] = FORMATS, cpu_seconds: bool = False) -> dict:
     """GB/s of reading memory and of each format's product, at 1 and 2 threads (medians
-    of `rounds`, and of each round's ratio to the read bandwidth)."""
+    of `rounds`, and of each round's ratio to the read bandwidth). `cpu_seconds`: instead,
+    each product's GB per second of CPU time on 1 thread (what other jobs on the machine
+    change least: the kernel's own speed, not its share of the cores)."""
     import mlx.core as mx
     import numpy as np
 
@@ -84,6 +87,16 @@ def bandwidth(rounds: int, formats: tuple[str, ...] = FORMATS) -> dict:
             products[f] = ((w,), w.nbytes, dict(format=code))
     x = mx.array(rng.normal(size=(1, k)).astype(np.float16))
     mx.eval(x, *[a for arrays, _, _ in products.values() for a in arrays])
+    if cpu_seconds:  # 1 thread, weight bytes per second of this process's CPU time
+        ext.set_threads(1)
+        for f, (arrays, nbytes, kw) in products.items():
+            times = []
+            for _ in range(12):
+                tic = time.process_time()
+                mx.eval(ext.qmatmul(x, *arrays, **kw))
+                times.append(time.process_time() - tic)
+            out["formats"][f] = {"cpu_1": nbytes / statistics.median(times[2:]) / 1e9}
+        return out
     runs: dict[str, list[float]] = {}
     for i in range(rounds):  # read and products in turn, the order reversed every round
         jobs = [(t, f) for t in (1, 2) for f in ("read", *products)]
@@ -336,15 +349,24 @@ def main() -> int:
         default=list(FORMATS),
         help="the formats of the bandwidth table (GGUF types, affine4/G, affine8/G)",
     )
+    p.add_argument(
+        "--cpu-seconds",
+        action="store_true",
+        help="with --bandwidth-only: GB per CPU-second on 1 thread instead",
+    )
     p.add_argument("--isa", help="the kernels' instruction set (default: the CPU's best)")
     args = p.parse_args()
     if args.isa:
         os.environ["LLAMA_TP_KERNELS"] = args.isa
     if args.bandwidth_only:
         load = os.getloadavg()[0]
-        bw = bandwidth(args.rounds, tuple(args.formats))
+        bw = bandwidth(args.rounds, tuple(args.formats), args.cpu_seconds)
         print(f"isa {bw['isa']}, load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
-        print(bandwidth_table(bw))
+        if args.cpu_seconds:
+            for f, v in bw["formats"].items():
+                print(f"{f}: {v['cpu_1']:.1f} GB per CPU-second, 1 thread")
+        else:
+            print(bandwidth_table(bw))
         return 0
     if not args.quantize:
         p.error("--quantize is needed for the generation table")
