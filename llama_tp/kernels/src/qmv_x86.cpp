@@ -34,26 +34,40 @@ void rows_small(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   }
 }
 
-// MLX affine: 4 bits (16 bytes per 32 values, EVEN_ODD activations) or 8 bits.
+// MLX affine: 4 bits (16 bytes per 32 values, EVEN_ODD activations) or 8 bits. The
+// activation sums of each group once per call, so that a row's offsets are one product
+// per group; two accumulators (no chain of dependent adds).
 template <int F, int S>
 void rows_affine_t(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   constexpr int STEP = F == AFFINE4 ? 16 : 32;
   const int per_group = w.group_size / 32, ng = w.k / w.group_size;
+  thread_local std::vector<float> msum_v;
+  msum_v.resize(ng);
+  float* msum = msum_v.data();  // a thread_local's address costs a call in a shared library
+  for (int g = 0; g < ng; g++) {
+    float t = 0.f;
+    for (int c = g * per_group; c < (g + 1) * per_group; c++) t += x.dm[2 * c + 1];
+    msum[g] = t;
+  }
   for (int r = r0; r < r1; r++) {
     const uint8_t* row = w.data + (size_t)r * w.row_bytes;
     size_t g0 = (size_t)r * w.groups;
-    Acc acc = acc_zero();
+    Acc acc0 = acc_zero(), acc1 = acc_zero();
     float off = 0.f;
     for (int g = 0, c = 0; g < ng; g++) {
-      float a = scale<S>(w.scales, g0 + g), b = scale<S>(w.biases, g0 + g);
+      float a = scale<S>(w.scales, g0 + g);
+      off += scale<S>(w.biases, g0 + g) * msum[g];
       for (int e = c + per_group; c < e; c++) {
         __m256i u = F == AFFINE4 ? nibbles16(row + STEP * c)
                                  : _mm256_loadu_si256((const __m256i*)(row + STEP * c));
-        acc = fma_same(chunk_dot<false>(u, x.q + 32 * c), a * x.d[c], acc);
-        off += b * (x.m[2 * c] + x.m[2 * c + 1]);
+        if (c & 1) {
+          acc1 = fma_same(chunk_dot<false>(u, x.q + 32 * c), a * x.d[c], acc1);
+        } else {
+          acc0 = fma_same(chunk_dot<false>(u, x.q + 32 * c), a * x.d[c], acc0);
+        }
       }
     }
-    y[r - r0] = acc_sum(acc) + off;
+    y[r - r0] = acc_sum(acc0) + acc_sum(acc1) + off;
   }
 }
 
