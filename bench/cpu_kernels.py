@@ -2,6 +2,8 @@
 float32 + OpenBLAS and llama.cpp; and the kernels' weight bandwidth against the machine's.
 
     python bench/cpu_kernels.py --quantize PATH/TO/llama-quantize [--rounds 3] [-g 64]
+    python bench/cpu_kernels.py --bandwidth-only [--formats Q4_K affine4/32] [--isa avx2]
+        [--cpu-seconds]
 
 - Bandwidth: `read_bandwidth` (a plain read of 512 MB over the kernels' own threads) and
   one matrix-vector product per format on ~130 MB of random weights (far over the
@@ -43,12 +45,16 @@ NAME = "cpu-kernels"
 PY = sys.executable
 LLAMA_CPP_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"
 FORMATS = ("Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K", "affine4")  # what the two files hold
+# --formats may name any GGUF type the kernels compute, and affine4/G, affine8/G (MLX's
+# layout, group G; "affine4" is group 64, an MLX-quantized checkpoint's)
 WEIGHT_BYTES = 130 << 20
 
 
-def bandwidth(rounds: int) -> dict:
+def bandwidth(rounds: int, formats: tuple[str, ...] = FORMATS, cpu_seconds: bool = False) -> dict:
     """GB/s of reading memory and of each format's product, at 1 and 2 threads (medians
-    of `rounds`, and of each round's ratio to the read bandwidth)."""
+    of `rounds`, and of each round's ratio to the read bandwidth). `cpu_seconds`: instead,
+    each product's GB per second of CPU time on 1 thread (what other jobs on the machine
+    change least: the kernel's own speed, not its share of the cores)."""
     import mlx.core as mx
     import numpy as np
 
@@ -64,14 +70,16 @@ def bandwidth(rounds: int) -> dict:
     k = 4096
     out = {"isa": ext.isa(), "read": {}, "formats": {}}
     products = {}
-    for f in FORMATS:
-        if f == "affine4":  # MLX 4-bit, group 64 (an MLX-quantized checkpoint's)
-            rows = WEIGHT_BYTES // (k // 2 + k // 64 * 4)
-            w = rng.integers(0, 2**32, size=(rows, k // 8), dtype=np.uint32)
-            s = mx.array(rng.uniform(0.001, 0.01, (rows, k // 64)).astype(np.float16))
-            arrays = (mx.array(w), s, -8 * s)
+    for f in formats:
+        if f.startswith("affine"):  # MLX 4- or 8-bit, group g
+            bits, _, g = f.removeprefix("affine").partition("/")
+            bits, g = int(bits), int(g or 64)
+            rows = WEIGHT_BYTES // (k * bits // 8 + k // g * 4)
+            w = rng.integers(0, 2**32, size=(rows, k * bits // 32), dtype=np.uint32)
+            s = mx.array(rng.uniform(0.001, 0.01, (rows, k // g)).astype(np.float16))
+            arrays = (mx.array(w), s, -(2 ** (bits - 1)) * s)
             nbytes = sum(a.nbytes for a in arrays)
-            products[f] = (arrays, nbytes, dict(format=1004, group_size=64))
+            products[f] = (arrays, nbytes, dict(format=1000 + bits, group_size=g))
         else:
             code, per, size = GGUF_TYPES[f]
             rows = WEIGHT_BYTES // (k // per * size)
@@ -79,6 +87,16 @@ def bandwidth(rounds: int) -> dict:
             products[f] = ((w,), w.nbytes, dict(format=code))
     x = mx.array(rng.normal(size=(1, k)).astype(np.float16))
     mx.eval(x, *[a for arrays, _, _ in products.values() for a in arrays])
+    if cpu_seconds:  # 1 thread, weight bytes per second of this process's CPU time
+        ext.set_threads(1)
+        for f, (arrays, nbytes, kw) in products.items():
+            times = []
+            for _ in range(12):
+                tic = time.process_time()
+                mx.eval(ext.qmatmul(x, *arrays, **kw))
+                times.append(time.process_time() - tic)
+            out["formats"][f] = {"cpu_1": nbytes / statistics.median(times[2:]) / 1e9}
+        return out
     runs: dict[str, list[float]] = {}
     for i in range(rounds):  # read and products in turn, the order reversed every round
         jobs = [(t, f) for t in (1, 2) for f in ("read", *products)]
@@ -232,6 +250,19 @@ def targets(res: dict) -> list[tuple[str, str, float, float]]:
     return out
 
 
+def bandwidth_table(bw: dict) -> str:
+    """The bandwidth results as a table (keys as the results file holds them: strings)."""
+    bw = json.loads(json.dumps(bw))
+    md = [
+        "| weights | 1 thread GB/s | 2 threads GB/s | of the read bandwidth, 2 threads |",
+        "| --- | --- | --- | --- |",
+        f"| (memory read) | {bw['read']['1']:.1f} | {bw['read']['2']:.1f} | 100% |",
+    ]
+    for f, v in bw["formats"].items():
+        md.append(f"| {f} | {v['1']:.1f} | {v['2']:.1f} | {100 * v['of_read_2']:.0f}% |")
+    return "\n".join(md)
+
+
 def section(res: dict) -> str:
     """The section "cpu-kernels" of docs/benchmarks.md, from the results."""
     gen, bw = res["generation"], res["bandwidth"]
@@ -275,12 +306,8 @@ def section(res: dict) -> str:
         "matrix-vector product per format on ~130 MB of random weights (scales included), "
         "against reading memory (`read_bandwidth`, 512 MB), the same threads, in turn:",
         "",
-        "| weights | 1 thread GB/s | 2 threads GB/s | of the read bandwidth, 2 threads |",
-        "| --- | --- | --- | --- |",
-        f"| (memory read) | {bw['read']['1']:.1f} | {bw['read']['2']:.1f} | 100% |",
+        bandwidth_table(bw),
     ]
-    for f, v in bw["formats"].items():
-        md.append(f"| {f} | {v['1']:.1f} | {v['2']:.1f} | {100 * v['of_read_2']:.0f}% |")
     md += ["", "| target | model | measured | wanted | met |", "| --- | --- | --- | --- | --- |"]
     for what, model, got, goal in targets(res):
         ok = "yes" if got >= goal else "no"
@@ -305,11 +332,44 @@ def section(res: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quantize", required=True, help="llama.cpp's llama-quantize")
+    p.add_argument(
+        "--quantize", help="llama.cpp's llama-quantize (needed but with --bandwidth-only)"
+    )
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("-g", "--generation-tokens", type=int, default=64)
     p.add_argument("--out", default=str(sections.PAGE), help="the page whose section to rewrite")
+    p.add_argument(
+        "--bandwidth-only",
+        action="store_true",
+        help="only the bandwidth table, printed (the page is not rewritten)",
+    )
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=list(FORMATS),
+        help="the formats of the bandwidth table (GGUF types, affine4/G, affine8/G)",
+    )
+    p.add_argument(
+        "--cpu-seconds",
+        action="store_true",
+        help="with --bandwidth-only: GB per CPU-second on 1 thread instead",
+    )
+    p.add_argument("--isa", help="the kernels' instruction set (default: the CPU's best)")
     args = p.parse_args()
+    if args.isa:
+        os.environ["LLAMA_TP_KERNELS"] = args.isa
+    if args.bandwidth_only:
+        load = os.getloadavg()[0]
+        bw = bandwidth(args.rounds, tuple(args.formats), args.cpu_seconds)
+        print(f"isa {bw['isa']}, load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+        if args.cpu_seconds:
+            for f, v in bw["formats"].items():
+                print(f"{f}: {v['cpu_1']:.1f} GB per CPU-second, 1 thread")
+        else:
+            print(bandwidth_table(bw))
+        return 0
+    if not args.quantize:
+        p.error("--quantize is needed for the generation table")
     import llama_cpp
 
     from llama_tp.engine.loader import default_model

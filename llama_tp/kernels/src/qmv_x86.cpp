@@ -1,97 +1,12 @@
-// x86-64 kernels, compiled once per instruction-set level (CMakeLists.txt):
-//   LT_LEVEL=avx2    -mavx2 -mfma -mf16c: 16 int16 products per instruction (vpmaddwd)
-//   LT_LEVEL=avx512  + AVX-512 F/BW/VL: 32 per instruction, a whole 32-value chunk
-// Each chunk of 32 weights is decoded to integers u (one byte each), widened to int16
-// and multiplied with the int16 activations; the int32 sums of each half of 16 are
-// scaled by A * dx in float, and the offsets B enter through the activation sums m.
-#include <immintrin.h>
-
+// x86-64 kernels of the small blocks (Q4_0 ... Q8_0) and MLX's affine layout, and each
+// instruction set's table of kernels; see qmv_x86.h.
 #include <vector>
 
-#include "formats.h"
-
-#ifndef LT_LEVEL
-#error "compile with -DLT_LEVEL=avx2 or avx512"
-#endif
-#define LT_CAT2(a, b) a##b
-#define LT_CAT(a, b) LT_CAT2(a, b)
-#define LT_NS LT_CAT(x86_, LT_LEVEL)
-#define LT_STR2(a) #a
-#define LT_STR(a) LT_STR2(a)
+#include "qmv_x86.h"
 
 namespace lt {
 namespace LT_NS {
 namespace {
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define LT_512 1
-// Accumulator of one row: 16 float lanes, lanes 0-7 from values 0-15 of a chunk.
-typedef __m512 Acc;
-inline Acc acc_zero() { return _mm512_setzero_ps(); }
-inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
-// u (32 bytes, values 0..31; signed for Q8_0) . q (32 int16) -> 16 int32 (two halves)
-template <bool SIGNED>
-inline __m512i chunk_dot(__m256i u, const int16_t* q) {
-  __m512i w = SIGNED ? _mm512_cvtepi8_epi16(u) : _mm512_cvtepu8_epi16(u);
-  return _mm512_madd_epi16(w, _mm512_loadu_si512((const void*)q));
-}
-inline Acc fma_same(__m512i p, float s, Acc acc) {
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(s), acc);
-}
-inline Acc fma_halves(__m512i p, float s0, float s1, Acc acc) {
-  __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
-}
-#else
-typedef __m256 Acc;
-inline Acc acc_zero() { return _mm256_setzero_ps(); }
-inline float acc_sum(Acc a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-struct Halves {
-  __m256i p0, p1;  // 8 int32 each: values 0-15, 16-31
-};
-template <bool SIGNED>
-inline Halves chunk_dot(__m256i u, const int16_t* q) {
-  __m128i a = _mm256_castsi256_si128(u), b = _mm256_extracti128_si256(u, 1);
-  __m256i w0 = SIGNED ? _mm256_cvtepi8_epi16(a) : _mm256_cvtepu8_epi16(a);
-  __m256i w1 = SIGNED ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
-  return {_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)q)),
-          _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(q + 16)))};
-}
-inline Acc fma_same(Halves p, float s, Acc acc) {
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p.p0, p.p1)), _mm256_set1_ps(s),
-                         acc);
-}
-inline Acc fma_halves(Halves p, float s0, float s1, Acc acc) {
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p.p0), _mm256_set1_ps(s0), acc);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p.p1), _mm256_set1_ps(s1), acc);
-}
-#endif
-
-inline float f16(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
-
-// 16 bytes -> 32 values: the low nibbles (values 0-15), then the high ones (16-31).
-inline __m256i nibbles16(const uint8_t* p) {
-  __m128i b = _mm_loadu_si128((const __m128i*)p);
-  __m128i m4 = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m4), _mm_and_si128(b, m4));
-}
-
-// 32 bits -> 32 bytes, 16 where the bit is set (Q5_0/Q5_1's fifth bits; ggml's trick).
-inline __m256i fifth_bits(const uint8_t* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, 4);
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                         0x0101010101010101, 0x0000000000000000);
-  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
-  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)),
-                          _mm256_set1_epi8(16));
-}
 
 // Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32, one scale (and offset) each.
 template <int F>
@@ -119,122 +34,40 @@ void rows_small(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   }
 }
 
-// The K-quants: blocks of 256 in 8 chunks of 32.
-template <int F>
-void rows_k(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
-  const int bytes = block_bytes(F), nb = w.k / 256;
-  const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
-  for (int r = r0; r < r1; r++) {
-    const uint8_t* blk = w.data + (size_t)r * w.row_bytes;
-    Acc acc = acc_zero();
-    float off = 0.f;
-    for (int b = 0; b < nb; b++, blk += bytes) {
-      const int16_t* q = x.q + 256 * b;
-      const float* dx = x.d + 8 * b;
-      const float* mx = x.m + 16 * b;
-      if (F == Q4_K || F == Q5_K) {
-        uint8_t sc[8], mn[8];
-        k4_scale_min(blk + 4, sc, mn);
-        float d = f16(blk), dmin = f16(blk + 2);
-        const uint8_t* qs = blk + (F == Q5_K ? 48 : 16);
-        __m256i qh = F == Q5_K ? _mm256_loadu_si256((const __m256i*)(blk + 16)) : m1;
-        for (int j = 0; j < 8; j++) {
-          __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * (j / 2)));
-          __m256i u = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bits, 4) : bits, m4);
-          if (F == Q5_K) {
-            __m256i h = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), m1);
-            u = _mm256_or_si256(u, _mm256_slli_epi16(h, 4));
-          }
-          acc = fma_same(chunk_dot<false>(u, q + 32 * j), d * sc[j] * dx[j], acc);
-          off -= dmin * mn[j] * (mx[2 * j] + mx[2 * j + 1]);
-        }
-      } else if (F == Q6_K) {
-        const int8_t* sc = (const int8_t*)(blk + 192);
-        float d = f16(blk + 208);
-        for (int hh = 0; hh < 2; hh++) {
-          __m256i l0 = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh));
-          __m256i l1 = _mm256_loadu_si256((const __m256i*)(blk + 64 * hh + 32));
-          __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * hh));
-          __m256i u[4] = {
-              _mm256_or_si256(_mm256_and_si256(l0, m4),
-                              _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(l1, m4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4)),
-          };
-          for (int jj = 0; jj < 4; jj++) {
-            int j = 4 * hh + jj;
-            float a0 = d * sc[2 * j], a1 = d * sc[2 * j + 1];
-            acc = fma_halves(chunk_dot<false>(u[jj], q + 32 * j), a0 * dx[j], a1 * dx[j], acc);
-            off -= 32.f * (a0 * mx[2 * j] + a1 * mx[2 * j + 1]);
-          }
-        }
-      } else if (F == Q3_K) {
-        int sc[16];
-        k3_scales(blk + 96, sc);
-        float d = f16(blk + 108);
-        __m256i hm = _mm256_loadu_si256((const __m256i*)blk);
-        for (int hh = 0; hh < 2; hh++) {
-          __m256i qs = _mm256_loadu_si256((const __m256i*)(blk + 32 + 32 * hh));
-          for (int jj = 0; jj < 4; jj++) {
-            int j = 4 * hh + jj;
-            __m256i lo = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * jj)), m3);
-            __m256i hi = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(j)), m1);
-            __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 2));
-            float a0 = d * sc[2 * j], a1 = d * sc[2 * j + 1];
-            acc = fma_halves(chunk_dot<false>(u, q + 32 * j), a0 * dx[j], a1 * dx[j], acc);
-            off -= 4.f * (a0 * mx[2 * j] + a1 * mx[2 * j + 1]);
-          }
-        }
-      } else {  // Q2_K
-        const uint8_t* sc = blk;
-        float d = f16(blk + 80), dmin = f16(blk + 82);
-        for (int hh = 0; hh < 2; hh++) {
-          __m256i qs = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * hh));
-          for (int jj = 0; jj < 4; jj++) {
-            int j = 4 * hh + jj;
-            __m256i u = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * jj)), m3);
-            float a0 = d * (sc[2 * j] & 15), a1 = d * (sc[2 * j + 1] & 15);
-            acc = fma_halves(chunk_dot<false>(u, q + 32 * j), a0 * dx[j], a1 * dx[j], acc);
-            off -= dmin * ((sc[2 * j] >> 4) * mx[2 * j] + (sc[2 * j + 1] >> 4) * mx[2 * j + 1]);
-          }
-        }
-      }
-    }
-    y[r - r0] = acc_sum(acc) + off;
-  }
-}
-
-template <int S>
-inline float scale(const void* p, size_t i) {
-  if (S == F32) return static_cast<const float*>(p)[i];
-  uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return S == F16 ? _cvtsh_ss(h) : bf16_to_f32(h);
-}
-
-// MLX affine: 4 bits (16 bytes per 32 values, EVEN_ODD activations) or 8 bits.
+// MLX affine: 4 bits (16 bytes per 32 values, EVEN_ODD activations) or 8 bits. The
+// activation sums of each group once per call, so that a row's offsets are one product
+// per group; two accumulators (no chain of dependent adds).
 template <int F, int S>
 void rows_affine_t(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   constexpr int STEP = F == AFFINE4 ? 16 : 32;
   const int per_group = w.group_size / 32, ng = w.k / w.group_size;
+  thread_local std::vector<float> msum_v;
+  msum_v.resize(ng);
+  float* msum = msum_v.data();  // a thread_local's address costs a call in a shared library
+  for (int g = 0; g < ng; g++) {
+    float t = 0.f;
+    for (int c = g * per_group; c < (g + 1) * per_group; c++) t += x.dm[2 * c + 1];
+    msum[g] = t;
+  }
   for (int r = r0; r < r1; r++) {
     const uint8_t* row = w.data + (size_t)r * w.row_bytes;
     size_t g0 = (size_t)r * w.groups;
-    Acc acc = acc_zero();
+    Acc acc0 = acc_zero(), acc1 = acc_zero();
     float off = 0.f;
     for (int g = 0, c = 0; g < ng; g++) {
-      float a = scale<S>(w.scales, g0 + g), b = scale<S>(w.biases, g0 + g);
+      float a = scale<S>(w.scales, g0 + g);
+      off += scale<S>(w.biases, g0 + g) * msum[g];
       for (int e = c + per_group; c < e; c++) {
         __m256i u = F == AFFINE4 ? nibbles16(row + STEP * c)
                                  : _mm256_loadu_si256((const __m256i*)(row + STEP * c));
-        acc = fma_same(chunk_dot<false>(u, x.q + 32 * c), a * x.d[c], acc);
-        off += b * (x.m[2 * c] + x.m[2 * c + 1]);
+        if (c & 1) {
+          acc1 = fma_same(chunk_dot<false>(u, x.q + 32 * c), a * x.d[c], acc1);
+        } else {
+          acc0 = fma_same(chunk_dot<false>(u, x.q + 32 * c), a * x.d[c], acc0);
+        }
       }
     }
-    y[r - r0] = acc_sum(acc) + off;
+    y[r - r0] = acc_sum(acc0) + acc_sum(acc1) + off;
   }
 }
 
@@ -332,50 +165,106 @@ void rows_small_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y)
   }
 }
 
-// [A_g, B_g, A_h, B_h] of groups g and h of one row's scales and biases
+// n scales of row `g0` on as floats
 template <int S>
-inline __m128 affine_ab(const void* sc, const void* bi, size_t g, size_t h) {
+inline void scales_f32(const void* src, size_t g0, int n, float* out) {
+  int i = 0;
   if (S == F16) {
-    const uint16_t *s = static_cast<const uint16_t*>(sc), *b = static_cast<const uint16_t*>(bi);
-    return _mm_cvtph_ps(_mm_setr_epi16((short)s[g], (short)b[g], (short)s[h], (short)b[h], 0, 0,
-                                       0, 0));
+    const uint16_t* s = static_cast<const uint16_t*>(src) + g0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + i))));
+  } else if (S == BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + g0;
+    for (; i + 16 <= n; i += 16) {
+      __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(s + i)));
+      _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
   }
-  return _mm_setr_ps(scale<S>(sc, g), scale<S>(bi, g), scale<S>(sc, h), scale<S>(bi, h));
+  for (; i < n; i++) out[i] = scale<S>(src, g0 + i);
 }
 
-template <int S>
+// MLX 4-bit, PAIRED activations. Per call (a chunk of rows): the pairs' activation scales
+// as vectors [dx_c x8, dx_c+1 x8] and the activation sums of each group; per row its
+// scales as floats, and its offsets as one dot product of its biases with those sums; then
+// per pair of chunks (32 bytes) two multiply-adds, one conversion and one multiply-add by
+// the pair's factors, alternating between two accumulators.
+template <int S, int PER>  // PER: chunks per group (1, 2, 4: groups of 32, 64, 128)
 void rows_affine4_paired(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
-  const int nc = w.k / 32;
-  const int shift = w.group_size == 32 ? 0 : w.group_size == 64 ? 1 : 2;  // chunk -> group
+  const int nc = w.k / 32, np = nc / 2, ng = w.k / w.group_size;
+  thread_local std::vector<float> dxp_v, msum_v, as_v, bs_v;
+  dxp_v.resize((size_t)16 * np);
+  msum_v.resize(ng);
+  as_v.resize(ng);
+  bs_v.resize(ng);
+  // plain pointers: a thread_local's address costs a call in a shared library
+  float *dxp = dxp_v.data(), *msum = msum_v.data(), *as = as_v.data(), *bs = bs_v.data();
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int p = 0; p < np; p++) {
+    __m128 d2 = _mm_castpd_ps(_mm_load_sd((const double*)(x.d + 2 * p)));
+    _mm512_storeu_ps(dxp + 16 * p, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2)));
+  }
+  for (int g = 0; g < ng; g++) {
+    float t = 0.f;
+    for (int c = g * PER; c < (g + 1) * PER; c++) t += x.dm[2 * c + 1];
+    msum[g] = t;
+  }
   for (int r = r0; r < r1; r++) {
     const uint8_t* row = w.data + (size_t)r * w.row_bytes;
     size_t g0 = (size_t)r * w.groups;
-    __m512 acc = _mm512_setzero_ps();
-    __m128 off = _mm_setzero_ps();
+    scales_f32<S>(w.scales, g0, ng, as);
+    scales_f32<S>(w.biases, g0, ng, bs);
+    float off = 0.f;
+    {
+      __m512 o = _mm512_setzero_ps();
+      int g = 0;
+      for (; g + 16 <= ng; g += 16)
+        o = _mm512_fmadd_ps(_mm512_loadu_ps(bs + g), _mm512_loadu_ps(msum + g), o);
+      off = _mm512_reduce_add_ps(o);
+      for (; g < ng; g++) off += bs[g] * msum[g];
+    }
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int c = 0;
     for (; c + 1 < nc; c += 2) {
       __m512i lo, hi;
       nibbles_pair(_mm256_loadu_si256((const __m256i*)(row + 16 * c)), lo, hi);
-      __m128 ab = affine_ab<S>(w.scales, w.biases, g0 + (c >> shift), g0 + ((c + 1) >> shift));
-      acc = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), pair_factors(ab, x.dm + 2 * c, off),
-                            acc);
+      __m512 a;
+      if (PER == 1) {  // the pair's two groups: [a_c x8, a_c+1 x8]
+        a = _mm512_permutexvar_ps(
+            idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)(as + c)))));
+      } else {
+        a = _mm512_set1_ps(as[c / PER]);
+      }
+      __m512 f = _mm512_mul_ps(a, _mm512_loadu_ps(dxp + 8 * c));
+      if (c & 2) {
+        acc1 = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), f, acc1);
+      } else {
+        acc0 = _mm512_fmadd_ps(pair_dot(lo, hi, x.q + 32 * c), f, acc0);
+      }
     }
     float rest = 0.f;
-    if (c < nc) {
-      size_t g = g0 + (c >> shift);
+    if (c < nc) {  // a last chunk on its own (groups of 32; activations in the base order)
       Acc one = fma_same(chunk_dot<false>(nibbles16(row + 16 * c), x.q + 32 * c),
-                         scale<S>(w.scales, g) * x.d[c], acc_zero());
-      rest = acc_sum(one) + scale<S>(w.biases, g) * x.dm[2 * c + 1];
+                         as[c] * x.d[c], acc_zero());
+      rest = acc_sum(one);
     }
-    y[r - r0] = _mm512_reduce_add_ps(acc) + off_sum(off) + rest;
+    y[r - r0] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + off + rest;
+  }
+}
+
+template <int S>
+void rows_affine4_groups(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
+  switch (w.group_size) {
+    case 32: return rows_affine4_paired<S, 1>(w, x, r0, r1, y);
+    case 64: return rows_affine4_paired<S, 2>(w, x, r0, r1, y);
+    default: return rows_affine4_paired<S, 4>(w, x, r0, r1, y);
   }
 }
 
 void rows_affine4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) {
   switch (w.scale_type) {
-    case F32: return rows_affine4_paired<F32>(w, x, r0, r1, y);
-    case F16: return rows_affine4_paired<F16>(w, x, r0, r1, y);
-    default: return rows_affine4_paired<BF16>(w, x, r0, r1, y);
+    case F32: return rows_affine4_groups<F32>(w, x, r0, r1, y);
+    case F16: return rows_affine4_groups<F16>(w, x, r0, r1, y);
+    default: return rows_affine4_groups<BF16>(w, x, r0, r1, y);
   }
 }
 #endif
@@ -386,16 +275,15 @@ void rows_affine4_512(const Matrix& w, const XRow& x, int r0, int r1, float* y) 
 extern const Kernels kernels = {
     LT_STR(LT_LEVEL),
     {rows_small_paired<Q4_0>, rows_small_paired<Q4_1>, rows_small_paired<Q5_0>,
-     rows_small_paired<Q5_1>, rows_small<Q8_0>, rows_k<Q2_K>, rows_k<Q3_K>, rows_k<Q4_K>,
-     rows_k<Q5_K>, rows_k<Q6_K>, rows_affine4_512, rows_affine<AFFINE8>},
+     rows_small_paired<Q5_1>, rows_small<Q8_0>, rows_q2k, rows_q3k, rows_q4k, rows_q5k, rows_q6k,
+     rows_affine4_512, rows_affine<AFFINE8>},
     {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0},
 };
 #else
 extern const Kernels kernels = {
     LT_STR(LT_LEVEL),
     {rows_small<Q4_0>, rows_small<Q4_1>, rows_small<Q5_0>, rows_small<Q5_1>, rows_small<Q8_0>,
-     rows_k<Q2_K>, rows_k<Q3_K>, rows_k<Q4_K>, rows_k<Q5_K>, rows_k<Q6_K>,
-     rows_affine<AFFINE4>, rows_affine<AFFINE8>},
+     rows_q2k, rows_q3k, rows_q4k, rows_q5k, rows_q6k, rows_affine<AFFINE4>, rows_affine<AFFINE8>},
 };
 #endif
 
