@@ -58,7 +58,12 @@ def sharded_top(ref, model, x: mx.array) -> tuple[float, bool]:
     token = make_sampler(1.0, top_p=0.5, shard=shard, seed=7)(local).item()
     before = np.cumsum(np.exp(lp[order])) - np.exp(lp[order])  # mass of the likelier ones
     nucleus = set(order[before < 0.5].tolist())
-    return diff, np.array(ids)[0].tolist() == order[:80].tolist() and token in nucleus
+    # The ids, in order, are a top 80 of the reference up to ties within the tolerance:
+    # two tokens whose log-probabilities differ by less than the products' rounding may
+    # come in either order (the quantized products round activations per 32 values).
+    ids = np.array(ids)[0]
+    diff = max(diff, float(np.max(np.abs(lp[ids] - lp[order[:80]]))))
+    return diff, len(set(ids.tolist())) == 80 and token in nucleus
 
 
 def atol(whole: nn.Module) -> float:
@@ -86,6 +91,12 @@ def check(spec: str, world: mx.distributed.Group) -> dict:
     diff = float(np.max(np.abs(logits_of(ref, x) - logits_of(model, x))))
     prompt = x[0].tolist()
     same = greedy(ref, prompt, 8) == greedy(model, prompt, 8)
+    if not same:
+        print(
+            f"rank {world.rank()} {spec}: greedy {greedy(ref, prompt, 8)} vs "
+            f"{greedy(model, prompt, 8)}",
+            file=sys.stderr,
+        )
     top_diff, same_top = sharded_top(ref, model, x) if vocab_shard(model) else (0.0, True)
     diff, same = max(diff, top_diff), same and same_top
     placement = ckpt.placement

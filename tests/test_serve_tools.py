@@ -16,6 +16,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 pytest.importorskip("fastapi")
@@ -223,12 +224,9 @@ def test_tool_calls_the_same_on_1_and_2_ranks(servers):
 
 
 def _valid(text: str) -> dict:
-    """The reply parsed and checked against CITY (no jsonschema package here)."""
+    """The reply parsed and validated against CITY (jsonschema: ValidationError)."""
     obj = json.loads(text)
-    assert set(obj) == {"city", "country", "population"}
-    assert isinstance(obj["city"], str) and len(obj["city"]) <= 24
-    assert isinstance(obj["country"], str) and len(obj["country"]) <= 24
-    assert type(obj["population"]) is int and 0 <= obj["population"] <= 99999999
+    jsonschema.validate(obj, CITY)
     return obj
 
 
@@ -256,7 +254,8 @@ def test_json_schema_and_json_object_on_the_builtin_model(servers):
     plain = chat(started[("builtin", 1)].client(timeout=TIMEOUT), "", messages=ask, max_tokens=60)[
         0
     ]
-    with pytest.raises(ValueError):  # without the schema, the model writes prose
+    # without the schema, the model writes prose (or JSON of another shape)
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
         _valid(plain)
 
 
