@@ -260,6 +260,7 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
     """run_steps' loop, until a stop decision."""
     rest = 0.0  # seconds the replicas' last decode-only step took (the longest)
     clock = StepClock()
+    last_end = None  # when the last generation step ended (None: idle since)
     monitor = scheduler.monitor if rank0 else None
     while True:
         decisions = None
@@ -267,6 +268,7 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             active = [len(engine)] if dp == 1 else scheduler.rows()
             decisions = scheduler.next_decisions(active, wait=IDLE_TICK)
             if decisions is None:
+                last_end = None  # idle: the next step starts a new chain
                 if group.size() == 1:
                     if monitor is not None and monitor.due():
                         monitor.update(gather_reports(group, mesh, clock))
@@ -281,6 +283,8 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             reports = gather_reports(group, mesh, clock)
             if monitor is not None:
                 monitor.update(reports)
+        if decisions[0].idle or not len(engine):
+            last_end = None  # the next step starts a new chain
         if decisions[0].idle:
             if not rank0:  # rank 0 waits on its queue instead
                 time.sleep(max(0.0, decisions[0].idle - IDLE_MARGIN))
@@ -301,7 +305,14 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             tic = time.perf_counter()
             if not resting:
                 events += engine.step()
-                clock.add(time.perf_counter() - tic)
+                # A step's computation runs asynchronously, overlapping the loop's other
+                # work (the decision's broadcast, dispatching events), so the step is timed
+                # from the previous step's end when the loop went straight on to this one
+                # (no idle tick, no prompt between); otherwise from this step's start.
+                end = time.perf_counter()
+                chained = last_end is not None and not decision.joins
+                clock.add(end - (last_end if chained else tic))
+                last_end = end
             if dp > 1:  # each replica's first rank sends its events to rank 0
                 # A decode-only step's time, for the replicas that rest next time.
                 took = None if resting or decision.joins else time.perf_counter() - tic
