@@ -42,7 +42,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: no log-probabilities; k: the token's and the k best
     num_draft_tokens: int = 0  # prompt-lookup / draft-model tokens verified per step
-    # Logits processors (engine/constraints.py), on every rank's columns alike:
+    # Logits processors (engine/logits_processors.py), on every rank's columns alike:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     presence_penalty: float = 0.0  # mlx-lm's: over the last `penalty_context` tokens
     frequency_penalty: float = 0.0
