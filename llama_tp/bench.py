@@ -125,6 +125,7 @@ def main() -> int:
         "prefill_step_size": args.prefill_step_size,
         "vocab_parallel": group.size() > 1 and not args.no_vocab_parallel,
         "pin_core": all_gather_object(cores, group) if cores else None,  # per rank
+        "cores": os.environ.get("LLAMA_TP_CORES"),  # set by llama_tp.launch (affinity.py)
         "blas": blas.to_dict(),
         "ld_preload": os.environ.get("LD_PRELOAD") or None,
     }

@@ -203,3 +203,50 @@ def test_a_process_on_its_own_does_not_start_mpi(tmp_path):
     assert sessions(ours) == []
     plain = "import mlx.core as mx; print(mx.distributed.init().size())"
     assert sessions(plain), "mx.distributed.init() no longer starts MPI: the test shows nothing"
+
+
+def test_local_ranks_each_get_their_own_cores():
+    """Ranks launched on one machine are pinned to disjoint cores (`LLAMA_TP_CORES`,
+    applied by `world()` to every thread, the backend's included); `off` leaves them
+    to the scheduler; more ranks than cores are not pinned."""
+    from llama_tp.cluster.affinity import parse_cores, rank_cores, usable_cores
+
+    code = (
+        "import os; from llama_tp.cluster.distributed import world; r = world().rank(); "
+        "cores = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in "
+        "os.listdir('/proc/self/task')}; "
+        "os.write(1, f\"{r} {os.environ.get('LLAMA_TP_CORES')} {sorted(cores)}\\n\".encode())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_TP_CORES"}
+
+    def ranks(n: int, extra: dict) -> list[str]:
+        cmd = [sys.executable, "-m", "llama_tp.launch", "-n", str(n)]
+        cmd += ["--starting-port", str(next(_PORTS)), "--", sys.executable, "-c", code]
+        r = subprocess.run(
+            cmd, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr
+        return sorted(r.stdout.splitlines())
+
+    usable = usable_cores()
+    spec = rank_cores(2, usable)
+    assert spec is not None and len(usable) >= 2
+    want = [f"{r} {spec} {[tuple(parse_cores(spec, r))]}" for r in (0, 1)]
+    assert ranks(2, {}) == want
+    assert ranks(2, {"LLAMA_TP_CORES": "off"}) == [f"{r} off {[tuple(usable)]}" for r in (0, 1)]
+    many = len(usable) + 1
+    assert ranks(many, {}) == [f"{r} None {[tuple(usable)]}" for r in range(many)]
+    # a value that cannot be applied: one warning per rank, the ranks run unpinned
+    bad = ranks(2, {"LLAMA_TP_CORES": "0/x"})
+    assert bad[0] == f"0 0/x {[(0,)]}" and bad[1] == f"1 0/x {[tuple(usable)]}"
+
+
+def test_rank_cores_groups():
+    from llama_tp.cluster.affinity import parse_cores, rank_cores
+
+    assert rank_cores(2, [0, 1]) == "0/1"
+    assert rank_cores(2, [0, 1, 2, 3, 4]) == "0,1/2,3"
+    assert rank_cores(3, [0, 1]) is None and rank_cores(1, [0, 1]) is None
+    assert parse_cores("0,1/2,3", 1) == [2, 3] and parse_cores("0/1", 2) == [0]
+    with pytest.raises(ValueError, match=r"LLAMA_TP_CORES: expected groups of cores like "):
+        parse_cores("0/x", 1)

@@ -281,6 +281,7 @@ def pin(spec: str, rank: int) -> list[int]:
 
     Returns the cores this process's threads may run on, read back afterwards.
     """
+    from ..cluster.affinity import pin_threads
     from ..console.cli import UsageError
 
     if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
@@ -295,18 +296,10 @@ def pin(spec: str, rank: int) -> list[int]:
                 f"--pin-core: expected auto or a list like 0,1, got {spec!r}"
             ) from None
         core = cores[rank % len(cores)]
-    # Threads already running (MLX's, OpenBLAS's) keep their own affinity: set each;
-    # threads started later inherit it.
-    allowed: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-            allowed |= os.sched_getaffinity(int(tid))
-        except ProcessLookupError:  # a thread that just ended
-            continue
-        except OSError as e:
-            raise UsageError(f"--pin-core: cannot pin to core {core}: {e}") from None
-    return sorted(allowed)
+    try:
+        return pin_threads([core])
+    except OSError as e:
+        raise UsageError(f"--pin-core: cannot pin to core {core}: {e}") from None
 
 
 def prepare_model(args: Any, group: mx.distributed.Group) -> tuple[Path, str]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .affinity import apply_launch_cores
+
 
 def launched_backend() -> str | None:
     """The backend a launcher set up for this process, told from what it put in the
@@ -38,7 +40,10 @@ def world() -> mx.distributed.Group:
     session directory left in /tmp by every run)."""
     if launched_backend() is None:
         return mx.distributed.init(backend="ring")
-    return mx.distributed.init()
+    group = mx.distributed.init()
+    # after init: the backend's socket threads exist and are pinned with the rest
+    apply_launch_cores(group.rank())
+    return group
 
 
 def is_rank0(group: mx.distributed.Group | None = None) -> bool:

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .affinity import CORES_ENV, rank_cores, usable_cores
+
 GRACE = 5.0  # seconds the other ranks get to end by themselves after one fails
 
 
@@ -254,7 +256,7 @@ def openblas_env(flags: list[str]) -> list[str]:
 def _threads_per_rank(flags: list[str]) -> int:
     """This machine's cores over the local ranks."""
     n = int(_value(flags, "-n") or _value(flags, "--repeat-hosts") or 1)
-    return max(1, (os.cpu_count() or 1) // n)
+    return max(1, len(usable_cores()) // n)
 
 
 KERNEL_THREADS = "LLAMA_TP_KERNEL_THREADS"  # read by llama_tp.kernels.native
@@ -268,6 +270,18 @@ def kernel_threads_env(flags: list[str]) -> list[str]:
     if KERNEL_THREADS in {e.split("=", 1)[0] for e in _envs(flags)} | set(os.environ):
         return []
     return ["--env", f"{KERNEL_THREADS}={_threads_per_rank(flags)}"]
+
+
+def cores_env(flags: list[str]) -> list[str]:
+    """`--env LLAMA_TP_CORES=0/1` (each local rank on its own cores, `affinity.py`) when
+    the ranks fit on this machine's cores (nothing when the user set it or gave hosts)."""
+    if _value(flags, "--hostfile") or _value(flags, "--hosts"):
+        return []
+    if CORES_ENV in {e.split("=", 1)[0] for e in _envs(flags)} | set(os.environ):
+        return []
+    n = int(_value(flags, "-n") or _value(flags, "--repeat-hosts") or 1)
+    spec = rank_cores(n, usable_cores())
+    return [] if spec is None else ["--env", f"{CORES_ENV}={spec}"]
 
 
 def _envs(flags: list[str]) -> list[str]:
@@ -285,9 +299,10 @@ def run(argv: list[str], openblas: bool = True) -> int:
             command = [sys.executable, *command]  # mlx prefixes --python itself
     blas = openblas_env(flags) if openblas else []
     threads = kernel_threads_env(flags)
-    extra = blas + threads
+    cores = cores_env(flags)
+    extra = blas + threads + cores
     if "--verbose" in flags:
-        for what, env in (("preloading", blas), ("native kernels:", threads)):
+        for what, env in (("preloading", blas), ("native kernels:", threads), ("cores:", cores)):
             if env:
                 print(f"launch: {what} {' '.join(env[1::2])}", file=sys.stderr, flush=True)
     real_io, real_run = launch._launch_with_io, launch.run
