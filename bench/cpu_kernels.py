@@ -31,95 +31,20 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from llama_tp.benchmarks import sections
+from llama_tp.benchmarks.kernel_bandwidth import FORMATS, bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "cpu-kernels"
 PY = sys.executable
 LLAMA_CPP_FLAGS = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"
-FORMATS = ("Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K", "affine4")  # what the two files hold
-# --formats may name any GGUF type the kernels compute, and affine4/G, affine8/G (MLX's
-# layout, group G; "affine4" is group 64, an MLX-quantized checkpoint's)
-WEIGHT_BYTES = 130 << 20
-
-
-def bandwidth(rounds: int, formats: tuple[str, ...] = FORMATS, cpu_seconds: bool = False) -> dict:
-    """GB/s of reading memory and of each format's product, at 1 and 2 threads (medians
-    of `rounds`, and of each round's ratio to the read bandwidth). `cpu_seconds`: instead,
-    each product's GB per second of CPU time on 1 thread (what other jobs on the machine
-    change least: the kernel's own speed, not its share of the cores)."""
-    import mlx.core as mx
-    import numpy as np
-
-    from llama_tp import kernels
-    from llama_tp.kernels import GGUF_TYPES, native
-    from llama_tp.kernels.blocks import random_blocks
-
-    st = kernels.status()
-    if not st.native:
-        raise SystemExit(f"the native kernels are off: {st.reason}")
-    ext = native.ext()
-    rng = np.random.default_rng(0)
-    k = 4096
-    out = {"isa": ext.isa(), "read": {}, "formats": {}}
-    products = {}
-    for f in formats:
-        if f.startswith("affine"):  # MLX 4- or 8-bit, group g
-            bits, _, g = f.removeprefix("affine").partition("/")
-            bits, g = int(bits), int(g or 64)
-            rows = WEIGHT_BYTES // (k * bits // 8 + k // g * 4)
-            w = rng.integers(0, 2**32, size=(rows, k * bits // 32), dtype=np.uint32)
-            s = mx.array(rng.uniform(0.001, 0.01, (rows, k // g)).astype(np.float16))
-            arrays = (mx.array(w), s, -(2 ** (bits - 1)) * s)
-            nbytes = sum(a.nbytes for a in arrays)
-            products[f] = (arrays, nbytes, dict(format=1000 + bits, group_size=g))
-        else:
-            code, per, size = GGUF_TYPES[f]
-            rows = WEIGHT_BYTES // (k // per * size)
-            w = mx.array(random_blocks(f, rows, k // per, rng))
-            products[f] = ((w,), w.nbytes, dict(format=code))
-    x = mx.array(rng.normal(size=(1, k)).astype(np.float16))
-    mx.eval(x, *[a for arrays, _, _ in products.values() for a in arrays])
-    if cpu_seconds:  # 1 thread, weight bytes per second of this process's CPU time
-        ext.set_threads(1)
-        for f, (arrays, nbytes, kw) in products.items():
-            times = []
-            for _ in range(12):
-                tic = time.process_time()
-                mx.eval(ext.qmatmul(x, *arrays, **kw))
-                times.append(time.process_time() - tic)
-            out["formats"][f] = {"cpu_1": nbytes / statistics.median(times[2:]) / 1e9}
-        return out
-    runs: dict[str, list[float]] = {}
-    for i in range(rounds):  # read and products in turn, the order reversed every round
-        jobs = [(t, f) for t in (1, 2) for f in ("read", *products)]
-        for t, f in jobs if i % 2 == 0 else jobs[::-1]:
-            ext.set_threads(t)
-            if f == "read":
-                gbs = ext.read_bandwidth(512 << 20, 5)
-            else:
-                arrays, nbytes, kw = products[f]
-                times = []
-                for _ in range(12):
-                    tic = time.perf_counter()
-                    mx.eval(ext.qmatmul(x, *arrays, **kw))
-                    times.append(time.perf_counter() - tic)
-                gbs = nbytes / statistics.median(times[2:]) / 1e9
-            runs.setdefault(f"{f}|{t}", []).append(gbs)
-    for t in (1, 2):
-        out["read"][t] = statistics.median(runs[f"read|{t}"])
-        for f in products:
-            ratios = [a / b for a, b in zip(runs[f"{f}|{t}"], runs[f"read|{t}"], strict=True)]
-            out["formats"].setdefault(f, {})[t] = statistics.median(runs[f"{f}|{t}"])
-            out["formats"][f][f"of_read_{t}"] = statistics.median(ratios)
-    return out
 
 
 def make_q4_k_m(quantize: str, source: str, folder: str) -> str:
@@ -142,6 +67,9 @@ def llama_tp_run(model: str, ranks: int, threads: int, path: str, g: int) -> flo
         args += ["--dtype", "float32"]
     if ranks > 1:
         cmd = [PY, "-m", "llama_tp.launch", "-n", str(ranks), "--", PY, *args]
+        if path == MPI:  # as root, Open MPI's mpirun wants both
+            cmd[3:3] = ["--backend", "mpi"]
+            env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     else:  # one process, with what the launcher would give it
         from llama_tp.cluster.blas import find_openblas
 
@@ -198,6 +126,8 @@ def generation(models: dict[str, str], rounds: int, g: int) -> dict:
                     continue  # llama.cpp runs one process (its 2-thread row is the yardstick)
                 if kind == PASSIVE and threads == 1:
                     continue  # no barriers to wait at
+                if kind == MPI and (ranks == 1 or not shutil.which("mpirun")):
+                    continue  # Open MPI's shared memory instead of the ring's loopback TCP
                 configs.append((name, kind, ranks, threads, file))
     results: dict[str, list[float]] = {}
     for i in range(rounds):
@@ -218,7 +148,8 @@ def generation(models: dict[str, str], rounds: int, g: int) -> dict:
 # (ranks, threads per rank) of the table's rows, and the paths of its columns
 ROWS = ((1, 1), (1, 2), (2, 1))
 PASSIVE = "llama.cpp, passive"
-PATHS = ("native", "mlx", "float32", "llama.cpp", PASSIVE)
+MPI = "native, MPI"
+PATHS = ("native", MPI, "mlx", "float32", "llama.cpp", PASSIVE)
 
 
 def _ratio(gen: dict, a: str, *bs: str) -> float:
@@ -244,9 +175,14 @@ def targets(res: dict) -> list[tuple[str, str, float, float]]:
             ("2x1", two, 1 / 3, "2 ranks / llama.cpp, 2 threads"),
             ("1x2", best, 0.5, "1 rank, 2 threads / llama.cpp's fastest (1 or 2 threads)"),
             ("2x1", best, 1 / 3, "2 ranks / llama.cpp's fastest (1 or 2 threads)"),
+            ("2x1", two, 2 / 3, "2 ranks / llama.cpp, 2 threads (the moonshot)"),
+            ("MPI 2x1", two, 2 / 3, "2 ranks, Open MPI / llama.cpp, 2 threads (the moonshot)"),
         ):
-            ratio = _ratio(gen, f"{model}|native|{mine}", *(f"{model}|{t}" for t in theirs))
-            out.append((what, model, ratio, goal))
+            kind, _, mine = mine.rpartition(" ")
+            key = f"{model}|{MPI if kind else 'native'}|{mine}"
+            if key in gen:
+                ratio = _ratio(gen, key, *(f"{model}|{t}" for t in theirs))
+                out.append((what, model, ratio, goal))
     return out
 
 
@@ -283,9 +219,10 @@ def section(res: dict) -> str:
         f"llama-cpp-python {res['llama_cpp_version']} built with "
         f'`CMAKE_ARGS="{res["llama_cpp_build"]}"` (a native build crashes on this host).',
         "",
-        "| model | ranks x threads per rank | native kernels | MLX's kernel | "
-        "float32 + OpenBLAS | llama.cpp, same threads in all | llama.cpp, passive |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| model | ranks x threads per rank | native kernels | native kernels, Open MPI | "
+        "MLX's kernel | float32 + OpenBLAS | llama.cpp, same threads in all | "
+        "llama.cpp, passive |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model in res["models"]:
         for ranks, threads in ROWS:
@@ -298,7 +235,10 @@ def section(res: dict) -> str:
             md.append(f"| {model} | {ranks} x {threads} | " + " | ".join(cells) + " |")
     md += [
         "",
-        "MLX's kernel is single-threaded: no 1 x 2 row. llama.cpp, passive: with "
+        "Ranks are started by `python -m llama_tp.launch`, which puts each on its own core "
+        "([Two ranks on one machine](cpu-kernels.md#two-ranks-on-one-machine)); they talk "
+        "over the ring backend (loopback TCP), or Open MPI's shared memory (`--backend "
+        "mpi`). MLX's kernel is single-threaded: no 1 x 2 row. llama.cpp, passive: with "
         "`OMP_WAIT_POLICY=passive` (its threads sleep at barriers instead of spinning, "
         "which is faster when another job holds a core); the targets compare with the "
         "faster of the two in each round, and, stricter, with llama.cpp's fastest row "
@@ -321,7 +261,8 @@ def section(res: dict) -> str:
         f"LLAMA_TP_KERNELS=mlx {run}   # MLX's kernel",
         f"LD_PRELOAD=$OPENBLAS OPENBLAS_NUM_THREADS=T {run} --dtype float32",
         f"python -m llama_tp.launch -n 2 -- python -m llama_tp.bench --model MODEL -p 16 -g {g} "
-        "-n 1 --json --collective-steps 0   # each of the three on 2 ranks",
+        "-n 1 --json --collective-steps 0   # each of the three on 2 ranks (--backend mpi: "
+        "Open MPI)",
         "# llama.cpp: Llama(MODEL, n_threads=T).eval(...) in bench/cpu_kernels.py",
         "# MODEL: the built-in Q4_1 file, or its Q4_K_M: llama-quantize --allow-requantize "
         "IN OUT Q4_K_M",
