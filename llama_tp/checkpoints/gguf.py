@@ -281,6 +281,23 @@ def _latent(weights: dict, sources: dict, args: ModelArgs, path: Path) -> None:
     split_kv_b(weights, sources, args, str(path))
 
 
+def _check_layers(header: GGUFHeader, weights: dict, path: Path) -> None:
+    """Refuse a file whose `blk.N` tensors are not layers 0 .. block_count - 1 (less the
+    multi-token prediction layers, dropped before)."""
+    arch = header.architecture
+    count = header.metadata.get(f"{arch}.block_count")
+    if not isinstance(count, int):
+        return  # args_from_metadata names what is missing
+    n = count - (header.metadata.get(f"{arch}.nextn_predict_layers") or 0)
+    found = sorted({int(m.group(1)) for k in weights if (m := re.match(r"^layers\.(\d+)\.", k))})
+    if found != list(range(n)):
+        held = f"blk.{found[0]} to blk.{found[-1]}" if found else "none"
+        raise CheckpointError(
+            f"{path}: {arch}.block_count says {n} layers but the file has tensors of "
+            f"{len(found)} ({held})"
+        )
+
+
 def read(path: Path, blocks: bool = False) -> Checkpoint:
     """The checkpoint of a GGUF file; with `blocks`, its quantized tensors stay as stored
     (for the native kernels: `ckpt.blocks` maps their model names to GGUF types)."""
@@ -314,6 +331,7 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
     if arch in routed.ARCHITECTURES:
         get = lambda key, default=None: header.metadata.get(f"{arch}.{key}", default)  # noqa: E731
         routed.drop_extra_layers(weights, sources, routed.main_layers(arch, get))
+    _check_layers(header, weights, path)
     args = args_from_metadata(header.metadata, weights, path)
     if args.kv_lora_rank:
         _latent(weights, sources, args, path)
