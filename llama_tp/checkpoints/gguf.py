@@ -237,7 +237,7 @@ def split_notes(ckpt: Checkpoint, plan) -> list[str]:
     """How a partition plan meets the file's blocks (for `llama_tp.plan`)."""
     file = next(iter(ckpt.sources.values()))[0]
     out = []
-    if ckpt.ffn_block and plan.n > 1:
+    if ckpt.ffn_block and plan.n > 1 and plan.hidden_dim:  # a dense feed-forward to split
         if plan.group_size and plan.group_size % ckpt.ffn_block == 0:
             out.append(
                 f"feed-forward columns split in units of {plan.group_size}: whole GGUF blocks "
@@ -263,6 +263,8 @@ def split_notes(ckpt: Checkpoint, plan) -> list[str]:
             f"attn_output ({', '.join(straddled)}): query-head boundaries fall inside GGUF "
             "blocks; both neighbours read the boundary block (each keeps its own 32-value groups)"
         )
+    if plan.n > 1 and plan.experts and any(t.type_name == gq.MXFP4 for t in file.gguf.values()):
+        out.append("expert columns split by tensor in whole MXFP4 blocks of 32 values")
     if plan.n > 1:
         out.append("vocabulary rows split anywhere: GGUF blocks lie within rows")
     return out
