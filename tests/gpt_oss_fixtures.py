@@ -1,4 +1,5 @@
-"""Tiny random gpt-oss checkpoints: float32, and MXFP4 experts as mlx-lm quantizes them.
+"""Tiny random gpt-oss checkpoints: float32, MXFP4 experts as mlx-lm quantizes them, the
+Hugging Face release's layout, and a GGUF `gpt-oss` file as llama.cpp's converter writes it.
 
 mlx-lm's own gpt_oss model (its names: `mlp.experts.{gate,up,down}_proj` stacked with
 biases, `mlp.router`, `self_attn.sinks`) with every parameter random, sinks and biases
