@@ -176,7 +176,8 @@ def gguf_release(release: Path, out: Path, **overrides) -> Path:
     """The Hugging Face release layout `release` (see `hf_release`) as llama.cpp's converter
     writes it (`gpt-oss`): gate_up_proj split into ffn_gate_exps (even rows) and
     ffn_up_exps (odd rows), the MXFP4 blocks repacked to ggml's layout unchanged in value,
-    the rest float32; its metadata. `overrides`: `gpt-oss.*` integers to write instead."""
+    the rest float32; its metadata. `overrides`: `gpt-oss.*` values to write instead or
+    besides (integers as uint32, floats as float32)."""
     import re
 
     import gguf
@@ -204,7 +205,7 @@ def gguf_release(release: Path, out: Path, **overrides) -> Path:
         **overrides,
     }
     for key, value in ints.items():
-        w.add_uint32(f"gpt-oss.{key}", value)
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"gpt-oss.{key}", value)
     floats = {
         "attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
         "rope.freq_base": config["rope_theta"],

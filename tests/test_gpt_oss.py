@@ -295,9 +295,19 @@ def test_gguf_file_equals_float64_and_the_release(models, gguf_file, tmp_path):
     assert down.mode == "mxfp4" and down.weight.dtype == mx.uint32
     assert down.scales.dtype == mx.uint8
     assert "MXFP4 -> MLX mxfp4 (as stored, nibbles reordered): 12 tensors" in ckpt.notes
-    bad = gguf_release(models["gpt_oss-hf"], tmp_path / "bad.gguf", block_count=5)
-    with pytest.raises(CheckpointError) as e:
-        open_checkpoint(bad)
-    assert str(e.value) == (
-        f"{bad}: gpt-oss.block_count says 5 layers but the file has tensors of 4 (blk.0 to blk.3)"
-    )
+    cases = {
+        "layers": (
+            {"block_count": 5},
+            "gpt-oss.block_count says 5 layers but the file has tensors of 4 (blk.0 to blk.3)",
+        ),
+        "yarn": (
+            {"rope.scaling.yarn_attn_factor": 2.0},
+            "gpt-oss.rope.scaling.yarn_attn_factor is 2.0: only gpt-oss's own YaRN "
+            "(yarn_attn_factor 1.0) is read",
+        ),
+    }
+    for name, (changes, message) in cases.items():
+        bad = gguf_release(models["gpt_oss-hf"], tmp_path / f"{name}.gguf", **changes)
+        with pytest.raises(CheckpointError) as e:
+            open_checkpoint(bad)
+        assert str(e.value) == f"{bad}: {message}"

@@ -33,13 +33,23 @@ from .base import CheckpointError
 ARCHITECTURES = {"gpt-oss": "gpt_oss"}
 RENAMES = [(r"^blk\.(\d+)\.attn_sinks\.weight$", r"layers.\1.attention.sinks")]
 _SWIGLU_LIMIT = 7.0  # llama.cpp's build_moe_ffn for LLM_FFN_SWIGLU_OAI_MOE
+# YaRN keys llama.cpp would apply that mlx-lm's YarnRoPE has no place for: their neutral value
+_YARN_NEUTRAL = {"yarn_attn_factor": 1.0, "yarn_ext_factor": 1.0, "yarn_log_multiplier": 0.0}
 
 
-def rope_scaling(get: Callable[..., Any]) -> dict | None:
+def rope_scaling(get: Callable[..., Any], path: Path) -> dict | None:
     """gpt-oss's YaRN as mlx-lm's YarnRoPE takes it (no `mscale` keys: mlx-lm's defaults
-    give the attention factor 0.1 * ln(factor) + 1 that llama.cpp applies)."""
+    give the attention factor 0.1 * ln(factor) + 1 that llama.cpp applies); a file
+    asking for another attention or extrapolation factor is refused."""
     if get("rope.scaling.type") != "yarn":
         return None
+    for key, neutral in _YARN_NEUTRAL.items():
+        value = get(f"rope.scaling.{key}")
+        if value is not None and value not in (neutral, -1.0):  # -1: llama.cpp's "unset"
+            raise CheckpointError(
+                f"{path}: gpt-oss.rope.scaling.{key} is {value}: only gpt-oss's own YaRN "
+                f"({key} {neutral}) is read"
+            )
     return {
         "type": "yarn",
         "factor": get("rope.scaling.factor", 1.0),
@@ -69,5 +79,5 @@ def fields(arch: str, get: Callable[..., Any], path: Path) -> dict:
         "layer_types": ["sliding_attention", "full_attention"] * (n_layers // 2)
         + ["sliding_attention"] * (n_layers % 2),
         "o_bias": True,
-        "rope_scaling": rope_scaling(get),
+        "rope_scaling": rope_scaling(get, path),
     }
