@@ -1,4 +1,5 @@
-"""Tiny random gpt-oss checkpoints: float32, and MXFP4 experts as mlx-lm quantizes them.
+"""Tiny random gpt-oss checkpoints: float32, MXFP4 experts as mlx-lm quantizes them, the
+Hugging Face release's layout, and a GGUF `gpt-oss` file as llama.cpp's converter writes it.
 
 mlx-lm's own gpt_oss model (its names: `mlp.experts.{gate,up,down}_proj` stacked with
 biases, `mlp.router`, `self_attn.sinks`) with every parameter random, sinks and biases
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from fixtures import train_sentencepiece
 
 GPT_OSS = dict(
@@ -142,4 +144,108 @@ def hf_release(src: Path, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.glob("tokenizer*"):
         shutil.copy(f, out / f.name)
+    return out
+
+
+# llama.cpp's names for the release's tensors (convert_hf_to_gguf.py's GptOssModel)
+_GGUF_NAMES = [
+    (r"^model\.embed_tokens\.", "token_embd."),
+    (r"^model\.norm\.", "output_norm."),
+    (r"^lm_head\.", "output."),
+    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"blk.\1.attn_norm."),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blk.\1.post_attention_norm."),
+    (r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.", r"blk.\1.attn_\2."),
+    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"blk.\1.attn_output."),
+    (r"^model\.layers\.(\d+)\.self_attn\.sinks$", r"blk.\1.attn_sinks.weight"),
+    (r"^model\.layers\.(\d+)\.mlp\.router\.", r"blk.\1.ffn_gate_inp."),
+    (r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj_", r"blk.\1.ffn_\2_exps."),
+]
+
+
+def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The release's MXFP4 (..., n, 16) bytes (values 2i, 2i+1 in byte i, low first) and
+    (..., n) exponents -> ggml's blocks (..., n * 17): the exponent, then 16 bytes whose
+    low nibbles are values 0..15 and high nibbles 16..31 (the converter's
+    transform_nibble_layout)."""
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales[..., None], qs], axis=-1).reshape(*scales.shape[:-1], -1)
+
+
+def gguf_release(release: Path, out: Path, **overrides) -> Path:
+    """The Hugging Face release layout `release` (see `hf_release`) as llama.cpp's converter
+    writes it (`gpt-oss`): gate_up_proj split into ffn_gate_exps (even rows) and
+    ffn_up_exps (odd rows), the MXFP4 blocks repacked to ggml's layout unchanged in value,
+    the rest float32; its metadata. `overrides`: `gpt-oss.*` values to write instead or
+    besides (integers as uint32, floats as float32)."""
+    import re
+
+    import gguf
+    from gguf_writer import llama_vocabulary
+
+    config = json.loads((release / "config.json").read_text())
+    MXFP4 = gguf.GGMLQuantizationType.MXFP4
+    w = gguf.GGUFWriter(str(out), "gpt-oss")
+    ints = {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.key_length": config["head_dim"],
+        "attention.value_length": config["head_dim"],
+        "attention.sliding_window": config["sliding_window"],
+        "expert_count": config["num_local_experts"],
+        "expert_used_count": config["num_experts_per_tok"],
+        "expert_feed_forward_length": config["intermediate_size"],
+        "rope.scaling.original_context_length": config["rope_scaling"][
+            "original_max_position_embeddings"
+        ],
+        **overrides,
+    }
+    for key, value in ints.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"gpt-oss.{key}", value)
+    floats = {
+        "attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
+        "rope.freq_base": config["rope_theta"],
+        "rope.scaling.factor": config["rope_scaling"]["factor"],
+        "rope.scaling.yarn_beta_fast": config["rope_scaling"]["beta_fast"],
+        "rope.scaling.yarn_beta_slow": config["rope_scaling"]["beta_slow"],
+    }
+    for key, value in floats.items():
+        w.add_float32(f"gpt-oss.{key}", value)
+    w.add_string("gpt-oss.rope.scaling.type", "yarn")
+    vocab = llama_vocabulary(config["vocab_size"])
+    w.add_string("tokenizer.ggml.model", "llama")
+    for key in ("tokens", "scores", "token_type"):
+        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
+    stored = {k: np.array(v) for k, v in mx.load(str(release / "model.safetensors")).items()}
+    for name, a in sorted(stored.items()):
+        if name.endswith("_scales"):
+            continue  # with its blocks
+        new = name
+        for pattern, repl in _GGUF_NAMES:
+            new, hit = re.subn(pattern, repl, name)
+            if hit:
+                break
+        if name.endswith("_blocks"):
+            a = _ggml_mxfp4(a, stored[name.replace("_blocks", "_scales")])
+        new = new.replace("_exps.blocks", "_exps.weight")
+        parts = {new: a}
+        if ".ffn_gate_up_exps." in new:  # the converter's split: gate even rows, up odd
+            base, part = new.split(".ffn_gate_up_exps.")
+            parts = {
+                f"{base}.ffn_gate_exps.{part}": a[:, 0::2],
+                f"{base}.ffn_up_exps.{part}": a[:, 1::2],
+            }
+        for key, value in parts.items():
+            if key.endswith("_exps.weight"):
+                w.add_tensor(key, np.ascontiguousarray(value), raw_dtype=MXFP4)
+            else:
+                w.add_tensor(key, np.ascontiguousarray(value, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return out

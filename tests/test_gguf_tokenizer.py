@@ -123,6 +123,7 @@ EXPECTED_PIECES = {  # derived by hand from the llama.cpp regexes for each pre t
     "smollm": ["Hello", "Ġ", "1", "2", "3", "4", "5", "Ġworld", "'s", "ĊĊĠ", "Ġx"],
     "llama-bpe": ["Hello", "Ġ", "123", "45", "Ġworld", "'s", "ĊĊ", "Ġ", "Ġx"],
     "qwen2": ["Hello", "Ġ", "1", "2", "3", "4", "5", "Ġworld", "'s", "ĊĊ", "Ġ", "Ġx"],
+    "gpt-4o": ["Hello", "Ġ", "123", "45", "Ġworld's", "ĊĊ", "Ġ", "Ġx"],  # gpt-oss's
 }
 
 

@@ -2,7 +2,10 @@
 clamped SwiGLU, YaRN RoPE, MXFP4 experts. mlx-lm's own gpt_oss model on the same folder
 is the oracle in one process; every multi-rank launch checks both fixtures (float32,
 MXFP4 experts) under both expert splits against one process (`mp_moe.py`), and what
-each rank's loader read and held against its placement (what `plan` prints).
+each rank's loader read and held against its placement (what `plan` prints). The GGUF
+`gpt-oss` file llama.cpp's converter writes from the release layout: against a float64
+forward pass over gguf-py's dequantization (`reference64_gpt_oss.py`) and the release
+folder, and on 2 and 3 ranks.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import launch, run_python
-from gpt_oss_fixtures import gpt_oss_models
+from gpt_oss_fixtures import gguf_release, gpt_oss_models
 
 ATOL = 1e-4
 
@@ -25,6 +28,11 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     return gpt_oss_models(tmp_path_factory.mktemp("gpt_oss"))
+
+
+@pytest.fixture(scope="module")
+def gguf_file(models, tmp_path_factory) -> Path:
+    return gguf_release(models["gpt_oss-hf"], tmp_path_factory.mktemp("gguf") / "gpt_oss.gguf")
 
 
 def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
@@ -93,24 +101,29 @@ def _lines(r) -> list[dict]:
     return lines
 
 
-def test_two_ranks_both_splits(models):
-    """The three fixtures by tensor and by expert on 2 ranks (3/2 KV heads, 3/2 experts,
-    96/64 expert columns: 3/2 MXFP4 blocks): logits, 32 greedy tokens, KV cache per token,
-    bytes read == held == placement (the release's interleaved gate and up rows read once
-    for both), each rank's share of the experts."""
-    lines = _lines(launch(2, ["tests/mp_moe.py", *map(str, models.values())], timeout=900))
-    assert len(lines) == 6
+def test_two_ranks_both_splits(models, gguf_file):
+    """The three fixtures and the GGUF file by tensor and by expert on 2 ranks (3/2 KV
+    heads, 3/2 experts, 96/64 expert columns: 3/2 MXFP4 blocks): logits, 32 greedy tokens,
+    KV cache per token, bytes read == held == placement (the release's interleaved gate and
+    up rows read once for both; the GGUF's MXFP4 blocks held as stored, 17 bytes per 32
+    values), each rank's share of the experts."""
+    specs = [*map(str, models.values()), str(gguf_file)]
+    lines = _lines(launch(2, ["tests/mp_moe.py", *specs], timeout=900))
+    assert len(lines) == 8
     by = {(Path(x["path"]).name, x["split"]): x for x in lines}
-    a, b = by[("gpt_oss-mxfp4", "tensor")]["experts_per_rank"]
-    assert a * 2 == b * 3  # 3 and 2 blocks of 32 columns of every expert
+    for name in ("gpt_oss-mxfp4", "gpt_oss.gguf"):
+        a, b = by[(name, "tensor")]["experts_per_rank"]
+        assert a * 2 == b * 3, name  # 3 and 2 blocks of 32 columns of every expert
 
 
-def test_three_ranks_both_splits(models):
+def test_three_ranks_both_splits(models, gguf_file):
     """10 query / 5 KV heads over 3 ranks (4/4/2 and 2/2/1, as gpt-oss-120b's 64 / 8 over
-    3 are 24/24/16 and 3/3/2), 5 experts as 2/2/1, 160 columns as 64/64/32."""
-    r = launch(3, ["tests/mp_moe.py", *map(str, models.values()), "--steps", "16"], timeout=900)
+    3 are 24/24/16 and 3/3/2), 5 experts as 2/2/1, 160 columns as 64/64/32 (the GGUF
+    file's too)."""
+    specs = [*map(str, models.values()), str(gguf_file)]
+    r = launch(3, ["tests/mp_moe.py", *specs, "--steps", "16"], timeout=900)
     lines = _lines(r)
-    assert len(lines) == 6
+    assert len(lines) == 8
     assert all(x["cache_per_token"] == [1024, 1024, 512] for x in lines)
 
 
@@ -225,3 +238,76 @@ def test_plan_of_gpt_oss_120b_config():
     ]
     assert [int(r[9].strip("[]")) % 32 for r in rows] == [0, 0, 0]
     assert "18 of 36 layers slide over a window of 128 tokens" in out.stdout
+
+
+def test_gguf_mxfp4_blocks_are_mlx_mxfp4():
+    """ggml's MXFP4 blocks (gguf-py's quantizer: the exponent, then values 0..15 in the low
+    nibbles and 16..31 in the high ones) repacked for MLX's mxfp4 mode (values 2i, 2i+1 in
+    byte i) dequantize exactly as gguf-py dequantizes them, in the same 17 bytes per 32."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from llama_tp.checkpoints.gguf_quants import mxfp4_to_mlx
+
+    values = np.random.default_rng(0).normal(0, 0.1, (3, 40, 96)).astype(np.float32)
+    values[0, 0, :32] = 0.0  # an all-zero block: exponent 0
+    raw = quantize(values, gguf.GGMLQuantizationType.MXFP4)
+    weight, scales = mxfp4_to_mlx(raw.reshape(-1, raw.shape[-1]))
+    assert weight.nbytes + scales.nbytes == raw.nbytes
+    ours = mx.dequantize(mx.array(weight), mx.array(scales), None, 32, 4, mode="mxfp4")
+    ref = dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(-1, 96)
+    assert np.array_equal(np.array(ours.astype(mx.float32)), ref)
+
+
+def test_gguf_file_equals_float64_and_the_release(models, gguf_file, tmp_path):
+    """The GGUF file (F32, MXFP4 experts): next-token log-probabilities within 1e-4 nats of
+    llama.cpp's computation in float64 over gguf-py's dequantization (sinks, the window
+    of 4 on even layers over 10 tokens, YaRN, biases, the clamped SwiGLU); the logits and
+    32 greedy tokens of the release folder it was converted from, the same ModelArgs but
+    for YaRN's keys; the experts held in MLX's mxfp4 mode. An inconsistent file: one line
+    with the numbers."""
+    import dataclasses
+
+    import reference64
+    import reference64_gpt_oss
+
+    from llama_tp.checkpoints import CheckpointError, open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    tokens = [1, 5, 9, 22, 7, 100, 3, 250, 11, 12]
+    ckpt = open_checkpoint(gguf_file)
+    ours = build_model(ckpt)
+    got = np.array(ours(mx.array([tokens]))[0])
+    ref = reference64_gpt_oss.logits(str(gguf_file), tokens)
+    assert reference64.top5_gap(got, ref) <= 1e-4
+    release = open_checkpoint(models["gpt_oss-hf"])
+    theirs = build_model(release)
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL
+    prompt = x[0].tolist()
+    assert _greedy(ours, prompt, 32) == _greedy(theirs, prompt, 32)
+    a, b = dataclasses.asdict(ckpt.args), dataclasses.asdict(release.args)
+    assert {k for k in a if a[k] != b[k]} == {"rope_scaling", "norm_eps"}  # eps: float32
+    assert a["norm_eps"] == pytest.approx(b["norm_eps"])
+    yarn = {k: v for k, v in a["rope_scaling"].items() if k != "type"}
+    assert yarn.items() <= b["rope_scaling"].items()  # the release's "rope_type" yarn
+    down = ours.layers[1].feed_forward.switch_mlp.down_proj
+    assert down.mode == "mxfp4" and down.weight.dtype == mx.uint32
+    assert down.scales.dtype == mx.uint8
+    assert "MXFP4 -> MLX mxfp4 (as stored, nibbles reordered): 12 tensors" in ckpt.notes
+    cases = {
+        "layers": (
+            {"block_count": 5},
+            "gpt-oss.block_count says 5 layers but the file has tensors of 4 (blk.0 to blk.3)",
+        ),
+        "yarn": (
+            {"rope.scaling.yarn_attn_factor": 2.0},
+            "gpt-oss.rope.scaling.yarn_attn_factor is 2.0: only gpt-oss's own YaRN "
+            "(yarn_attn_factor 1.0) is read",
+        ),
+    }
+    for name, (changes, message) in cases.items():
+        bad = gguf_release(models["gpt_oss-hf"], tmp_path / f"{name}.gguf", **changes)
+        with pytest.raises(CheckpointError) as e:
+            open_checkpoint(bad)
+        assert str(e.value) == f"{bad}: {message}"

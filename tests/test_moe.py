@@ -292,7 +292,7 @@ def test_refusals_are_one_line(models, tmp_path):
     _one_error(
         run_python(_generate(gguf)),
         f"{gguf}: unsupported GGUF architecture 'gemma3' (supported: llama, qwen2, qwen3, "
-        "qwen2moe, qwen3moe, deepseek2, glm4moe)",
+        "qwen2moe, qwen3moe, deepseek2, glm4moe, gpt-oss)",
     )
     src = models["deepseek_v3"]
     gguf = gguf_from_hf(src, tmp_path / "v2.gguf", expert_gating_func=1)

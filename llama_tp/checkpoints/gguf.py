@@ -4,8 +4,9 @@ The header (`gguf_header.py`) gives the metadata and where each tensor is; the
 weights are lazy placeholders until the loader reads each rank's slices through
 `ckpt.sources` (`gguf_reader.py`), converting the blocks to MLX affine
 quantization (`gguf_quants.py`: exact for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K,
-requantized for Q6_K/Q3_K/Q2_K). Types MLX cannot hold (the IQ family, TQ,
-MXFP4, ...) are refused with one line naming them and their tensors.
+requantized for Q6_K/Q3_K/Q2_K; MXFP4, gpt-oss's experts, held in MLX's mxfp4 mode as
+stored). Types MLX cannot hold (the IQ family, TQ, ...) are refused with one line naming
+them and their tensors.
 llama.cpp's converter permutes q/k rows for interleaved rotary embeddings, so
 GGUF models use the interleaved ("traditional") RoPE layout.
 """
@@ -22,6 +23,7 @@ import mlx.core as mx
 
 from ..model import ModelArgs
 from ..models.registry import GGUF_ARCHITECTURES, unsupported
+from . import gguf_gpt_oss as gpt_oss
 from . import gguf_quants as gq
 from . import gguf_routed as routed
 from .base import Checkpoint, CheckpointError
@@ -32,7 +34,7 @@ from .latent import split_kv_b
 
 # llama.cpp rotates the halves of each head (NEOX) in these: their q/k rows are not
 # permuted for interleaved pairs as the llama converter does
-_NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe")
+_NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe", "gpt-oss")
 # GGUF architecture -> the family's model_type (llama with experts: Mixtral)
 _MODEL_TYPES = {
     "llama": "llama",
@@ -41,6 +43,7 @@ _MODEL_TYPES = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
     **routed.ARCHITECTURES,
+    **gpt_oss.ARCHITECTURES,
 }
 
 _RENAMES = [
@@ -67,6 +70,7 @@ _RENAMES = [
     (r"^blk\.(\d+)\.ffn_down_shexp\.", r"layers.\1.feed_forward.shared_expert.w2."),
     (r"^blk\.(\d+)\.ffn_gate_inp_shexp\.", r"layers.\1.feed_forward.shared_expert_gate."),
     *routed.RENAMES,  # DeepSeek-V3's latent attention, the routing bias, GLM's norm
+    *gpt_oss.RENAMES,  # gpt-oss's attention sinks
 ]
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 
@@ -132,7 +136,9 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
     experts = _experts(arch, get, weights, n_layers)
     if arch in routed.ARCHITECTURES:
         experts |= routed.fields(arch, get, path)
-        scaling = experts.pop("rope_scaling", scaling)
+    elif arch in gpt_oss.ARCHITECTURES:
+        experts |= gpt_oss.fields(arch, get, path)
+    scaling = experts.pop("rope_scaling", scaling)
     try:
         return ModelArgs(
             dim=dim,
@@ -168,7 +174,7 @@ def check_types(header: GGUFHeader, path: Path) -> None:
         )
     bad: dict[str, list[str]] = {}
     for name, t in header.tensors.items():
-        if t.type_name not in _MX and t.type_name not in gq.BLOCKS:
+        if t.type_name not in (*_MX, *gq.BLOCKS, gq.MXFP4):
             bad.setdefault(t.type_name, []).append(name)
     if bad:
         kinds = "; ".join(
@@ -177,7 +183,7 @@ def check_types(header: GGUFHeader, path: Path) -> None:
         )
         raise CheckpointError(
             f"{path}: tensor types MLX cannot hold quantized: {kinds}; supported: "
-            f"{', '.join([*_MX, *gq.BLOCKS])}"
+            f"{', '.join([*_MX, *gq.BLOCKS, gq.MXFP4])}"
         )
 
 
@@ -188,7 +194,9 @@ def describe(file: GGUFFile) -> list[str]:
     out = []
     for kind, n in sorted(counts.items()):
         what = "as it is" if kind in _MX else f"MLX {gq.mlx_bits(kind)}-bit, group {gq.GROUP}"
-        if kind in stored:
+        if kind == gq.MXFP4:
+            what = "MLX mxfp4 (as stored, nibbles reordered)"
+        elif kind in stored:
             what = "as stored (native kernels)"
         elif kind in gq.REQUANT_BITS:
             what += " (requantized)"
@@ -218,7 +226,9 @@ def ffn_block(file: GGUFFile) -> int | None:
     expert split axis), as one unit for every layer (256 for K-quants); None when no
     down projection is quantized."""
     blocks = [
-        t.block[0] for n, t in file.gguf.items() if n.endswith(_DOWN) and t.type_name in gq.BLOCKS
+        t.block[0]
+        for n, t in file.gguf.items()
+        if n.endswith(_DOWN) and t.type_name in (*gq.BLOCKS, gq.MXFP4)
     ]
     return math.lcm(*blocks) if blocks else None
 
@@ -227,7 +237,7 @@ def split_notes(ckpt: Checkpoint, plan) -> list[str]:
     """How a partition plan meets the file's blocks (for `llama_tp.plan`)."""
     file = next(iter(ckpt.sources.values()))[0]
     out = []
-    if ckpt.ffn_block and plan.n > 1:
+    if ckpt.ffn_block and plan.n > 1 and plan.hidden_dim:  # a dense feed-forward to split
         if plan.group_size and plan.group_size % ckpt.ffn_block == 0:
             out.append(
                 f"feed-forward columns split in units of {plan.group_size}: whole GGUF blocks "
@@ -253,6 +263,8 @@ def split_notes(ckpt: Checkpoint, plan) -> list[str]:
             f"attn_output ({', '.join(straddled)}): query-head boundaries fall inside GGUF "
             "blocks; both neighbours read the boundary block (each keeps its own 32-value groups)"
         )
+    if plan.n > 1 and plan.experts and any(t.type_name == gq.MXFP4 for t in file.gguf.values()):
+        out.append("expert columns split by tensor in whole MXFP4 blocks of 32 values")
     if plan.n > 1:
         out.append("vocabulary rows split anywhere: GGUF blocks lie within rows")
     return out
@@ -269,6 +281,23 @@ def _latent(weights: dict, sources: dict, args: ModelArgs, path: Path) -> None:
             "be split per head; llama.cpp's newer conversions store attn_k_b and attn_v_b"
         )
     split_kv_b(weights, sources, args, str(path))
+
+
+def _check_layers(header: GGUFHeader, weights: dict, path: Path) -> None:
+    """Refuse a file whose `blk.N` tensors are not layers 0 .. block_count - 1 (less the
+    multi-token prediction layers, dropped before)."""
+    arch = header.architecture
+    count = header.metadata.get(f"{arch}.block_count")
+    if not isinstance(count, int):
+        return  # args_from_metadata names what is missing
+    n = count - (header.metadata.get(f"{arch}.nextn_predict_layers") or 0)
+    found = sorted({int(m.group(1)) for k in weights if (m := re.match(r"^layers\.(\d+)\.", k))})
+    if found != list(range(n)):
+        held = f"blk.{found[0]} to blk.{found[-1]}" if found else "none"
+        raise CheckpointError(
+            f"{path}: {arch}.block_count says {n} layers but the file has tensors of "
+            f"{len(found)} ({held})"
+        )
 
 
 def read(path: Path, blocks: bool = False) -> Checkpoint:
@@ -304,6 +333,7 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
     if arch in routed.ARCHITECTURES:
         get = lambda key, default=None: header.metadata.get(f"{arch}.{key}", default)  # noqa: E731
         routed.drop_extra_layers(weights, sources, routed.main_layers(arch, get))
+    _check_layers(header, weights, path)
     args = args_from_metadata(header.metadata, weights, path)
     if args.kv_lora_rank:
         _latent(weights, sources, args, path)

@@ -12,6 +12,10 @@ the `bits`-bit values packed as one little-endian bit stream per row, and `scale
   with min-max affine quantization at `REQUANT_BITS`; the error is bounded by half
   a step of the new grid (docs/models.md, "Formats", has the measured bound).
 
+MXFP4 (gpt-oss's experts: 32 values of 4-bit E2M1 under one E8M0 exponent) is MLX's
+`mxfp4` mode already: the same codes and exponent, only the nibbles ordered otherwise
+(`mxfp4_to_mlx`), so it is held as stored, 17 bytes per 32 values, never dequantized.
+
 Every group of 32 is converted on its own, so a slice of a tensor that starts and
 stops on a 32-value boundary converts to exactly that slice of the whole tensor.
 """
@@ -36,6 +40,8 @@ BLOCKS = {
     for name, per, size in GGML_TYPES.values()
     if name in EXACT_BITS or name in REQUANT_BITS
 }
+
+MXFP4 = "MXFP4"  # held in MLX's mxfp4 mode: weight uint32 and scales uint8, no biases
 
 _SHIFT2 = np.array([0, 2, 4, 6], np.uint8)  # the four 2-bit fields of a byte
 
@@ -220,3 +226,18 @@ def to_mlx(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
         scale.astype(np.float16).reshape(rows, -1),
         bias.astype(np.float16).reshape(rows, -1),
     )
+
+
+def mxfp4_to_mlx(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, blocks * 17) uint8 of whole MXFP4 blocks -> MLX's mxfp4 (weight uint32
+    (rows, blocks * 4), scales uint8 (rows, blocks)). A ggml block is the exponent then
+    16 bytes whose low nibbles are values 0..15 and high nibbles values 16..31
+    (dequantize_row_mxfp4); MLX packs values 2i and 2i+1 into byte i, low nibble first.
+    The 4-bit codes and the exponent are the same: only the nibbles move."""
+    rows = raw.shape[0]
+    blk = raw.reshape(-1, 17)
+    qs = blk[:, 1:]
+    values = np.concatenate([qs & 15, qs >> 4], axis=1)  # (blocks, 32) codes in order
+    packed = values[:, 0::2] | (values[:, 1::2] << 4)
+    weight = np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32)
+    return weight, np.ascontiguousarray(blk[:, 0]).reshape(rows, -1)

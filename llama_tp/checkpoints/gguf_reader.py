@@ -3,9 +3,10 @@
 The loader's sliced reading (`checkpoints/slices.py`) asks a source for `(stored name,
 axis, start, stop)` in the units of the array it gets back; here every quantized
 GGUF tensor `X.weight` appears as the three MLX arrays `X.weight` (packed uint32),
-`X.scales` and `X.biases` (group size 32, see `gguf_quants.py`), and float tensors
-as themselves; stacked experts (E, rows, cols) read as E matrices one after another
-(whole experts, or the same rows or columns of each). With `blocks` (the native kernels
+`X.scales` and `X.biases` (group size 32, see `gguf_quants.py`; MXFP4 as MLX's mxfp4
+mode, `X.weight` and uint8 `X.scales`), and float tensors as themselves; stacked
+experts (E, rows, cols) read as E matrices one after another (whole experts, or the
+same rows or columns of each). With `blocks` (the native kernels
 are on, `llama_tp.kernels`), a quantized matrix stays as the file stores it: `X.weight`
 uint8 (rows, blocks * bytes), sliced in value units (rows, columns) into the whole
 blocks covering them. A row slice reads one contiguous byte range; a column slice reads,
@@ -65,7 +66,7 @@ class GGUFFile:
         self._cache: dict[tuple, dict[str, mx.array]] = {}
         for name, t in header.tensors.items():
             shape = tuple(reversed(t.shape))  # ggml lists the fastest dimension first
-            bits = gq.mlx_bits(t.type_name)
+            bits = 4 if t.type_name == gq.MXFP4 else gq.mlx_bits(t.type_name)
             if bits is None:
                 self.tensors[name] = Part(shape, _MX[t.type_name], name, "weight")
                 continue
@@ -78,8 +79,8 @@ class GGUFFile:
             *lead, cols = shape  # (rows, cols), or stacked experts' (E, rows, cols)
             base = name.removesuffix(".weight")
             self.tensors[name] = Part((*lead, cols * bits // 32), mx.uint32, name, "weight")
-            for p in ("scales", "biases"):
-                self.tensors[f"{base}.{p}"] = Part((*lead, cols // gq.GROUP), mx.float16, name, p)
+            for p, dtype in _scales(t.type_name).items():
+                self.tensors[f"{base}.{p}"] = Part((*lead, cols // gq.GROUP), dtype, name, p)
 
     def placeholder(self, name: str) -> mx.array:
         """A lazy array of `name`'s shape and dtype (never evaluated: sources replace it)."""
@@ -174,11 +175,9 @@ class GGUFFile:
         row_bytes = src.shape[0] // per * size
         width = (b1 - b0) * size
         n = sum(b - a for a, b in rows)
-        out = {
-            "weight": mx.zeros((n, (c1 - c0) * bits // 32), dtype=mx.uint32),
-            "scales": mx.zeros((n, (c1 - c0) // gq.GROUP), dtype=mx.float16),
-            "biases": mx.zeros((n, (c1 - c0) // gq.GROUP), dtype=mx.float16),
-        }
+        out = {"weight": mx.zeros((n, (c1 - c0) * bits // 32), dtype=mx.uint32)}
+        for p, dtype in _scales(src.type_name).items():
+            out[p] = mx.zeros((n, (c1 - c0) // gq.GROUP), dtype=dtype)
         mx.eval(*out.values())
         views = {k: np.asarray(memoryview(v)) for k, v in out.items()}
         lead = c0 - b0 * per  # values to drop at the start of each row
@@ -199,18 +198,31 @@ class GGUFFile:
                             at = src.offset + (a + i) * row_bytes + b0 * size
                             pread_into(fd, memoryview(raw[i]), at, self.path)
                     try:
-                        w, s, z = gq.to_mlx(src.type_name, raw)
+                        w, *sz = _convert(src.type_name, raw)
                     except ValueError as e:
                         raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
                     at = slice(done, done + b - a)
                     views["weight"][at] = w[:, g0 * bits : g1 * bits]
-                    views["scales"][at] = s[:, g0:g1]
-                    views["biases"][at] = z[:, g0:g1]
+                    for p, v in zip(_scales(src.type_name), sz, strict=True):
+                        views[p][at] = v[:, g0:g1]
                     done += b - a
         return out
 
     def _fd(self):
         return _File(self.path)
+
+
+def _scales(type_name: str) -> dict[str, mx.Dtype]:
+    """The arrays beside `weight` of a quantized type, per group of 32: MXFP4's uint8
+    exponent (MLX's mxfp4 mode), else float16 scales and biases (affine)."""
+    if type_name == gq.MXFP4:
+        return {"scales": mx.uint8}
+    return {"scales": mx.float16, "biases": mx.float16}
+
+
+def _convert(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Whole blocks (rows, bytes) -> weight and the `_scales` arrays, in MLX's layout."""
+    return gq.mxfp4_to_mlx(raw) if type_name == gq.MXFP4 else gq.to_mlx(type_name, raw)
 
 
 class _File:

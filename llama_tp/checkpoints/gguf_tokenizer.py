@@ -34,6 +34,14 @@ LLAMA3_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+# o200k (llama.cpp's `gpt-4o`, gpt-oss's): words by case runs, contractions attached
+GPT4O_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _gpt2() -> pre.PreTokenizer:
@@ -76,6 +84,7 @@ PRE_TOKENIZERS: dict[str, _Pre] = {
     ),
     **dict.fromkeys(["dbrx", "smaug-bpe"], _LLAMA3._replace(ignore_merges=False, add_bos=False)),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"], _QWEN2),
+    "gpt-4o": _Pre(_split_then_bytes(GPT4O_PATTERN)),
 }
 
 

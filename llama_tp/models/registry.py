@@ -14,7 +14,7 @@ feed-forward in some layers, chosen by the args, not by name:
     DeepSeek-V3 deepseek_v3,       deepseek2                latent (MLA)  experts (sigmoid, groups)
     Kimi K2     kimi_k2                                                   + shared experts;
                                                                           dense first layers
-    gpt-oss     gpt_oss            -                        sinks, bias,  experts (top-k,
+    gpt-oss     gpt_oss            gpt-oss                  sinks, bias,  experts (top-k,
                                                             sliding window softmax), biased,
                                                             layers        clamped SwiGLU
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
@@ -48,7 +48,9 @@ MODEL_TYPES = (
     "gpt_oss",
     "glm4_moe",
 )
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "glm4moe")
+GGUF_ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "gpt-oss",
+)  # fmt: skip
 
 
 def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
