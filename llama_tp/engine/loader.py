@@ -23,7 +23,7 @@ from ..checkpoints.base import Checkpoint, CheckpointError
 from ..checkpoints.build import load_weights, skeleton
 from ..checkpoints.safetensors import READ
 from ..checkpoints.slices import model_shape, read_slices
-from ..cluster.distributed import agree_ok, all_gather_object, barrier, world
+from ..cluster.distributed import agree_ok, agreed, all_gather_object, barrier, world
 from ..cluster.memory import max_rss, memory_figures
 from ..cluster.progress import progress
 from ..kernels.layers import use_native
@@ -56,12 +56,7 @@ def split_weights(
     weights = parse_split(split, tp)
     if weights != MEMORY:
         return weights
-    mine = error = None
-    try:
-        mine = memory_figures(group.rank())
-    except Exception as e:
-        error = e
-    agree_ok(error, group)
+    mine = agreed(lambda: memory_figures(group.rank()), group)  # (total, available)
     figures = all_gather_object(mine, group)
     owner = mesh.tensor_ranks() if mesh is not None else {r: r for r in range(group.size())}
     return memory_split([available for _, available in figures], owner, tp)
@@ -108,13 +103,9 @@ def _open(
 ) -> Checkpoint:
     """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
     model); if any rank of `group` fails, every rank raises."""
-    ckpt, error = None, None
-    try:
-        ckpt = open_checkpoint(path, model_group.rank(), model_group.size(), blocks)
-    except Exception as e:
-        error = e
-    agree_ok(error, group)
-    return ckpt
+    return agreed(
+        lambda: open_checkpoint(path, model_group.rank(), model_group.size(), blocks), group
+    )
 
 
 def load_model(
@@ -256,9 +247,9 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
     model replicated on every rank). Returns (model, checkpoint); if any rank of
     `group` fails, every rank raises."""
     group = group or world()
-    model = ckpt = error = None
     native = native_kernels(None, group)
-    try:
+
+    def whole() -> tuple[nn.Module, Checkpoint]:
         ckpt = open_checkpoint(path, 0, 1, blocks=native)
         if ckpt.format == "split":
             raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
@@ -269,10 +260,9 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
             float32_experts(model)
         if native:
             use_native(model)
-    except Exception as e:
-        error = e
-    agree_ok(error, group)
-    return model, ckpt
+        return model, ckpt
+
+    return agreed(whole, group)
 
 
 def load(
