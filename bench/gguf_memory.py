@@ -91,7 +91,7 @@ def convert_peak(path: Path, out: Path) -> dict:
     code = (
         "import json, sys, mlx.core as mx\n"
         "from llama_tp.checkpoints.convert import convert\n"
-        "from llama_tp.engine.loader import max_rss\n"
+        "from llama_tp.cluster.memory import max_rss\n"
         f"convert({str(path)!r}, {str(out)!r}, progress=False)\n"
         "print(json.dumps({'max_rss': max_rss(), 'mlx_peak': mx.get_peak_memory()}))\n"
     )

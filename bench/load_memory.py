@@ -40,7 +40,8 @@ def worker(path: str) -> None:
     import mlx.core as mx
 
     from llama_tp.cluster.distributed import all_gather_object
-    from llama_tp.engine.loader import load_model, max_rss
+    from llama_tp.cluster.memory import max_rss
+    from llama_tp.engine.loader import load_model
 
     group = mx.distributed.init()
     rss, rchar = _rss(), _rchar()

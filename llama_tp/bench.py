@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cluster.distributed import agree_ok, all_gather_object, eprint0, world
+from .cluster.distributed import agreed, all_gather_object, eprint0, world
 
 
 def parser():
@@ -139,12 +139,7 @@ def main() -> int:
 
         gc.collect()
         mx.clear_cache()
-        error = None
-        try:
-            result["mlx_lm"] = run_mlx_lm(args, path, group, prompt)
-        except Exception as e:  # every rank must learn of a failure before raising
-            error = e
-        agree_ok(error, group)
+        result["mlx_lm"] = agreed(lambda: run_mlx_lm(args, path, group, prompt), group)
         ml, res = result["mlx_lm"], result["llama_tp"]
         if ml["supported"]:
             result["ratio"] = {

@@ -61,7 +61,7 @@ def tiny_model(seed: int = 0):
     that 3 ranks get an uneven plan (replicated KV heads), per-head q/k norms, a dense
     layer then a mixture of 5 experts (2 per token: no N > 1 divides them), vocabulary
     97 (no N divides it)."""
-    from .model import ModelArgs
+    from .model_args import ModelArgs
     from .models import build
 
     args = ModelArgs(

@@ -5,10 +5,13 @@ stores them); `quantized(root)` MLX folders written by mlx-lm's own convert (4- 
 8-bit, experts stacked under switch_mlp); `ggufs(root)` GGUF files of several families
 written with the gguf package, quantized by gguf-py. Expert counts are odd or uneven
 over 2, 3 and 4 ranks; widths split over 4 ranks (on 32-value groups when quantized).
+`config_variant(src, path, **changes)` copies a folder with changes to its config.json.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 from fixtures import glm_config, mla_config, moe_config, write_hf_model
@@ -210,3 +213,11 @@ def ggufs(root: Path) -> dict[str, Path]:
     for name in ("deepseek_v3_g32", "glm4_moe_g32"):
         out[f"{name}.gguf"] = gguf_from_hf(src[name], root / f"{name}.gguf", types | ROUTED_TYPES)
     return out
+
+
+def config_variant(src: Path, path: Path, **changes) -> Path:
+    """A copy of the folder `src` with `changes` to its config.json."""
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path

@@ -13,6 +13,7 @@ pytest.importorskip("fastapi")
 from wire_samples import SCHEMA, TOOL_STREAM, USAGE, WEATHER, chunk  # noqa: E402
 
 from llama_tp.server import anthropic as wire  # noqa: E402
+from llama_tp.server import anthropic_answers as answers  # noqa: E402
 from llama_tp.server.protocol import RequestError  # noqa: E402
 
 
@@ -198,7 +199,7 @@ def test_a_bad_anthropic_body_is_a_400_naming_the_field(change, field):
         wire.openai_body(body)
     assert e.value.status == 400 and e.value.param == field
     assert str(e.value).startswith(f"{field}: "), str(e.value)
-    shape = wire.error_body(str(e.value), 400)
+    shape = answers.error_body(str(e.value), 400)
     assert shape == {
         "type": "error",
         "error": {"type": "invalid_request_error", "message": str(e.value)},
@@ -228,7 +229,7 @@ def test_an_openai_answer_becomes_an_anthropic_message():
         "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
     }
-    m = wire.message(
+    m = answers.message(
         completion({"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"), []
     )
     assert m["content"] == [
@@ -248,20 +249,21 @@ def test_an_openai_answer_becomes_an_anthropic_message():
         "cache_read_input_tokens": 0,
     }
     text = {"role": "assistant", "content": "Hi"}
-    assert wire.message(completion(text, "length"), [])["stop_reason"] == "max_tokens"
-    m = wire.message(completion(text, "stop", "END", cached=15), ["END"])
+    assert answers.message(completion(text, "length"), [])["stop_reason"] == "max_tokens"
+    m = answers.message(completion(text, "stop", "END", cached=15), ["END"])
     assert (m["stop_reason"], m["stop_sequence"]) == ("stop_sequence", "END")
     assert m["content"] == [{"type": "text", "text": "Hi"}]
     assert (m["usage"]["input_tokens"], m["usage"]["cache_read_input_tokens"]) == (5, 15)
     # The template's own end marker is not one of the request's stop sequences.
     assert (
-        wire.message(completion(text, "stop", "<|im_end|>"), ["END"])["stop_reason"] == "end_turn"
+        answers.message(completion(text, "stop", "<|im_end|>"), ["END"])["stop_reason"]
+        == "end_turn"
     )
-    assert wire.message(completion(text, "stop"), [])["stop_reason"] == "end_turn"
+    assert answers.message(completion(text, "stop"), [])["stop_reason"] == "end_turn"
 
 
 def events_of(stream: list[dict], stops: list[str]) -> str:
-    events = wire.Events(stops)
+    events = answers.Events(stops)
     return "".join(e for c in stream for e in events.feed(c)) + "".join(events.end())
 
 
@@ -339,6 +341,6 @@ def test_a_stream_ending_on_a_stop_sequence_or_with_no_text():
     ) as s:
         m = s.get_final_message()
     assert (m.stop_reason, [(b.type, b.text) for b in m.content]) == ("max_tokens", [("text", "")])
-    failed = wire.Events([]).feed({"error": {"message": "rank 1 died", "type": "server_error"}})
+    failed = answers.Events([]).feed({"error": {"message": "rank 1 died", "type": "server_error"}})
     error = {"type": "error", "error": {"type": "api_error", "message": "rank 1 died"}}
     assert failed == [f"event: error\ndata: {json.dumps(error)}\n\n"]

@@ -1,5 +1,5 @@
-"""The chat API (`llama_tp.Chat`), `python -m llama_tp.chat` through pipes, the examples
-and the hostfiles. The terminal itself is exercised in test_chat_tty.py."""
+"""The chat API (`llama_tp.Chat`) in one process and across ranks. The command through
+pipes is test_chat_command.py, the terminal test_chat_tty.py; the examples test_examples.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, launch, run_python
+from conftest import launch, run_python
 
 WARN = "exited with code"
 
@@ -331,111 +331,3 @@ def test_chat_api_default_model_one_and_two_ranks(tmp_path, default_gguf):
     assert [s["prefilled_tokens"] for s in views[0]["stats"]] == [
         s["prefilled_tokens"] for s in views[1]["stats"]
     ]
-
-
-def expected_replies(model_dir, turns, max_tokens):
-    """What `python -m llama_tp.chat` should answer, computed with the API in this process."""
-    from llama_tp import Chat, load
-
-    chat = Chat(*load(model_dir), max_tokens=max_tokens)
-    out = []
-    for turn in turns:
-        if turn.startswith("/system "):
-            chat.system = turn.removeprefix("/system ")
-        else:
-            out.append(chat.send(turn))
-    return out
-
-
-@pytest.mark.parametrize("n", [1, 2])
-def test_chat_command_through_pipes(tiny_dir, monkeypatch, n):
-    monkeypatch.setenv("LLAMA_TP_TERMINAL", "lines")  # even when the suite runs at a terminal
-    hello, hi = expected_replies(tiny_dir, ["hello", "/system Be brief.", "hi"], 16)
-    stdin = "hello\n/system Be brief.\n/help\n\nhi\n/nope\n/quit\n"
-    args = ["-m", "llama_tp.chat", "--model", str(tiny_dir), "--max-tokens", "16"]
-    if n == 1:
-        r = run_python(args, timeout=120, input=stdin)
-        assert r.returncode == 0, r.stderr
-    else:
-        r = launch(n, args, timeout=120, input=stdin)  # never sees the end of stdin: /quit
-    assert WARN not in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert r.stdout == f"{hello}\n{hi}\n"  # each reply once, nothing else on stdout
-    assert "[system prompt set]" in r.stderr and "/reset" in r.stderr  # /help
-    assert "unknown command /nope" in r.stderr
-
-
-def test_chat_command_reports_overflow_and_goes_on(tiny_dir, monkeypatch):
-    monkeypatch.setenv("LLAMA_TP_TERMINAL", "lines")
-    args = ["-m", "llama_tp.chat", "--model", str(tiny_dir), "--max-tokens", "10"]
-    r = run_python([*args, "--max-context", "45"], timeout=120, input="hello\nhello again\n")
-    assert r.returncode == 0 and len(r.stdout.splitlines()) == 1, r.stderr
-    assert "error: the conversation needs" in r.stderr
-    r = run_python([*args, "--max-context", "45", "--drop-oldest"], input="hello\nhello again\n")
-    assert r.returncode == 0 and len(r.stdout.splitlines()) == 2, r.stderr
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--max-tokens", "0"], "--max-tokens must be positive"),
-        (["--temp", "-1"], "--temp must be >= 0"),
-        (["--top-p", "2"], "--top-p must be in (0, 1]"),
-        (["--top-k", "-1"], "--top-k must be >= 0"),
-        (["--max-context", "0"], "--max-context must be positive"),
-        (["--bogus"], "unrecognized arguments"),
-    ],
-)
-def test_chat_command_usage_errors(flags, message):
-    r = run_python(["-m", "llama_tp.chat", *flags], timeout=60)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
-
-
-# -- examples and hostfiles ----------------------------------------------------------
-
-
-def test_chat_api_example_two_ranks(tiny_dir):
-    r = launch(2, ["examples/chat_api.py", "--model", str(tiny_dir), "--max-tokens", "10"])
-    assert WARN not in r.stderr and "Traceback" not in r.stderr, r.stderr
-    out = r.stdout.splitlines()
-    assert out.count(">> What is the capital of France?") == 1
-    assert out.count(">> And of Germany?") == 1
-    assert sum(line.startswith("  assistant: ") for line in out) == 2
-    stats = [line for line in r.stderr.splitlines() if "prompt tokens prefilled" in line]
-    assert len(stats) == 2, r.stderr
-
-
-def test_tp_mlp_example_two_ranks():
-    r = launch(2, ["examples/tp_mlp.py"], timeout=120)
-    assert WARN not in r.stderr and "Traceback" not in r.stderr, r.stderr
-    lines = r.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["rank 0/2", "rank 1/2"]
-    for line in lines:
-        assert "all-to-sharded weight (420, 64) -> h (4, 420)" in line
-        assert "sharded-to-all weight (64, 420) -> y (4, 64)" in line
-        assert float(line.rsplit("=", 1)[1]) < 1e-4
-
-
-def test_hostfiles_parse_as_mlx_launch_reads_them():
-    from mlx._distributed_utils.common import Hostfile
-
-    files = sorted((ROOT / "hostfiles").glob("*.json"))
-    readme = (ROOT / "hostfiles" / "README.md").read_text()
-    assert {f.name for f in files} >= {"ring-local-2.json", "ring-2-macs.json"}
-    for f in files:
-        assert f"`{f.name}`" in readme, f"{f.name} is not described in hostfiles/README.md"
-        hostfile = Hostfile.from_file(f)
-        hosts = hostfile.hosts
-        assert len(hosts) >= 2
-        backend = hostfile.backend or "ring"
-        if backend == "ring":
-            assert all(h.ips for h in hosts), f.name
-        elif backend.startswith("jaccl"):
-            # The checks mlx.launch makes: an address for rank 0, one RDMA entry
-            # per rank with null for the rank itself and a device for every peer.
-            assert hosts[0].ips, f.name
-            n = len(hosts)
-            for i, h in enumerate(hosts):
-                assert len(h.rdma) == n and h.rdma[i] is None, f.name
-                assert all(h.rdma[j] for j in range(n) if j != i), f.name
-        else:
-            assert backend == "mpi", f.name

@@ -3,8 +3,8 @@
 Layers, lowest first; a module may import its own package's modules and any lower
 layer, never a higher one:
 
-    cluster < parallel < model < models < checkpoints < engine < console < server, benchmarks
-            < the commands at the top (generate, chat, serve, ...)
+    cluster < parallel, model_args < model < models < checkpoints < engine < console
+            < server, benchmarks < the commands at the top (generate, chat, serve, ...)
 
 Every import counts, including those inside functions (they are real dependencies,
 only deferred). The root `llama_tp/__init__.py` is the public facade: it imports
@@ -25,6 +25,7 @@ LAYERS = {
     "cluster": 0,
     "kernels": 0,  # below everything that computes (imports only mlx)
     "parallel": 1,
+    "model_args": 1,  # ModelArgs, beneath the model (it imports nothing of the package)
     "model": 2,
     "models": 3,  # the other families, built on the core model
     "checkpoints": 4,

@@ -103,7 +103,8 @@ def test_stream_generate_logprobs(tmp_path):
 def chunked_attention(kv_map: bool = False):
     """One fp32 attention layer (8 query / 2 KV heads); `kv_map`: the irregular
     grouping path (every query head its own copy of its KV head)."""
-    from llama_tp.model import Attention, ModelArgs
+    from llama_tp.model import Attention
+    from llama_tp.model_args import ModelArgs
 
     mx.random.seed(3)
     args = ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab_size=16)

@@ -5,13 +5,13 @@ the score-correction bias, shared experts, dense first layers). mlx-lm's own
 implementations of the same architectures, loaded from the same folders, are the oracle
 in one process; GGUF files are held to the float64 reference
 (`reference64.py`); every multi-rank launch checks several models under both expert
-splits against one process (`mp_moe.py`), and what each rank's loader held.
+splits against one process (`mp_moe.py`), and what each rank's loader held. What
+llama_tp refuses to run, and how it says so: test_moe_refusals.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,8 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import ROOT, launch, run_python
-from fixtures import moe_config
-from moe_fixtures import FAMILIES, families, ggufs, quantized
+from moe_fixtures import FAMILIES, config_variant, families, ggufs, quantized
 
 DATA = ROOT / "tests" / "data"
 ATOL = 1e-4
@@ -66,7 +65,9 @@ def test_one_process_equals_mlx_lm(models, tmp_path):
         models["deepseek_v3"], tmp_path / "converted", quantize=4, group_size=32, progress=False
     )
     paths["glm4_converted"] = convert(models["glm4_moe"], tmp_path / "glm", progress=False)
-    paths["kimi_k2"] = _variant(models["deepseek_v3"], tmp_path / "kimi_k2", model_type="kimi_k2")
+    paths["kimi_k2"] = config_variant(
+        models["deepseek_v3"], tmp_path / "kimi_k2", model_type="kimi_k2"
+    )
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
     for name, path in paths.items():
         ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
@@ -76,16 +77,6 @@ def test_one_process_equals_mlx_lm(models, tmp_path):
         assert diff <= ATOL, (name, diff)
         prompt = x[0].tolist()
         assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
-
-
-def _variant(src: Path, path: Path, **changes) -> Path:
-    """A copy of the folder `src` with `changes` to its config.json."""
-    import shutil
-
-    shutil.copytree(src, path)
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, **changes}))
-    return path
 
 
 def test_gguf_files_match_the_float64_reference(models):
@@ -209,118 +200,6 @@ def test_serve_concurrent_requests_on_two_ranks(tmp_path, family):
         assert together == alone
     finally:
         server.close()
-
-
-def _one_error(r, expected: str) -> None:
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert errors[0] == f"error: {expected}", errors[0]
-    assert r.returncode == 1, r.stderr
-
-
-def _generate(path) -> list[str]:
-    return ["-m", "llama_tp.generate", "--model", str(path), "--prompt", "hi", "-m", "2"]
-
-
-def test_refusals_are_one_line(models, tmp_path):
-    """An architecture llama_tp does not run names itself and the supported list; an
-    inconsistent expert config, or a GGUF whose expert tensors disagree with its
-    metadata, is one line with the numbers."""
-    from gguf_writer import gguf_from_hf, tiny_llama_gguf
-
-    def variant(name: str, base: str = "qwen3_moe", **changes) -> Path:
-        return _variant(models[base], tmp_path / name, **changes)
-
-    supported = (
-        "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, "
-        "gpt_oss, glm4_moe"
-    )
-    path = variant("gemma", model_type="gemma3")
-    _one_error(
-        run_python(_generate(path)),
-        f"{path / 'config.json'}: unsupported model_type 'gemma3' (supported: {supported})",
-    )
-    path = variant("topk", num_experts_per_tok=9)
-    _one_error(
-        run_python(_generate(path)),
-        f"{path / 'config.json'}: model config: 9 experts per token (top-k) with 7 experts: "
-        "need 1 <= top-k <= experts",
-    )
-    path = variant("count", num_experts=8)
-    _one_error(
-        run_python(_generate(path)),
-        f"{path}: model.layers.0.mlp.switch_mlp.down_proj.weight holds 7 experts but "
-        "config.json's num_experts is 8",
-    )
-    path = variant("groups", "deepseek_v3", n_group=4)
-    _one_error(
-        run_python(_generate(path)),
-        f"{path / 'config.json'}: model config: 9 experts in 4 groups, top 2 groups, top-k 3: "
-        "need groups of at least 2 experts, 1 <= topk_group <= n_group and top-k <= the "
-        "experts of topk_group groups",
-    )
-    path = variant("greedy", "deepseek_v3", topk_method="greedy")
-    _one_error(
-        run_python(_generate(path)),
-        f"{path / 'config.json'}: model config: routing 'greedy' with 'sigmoid' scores is not "
-        "supported (DeepSeek-V3's is 'noaux_tc' with 'sigmoid')",
-    )
-    path = variant("latent", "deepseek_v3", kv_lora_rank=16)
-    _one_error(
-        run_python(_generate(path)),
-        f"{path}: model.layers.0.self_attn.kv_b_proj.weight has shape [160, 32], but 5 heads "
-        "of 16 + 16 rows over a latent of 16 need [160, 16]",
-    )
-    path = variant("rotary", "glm4_moe", partial_rotary_factor=1.5)
-    _one_error(
-        run_python(_generate(path)),
-        f"{path / 'config.json'}: model config: 24 rotary values per head of 16: need an even "
-        "count from 2 to head_dim",
-    )
-    path = variant("glm_count", "glm4_moe", n_routed_experts=6)
-    _one_error(
-        run_python(_generate(path)),
-        f"{path}: model.layers.1.mlp.switch_mlp.down_proj.weight holds 7 experts but "
-        "config.json's n_routed_experts is 6",
-    )
-    gguf = gguf_from_hf(models["qwen3_moe"], tmp_path / "count.gguf", expert_count=8)
-    _one_error(
-        run_python(_generate(gguf)),
-        f"{gguf}: blk.0.ffn_down_exps.weight holds 7 experts but qwen3moe.expert_count is 8",
-    )
-    gguf = tiny_llama_gguf(tmp_path / "g.gguf", metadata={"general.architecture": "gemma3"})
-    _one_error(
-        run_python(_generate(gguf)),
-        f"{gguf}: unsupported GGUF architecture 'gemma3' (supported: llama, qwen2, qwen3, "
-        "qwen2moe, qwen3moe, deepseek2, glm4moe, gpt-oss)",
-    )
-    src = models["deepseek_v3"]
-    gguf = gguf_from_hf(src, tmp_path / "v2.gguf", expert_gating_func=1)
-    _one_error(
-        run_python(_generate(gguf)),
-        f"{gguf}: deepseek2.expert_gating_func is 1 (softmax routing, DeepSeek-V2's, when "
-        "missing or 1): only sigmoid routing (2) is read",
-    )
-    gguf = gguf_from_hf(src, tmp_path / "kv_b.gguf", {"blk.*.attn_kv_b.weight": 8}, False)
-    _one_error(
-        run_python(_generate(gguf)),
-        f"{gguf}: blk.0.attn_kv_b.weight is Q8_0: a quantized attn_kv_b cannot be split per "
-        "head; llama.cpp's newer conversions store attn_k_b and attn_v_b",
-    )
-
-
-def test_refusal_on_every_rank(tmp_path):
-    """More ranks than experts, split by expert: every rank stops, one line."""
-    two = dict(model_type="mixtral", n_heads=4, n_kv_heads=2, **moe_config("mixtral", 2, 1, 96))
-    path = families(tmp_path, {"two_experts": two}, tokenizer=True)["two_experts"]
-    r = launch(3, [*_generate(path), "--moe-split", "expert"], timeout=120)
-    _one_error(
-        r,
-        "cannot split 2 experts over 3 ranks by expert: at most 2 ranks (split them by "
-        "tensor instead)",
-    )
-    for rank in range(3):
-        assert re.search(rf"Node with rank {rank} exited with code (1|-15)\b", r.stderr)
 
 
 def test_plan_shows_experts_and_bytes_per_rank(models):

@@ -7,10 +7,10 @@
 - ```sh blocks: each llama_tp command's flags must parse (a dry run), a --hostfile exist,
   a `python bench/NAME.py` driver exist and take its flags;
 - ```text blocks are labelled `<!-- example output -->` or `<!-- output of: CMD -->`
-  (then they are exactly what CMD prints);
-- links between pages (relative paths and #anchors) resolve.
+  (then they are exactly what CMD prints).
 
 A broken snippet fails here: a flag renamed, a function moved, a command that errors.
+The blocks and commands are read by doc_blocks.py; links are checked by test_doc_links.py.
 """
 
 from __future__ import annotations
@@ -21,109 +21,17 @@ import shlex
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import _PORTS, BIN, ROOT
+from doc_blocks import DRIVER, PAGES, Command, command, lines_of, parse, simple_commands
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 WARN = "exited with code"
-PYTHONS = ("python", "python3", ".venv/bin/python")
 EXAMPLE = "<!-- example output -->"
 OUTPUT_OF = re.compile(r"<!-- output of: (.+) -->")
 WITH_SERVER = re.compile(r"<!-- with server: (.+) -->")
-
-
-@dataclass
-class Block:
-    lang: str
-    text: str
-    line: int  # of the opening fence, 1-based
-    label: str  # the HTML comment on the line before, or ""
-    page: str = "README.md"  # relative to the repository
-
-    @property
-    def where(self) -> str:
-        return f"{self.page} line {self.line}"
-
-
-def parse(markdown: str, page: str = "README.md") -> list[Block]:
-    lines, blocks, i = markdown.splitlines(), [], 0
-    while i < len(lines):
-        m = re.match(r"^```(\S*)\s*$", lines[i])
-        if not m:
-            i += 1
-            continue
-        start, body = i, []
-        i += 1
-        while not lines[i].startswith("```"):
-            body.append(lines[i])
-            i += 1
-        before = [line for line in lines[:start] if line.strip()][-1:]
-        label = before[0].strip() if before and before[0].strip().startswith("<!--") else ""
-        blocks.append(Block(m.group(1), "\n".join(body) + "\n", start + 1, label, page))
-        i += 1
-    return blocks
-
-
 BLOCKS = [b for p in PAGES for b in parse(p.read_text(encoding="utf-8"), str(p.relative_to(ROOT)))]
-
-
-@dataclass
-class Command:
-    """One shell line's llama_tp command: `[ENV=...] [mlx.launch FLAGS --] PYTHON -m
-    llama_tp.NAME ARGS` or `llama_tp.NAME ARGS`; `feed` is what a pipe puts before it."""
-
-    name: str
-    args: list[str]
-    launcher: list[str] | None  # the launcher's own flags, None when not launched
-    feed: str = ""
-    via: str = "mlx.launch"  # or "llama_tp.launch"
-
-
-def command(line: str) -> Command | None:
-    feed, _, cmd = line.rpartition(" | ")
-    tokens = shlex.split(cmd, comments=True)
-    while tokens and re.match(r"^[A-Z_]+=", tokens[0]):
-        tokens.pop(0)  # environment assignments
-    if tokens[:1] == ["mpirun"]:  # mpirun's own flags, then the command
-        tokens = tokens[next((i for i, t in enumerate(tokens) if t in PYTHONS), len(tokens)) :]
-    launcher, via = None, "mlx.launch"
-    if len(tokens) >= 3 and tokens[0] in PYTHONS and tokens[1:3] == ["-m", "llama_tp.launch"]:
-        from llama_tp.cluster.launcher import split_argv
-
-        launcher, rest, module = split_argv(tokens[3:])
-        if rest is None:
-            return None
-        tokens = [module, *rest] if module else rest
-        via = "llama_tp.launch"
-    elif tokens[:1] == ["mlx.launch"]:
-        if "--" not in tokens:
-            return None
-        cut = tokens.index("--")
-        launcher, tokens = tokens[1:cut], tokens[cut + 1 :]
-    if len(tokens) >= 3 and tokens[0] in PYTHONS and tokens[1] == "-m":
-        tokens = tokens[2:]
-    if not tokens or not tokens[0].startswith("llama_tp."):
-        return None
-    return Command(tokens[0].removeprefix("llama_tp."), tokens[1:], launcher, feed, via)
-
-
-def lines_of(block: Block) -> list[str]:
-    """The block's command lines, with backslash continuations joined."""
-    text = block.text.replace("\\\n", " ")
-    return [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-
-
-def simple_commands(line: str) -> list[str]:
-    """A shell line's simple commands: split at `;`, `&`, `&&`, `||`, with `do` dropped
-    (so `for r in ...; do CMD & done; wait` gives CMD)."""
-    parts = re.split(r"\s*(?:&&|\|\||;|&(?!&))\s*", line.split(" #", 1)[0])
-    return [re.sub(r"^(do|then)\s+", "", p) for p in parts if p.strip()]
-
-
-DRIVER = re.compile(r"^(?:[A-Z_]+=\S*\s+)*(?:python3?|\.venv/bin/python)\s+(bench/\w+\.py)(.*)$")
 
 
 def _set(args: list[str], flags: tuple[str, ...], value: str) -> list[str]:
@@ -401,57 +309,3 @@ def test_text_block_is_the_output_of_its_command(block, workdir, tiny_dir):
     r = run_line(c, workdir, tiny_dir)
     assert r.returncode == 0, r.stderr
     assert r.stdout == block.text, f"{block.where}: {line} now prints\n{r.stdout}"
-
-
-# -- links between pages ---------------------------------------------------------------
-
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
-
-
-def anchors(markdown: str) -> set[str]:
-    """GitHub's anchors of a page's headings (outside code blocks)."""
-    out, fenced = set(), False
-    for line in markdown.splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        elif not fenced and (m := re.match(r"^#{1,6}\s+(.*?)\s*$", line)):
-            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
-            out.add(slug)
-    return out
-
-
-def links(page: Path) -> list[tuple[int, str]]:
-    """(line, target) of every relative link of `page`, outside code blocks."""
-    out, fenced = [], False
-    for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
-        if line.startswith("```"):
-            fenced = not fenced
-            continue
-        if fenced:
-            continue
-        for m in LINK.finditer(re.sub(r"`[^`]*`", "", line)):
-            target = m.group(1) or m.group(2)
-            if not re.match(r"^[a-z]+:", target):
-                out.append((n, target))
-    return out
-
-
-@pytest.mark.parametrize(
-    "page", [*PAGES, ROOT / "hostfiles" / "README.md"], ids=lambda p: str(p.relative_to(ROOT))
-)
-def test_links_resolve(page):
-    bad = []
-    for n, target in links(page):
-        path, _, anchor = target.partition("#")
-        dest = (page.parent / path).resolve() if path else page
-        if not dest.exists():
-            bad.append(f"line {n}: {target}: no such file")
-        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
-            bad.append(f"line {n}: {target}: no heading #{anchor} in {dest.name}")
-    assert not bad, f"{page.relative_to(ROOT)}:\n" + "\n".join(bad)
-
-
-def test_the_readme_indexes_every_docs_page():
-    listed = {(ROOT / t.partition("#")[0]).resolve() for _, t in links(ROOT / "README.md")}
-    missing = [p.name for p in PAGES[1:] if p.resolve() not in listed]
-    assert not missing, f"README.md links no page {missing}: add it to The manual"

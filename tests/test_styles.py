@@ -13,7 +13,8 @@ from conftest import launch, run_python
 from fixtures import write_hf_model
 
 from llama_tp.cluster.distributed import world
-from llama_tp.model import ModelArgs, Transformer
+from llama_tp.model import Transformer
+from llama_tp.model_args import ModelArgs
 from llama_tp.parallel.llama_plan import llama_plan
 from llama_tp.parallel.parallelize import format_plan_table, plan_splits
 from llama_tp.parallel.shard import parallelize_model

@@ -78,9 +78,10 @@ def bench_llama_tp(
 ) -> tuple[dict[str, Any], list[int]]:
     """llama_tp's trials, collective count and decode share; also the prompt it used."""
     from ..cluster.collectives import count_collectives, count_prefill_collectives, decode_share
+    from ..cluster.memory import max_rss
     from ..console.cli import UsageError
     from ..engine.generation import decode_step, generate_step
-    from ..engine.loader import load_model, max_rss
+    from ..engine.loader import load_model
     from ..engine.sampling import make_sampler, vocab_shard
     from ..model import lazy_query_blocks
     from ..parallel.mesh import MeshError

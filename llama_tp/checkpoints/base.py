@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..model import ModelArgs
+from ..model_args import ModelArgs
 
 
 class CheckpointError(ValueError):

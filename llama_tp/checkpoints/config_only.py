@@ -8,7 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..model import ModelArgs
+from ..model_args import ModelArgs
 from .base import Checkpoint, CheckpointError
 from .hf import args_from_config, read_config
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..model import ModelArgs
+from ..model_args import ModelArgs
 from ..models.registry import GGUF_ARCHITECTURES, unsupported
 from . import gguf_gpt_oss as gpt_oss
 from . import gguf_quants as gq

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..model import ModelArgs
+from ..model_args import ModelArgs
 from ..models.registry import MODEL_TYPES, unsupported
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts

@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..model import ModelArgs
+from ..model_args import ModelArgs
 from .base import Checkpoint, CheckpointError
 from .pth import Tensor, as_mx
 from .pth import load as load_pth

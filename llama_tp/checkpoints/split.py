@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..model import ModelArgs
+from ..model_args import ModelArgs
 from ..parallel.mesh import parse_split
 from ..parallel.placement import Placement
 from ..parallel.shares import MEMORY, SplitSpec, Weights, same_split, weights_text

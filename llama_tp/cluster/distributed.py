@@ -9,11 +9,14 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
 from .affinity import apply_launch_cores
+
+T = TypeVar("T")
 
 
 def launched_backend() -> str | None:
@@ -140,3 +143,16 @@ def agree_ok(error: BaseException | None, group: mx.distributed.Group | None = N
         f" (and {len(failed) - 1} more rank{'s' * (len(failed) > 2)})" if len(failed) > 1 else ""
     )
     raise PeerError(f"rank {rank}: {message}{others}")
+
+
+def agreed(fn: Callable[[], T], group: mx.distributed.Group | None = None) -> T:
+    """fn() on this rank, then `agree_ok` on its outcome: its value when it returned on
+    every rank of `group`; if it raised on any rank, every rank raises (the failed ranks
+    their own exception). Collective: every rank calls it at the same point."""
+    value = error = None
+    try:
+        value = fn()
+    except Exception as e:  # every rank must learn of a failure before raising
+        error = e
+    agree_ok(error, group)
+    return value

@@ -1,4 +1,5 @@
-"""This machine's memory: its total and what is available now, in bytes.
+"""This machine's memory: its total and what is available now, in bytes; and this
+process's peak (`max_rss`).
 
     total, available = memory_figures(rank)
 
@@ -96,3 +97,20 @@ def memory_figures(rank: int = 0) -> tuple[int, int]:
         raise MemoryFiguresError(f"cannot read this machine's memory: {e}") from None
     limit = _metal_limit()
     return total, min(available, limit) if limit else available
+
+
+def max_rss() -> int:
+    """The process's resident-memory high-water mark, in bytes.
+
+    Linux: VmHWM (getrusage's ru_maxrss survives exec, so a child would
+    report its parent's peak); elsewhere getrusage (bytes on macOS).
+    """
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024

@@ -18,7 +18,7 @@ from typing import NoReturn
 import mlx.core as mx
 
 from ..cluster import watchdog
-from ..cluster.distributed import agree_ok, first_line, is_rank0
+from ..cluster.distributed import agreed, first_line, is_rank0
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -346,12 +346,8 @@ def load_checked(args, group: mx.distributed.Group):
     from ..engine.agreement import check_agreement
     from ..engine.loader import default_model, load_model
 
-    path = error = None
-    try:
-        path = args.model or default_model()
-    except Exception as e:  # e.g. the built-in model is missing on one host
-        error = e
-    agree_ok(error, group)
+    # e.g. the built-in model is missing on one host: every rank stops
+    path = agreed(lambda: args.model or default_model(), group)
     from ..parallel.mesh import MeshError
     from ..parallel.shares import SplitError
 
@@ -371,11 +367,6 @@ def load_checked(args, group: mx.distributed.Group):
         except (MeshError, SplitError) as e:  # the same on every rank
             raise UsageError(str(e)) from None
     with watchdog.stage("start-up checks", "load"):
-        tokenizer = error = None
-        try:
-            tokenizer = load_tokenizer(ckpt)
-        except Exception as e:
-            error = e
-        agree_ok(error, group)
+        tokenizer = agreed(lambda: load_tokenizer(ckpt), group)
         check_agreement(model, ckpt, tokenizer, group)
     return model, tokenizer, ckpt

@@ -1,4 +1,4 @@
-"""Keys and a one-line editor for rank 0's raw-mode terminal input (see terminal.py).
+"""Keys and a one-line editor for rank 0's raw-mode terminal input (see terminal_modes.py).
 
 `KeyDecoder` turns the bytes a terminal sends into key names; `LineEditor`
 keeps the line, the cursor and the history, and redraws through a writer.

@@ -161,7 +161,7 @@ def load_draft(
     the target's vocabulary setting and `split` weights (its --split: the same vocabulary
     rows per rank); raises on every rank when its tokenizer differs."""
     from ..checkpoints.tokenizer import load_tokenizer
-    from ..cluster.distributed import agree_ok
+    from ..cluster.distributed import agreed
     from .loader import load_model, load_whole
 
     if sharded:
@@ -169,10 +169,5 @@ def load_draft(
         model, ckpt = load_model(path, group, vocab_parallel, split=split)
     else:
         model, ckpt = load_whole(path, group)
-    error = None
-    try:
-        check_same_tokenizer(target, tokenizer, model, load_tokenizer(ckpt))
-    except Exception as e:
-        error = e
-    agree_ok(error, group)
+    agreed(lambda: check_same_tokenizer(target, tokenizer, model, load_tokenizer(ckpt)), group)
     return model

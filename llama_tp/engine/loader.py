@@ -1,7 +1,8 @@
 """load(path) and load_model(path, group): checkpoint -> placement -> (sharded) model.
 
 One pass, one way: open the checkpoint (its config and stored shapes, nothing read);
-compute every rank's placement once (`parallel/placement.py`: its stage and layers,
+compute every rank's placement once (`engine/load_placement.py` over
+`parallel/placement.py`: its stage and layers,
 its part of every layer, its vocabulary rows, the slice of every tensor); read exactly
 this rank's slices (`checkpoints/slices.py`); build the model lazily, shard it as the
 placement says (`parallel/shard.py`) and put the slices in. No rank ever holds a
@@ -22,9 +23,8 @@ from ..checkpoints.base import Checkpoint, CheckpointError
 from ..checkpoints.build import load_weights, skeleton
 from ..checkpoints.safetensors import READ
 from ..checkpoints.slices import model_shape, read_slices
-from ..checkpoints.split import check_mesh, check_split, split_vocab_parallel
-from ..cluster.distributed import agree_ok, all_gather_object, barrier, eprint0, world
-from ..cluster.memory import memory_figures
+from ..cluster.distributed import agree_ok, agreed, all_gather_object, barrier, world
+from ..cluster.memory import max_rss, memory_figures
 from ..cluster.progress import progress
 from ..kernels.layers import use_native
 from ..model import Transformer
@@ -35,6 +35,8 @@ from ..parallel.placement import DEFAULT_MOE_SPLIT, Placement, RankPlacement, pl
 from ..parallel.shard import parallelize_model, shard_placed, styles_placement
 from ..parallel.shares import MEMORY, SplitSpec, Weights, memory_split, parse_split
 from .agreement import check_mesh_flags
+from .kernel_choice import native_kernels, products_path
+from .load_placement import checkpoint_placement
 
 
 def _read(ckpt: Checkpoint, mine: RankPlacement) -> list[tuple[str, mx.array]]:
@@ -43,50 +45,6 @@ def _read(ckpt: Checkpoint, mine: RankPlacement) -> list[tuple[str, mx.array]]:
     desc = f"loading {ckpt.path.name}"
     with progress(desc=desc, total=mine.nbytes, unit="B", unit_scale=True, delay=1.0) as bar:
         return read_slices(ckpt, mine.slices, bar.update)
-
-
-def _place(
-    ckpt: Checkpoint,
-    n: int,
-    mesh: Mesh | None,
-    pp_split: str | None,
-    vocab_parallel: bool,
-    moe_split: str,
-    split: SplitSpec,
-    weights: Weights | None,
-) -> Placement:
-    """The placement of this copy of the model over `n` tensor-parallel ranks, or over
-    the stages of `mesh`: pure, from the config, the stored shapes and the mesh, its
-    tensor groups split by `weights` (`split` as given: None, weights or 'memory'). A
-    pre-split folder says its own mesh, split, weights and vocabulary (checked against
-    the running ones: `split.check_mesh`, `split.check_split`)."""
-    T, P = (mesh.tp, mesh.pp) if mesh is not None else (n, 1)
-    if ckpt.format == "split":
-        stages = mesh.stages if mesh is not None else None
-        layers = check_mesh(ckpt, T, P, pp_split, stages)
-        pp_split = ",".join(str(len(r)) for r in layers) if layers else None
-        vocab_parallel = split_vocab_parallel(ckpt, vocab_parallel, T)
-        moe_split = ckpt.metadata.get("moe_split") or moe_split  # as the folder was cut
-        weights = check_split(ckpt, split, weights)
-    return place(
-        model_shape(ckpt),
-        T,
-        P,
-        pp_split,
-        vocab_parallel=vocab_parallel,
-        moe_split=moe_split,
-        stages=_replica_stages(mesh),
-        split=weights,
-    )
-
-
-def _replica_stages(mesh: Mesh | None) -> list[list[int]] | None:
-    """The mesh's stages as ranks of its replica (with --dp a replica's stages name world
-    ranks 2, 3, ...): every replica then places, and agrees on, the same plan."""
-    if mesh is None or not mesh.replicas:
-        return None if mesh is None else mesh.stages
-    members = mesh.replicas[mesh.replica]
-    return [[members.index(r) for r in ranks] for ranks in mesh.stages]
 
 
 def split_weights(
@@ -98,12 +56,7 @@ def split_weights(
     weights = parse_split(split, tp)
     if weights != MEMORY:
         return weights
-    mine = error = None
-    try:
-        mine = memory_figures(group.rank())
-    except Exception as e:
-        error = e
-    agree_ok(error, group)
+    mine = agreed(lambda: memory_figures(group.rank()), group)  # (total, available)
     figures = all_gather_object(mine, group)
     owner = mesh.tensor_ranks() if mesh is not None else {r: r for r in range(group.size())}
     return memory_split([available for _, available in figures], owner, tp)
@@ -150,54 +103,9 @@ def _open(
 ) -> Checkpoint:
     """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
     model); if any rank of `group` fails, every rank raises."""
-    ckpt, error = None, None
-    try:
-        ckpt = open_checkpoint(path, model_group.rank(), model_group.size(), blocks)
-    except Exception as e:
-        error = e
-    agree_ok(error, group)
-    return ckpt
-
-
-def products_path(dtype: str | None, native: bool) -> str:
-    """What computes the model's matrix products, for --verbose."""
-    from .. import kernels
-
-    if dtype is not None:
-        return f"{dtype} weights, MLX's matmul"
-    if native:
-        return kernels.status().describe()
-    if mx.default_device() != mx.cpu:
-        return f"MLX's quantized_matmul on {mx.default_device()}"
-    if kernels.status().native:  # but not on every rank
-        return "MLX's quantized_matmul (the native kernels are off on another rank)"
-    return kernels.status().describe()
-
-
-def native_kernels(dtype: str | None, group: mx.distributed.Group) -> bool:
-    """Whether the native kernels (`llama_tp.kernels`) run: on the CPU, with the extension
-    loaded on every rank of `group` (all or none: the ranks hold the same layer kinds).
-    Quantized products take them when the weights stay quantized (no `dtype`); RoPE and
-    attention take them either way. The one fallback warning, with its reason, goes to
-    rank 0's stderr (only where quantized products lose them)."""
-    from .. import kernels
-
-    if mx.default_device() != mx.cpu:
-        return False
-    if dtype is not None and not kernels.status().native:
-        return False  # no warning: the products are float ones
-    mine = kernels.status()
-    every = all_gather_object(mine.native, group) if group.size() > 1 else [mine.native]
-    if all(every):
-        kernels.set_threads(kernels.default_threads(group.size()))
-        return True
-    warning = kernels.fallback_warning()
-    if warning is None and mine.native:
-        off = [r for r, ok in enumerate(every) if not ok]
-        warning = f"warning: native kernels off on rank {off[0]}: MLX's kernel on every rank"
-    if warning:
-        eprint0(warning, group=group)
-    return False
+    return agreed(
+        lambda: open_checkpoint(path, model_group.rank(), model_group.size(), blocks), group
+    )
 
 
 def load_model(
@@ -281,7 +189,7 @@ def load_model(
                 "checkpoint to use your own plan"
             )
         if plan is None:  # reader -> placement -> model, in one pass
-            placement = _place(
+            placement = checkpoint_placement(
                 ckpt, model_group.size(), mesh, pp_split, vocab_parallel, moe_split, split, weights
             )
             ckpt.placement = placement
@@ -339,9 +247,9 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
     model replicated on every rank). Returns (model, checkpoint); if any rank of
     `group` fails, every rank raises."""
     group = group or world()
-    model = ckpt = error = None
     native = native_kernels(None, group)
-    try:
+
+    def whole() -> tuple[nn.Module, Checkpoint]:
         ckpt = open_checkpoint(path, 0, 1, blocks=native)
         if ckpt.format == "split":
             raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
@@ -352,28 +260,9 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
             float32_experts(model)
         if native:
             use_native(model)
-    except Exception as e:
-        error = e
-    agree_ok(error, group)
-    return model, ckpt
+        return model, ckpt
 
-
-def max_rss() -> int:
-    """The process's resident-memory high-water mark, in bytes.
-
-    Linux: VmHWM (getrusage's ru_maxrss survives exec, so a child would
-    report its parent's peak); elsewhere getrusage (bytes on macOS).
-    """
-    import resource
-    import sys
-
-    try:
-        with open("/proc/self/status") as f:
-            line = next(line for line in f if line.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-    except (OSError, StopIteration):
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss if sys.platform == "darwin" else rss * 1024
+    return agreed(whole, group)
 
 
 def load(

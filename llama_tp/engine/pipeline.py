@@ -37,7 +37,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..cluster.distributed import all_gather_object
-from ..model import ModelArgs, layer_caches, layer_masks
+from ..model import layer_caches, layer_masks
+from ..model_args import ModelArgs
 from ..parallel.mesh import Mesh
 from ..parallel.plan_text import human_bytes
 from ..parallel.vocab import VocabParallelEmbedding

@@ -24,7 +24,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import scaled_dot_product_attention
-from ..model import Attention, ModelArgs
+from ..model import Attention
+from ..model_args import ModelArgs
 
 
 class SinkAttention(Attention):

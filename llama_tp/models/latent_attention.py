@@ -24,7 +24,7 @@ from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 from mlx_lm.models.deepseek_v3 import ModelArgs as DeepseekV3Args
 
-from ..model import ModelArgs
+from ..model_args import ModelArgs
 from ..parallel.llama_plan import latent_attention_styles
 from ..parallel.parallelize import parallelize
 from ..parallel.partition import RankPart

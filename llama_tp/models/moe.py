@@ -27,7 +27,8 @@ from mlx_lm.models.activations import SwigluOAI
 from mlx_lm.models.deepseek_v3 import MoEGate
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
-from ..model import FeedForward, ModelArgs
+from ..model import FeedForward
+from ..model_args import ModelArgs
 from ..parallel.experts import moe_styles
 from ..parallel.parallelize import parallelize
 from ..parallel.partition import RankPart

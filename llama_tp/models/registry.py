@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import mlx.nn as nn
 
-from ..model import Attention, FeedForward, ModelArgs, Transformer, TransformerBlock
+from ..model import Attention, FeedForward, Transformer, TransformerBlock
+from ..model_args import ModelArgs
 from .gpt_oss import SinkAttention
 from .latent_attention import LatentAttention
 from .moe import MoEFeedForward

@@ -29,7 +29,7 @@ from importlib import resources
 from typing import Annotated, Any
 
 from ..checkpoints.chat_template import PromptRenderer
-from . import anthropic, ollama
+from . import anthropic, anthropic_answers, ollama
 from .protocol import (
     ChatBody,
     CompletionBody,
@@ -273,7 +273,7 @@ def build_app(
 def route_error(path: str, e: RequestError) -> dict:
     """`e` in the error shape of the API `path` belongs to."""
     if path.startswith("/v1/messages"):
-        return anthropic.error_body(str(e), e.status)
+        return anthropic_answers.error_body(str(e), e.status)
     if path.startswith("/api/"):
         return ollama.error_body(str(e))
     return e.body()
