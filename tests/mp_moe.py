@@ -167,8 +167,8 @@ def check(spec: str, split: str, world, steps: int) -> dict:
     # Safetensors files are read in slices: exactly the bytes held (GGUF blocks are
     # smaller in the file than converted, but for MXFP4, held as stored, and F32; a
     # pre-split folder is read whole)
-    sliced = ckpt.format == "hf" or all(
-        n.startswith(("F32 ", "MXFP4 ")) for n in ckpt.notes if ckpt.format == "gguf"
+    sliced = ckpt.format == "hf" or (
+        ckpt.format == "gguf" and all(n.startswith(("F32 ", "MXFP4 ")) for n in ckpt.notes)
     )
     mine["read_is_held"] = stats["bytes_read"] == stats["bytes_held"] if sliced else True
     ranks = all_gather_object(mine, world)
