@@ -353,7 +353,7 @@ def constrain(req: Request, renderer, vocab_size: int) -> None:
             grammar = json_schema_grammar(fmt.json_schema.schema_)
         if grammar is None and req.tools:
             field_ = "tools"  # a function's parameters: the schema of a forced call
-            grammar = tool_calls.forced_call_grammar(req, renderer.tokenizer)
+            grammar = tool_calls.forced_call_grammar(req.tools, req.tool_choice, renderer.tokenizer)
         if grammar is not None:
             check_grammar(grammar, renderer.tokenizer, vocab_size, renderer.eos)
     except GrammarError as e:
