@@ -26,6 +26,7 @@ class ChatTools:
     tools: list[dict] | None
     history: list[dict]
     last_tool_calls: list[dict]
+    _turn: int
 
     def add_tool_result(self, call: str | dict, result: Any) -> None:
         """Answer one of the last reply's calls (its id, its function's name, or the call
@@ -79,7 +80,9 @@ class ChatTools:
     def _tool_stream(self, tool_choice: str | None) -> ToolStream | None:
         """The splitter of a reply into text and calls (None: no tools this turn)."""
         fmt = tool_format(self.tokenizer) if self.tools and tool_choice != "none" else None
-        return ToolStream(fmt, self.tools) if fmt is not None else None
+        # Ids the same on every rank (the history, which templates may render, must be).
+        prefix = f"call_{self._turn}_"
+        return ToolStream(fmt, self.tools, prefix) if fmt is not None else None
 
     def _keep_calls(self, message: dict, text: str, calls: list[dict]) -> None:
         """The reply `message` as its text and the calls parsed from it."""

@@ -58,11 +58,12 @@ class ToolStream:
 
     `feed(text)` returns the content that can be sent now (text that may be the start
     of a call is held back); `finish()` returns the rest of the content and the calls
-    (OpenAI's `tool_calls` entries). A call that does not parse stays content.
+    (OpenAI's `tool_calls` entries). A call that does not parse stays content. A call
+    the parser gives no id gets `prefix` and its number ("call_0"), or a random one.
     """
 
-    def __init__(self, fmt: ToolFormat, tools: list[dict] | None):
-        self.fmt, self.tools = fmt, tools
+    def __init__(self, fmt: ToolFormat, tools: list[dict] | None, prefix: str | None = None):
+        self.fmt, self.tools, self.prefix = fmt, tools, prefix
         self.held, self.calling, self.seen = "", False, False
 
     def feed(self, text: str) -> str:
@@ -97,7 +98,8 @@ class ToolStream:
             calls = self._calls(text)
         except (ValueError, AttributeError):  # json.JSONDecodeError is a ValueError
             return text, []
-        return "", [_openai(c) for c in calls]
+        ids = [f"{self.prefix}{k}" if self.prefix else None for k in range(len(calls))]
+        return "", [_openai(c, i) for c, i in zip(calls, ids, strict=True)]
 
     def _calls(self, text: str) -> list[dict]:
         if not self.fmt.start:
@@ -120,10 +122,10 @@ def _partial(text: str, marker: str) -> int:
     return 0
 
 
-def _openai(call: dict) -> dict:
+def _openai(call: dict, given: str | None) -> dict:
     args = call["arguments"]
     return {
-        "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+        "id": call.get("id") or given or f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
         "function": {
             "name": call["name"],
