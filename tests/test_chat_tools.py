@@ -88,3 +88,39 @@ def test_bad_tool_choices_raise_before_anything_changes(hermes, default_gguf):
     with pytest.raises(ValueError, match="no tool-call format"):
         Chat(*load(default_gguf), tools=TOOLS).send("hi", tool_choice="required")
     assert chat.history == [] and chat.last_stats is None
+
+
+# Run on every rank: a forced call, its result, the next reply; rank 0 prints every view.
+SPMD_TOOLS = """
+import json, sys
+from llama_tp import Chat, load
+from llama_tp.cluster.distributed import all_gather_object, print0
+
+chat = Chat(*load(sys.argv[1]), tools=json.loads(sys.argv[2]), max_tokens=100)
+chat.send("What is the weather in Paris?", tool_choice="get_weather")
+calls = chat.last_tool_calls
+reply = chat.send_tool_result(calls[0]["id"], "sunny")
+print0(json.dumps(all_gather_object(dict(calls=calls, reply=reply, history=chat.history))))
+"""
+
+
+def test_ranks_agree_on_the_calls_and_the_history(hermes, tiny_dir, tmp_path):
+    import json
+
+    from conftest import launch
+
+    from llama_tp import Chat
+
+    d = _model(tiny_dir, tmp_path, "hermes")
+    script = tmp_path / "spmd_tools.py"
+    script.write_text(SPMD_TOOLS)
+    r = launch(2, [str(script), str(d), json.dumps(TOOLS)], timeout=300)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    views = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(views) == 2 and views[0] == views[1]
+    # ... and with one process (the tiny model in float32: the same greedy tokens)
+    chat = Chat(*hermes, tools=TOOLS, max_tokens=100)
+    chat.send("What is the weather in Paris?", tool_choice="get_weather")
+    calls = chat.last_tool_calls
+    reply = chat.send_tool_result(calls[0]["id"], "sunny")
+    assert views[0] == dict(calls=calls, reply=reply, history=chat.history)
