@@ -1,8 +1,9 @@
 """The Anthropic (/v1/messages, with the real `anthropic` client) and Ollama (/api/*, its
 documented NDJSON wire format over plain HTTP) routes of `python -m llama_tp.serve`, on
 the tiny model on 1 and 2 ranks and the built-in model on 2 ranks: the same greedy text
-as the OpenAI route, stop reasons, usage, keys, and bad input answered with a 4xx while
-the server keeps serving. One launch per server serves the whole module."""
+as the OpenAI route, a prefill continued, stop reasons, usage, keys, and bad input
+answered with a 4xx while the server keeps serving. One launch per server serves the
+whole module."""
 
 from __future__ import annotations
 
@@ -105,6 +106,49 @@ def test_anthropic_and_ollama_give_the_openai_text(servers, name, max_tokens):
     )
     count = claude(s).messages.count_tokens(model="m", messages=QUESTION)
     assert count.input_tokens == usage.prompt_tokens
+
+
+PREFILL = "The capital of France"
+
+
+def test_a_final_assistant_message_is_a_prefill_the_reply_continues(
+    servers, tiny_dir, default_gguf
+):
+    from llama_tp import load
+    from llama_tp.checkpoints.chat_template import renderer_for
+
+    messages = [*QUESTION, {"role": "assistant", "content": PREFILL}]
+    for name, model, n in [("tiny-1", tiny_dir, 12), ("built-in-2", default_gguf, 30)]:
+        s = servers[name]
+        # What the model writes after the rendered prompt with the prefill, through the
+        # raw completion route (token ids: no template).
+        ids = renderer_for(load(model)[1]).encode(messages, continue_final=True)
+        raw = s.client().completions.create(model="m", prompt=ids, max_tokens=n, temperature=0)
+        expected = raw.choices[0].text
+        m = claude(s).messages.create(model="m", max_tokens=n, messages=messages)
+        assert [b.type for b in m.content] == ["text"] and m.content[0].text == expected, name
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
+        # The same prompt again: read from the prompt cache, the same text.
+        assert m.usage.cache_read_input_tokens > 0
+        stext, _, sm = streamed(s, messages, n)
+        assert stext == expected and sm.usage.cache_read_input_tokens > 0
+        prefill = {"continue_final_message": True, "add_generation_prompt": False}
+        assert (
+            chat(s.client(), None, messages=messages, max_tokens=n, extra_body=prefill)[0]
+            == expected
+        )
+        lines = ollama(s, "chat", {"messages": messages, "options": {"num_predict": n}})
+        assert "".join(x["message"]["content"] for x in lines) == expected
+    # The built-in model finishes the sentence; the reply holds only what follows the prefill.
+    assert "Paris" in expected and not expected.startswith(PREFILL)
+    # The next turn holds the prefill and reply as one finished turn: read from the cache.
+    turn2 = [
+        *QUESTION,
+        {"role": "assistant", "content": PREFILL + expected},
+        {"role": "user", "content": "And of Germany?"},
+    ]
+    m2 = claude(s).messages.create(model="m", max_tokens=4, messages=turn2)
+    assert m2.usage.cache_read_input_tokens >= len(ids)
 
 
 def test_system_prompt_stop_sequences_and_sampling_options(servers):

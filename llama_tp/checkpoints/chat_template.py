@@ -55,12 +55,17 @@ class PromptRenderer:
         tokenize: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final: bool = False,
     ) -> list[int] | str:
         """`messages` through the chat template (or the fallback): token ids, or text.
-        `tools`: OpenAI's tool definitions, for the template to show (transformers' way)."""
+        `tools`: OpenAI's tool definitions, for the template to show (transformers' way).
+        `continue_final`: the last message is left open for the model to continue (a
+        "prefill"), transformers' `continue_final_message`: no end of turn after it."""
         kwargs = {"chat_template": self.template} if self.template else {}
         if tools:
             kwargs["tools"] = tools
+        if continue_final:  # transformers refuses it with a generation prompt
+            kwargs["continue_final_message"], add_generation_prompt = True, False
         try:
             out = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
@@ -69,11 +74,18 @@ class PromptRenderer:
             raise ChatTemplateError(f"the chat template failed: {e}") from e
         return list(out) if tokenize else out
 
-    def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The prompt tokens of `messages`, ending with the assistant's generation prompt."""
-        if not self.use_chat_template:
+    def encode(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        continue_final: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The prompt tokens of `messages`, ending with the assistant's generation prompt
+        (or, with `continue_final`, with the last message's text, for the model to go on)."""
+        if not self.use_chat_template:  # plain text: nothing closes the last message anyway
             return list(self.tokenizer.encode("\n".join(m["content"] for m in messages)))
-        return self.apply(messages, tools=tools)
+        return self.apply(messages, True, add_generation_prompt, tools, continue_final)
 
     def prompt(self, text: str, system: str | None = None) -> list[int]:
         """The prompt tokens of one user message (after a system message, if any)."""

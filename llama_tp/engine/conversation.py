@@ -25,8 +25,10 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from ..checkpoints.chat_template import FALLBACK_STOP, ChatTemplateError, renderer_for
 from ..cluster.distributed import world
+from .chat_tools import ChatTools
 from .drafters import make_drafter
 from .generation import stream_generate
+from .grammar import json_schema_grammar
 from .settings import SamplingParams, SettingsError
 from .speculative import SpecStats
 
@@ -60,7 +62,7 @@ class TurnStats:
     speculative: SpecStats | None = None  # with a drafter: acceptance, tokens per forward
 
 
-class Chat:
+class Chat(ChatTools):
     """A conversation with a (possibly sharded) model, reusing its KV cache between turns.
 
     `system`: the system message; `stop`: strings that end a reply (never
@@ -73,7 +75,9 @@ class Chat:
     `should_stop()`, asked after every token on every rank, interrupts a reply.
     `draft` ("ngram", a draft model or a `Drafter`) decodes speculatively with up
     to `num_draft_tokens` drafted tokens per step; the draft keeps its own cache
-    across turns, trimmed with the model's.
+    across turns, trimmed with the model's. `tools`: OpenAI-style function
+    definitions the template shows; a reply's calls land in `last_tool_calls`, answered
+    with `send_tool_result` (engine/chat_tools.py).
 
     Under mlx.launch every rank must make the same calls in the same order.
     """
@@ -97,6 +101,7 @@ class Chat:
         group: mx.distributed.Group | None = None,
         draft: Any = None,
         num_draft_tokens: int = 4,
+        tools: list[dict] | None = None,
     ):
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         try:  # the same checks as every other driver's (the names are this class's)
@@ -119,8 +124,9 @@ class Chat:
         self.stop, self.max_context, self.overflow = stop, max_context, overflow
         self.should_stop = should_stop
         self.drafter, self.num_draft_tokens = make_drafter(draft, model), num_draft_tokens
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict[str, Any]] = []
         self.last_stats: TurnStats | None = None
+        self.tools, self.last_tool_calls = tools, []
         self._renderer = renderer_for(tokenizer)
         self._cache = make_prompt_cache(model)
         self._held: list[int] = []  # the tokens in the cache, exactly
@@ -156,10 +162,9 @@ class Chat:
         self._tokens_of.clear()
         self._turn = 0
 
-    def _grammar_mask(self, schema: dict):
-        from .grammar import GrammarMask, check_grammar, json_schema_grammar
+    def _grammar_mask(self, grammar: str):
+        from .grammar import GrammarMask, check_grammar
 
-        grammar = json_schema_grammar(schema)
         size = self.model.args.vocab_size
         check_grammar(grammar, self.tokenizer, size, self._renderer.eos)
         return GrammarMask(grammar, self.tokenizer, size, self._renderer.eos)
@@ -177,9 +182,12 @@ class Chat:
         *,
         should_stop: Callable[[], bool] | None = None,
         schema: dict | None = None,
+        tool_choice: str | None = None,
     ) -> str:
         """The whole reply to `text` (see `stream`)."""
-        return "".join(self.stream(text, should_stop=should_stop, schema=schema))
+        return "".join(
+            self.stream(text, should_stop=should_stop, schema=schema, tool_choice=tool_choice)
+        )
 
     def stream(
         self,
@@ -187,6 +195,7 @@ class Chat:
         *,
         should_stop: Callable[[], bool] | None = None,
         schema: dict | None = None,
+        tool_choice: str | None = None,
     ) -> Iterator[str]:
         """Add the user message `text` and yield the reply in pieces as it is decoded.
 
@@ -196,12 +205,22 @@ class Chat:
         mlx.launch every rank must stop at the same piece). `schema`: a JSON schema
         the reply follows (constrained decoding, `engine/grammar.py`; {"type":
         "object"} for any JSON object); `grammar.GrammarError` when it cannot compile.
+        `tool_choice`: "required" or a function's name makes the reply one call of `tools`.
         """
         if not isinstance(text, str):
             raise TypeError(f"the message must be a str, not {type(text).__name__}")
-        processors = [] if schema is None else [self._grammar_mask(schema)]
+        yield from self._reply(
+            [{"role": "user", "content": text}], should_stop, schema, tool_choice
+        )
+
+    def _reply(self, add: list[dict], should_stop=None, schema=None, tool_choice=None):
+        """The reply to the history and `add` (the new messages), yielded as decoded."""
+        processors = self._tool_processors(tool_choice)
+        if schema is not None:
+            processors = [self._grammar_mask(json_schema_grammar(schema))]
+        calls, self.last_tool_calls = self._tool_stream(tool_choice), []
         before = list(self.history)
-        messages, tokens, dropped = self._fit([*self.history, {"role": "user", "content": text}])
+        messages, tokens, dropped = self._fit([*self.history, *add])
         reused = self._reuse(tokens)
         new = tokens[reused:]
         seed = None if self.seed is None else self.seed + self._turn
@@ -224,12 +243,13 @@ class Chat:
             history=self._held[:reused],
             should_stop=should_stop or self.should_stop,
             group=self.group,
-            draft=self.drafter if schema is None else None,  # a grammar follows one token
+            draft=None if processors else self.drafter,  # a grammar follows one token
             num_draft_tokens=self.num_draft_tokens,
             logits_processors=processors,
         )
         generated: list[int] = []
         shown: list[str] = []
+        said, found = [], []  # with tools: the text yielded, the calls parsed
         last, state = None, "failed"
         try:
             for r in steps:
@@ -237,9 +257,16 @@ class Chat:
                 generated.append(r.token)
                 if r.text:
                     shown.append(r.text)
-                    yield r.text
+                    said.append(calls.feed(r.text) if calls else r.text)
+                    if said[-1]:
+                        yield said[-1]
                 if r.finish_reason:
                     break
+            if calls:  # what was held back: text, or the calls
+                rest, found = calls.finish()
+                said.append(rest)
+                if rest:
+                    yield rest
             state = "complete"
         except GeneratorExit:  # the caller stopped iterating: keep the reply so far
             state = "closed"
@@ -256,6 +283,7 @@ class Chat:
                 stop_hit = last.stop_string if last else None
                 eos = last is not None and last.eos
                 self._end_turn(reused, new, generated, reply, finish, eos, stop_hit, state)
+                self._keep_calls(self.history[-1], "".join(said), found)
                 self.last_stats = TurnStats(
                     len(tokens),
                     reused,
@@ -316,7 +344,7 @@ class Chat:
     # -- prompt -------------------------------------------------------------
 
     def _apply(self, messages: list[dict], tokenize: bool) -> list[int] | str:
-        return self._renderer.apply(messages, tokenize=tokenize)
+        return self._renderer.apply(messages, tokenize=tokenize, tools=self.tools)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []

@@ -3,7 +3,9 @@ route: the same engine request, the same text.
 
 `openai_body` turns a Messages body into an OpenAI chat body (`system` -> a system message,
 an assistant's tool_use blocks -> its `tool_calls`, tool_result blocks -> role "tool"
-messages, `tools` -> functions, `stop_sequences` -> `stop`); the routes answer with the
+messages, `tools` -> functions, `stop_sequences` -> `stop`, a final assistant message ->
+vLLM's `continue_final_message`: the reply continues that "prefill" and holds only what
+follows it); the routes answer with the
 chat completion turned back into a Message or its stream chunks into Anthropic's events
 (`server/anthropic_answers.py`). A bad body is a 400 in Anthropic's error shape naming
 the field as Anthropic does ("messages.0.content.1.type").
@@ -105,6 +107,8 @@ def openai_body(body: Any) -> dict[str, Any]:
     for i, m in enumerate(b.messages):
         messages += _messages(m, f"messages.{i}")
     out: dict[str, Any] = {"messages": messages, "max_tokens": b.max_tokens}
+    if b.messages[-1].role == "assistant" and _prefill(messages[-1], len(b.messages) - 1):
+        out["continue_final_message"] = True
     for name in ("temperature", "top_p", "top_k"):
         if getattr(b, name) is not None:
             out[name] = getattr(b, name)
@@ -162,6 +166,19 @@ def _messages(m: InputMessage, where: str) -> list[dict[str, Any]]:
             reply["content"] = reply["content"] or None
         return [reply]
     return results + ([{"role": "user", "content": JOIN.join(texts)}] if texts else [])
+
+
+def _prefill(last: dict[str, Any], i: int) -> bool:
+    """Whether a final assistant message is a prefill the reply continues: one with text
+    and no tool_use (which stays a finished turn, as before its tool_result comes); as in
+    Anthropic's API, its text may not end with whitespace."""
+    text = last["content"] or ""
+    if last.get("tool_calls") or not text:
+        return False
+    if text != text.rstrip():
+        at = f"messages.{i}.content"
+        raise RequestError(f"{at}: final assistant content cannot end with trailing whitespace", at)
+    return True
 
 
 def _block(raw: Any, at: str) -> _Body:

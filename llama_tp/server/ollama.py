@@ -113,6 +113,9 @@ def chat_body(body: Any, context: int) -> dict[str, Any] | None:
             msg["name"] = m.tool_name
         messages.append(msg)
     out = {"messages": messages, **_settings(b, context)}
+    last = messages[-1]
+    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
+        out["continue_final_message"] = True  # Ollama's prefill: the reply continues it
     if b.tools:
         out["tools"] = b.tools
     return out

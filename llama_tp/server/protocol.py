@@ -132,6 +132,10 @@ class ChatBody(_Common):
     tool_choice: Literal["none", "auto", "required"] | tool_calls.NamedChoice | None = None
     parallel_tool_calls: bool | None = None
     max_completion_tokens: Count | None = None
+    # vLLM's: the last message left open for the model to continue (a "prefill"), or
+    # the messages rendered without the assistant's generation prompt
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
@@ -155,6 +159,8 @@ class Request:
     tools: list[dict] | None = None  # the tools the template shows and replies may call
     tool_choice: str | dict = "auto"
     response_format: ResponseFormat | None = None
+    continue_final: bool = False  # the reply continues the last message (a prefill)
+    add_generation_prompt: bool = True
 
 
 _FIELDS = (
@@ -227,9 +233,29 @@ def chat_request(body: ChatBody, defaults: Defaults) -> Request:
     req = _request(body, defaults, True, max_tokens, k)
     req.messages = [tool_calls.message(m, i) for i, m in enumerate(body.messages)]
     tool_calls.choose(req, body.tools, body.tool_choice)
+    _prefill(req, body)
     if defaults.system_prompt and not any(m["role"] == "system" for m in req.messages):
         req.messages.insert(0, {"role": "system", "content": defaults.system_prompt})
     return req
+
+
+def _prefill(req: Request, body: ChatBody) -> None:
+    """vLLM's continue_final_message / add_generation_prompt on the request."""
+    req.continue_final = bool(body.continue_final_message)
+    req.add_generation_prompt = body.add_generation_prompt is not False
+    if req.continue_final and body.add_generation_prompt:
+        raise RequestError(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true: the "
+            "reply either continues the last message or starts a new one",
+            "continue_final_message",
+        )
+    last = body.messages[-1]
+    if req.continue_final and (last.tool_calls or not last.text()):
+        raise RequestError(
+            f"'continue_final_message' needs text to continue: messages[{len(body.messages) - 1}]"
+            + (" holds tool calls" if last.tool_calls else " has no content"),
+            "continue_final_message",
+        )
 
 
 def completion_request(body: CompletionBody, defaults: Defaults) -> Request:
@@ -298,10 +324,14 @@ def prompt_tokens(req: Request, renderer, vocab_size: int) -> tuple[list[int], t
         raise RequestError(f"'logit_bias' token ids must be in [0, {vocab_size})", "logit_bias")
     if req.chat:
         try:
-            return renderer.encode(req.messages, req.tools), renderer.stops
+            ids = renderer.encode(
+                req.messages, req.tools, req.continue_final, req.add_generation_prompt
+            )
+            return ids, renderer.stops
         except ChatTemplateError as e:  # the template may reject e.g. a role order
+            field_ = "continue_final_message" if req.continue_final else "messages"
             raise RequestError(
-                f"the chat template rejected the messages: {e}", "messages"
+                f"the chat template rejected the messages: {e}"[:500], field_
             ) from None
     if isinstance(req.prompt, str):
         return list(renderer.tokenizer.encode(req.prompt)), ()
@@ -323,7 +353,7 @@ def constrain(req: Request, renderer, vocab_size: int) -> None:
             grammar = json_schema_grammar(fmt.json_schema.schema_)
         if grammar is None and req.tools:
             field_ = "tools"  # a function's parameters: the schema of a forced call
-            grammar = tool_calls.forced_call_grammar(req, renderer.tokenizer)
+            grammar = tool_calls.forced_call_grammar(req.tools, req.tool_choice, renderer.tokenizer)
         if grammar is not None:
             check_grammar(grammar, renderer.tokenizer, vocab_size, renderer.eos)
     except GrammarError as e:
