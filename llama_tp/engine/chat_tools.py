@@ -60,6 +60,15 @@ class ChatTools:
             "content": content,
         }
 
+    def _grammar_mask(self, grammar: str):
+        """The logits processor that keeps replies in `grammar` (a tool call's, or a JSON
+        schema's: `send(schema=...)`)."""
+        from .grammar import GrammarMask, check_grammar
+
+        size = self.model.args.vocab_size
+        check_grammar(grammar, self.tokenizer, size, self._renderer.eos)
+        return GrammarMask(grammar, self.tokenizer, size, self._renderer.eos)
+
     def _tool_processors(self, tool_choice: str | None) -> list:
         """The grammar mask of a reply that must call a tool (`tool_choice` "required" or
         a function's name), or none."""

@@ -162,13 +162,6 @@ class Chat(ChatTools):
         self._tokens_of.clear()
         self._turn = 0
 
-    def _grammar_mask(self, grammar: str):
-        from .grammar import GrammarMask, check_grammar
-
-        size = self.model.args.vocab_size
-        check_grammar(grammar, self.tokenizer, size, self._renderer.eos)
-        return GrammarMask(grammar, self.tokenizer, size, self._renderer.eos)
-
     @property
     def context_tokens(self) -> int:
         """Tokens held in the KV cache."""
