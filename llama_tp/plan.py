@@ -149,7 +149,18 @@ def _open(model: str | Path, gguf_quant: str | None = None):
         return read_config_only(path, gguf_quant)
     if gguf_quant:
         raise UsageError("--gguf-quant plans from a config.json alone: --model DIR/config.json")
-    return open_checkpoint(path)
+    return open_checkpoint(path, blocks=_blocks_here())
+
+
+def _blocks_here() -> bool:
+    """Whether the loader keeps a GGUF file's quantized blocks as stored on this machine
+    (on the CPU, with the native kernels: `engine.kernel_choice`); elsewhere (MLX's GPU,
+    no kernels) it converts them, and the plan says so."""
+    import mlx.core as mx
+
+    from . import kernels
+
+    return mx.default_device() == mx.cpu and kernels.status().native
 
 
 def model_path(args):

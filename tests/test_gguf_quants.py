@@ -7,11 +7,14 @@ file) is loaded on 1, 2 and 3 ranks by `mp_gguf_check.py`, one run per rank coun
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import launch, run_python
+from conftest import ROOT, launch, requires, run_python
 from gguf_writer import (
     F16,
     NAMES,
@@ -202,10 +205,20 @@ def test_each_rank_reads_its_share(runs, n):
             assert sum(runs[n][path]["bytes_read"]) <= runs[1][path]["bytes_read"][0] * 1.01
 
 
+@requires("compiler")
 def test_plan_names_the_block_split(files):
-    r = run_python(["-m", "llama_tp.plan", "--model", str(files["mixed"]), "-n", "2"], 60)
+    """`plan` holds the types as the loader here would: as stored with the native
+    kernels (CI builds them), converted with MLX's kernel."""
+    from llama_tp import kernels
+
+    assert kernels.status().native, kernels.status().reason
+    cmd = [sys.executable, "-m", "llama_tp.plan", "--model", str(files["mixed"]), "-n", "2"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "split in units of 256: whole GGUF blocks of ffn_down" in r.stdout, r.stderr
-    assert "Q6_K -> MLX 8-bit, group 32 (requantized)" in r.stdout
+    assert "Q6_K -> as stored (native kernels)" in r.stdout
+    env = {**os.environ, "LLAMA_TP_KERNELS": "mlx"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "Q6_K -> MLX 8-bit, group 32 (requantized)" in r.stdout, r.stderr
 
 
 def _generate(path) -> list[str]:
