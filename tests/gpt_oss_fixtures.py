@@ -147,15 +147,10 @@ def hf_release(src: Path, out: Path) -> Path:
     return out
 
 
-# llama.cpp's names for the release's tensors (convert_hf_to_gguf.py's GptOssModel)
-_GGUF_NAMES = [
-    (r"^model\.embed_tokens\.", "token_embd."),
-    (r"^model\.norm\.", "output_norm."),
-    (r"^lm_head\.", "output."),
-    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"blk.\1.attn_norm."),
+# llama.cpp's names for the release's own tensors (convert_hf_to_gguf.py's GptOssModel),
+# ahead of the names every architecture shares (gguf_writer's)
+_GPT_OSS_NAMES = [
     (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blk.\1.post_attention_norm."),
-    (r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.", r"blk.\1.attn_\2."),
-    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"blk.\1.attn_output."),
     (r"^model\.layers\.(\d+)\.self_attn\.sinks$", r"blk.\1.attn_sinks.weight"),
     (r"^model\.layers\.(\d+)\.mlp\.router\.", r"blk.\1.ffn_gate_inp."),
     (r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj_", r"blk.\1.ffn_\2_exps."),
@@ -181,7 +176,7 @@ def gguf_release(release: Path, out: Path, **overrides) -> Path:
     import re
 
     import gguf
-    from gguf_writer import llama_vocabulary
+    from gguf_writer import _HF_TO_GGUF, llama_vocabulary
 
     config = json.loads((release / "config.json").read_text())
     MXFP4 = gguf.GGMLQuantizationType.MXFP4
@@ -225,7 +220,7 @@ def gguf_release(release: Path, out: Path, **overrides) -> Path:
         if name.endswith("_scales"):
             continue  # with its blocks
         new = name
-        for pattern, repl in _GGUF_NAMES:
+        for pattern, repl in [*_GPT_OSS_NAMES, *_HF_TO_GGUF]:
             new, hit = re.subn(pattern, repl, name)
             if hit:
                 break
