@@ -143,24 +143,16 @@ def _open(model: str | Path, gguf_quant: str | None = None):
     from .checkpoints import open_checkpoint
     from .checkpoints.config_only import read_config_only
     from .console.cli import UsageError
+    from .engine.kernel_choice import kernels_here
 
     path = Path(model)
     if path.name == "config.json" and path.is_file():
         return read_config_only(path, gguf_quant)
     if gguf_quant:
         raise UsageError("--gguf-quant plans from a config.json alone: --model DIR/config.json")
-    return open_checkpoint(path, blocks=_blocks_here())
-
-
-def _blocks_here() -> bool:
-    """Whether the loader keeps a GGUF file's quantized blocks as stored on this machine
-    (on the CPU, with the native kernels: `engine.kernel_choice`); elsewhere (MLX's GPU,
-    no kernels) it converts them, and the plan says so."""
-    import mlx.core as mx
-
-    from . import kernels
-
-    return mx.default_device() == mx.cpu and kernels.status().native
+    # a GGUF's types as the loader here holds them: as stored with the native kernels,
+    # converted elsewhere (MLX's GPU, no kernels)
+    return open_checkpoint(path, blocks=kernels_here())
 
 
 def model_path(args):

@@ -239,9 +239,9 @@ def openblas_env(flags: list[str]) -> list[str]:
     (theirs is kept); nothing when the user set LD_PRELOAD or gave hosts."""
     from .blas import find_openblas
 
-    if _value(flags, "--hostfile") or _value(flags, "--hosts"):
+    if _remote(flags):
         return []  # remote hosts may not have it at the same path
-    given = {e.split("=", 1)[0] for e in _envs(flags)} | set(os.environ)
+    given = _given(flags)
     if "LD_PRELOAD" in given:
         return []
     lib = find_openblas()
@@ -253,10 +253,13 @@ def openblas_env(flags: list[str]) -> list[str]:
     return ["--env", f"LD_PRELOAD={lib}", "--env", f"OPENBLAS_NUM_THREADS={threads}"]
 
 
+def _ranks(flags: list[str]) -> int:
+    return int(_value(flags, "-n") or _value(flags, "--repeat-hosts") or 1)
+
+
 def _threads_per_rank(flags: list[str]) -> int:
     """This machine's cores over the local ranks."""
-    n = int(_value(flags, "-n") or _value(flags, "--repeat-hosts") or 1)
-    return max(1, len(usable_cores()) // n)
+    return max(1, len(usable_cores()) // _ranks(flags))
 
 
 KERNEL_THREADS = "LLAMA_TP_KERNEL_THREADS"  # read by llama_tp.kernels.native
@@ -265,9 +268,7 @@ KERNEL_THREADS = "LLAMA_TP_KERNEL_THREADS"  # read by llama_tp.kernels.native
 def kernel_threads_env(flags: list[str]) -> list[str]:
     """`--env LLAMA_TP_KERNEL_THREADS=<cores / ranks>` for local ranks: the native
     kernels' threads per rank (nothing when the user set it or gave hosts)."""
-    if _value(flags, "--hostfile") or _value(flags, "--hosts"):
-        return []
-    if KERNEL_THREADS in {e.split("=", 1)[0] for e in _envs(flags)} | set(os.environ):
+    if _remote(flags) or KERNEL_THREADS in _given(flags):
         return []
     return ["--env", f"{KERNEL_THREADS}={_threads_per_rank(flags)}"]
 
@@ -275,17 +276,24 @@ def kernel_threads_env(flags: list[str]) -> list[str]:
 def cores_env(flags: list[str]) -> list[str]:
     """`--env LLAMA_TP_CORES=0/1` (each local rank on its own cores, `affinity.py`) when
     the ranks fit on this machine's cores (nothing when the user set it or gave hosts)."""
-    if _value(flags, "--hostfile") or _value(flags, "--hosts"):
+    if _remote(flags) or CORES_ENV in _given(flags):
         return []
-    if CORES_ENV in {e.split("=", 1)[0] for e in _envs(flags)} | set(os.environ):
-        return []
-    n = int(_value(flags, "-n") or _value(flags, "--repeat-hosts") or 1)
-    spec = rank_cores(n, usable_cores())
+    spec = rank_cores(_ranks(flags), usable_cores())
     return [] if spec is None else ["--env", f"{CORES_ENV}={spec}"]
 
 
 def _envs(flags: list[str]) -> list[str]:
     return [flags[i + 1] for i, a in enumerate(flags[:-1]) if a == "--env"]
+
+
+def _given(flags: list[str]) -> set[str]:
+    """The variables the user set: in the launcher's environment or with --env."""
+    return {e.split("=", 1)[0] for e in _envs(flags)} | set(os.environ)
+
+
+def _remote(flags: list[str]) -> bool:
+    """Hosts given: the ranks may be on other machines (nothing local is assumed)."""
+    return bool(_value(flags, "--hostfile") or _value(flags, "--hosts"))
 
 
 def run(argv: list[str], openblas: bool = True) -> int:

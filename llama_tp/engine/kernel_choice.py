@@ -27,6 +27,14 @@ def products_path(dtype: str | None, native: bool) -> str:
     return kernels.status().describe()
 
 
+def kernels_here() -> bool:
+    """Whether this process can run the native kernels: on the CPU, extension loaded
+    (`native_kernels` asks every rank of a group the same)."""
+    from .. import kernels
+
+    return mx.default_device() == mx.cpu and kernels.status().native
+
+
 def native_kernels(dtype: str | None, group: mx.distributed.Group) -> bool:
     """Whether the native kernels (`llama_tp.kernels`) run: on the CPU, with the extension
     loaded on every rank of `group` (all or none: the ranks hold the same layer kinds).
@@ -40,7 +48,8 @@ def native_kernels(dtype: str | None, group: mx.distributed.Group) -> bool:
     if dtype is not None and not kernels.status().native:
         return False  # no warning: the products are float ones
     mine = kernels.status()
-    every = all_gather_object(mine.native, group) if group.size() > 1 else [mine.native]
+    here = kernels_here()
+    every = all_gather_object(here, group) if group.size() > 1 else [here]
     if all(every):
         kernels.set_threads(kernels.default_threads(group.size()))
         return True
