@@ -170,18 +170,16 @@ def targets(res: dict) -> list[tuple[str, str, float, float]]:
     best = ("llama.cpp|1x1", *two)  # its fastest row: 1 or 2 threads
     for model in res["models"]:
         for mine, theirs, goal, what in (
-            ("1x1", ("llama.cpp|1x1",), 0.5, "1 rank, 1 thread / llama.cpp, 1 thread"),
-            ("1x2", two, 0.5, "1 rank, 2 threads / llama.cpp, 2 threads"),
-            ("2x1", two, 1 / 3, "2 ranks / llama.cpp, 2 threads"),
-            ("1x2", best, 0.5, "1 rank, 2 threads / llama.cpp's fastest (1 or 2 threads)"),
-            ("2x1", best, 1 / 3, "2 ranks / llama.cpp's fastest (1 or 2 threads)"),
-            ("2x1", two, 2 / 3, "2 ranks / llama.cpp, 2 threads (the moonshot)"),
-            ("MPI 2x1", two, 2 / 3, "2 ranks, Open MPI / llama.cpp, 2 threads (the moonshot)"),
+            ("native|1x1", ("llama.cpp|1x1",), 0.5, "1 rank, 1 thread / llama.cpp, 1 thread"),
+            ("native|1x2", two, 0.5, "1 rank, 2 threads / llama.cpp, 2 threads"),
+            ("native|2x1", two, 1 / 3, "2 ranks / llama.cpp, 2 threads"),
+            ("native|1x2", best, 0.5, "1 rank, 2 threads / llama.cpp's fastest (1 or 2 threads)"),
+            ("native|2x1", best, 1 / 3, "2 ranks / llama.cpp's fastest (1 or 2 threads)"),
+            ("native|2x1", two, 2 / 3, "2 ranks / llama.cpp, 2 threads (the moonshot)"),
+            (f"{MPI}|2x1", two, 2 / 3, "2 ranks, Open MPI / llama.cpp, 2 threads (the moonshot)"),
         ):
-            kind, _, mine = mine.rpartition(" ")
-            key = f"{model}|{MPI if kind else 'native'}|{mine}"
-            if key in gen:
-                ratio = _ratio(gen, key, *(f"{model}|{t}" for t in theirs))
+            if f"{model}|{mine}" in gen:  # no MPI column where mpirun was missing
+                ratio = _ratio(gen, f"{model}|{mine}", *(f"{model}|{t}" for t in theirs))
                 out.append((what, model, ratio, goal))
     return out
 

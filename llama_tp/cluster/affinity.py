@@ -3,9 +3,9 @@
 Several ranks on one machine each run a compute thread, a Python thread and MLX's ring
 socket threads, which spin on a non-blocking `recv` while a collective waits. Left to
 the scheduler, 2 ranks on 2 cores keep migrating and preempting each other at every one
-of a token's ~60 collectives; each rank on its own core generated 2.2x the tokens/s of
-the same launch unpinned, next to other jobs (docs/cpu-kernels.md, "Two ranks on one
-machine").
+of a token's ~60 collectives; each rank on its own core generated 72-75 tokens/s where
+the same launch unpinned made 13-58, next to other jobs (docs/cpu-kernels.md, "Two ranks
+on one machine").
 
 `python -m llama_tp.launch -n N` on one machine sets `LLAMA_TP_CORES` to N groups of
 this machine's usable cores, `0/1` or `0,1/2,3` (rank r takes group r), when N divides
