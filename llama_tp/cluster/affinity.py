@@ -73,8 +73,10 @@ def apply_launch_cores(rank: int) -> list[int] | None:
     or not Linux. A value that cannot be applied warns on stderr once and runs unpinned
     (the launch is still correct, only slower)."""
     global _applied
+    if _applied:  # world() asks on every call
+        return None
     spec = os.environ.get(CORES_ENV, "")
-    if _applied or not spec or spec == "off" or not os.path.isdir("/proc/self/task"):
+    if not spec or spec == "off" or not os.path.isdir("/proc/self/task"):
         return None
     _applied = True
     try:
