@@ -207,38 +207,70 @@ def test_a_process_on_its_own_does_not_start_mpi(tmp_path):
 
 def test_local_ranks_each_get_their_own_cores():
     """Ranks launched on one machine are pinned to disjoint cores (`LLAMA_TP_CORES`,
-    applied by `world()` to every thread, the backend's included); `off` leaves them
-    to the scheduler; more ranks than cores are not pinned."""
-    from llama_tp.cluster.affinity import parse_cores, rank_cores, usable_cores
+    applied by `world()` to every thread, the backend's included), and their session
+    runs at nice 10 meanwhile, restored after; `off` leaves them to the scheduler; more
+    ranks than cores are not pinned. Each launch is its own session (pytest's untouched)."""
+    from llama_tp.cluster.affinity import SESSION_NICE, parse_cores, rank_cores, usable_cores
 
     code = (
-        "import os; from llama_tp.cluster.distributed import world; r = world().rank(); "
+        "import os; from llama_tp.cluster.distributed import world; "
+        "from llama_tp.cluster.affinity import session_nice; r = world().rank(); "
         "cores = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in "
         "os.listdir('/proc/self/task')}; "
-        "os.write(1, f\"{r} {os.environ.get('LLAMA_TP_CORES')} {sorted(cores)}\\n\".encode())"
+        "os.write(1, f\"{r} {os.environ.get('LLAMA_TP_CORES')} {sorted(cores)} "
+        '{session_nice()}\\n".encode())'
     )
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_TP_CORES"}
+    after = "from llama_tp.cluster.affinity import session_nice; print('after', session_nice())"
 
     def ranks(n: int, extra: dict) -> list[str]:
         cmd = [sys.executable, "-m", "llama_tp.launch", "-n", str(n)]
         cmd += ["--starting-port", str(next(_PORTS)), "--", sys.executable, "-c", code]
+        # the launch, then the same session's nice once it has ended
+        script = '"$@" && "$0" -c "$1"'
         r = subprocess.run(
-            cmd, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120
+            ["sh", "-c", script.replace("$1", after), sys.executable, *cmd],
+            cwd=ROOT,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            start_new_session=True,
         )
         assert r.returncode == 0, r.stderr
-        return sorted(r.stdout.splitlines())
+        lines = r.stdout.splitlines()
+        assert lines[-1] == "after 0", r.stdout  # restored
+        return sorted(lines[:-1])
 
     usable = usable_cores()
     spec = rank_cores(2, usable)
     assert spec is not None and len(usable) >= 2
-    want = [f"{r} {spec} {[tuple(parse_cores(spec, r))]}" for r in (0, 1)]
+    want = [f"{r} {spec} {[tuple(parse_cores(spec, r))]} {SESSION_NICE}" for r in (0, 1)]
     assert ranks(2, {}) == want
-    assert ranks(2, {"LLAMA_TP_CORES": "off"}) == [f"{r} off {[tuple(usable)]}" for r in (0, 1)]
+    # LLAMA_TP_SESSION_NICE chooses the value (0: the session as it was)
+    assert ranks(2, {"LLAMA_TP_SESSION_NICE": "3"}) == [
+        w[: -len(str(SESSION_NICE))] + "3" for w in want
+    ]
+    assert ranks(2, {"LLAMA_TP_SESSION_NICE": "0"}) == [
+        w[: -len(str(SESSION_NICE))] + "0" for w in want
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "llama_tp.launch", "-n", "2", "--", sys.executable, "-c", "1"],
+        env={**env, "LLAMA_TP_SESSION_NICE": "20"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r
+    assert r.stderr == "error: LLAMA_TP_SESSION_NICE must be an integer from 0 to 19, got '20'\n"
+    off = ranks(2, {"LLAMA_TP_CORES": "off"})
+    assert off == [f"{r} off {[tuple(usable)]} 0" for r in (0, 1)]
     many = len(usable) + 1
-    assert ranks(many, {}) == [f"{r} None {[tuple(usable)]}" for r in range(many)]
+    assert ranks(many, {}) == [f"{r} None {[tuple(usable)]} 0" for r in range(many)]
     # a value that cannot be applied: one warning per rank, the ranks run unpinned
     bad = ranks(2, {"LLAMA_TP_CORES": "0/x"})
-    assert bad[0] == f"0 0/x {[(0,)]}" and bad[1] == f"1 0/x {[tuple(usable)]}"
+    assert bad[0] == f"0 0/x {[(0,)]} {SESSION_NICE}"
+    assert bad[1] == f"1 0/x {[tuple(usable)]} {SESSION_NICE}"
 
 
 def test_rank_cores_groups():

@@ -11,14 +11,34 @@ on one machine").
 this machine's usable cores, `0/1` or `0,1/2,3` (rank r takes group r), when N divides
 into them; `world()` applies it once, after the backend started its threads. Set it
 yourself (`--env LLAMA_TP_CORES=...`) to choose the cores, or to `off`.
+
+Pinned ranks keep every core busy (the ring's socket threads spin while a collective
+waits), and under Linux's autogroups (one scheduling group per session, the default)
+they then starve the other sessions: a browser, an HTTP client, the shell. Measured on
+this 2-core machine (kernel 6.18), with a process in another session that wakes every
+50 ms: while 2 pinned ranks generated 1,500 tokens it went 4-24 s without running, in
+each of 5 runs, and a client streaming from a 2-rank server got nothing for 21-44 s at
+a time. With the ranks' session at nice 10 no wait passed 0.3 s (2 runs of each),
+and the ranks generated as fast (47-53 tokens/s either way; nice 5 still left 2-5 s
+waits next to the server). Ranks in the client's own session, or autogroups off, or
+ranks over Open MPI (one run) showed no waits. So while its ranks are pinned the
+launcher runs its session at nice 10 (`yielding_session`) and restores it after;
+`LLAMA_TP_SESSION_NICE` sets another value (0: leave the session as it is).
+bench/session_waits.py measures it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
+from collections.abc import Iterator
 
 CORES_ENV = "LLAMA_TP_CORES"
+AUTOGROUP = "/proc/self/autogroup"  # "/autogroup-42 nice 0": this session's group
+SESSION_NICE = 10  # the least of 5, 10, 19 that kept the waits under 0.3 s
+NICE_ENV = "LLAMA_TP_SESSION_NICE"
 
 
 def usable_cores() -> list[int]:
@@ -84,3 +104,55 @@ def apply_launch_cores(rank: int) -> list[int] | None:
     except (ValueError, OSError) as e:
         print(f"warning: {CORES_ENV}={spec}: not pinned: {e}", file=sys.stderr, flush=True)
         return None
+
+
+def session_nice() -> int | None:
+    """This session's autogroup nice value (None: no autogroups here)."""
+    try:
+        with open(AUTOGROUP) as f:
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _set_session_nice(nice: int) -> bool:
+    for _attempt in range(2):
+        try:
+            with open(AUTOGROUP, "w") as f:
+                f.write(str(nice))
+            return True
+        except BlockingIOError:  # EAGAIN: the kernel allows one change per 100 ms
+            time.sleep(0.11)
+        except OSError:
+            return False
+    return False
+
+
+def launch_nice() -> int:
+    """The nice value for a session of pinned ranks: `LLAMA_TP_SESSION_NICE`, else 10.
+    ValueError names the variable when it is not an integer from 0 to 19."""
+    value = os.environ.get(NICE_ENV, "").strip()
+    if not value:
+        return SESSION_NICE
+    try:
+        nice = int(value)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ValueError(f"{NICE_ENV} must be an integer from 0 to 19, got {value!r}")
+    return nice
+
+
+@contextlib.contextmanager
+def yielding_session(nice: int = SESSION_NICE) -> Iterator[int | None]:
+    """Run this session's scheduling group at `nice` inside the block, and restore it
+    after (see the module's docstring). Yields the nice value in force, None when there
+    are no autogroups; a session already at `nice` or above is left as it is."""
+    before = session_nice()
+    if before is None or before >= nice or not _set_session_nice(nice):
+        yield before
+        return
+    try:
+        yield nice
+    finally:
+        _set_session_nice(before)

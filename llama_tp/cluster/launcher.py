@@ -21,6 +21,7 @@ and mpirun plumbing, the hostfile it writes for the ranks. `main()` runs mlx's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .affinity import CORES_ENV, rank_cores, usable_cores
+from .affinity import CORES_ENV, launch_nice, rank_cores, usable_cores, yielding_session
 
 GRACE = 5.0  # seconds the other ranks get to end by themselves after one fails
 
@@ -282,6 +283,15 @@ def cores_env(flags: list[str]) -> list[str]:
     return [] if spec is None else ["--env", f"{CORES_ENV}={spec}"]
 
 
+def pins_ranks(flags: list[str]) -> bool:
+    """The local ranks will be pinned: by the launcher, or by the user's own value."""
+    if _remote(flags):
+        return False
+    given = [e.split("=", 1)[1] for e in _envs(flags) if e.startswith(CORES_ENV + "=")]
+    value = given[-1] if given else os.environ.get(CORES_ENV, "")
+    return bool(cores_env(flags)) or value not in ("", "off")
+
+
 def _envs(flags: list[str]) -> list[str]:
     return [flags[i + 1] for i, a in enumerate(flags[:-1]) if a == "--env"]
 
@@ -309,6 +319,9 @@ def run(argv: list[str], openblas: bool = True) -> int:
     threads = kernel_threads_env(flags)
     cores = cores_env(flags)
     extra = blas + threads + cores
+    # Pinned ranks hold every core: the session yields to the others (affinity.py).
+    nice = launch_nice() if pins_ranks(flags) else 0
+    polite = yielding_session(nice) if nice else contextlib.nullcontext()
     if "--verbose" in flags:
         for what, env in (("preloading", blas), ("native kernels:", threads), ("cores:", cores)):
             if env:
@@ -331,7 +344,8 @@ def run(argv: list[str], openblas: bool = True) -> int:
     launch._launch_with_io, launch.run = forward_io, run_and_record
     Result.code = 0
     try:
-        launch.main()
+        with polite:
+            launch.main()
     except KeyboardInterrupt:
         return 130
     finally:
