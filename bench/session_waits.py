@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from llama_tp.benchmarks.servers import start, stop, wait_ready
+
 WATCHER = """
 import sys, time
 last = time.monotonic(); worst = 0.0
@@ -38,21 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"error: the server ended with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"error: the server was not ready after {timeout:.0f} s")
 
 
 def stream(base: str, max_tokens: int) -> tuple[float, float]:
@@ -89,12 +74,11 @@ def main() -> None:
     env.pop("LLAMA_TP_CORES", None)
     cmd = [sys.executable, "-m", "llama_tp.launch", "-n", "2", "--starting-port"]
     cmd += [str(free_port()), "-m", "llama_tp.serve", "--port", str(port)]
-    server = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, start_new_session=True
-    )
+    server = start(cmd, env)  # a session of its own, as a terminal's would be
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base, server)
+        if not wait_ready(base + "/health"):
+            raise SystemExit("error: the 2-rank server did not answer /health within 300 s")
         for k in range(args.rounds):
             watcher = subprocess.Popen(
                 [sys.executable, "-c", WATCHER], stdout=subprocess.PIPE, text=True
@@ -109,8 +93,7 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(30)
+        stop(server)
 
 
 if __name__ == "__main__":

@@ -134,25 +134,21 @@ def launch_nice() -> int:
     value = os.environ.get(NICE_ENV, "").strip()
     if not value:
         return SESSION_NICE
-    try:
-        nice = int(value)
-    except ValueError:
-        nice = -1
-    if not 0 <= nice <= 19:
+    if not (value.isdigit() and 0 <= int(value) <= 19):
         raise ValueError(f"{NICE_ENV} must be an integer from 0 to 19, got {value!r}")
-    return nice
+    return int(value)
 
 
 @contextlib.contextmanager
-def yielding_session(nice: int = SESSION_NICE) -> Iterator[int | None]:
+def yielding_session(nice: int = SESSION_NICE) -> Iterator[None]:
     """Run this session's scheduling group at `nice` inside the block, and restore it
-    after (see the module's docstring). Yields the nice value in force, None when there
-    are no autogroups; a session already at `nice` or above is left as it is."""
+    after (see the module's docstring). Nothing changes without autogroups, or for a
+    session already at `nice` or above (`nice` 0 leaves every session as it is)."""
     before = session_nice()
     if before is None or before >= nice or not _set_session_nice(nice):
-        yield before
+        yield
         return
     try:
-        yield nice
+        yield
     finally:
         _set_session_nice(before)

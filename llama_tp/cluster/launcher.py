@@ -21,7 +21,6 @@ and mpirun plumbing, the hostfile it writes for the ranks. `main()` runs mlx's
 
 from __future__ import annotations
 
-import contextlib
 import os
 import selectors
 import signal
@@ -283,13 +282,14 @@ def cores_env(flags: list[str]) -> list[str]:
     return [] if spec is None else ["--env", f"{CORES_ENV}={spec}"]
 
 
-def pins_ranks(flags: list[str]) -> bool:
-    """The local ranks will be pinned: by the launcher, or by the user's own value."""
-    if _remote(flags):
-        return False
+def pins_ranks(flags: list[str], cores: list[str]) -> bool:
+    """The local ranks will be pinned: by the launcher (`cores`, cores_env's flags), or
+    by the user's own value."""
+    if cores:
+        return True
     given = [e.split("=", 1)[1] for e in _envs(flags) if e.startswith(CORES_ENV + "=")]
     value = given[-1] if given else os.environ.get(CORES_ENV, "")
-    return bool(cores_env(flags)) or value not in ("", "off")
+    return not _remote(flags) and value not in ("", "off")
 
 
 def _envs(flags: list[str]) -> list[str]:
@@ -320,8 +320,7 @@ def run(argv: list[str], openblas: bool = True) -> int:
     cores = cores_env(flags)
     extra = blas + threads + cores
     # Pinned ranks hold every core: the session yields to the others (affinity.py).
-    nice = launch_nice() if pins_ranks(flags) else 0
-    polite = yielding_session(nice) if nice else contextlib.nullcontext()
+    polite = yielding_session(launch_nice() if pins_ranks(flags, cores) else 0)
     if "--verbose" in flags:
         for what, env in (("preloading", blas), ("native kernels:", threads), ("cores:", cores)):
             if env:
