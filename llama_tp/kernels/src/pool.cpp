@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "profile.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define LT_PAUSE() _mm_pause()
@@ -42,6 +44,7 @@ void Pool::stop_workers() {
   wake_.notify_all();
   for (auto& t : workers_) t.join();
   workers_.clear();
+  tids_.clear();
   stop_ = false;
 }
 
@@ -64,7 +67,17 @@ void Pool::work(uint64_t gen) {
   }
 }
 
+std::vector<int> Pool::worker_tids() {
+  std::lock_guard<std::mutex> lock(sleep_mutex_);
+  return tids_;
+}
+
 void Pool::loop() {
+  {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);
+    int tid = prof::this_tid();
+    if (tid >= 0) tids_.push_back(tid);
+  }
   uint64_t seen = gen_of(word_.load());
   while (true) {
     auto start = std::chrono::steady_clock::now();
