@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "profile.h"
 #include "matmul.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -159,6 +160,7 @@ void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
                 b = View(inputs[affine ? 3 : 1]), y_out = out.data<void>(), y_dtype = out.dtype(),
                 affine, n, N, B, row_bytes, stype, format = format_, gs = group_size_,
                 lead = lead_, k = k_]() {
+    prof::Scope timed(prof::QMATMUL);
     std::vector<uint8_t> keep_w, keep_s, keep_b;
     Matrix m{};
     m.format = format;
@@ -216,6 +218,7 @@ void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   size_t row_bytes = w.shape(-1);
   enc.dispatch([v = View(w), y_out = out.data<void>(), y_dtype = out.dtype(), rows, row_bytes,
                 format = format_, lead = lead_, n = n_]() {
+    prof::Scope timed(prof::DEQUANTIZE);
     std::vector<uint8_t> keep;
     std::vector<float> y((size_t)rows * n);
     dequantize_rows(format, v.bytes(keep), row_bytes, rows, lead, n, y.data());
@@ -264,26 +267,39 @@ void by_type(mx::Dtype dtype, F&& f) {
 }  // namespace
 
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
-               int offset, mx::StreamOrDevice s) {
+               int offset, const std::optional<mx::array>& offsets, mx::StreamOrDevice s) {
   check_4d(x, "x");
   if (dims < 2 || dims % 2 || dims > x.shape(3))
     throw std::invalid_argument("llama_tp kernels: rope dims must be even and <= the last axis");
+  std::vector<mx::array> inputs = {x};
+  if (offsets) {
+    if (offsets->size() != 1 && (offsets->ndim() != 1 || offsets->shape(0) != x.shape(0)))
+      throw std::invalid_argument("llama_tp kernels: rope offsets must be one, or one per row");
+    inputs.push_back(mx::astype(*offsets, mx::int32, s));
+  }
   return mx::array(x.shape(), x.dtype(),
                    std::make_shared<Rope>(mx::to_stream(s), dims, traditional, base, scale, offset),
-                   {x});
+                   std::move(inputs));
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
+  for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
+  bool dynamic = inputs.size() == 2;
+  const int32_t* offsets = dynamic ? inputs[1].data<int32_t>() : nullptr;
+  bool per_row = dynamic && inputs[1].size() > 1;
+  if (dynamic && !inputs[1].flags().row_contiguous && per_row)
+    throw std::invalid_argument("llama_tp kernels: rope offsets must be contiguous");
   enc.dispatch([x = view4(inputs[0]), dtype = out.dtype(), o = out.data<void>(), dims = dims_,
-                trad = traditional_, base = base_, scale = scale_, offset = offset_]() {
+                trad = traditional_, base = base_, scale = scale_, offset = offset_, offsets,
+                per_row]() {
+    prof::Scope timed(prof::ROPE);
     by_type(dtype, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      lt::rope<T>(x, dims, trad, base, scale, offset, static_cast<T*>(o));
+      lt::rope<T>(x, dims, trad, base, scale, offset, static_cast<T*>(o), offsets, per_row);
     });
   });
 }
@@ -299,7 +315,7 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
 }
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    bool causal, mx::StreamOrDevice s) {
+                    bool causal, const std::optional<mx::array>& ranges, mx::StreamOrDevice s) {
   check_4d(q, "q");
   check_4d(k, "k");
   check_4d(v, "v");
@@ -307,8 +323,15 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
       q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) || q.shape(1) % k.shape(1) ||
       (causal && q.shape(2) > k.shape(2)))
     throw std::invalid_argument("llama_tp kernels: attention shapes or dtypes do not match");
+  std::vector<mx::array> inputs = {q, k, v};
+  if (ranges) {
+    if (ranges->shape() != mx::Shape{q.shape(0), 2})
+      throw std::invalid_argument("llama_tp kernels: attention ranges must be (batch, 2)");
+    inputs.push_back(mx::astype(*ranges, mx::int32, s));
+  }
   return mx::array(q.shape(), q.dtype(),
-                   std::make_shared<Attention>(mx::to_stream(s), scale, causal), {q, k, v});
+                   std::make_shared<Attention>(mx::to_stream(s), scale, causal),
+                   std::move(inputs));
 }
 
 void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -317,11 +340,23 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
+  const int32_t* ranges = nullptr;
+  std::vector<int32_t> packed;
+  if (inputs.size() == 4) {
+    const mx::array& r = inputs[3];
+    if (r.flags().row_contiguous) {
+      ranges = r.data<int32_t>();
+    } else {
+      throw std::invalid_argument("llama_tp kernels: attention ranges must be contiguous");
+    }
+  }
   enc.dispatch([q = view4(inputs[0]), k = view4(inputs[1]), v = view4(inputs[2]),
-                dtype = out.dtype(), o = out.data<void>(), scale = scale_, causal = causal_]() {
+                dtype = out.dtype(), o = out.data<void>(), scale = scale_, causal = causal_,
+                ranges]() {
+    prof::Scope timed(prof::ATTENTION);
     by_type(dtype, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      lt::attention<T>(q, k, v, scale, causal, static_cast<T*>(o));
+      lt::attention<T>(q, k, v, scale, causal, static_cast<T*>(o), ranges);
     });
   });
 }
@@ -333,6 +368,76 @@ void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 bool Attention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Attention&>(other);
   return scale_ == o.scale_ && causal_ == o.causal_;
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  check_float(w, "weight");
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("llama_tp kernels: rms_norm weight must be (" +
+                                std::to_string(x.ndim() ? x.shape(-1) : 0) + ",)");
+  auto out_type = mx::promote_types(x.dtype(), w.dtype());
+  return mx::array(x.shape(), out_type, std::make_shared<RMSNorm>(mx::to_stream(s), eps),
+                   {x, w});
+}
+
+void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  int64_t n = inputs[0].shape(-1), rows = n ? (int64_t)(inputs[0].size() / n) : 0;
+  enc.dispatch([x = View(inputs[0]), w = View(inputs[1]), o = out.data<void>(), ot = out.dtype(),
+                rows, n, eps = eps_]() {
+    prof::Scope timed(prof::NORM);
+    std::vector<float> xf(x.size), wf(w.size);
+    x.floats(xf.data());  // strided views and every float type, as float32
+    w.floats(wf.data());
+    by_type(ot, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      lt::rms_norm<T>(xf.data(), wf.data(), rows, n, eps, static_cast<T*>(o));
+    });
+  });
+}
+
+void RMSNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+bool RMSNorm::is_equivalent(const mx::Primitive& other) const {
+  return eps_ == static_cast<const RMSNorm&>(other).eps_;
+}
+
+mx::array swiglu(const mx::array& x, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  if (x.ndim() < 1 || x.shape(-1) % 2)
+    throw std::invalid_argument("llama_tp kernels: swiglu takes (..., 2n)");
+  mx::Shape shape = x.shape();
+  shape.back() /= 2;
+  return mx::array(shape, x.dtype(), std::make_shared<SwiGLU>(mx::to_stream(s)), {x});
+}
+
+void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  enc.set_output_array(out);
+  int64_t n = out.shape(-1), rows = n ? (int64_t)(out.size() / n) : 0;
+  enc.dispatch([x = View(inputs[0]), o = out.data<void>(), ot = out.dtype(), rows, n]() {
+    prof::Scope timed(prof::SWIGLU);
+    std::vector<float> xf(x.size);
+    x.floats(xf.data());
+    by_type(ot, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      lt::swiglu<T>(xf.data(), rows, n, static_cast<T*>(o));
+    });
+  });
+}
+
+void SwiGLU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
 }
 
 }  // namespace lt
