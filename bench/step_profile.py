@@ -139,17 +139,23 @@ def instructions(model: str, ranks: int, steps: int) -> list[dict]:
     out = []
     for _, threads in sorted(by_pid.items()):
         # valgrind's thread 1 is the main thread; MLX's stream is the one running the kernels
-        stream = max((t for t in threads if t != 1), key=lambda t: threads[t]["native kernels"] + threads[t]["MLX compiled kernels"], default=None)
+        stream = max(
+            (t for t in threads if t != 1),
+            key=lambda t: threads[t]["native kernels"] + threads[t]["MLX compiled kernels"],
+            default=None,
+        )
         total = collections.Counter()
         for c in threads.values():
             total.update(c)
-        out.append({
-            "main": sum(threads.get(1, {}).values()),
-            "stream": sum(threads[stream].values()) if stream else 0.0,
-            "other": sum(sum(c.values()) for t, c in threads.items() if t not in (1, stream)),
-            "main_by_component": dict(threads.get(1, {})),
-            "by_component": dict(total),
-        })
+        out.append(
+            {
+                "main": sum(threads.get(1, {}).values()),
+                "stream": sum(threads[stream].values()) if stream else 0.0,
+                "other": sum(sum(c.values()) for t, c in threads.items() if t not in (1, stream)),
+                "main_by_component": dict(threads.get(1, {})),
+                "by_component": dict(total),
+            }
+        )
     return out
 
 
@@ -201,18 +207,18 @@ def _component(ob: str | None) -> str:
 def instruction_table(rows) -> str:
     comps = ("Python", "MLX", "libc", "MLX compiled kernels", "native kernels", "other")
     out = [
-        "| model | ranks | M instructions per step: main thread (Python, MLX, libc) | stream thread | other threads | all threads: "
-        + " / ".join(comps) + " |",
+        "| model | ranks | M instructions per step: main thread (Python, MLX, libc) "
+        "| stream thread | other threads | all threads: " + " / ".join(comps) + " |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for model, ranks, res in rows:
         r0 = res[0]
         m = r0["main_by_component"]
-        main = f"{r0['main'] / 1e6:.1f} ({m.get('Python', 0) / 1e6:.1f}, {m.get('MLX', 0) / 1e6:.1f}, {m.get('libc', 0) / 1e6:.1f})"
+        parts = ", ".join(f"{m.get(c, 0) / 1e6:.1f}" for c in ("Python", "MLX", "libc"))
+        main = f"{r0['main'] / 1e6:.1f} ({parts})"
         cells = " / ".join(f"{r0['by_component'].get(c, 0) / 1e6:.1f}" for c in comps)
-        out.append(
-            f"| {model} | {ranks} | {main} | {r0['stream'] / 1e6:.1f} | {r0['other'] / 1e6:.1f} | {cells} |"
-        )
+        th = f"{r0['stream'] / 1e6:.1f} | {r0['other'] / 1e6:.1f}"
+        out.append(f"| {model} | {ranks} | {main} | {th} | {cells} |")
     return "\n".join(out)
 
 
@@ -230,7 +236,11 @@ COLUMNS = (
 
 
 def table(rows: list[tuple[str, int, list[dict]]]) -> str:
-    head = "| model | ranks | " + " | ".join(c[1] for c in COLUMNS) + " | CPU by thread: main / stream / pool / other ms |"
+    head = (
+        "| model | ranks | "
+        + " | ".join(c[1] for c in COLUMNS)
+        + " | CPU by thread: main / stream / pool / other ms |"
+    )
     out = [head, "|" + " --- |" * (len(COLUMNS) + 3)]
     for model, ranks, runs in rows:
         r0 = [r["per_rank"][0] for r in runs]
@@ -238,7 +248,10 @@ def table(rows: list[tuple[str, int, list[dict]]]) -> str:
         for key, _ in COLUMNS:
             v = statistics.median(r[key] for r in r0)
             cells.append(f"{v:.0f}" if key == "ops" else f"{v:.2f}")
-        th = "/".join(f"{statistics.median(r['threads'][k] for r in r0):.2f}" for k in ("main", "stream", "pool", "other"))
+        th = "/".join(
+            f"{statistics.median(r['threads'][k] for r in r0):.2f}"
+            for k in ("main", "stream", "pool", "other")
+        )
         out.append(f"| {model} | {ranks} | " + " | ".join(cells) + f" | {th} |")
     return "\n".join(out)
 
@@ -273,7 +286,8 @@ def main() -> None:
             results[key].append(run_config(key[0], key[1], args.steps))
     load.append(os.getloadavg()[0])
     rows = [(m, n, runs) for (m, n), runs in results.items()]
-    print(f"load average {load[0]:.1f} before, {load[1]:.1f} after; medians of {args.rounds} rounds, rank 0")
+    print(f"load average {load[0]:.1f} before, {load[1]:.1f} after; ", end="")
+    print(f"medians of {args.rounds} rounds, rank 0")
     print(table(rows))
     if args.json:
         print(json.dumps({f"{m}/{n}": runs for (m, n), runs in results.items()}))

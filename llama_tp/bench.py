@@ -103,10 +103,11 @@ def main() -> int:
     from .benchmarks.report import common_prefix, print_table
     from .benchmarks.runner import bench_llama_tp, pin, prepare_model
     from .cluster.blas import check, hint, set_threads
-    from .console.cli import quiet
+    from .console.cli import apply_compile_flag, quiet
 
     args = parser().parse_args()
     check_args(args)
+    apply_compile_flag(args)
     quiet(args.quiet or args.json)
     group = world()
     cores = pin(args.pin_core, group.rank()) if args.pin_core else None

@@ -6,7 +6,9 @@ each step's graph built and started before the previous token is read):
 - `step_ms`: wall time per token; `cpu_ms`: CPU time per token of the whole process,
   split by thread (`threads`): `main` (Python: building the graph, MLX dispatching its
   operations to the stream), `stream` (MLX's CPU stream: every operation's work), `pool`
-  (the native kernels' other threads), `other` (the backend's socket threads, BLAS).
+  (the native kernels' other threads), `other` (the backend's socket threads, BLAS);
+  `waiting`: by the same threads, the time they were ready to run with no core free
+  (Linux's schedstat): where threads of the process (or other jobs) compete for cores.
   On a shared machine CPU time moves far less than wall time.
 - `build_ms`: the main thread's CPU time building one step's graph (Python), and
   `dispatch_ms`: evaluating it asynchronously until control returns (MLX walks the graph
@@ -44,8 +46,9 @@ def graph_ops(*outputs: mx.array) -> Counter:
     return kinds
 
 
-def _thread_cpu() -> dict[int, int]:
-    """CPU nanoseconds of every thread of this process (Linux; empty elsewhere)."""
+def _thread_cpu() -> dict[int, tuple[int, int]]:
+    """(CPU nanoseconds, nanoseconds runnable but waiting for a core) of every thread of
+    this process (Linux's schedstat; empty elsewhere)."""
     out = {}
     try:
         tids = os.listdir("/proc/self/task")
@@ -54,7 +57,8 @@ def _thread_cpu() -> dict[int, int]:
     for t in tids:
         try:
             with open(f"/proc/self/task/{t}/schedstat") as f:
-                out[int(t)] = int(f.read().split()[0])
+                run, wait = f.read().split()[:2]
+            out[int(t)] = (int(run), int(wait))
         except (OSError, ValueError, IndexError):
             continue
     return out
@@ -66,13 +70,14 @@ def _native():
     return native._ext if native.status().native else None
 
 
-def _classify(before: dict[int, int], after: dict[int, int], main: int) -> dict[str, float]:
-    """CPU ns by thread kind between two `_thread_cpu` snapshots."""
+def _classify(before: dict, after: dict, main: int, which: int = 0) -> dict[str, float]:
+    """CPU ns (`which` 0) or runnable-but-waiting ns (1) by thread kind between two
+    `_thread_cpu` snapshots."""
     e = _native()
-    stream, pool = (e.thread_ids() if e is not None else (-1, []))
+    stream, pool = e.thread_ids() if e is not None else (-1, [])
     kinds = {"main": 0, "stream": 0, "pool": 0, "other": 0}
     for tid, ns in after.items():
-        d = ns - before.get(tid, 0)
+        d = ns[which] - before.get(tid, (0, 0))[which]
         kind = (
             "main" if tid == main else "stream" if tid == stream else "pool" if tid in pool else
             "other"
@@ -93,7 +98,9 @@ def run_steps(step: Callable[[], Any], n: int) -> dict[str, Any]:
         step()
     wall = time.perf_counter() - t0
     t_main = time.thread_time() - t_main0
-    threads = _classify(cpu0, _thread_cpu(), main)
+    cpu1 = _thread_cpu()
+    threads = _classify(cpu0, cpu1, main)
+    waits = _classify(cpu0, cpu1, main, 1)
     native = {}
     if e is not None:
         native = {k: ns / 1e6 / n for k, calls, ns in e.profile_counts() if calls}
@@ -102,6 +109,7 @@ def run_steps(step: Callable[[], Any], n: int) -> dict[str, Any]:
         "step_ms": 1e3 * wall / n,
         "cpu_ms": sum(threads.values()) / 1e6 / n,
         "threads": {k: v / 1e6 / n for k, v in threads.items()},
+        "waiting": {k: v / 1e6 / n for k, v in waits.items()},  # runnable, no core free
         "host_ms": 1e3 * t_main / n,
         "native_ms": native,
     }

@@ -158,7 +158,11 @@ def hf_config(s: dict, dtype_name: str) -> dict:
     elif "glm" in s:
         moe = _glm_config(s)
     elif "qk_norm" in s:
-        moe = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": s["head_dim"]}
+        moe = {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "head_dim": s["head_dim"],
+        }
     elif "experts" in s:
         moe = {
             "model_type": "qwen3_moe",

@@ -7,10 +7,11 @@ previous sampling exchange brought) through the head, and, for rows that sample 
 or with a temperature only, the sharded sampler, collectives included, with the KV
 cache as explicit inputs and outputs:
 
-- each layer's KV buffer is passed whole (mlx-lm's `KVCache` and `BatchKVCache` grow it
-  256 positions at a time, so its shape changes once per 256 tokens) with the write
-  position, the rows' RoPE positions and their key ranges as int32 arrays: the graph is
-  the same at every token (`StepCache` stands in for each layer's cache while tracing);
+- each layer's KV buffer is passed whole, its length kept a multiple of 256 (as mlx-lm's
+  `KVCache` grows it; a batch's buffer is padded to one after rows join or leave), so its
+  shape changes once per 256 tokens, with the write position, the rows' RoPE positions
+  and their key ranges as int32 arrays: the graph is the same at every token
+  (`StepCache` stands in for each layer's cache while tracing);
 - attention takes the whole buffer and each row's range of keys (the native kernel reads
   only those keys: the same arithmetic as the exact-length slice; elsewhere a mask);
 - one compiled function per shape (batch rows, buffer length, input kind, sampling kind,
@@ -36,7 +37,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 ENV = "LLAMA_TP_COMPILE"  # "0": run the decode step eagerly
-MAX_ENTRIES = 8  # compiled graphs kept per model (one per shape)
+MAX_ENTRIES = 16  # compiled graphs kept per model (one per shape)
 
 _compile = os.environ.get(ENV, "1") != "0"
 
@@ -207,19 +208,20 @@ def _position(c: Any) -> int:
 
 
 def _reserve(c: Any, n: int = 1) -> None:
-    """Grow `c`'s buffers as its `update_and_fetch` would before writing n positions
-    (mlx-lm's rule: whole steps of 256, trimmed to the position first)."""
-    prev = _position(c)
-    if prev + n <= c.keys.shape[2]:
+    """Make room in `c`'s buffers for n more positions, their length a whole number of
+    the cache's steps (256): what mlx-lm's `update_and_fetch` grows to, but also after a
+    batch's rows joined or left (`merge`, `extend` and `filter` leave any length), so
+    that the step's shapes, and its compiled graphs, stay few. Positions past the cache's
+    are never read (the key ranges)."""
+    size = c.keys.shape[2]
+    want = -(-(_position(c) + n) // c.step) * c.step
+    if size >= want and size % c.step == 0:
         return
+    want = max(want, -(-size // c.step) * c.step)
     B, H, _, D = c.keys.shape
-    steps = (c.step + n - 1) // c.step
-    new_k = mx.zeros((B, H, steps * c.step, D), c.keys.dtype)
-    new_v = mx.zeros((B, H, steps * c.step, c.values.shape[3]), c.values.dtype)
-    if prev % c.step != 0:
-        c.keys, c.values = c.keys[..., :prev, :], c.values[..., :prev, :]
-    c.keys = mx.concatenate([c.keys, new_k], axis=2)
-    c.values = mx.concatenate([c.values, new_v], axis=2)
+    c.keys = mx.concatenate([c.keys, mx.zeros((B, H, want - size, D), c.keys.dtype)], axis=2)
+    pad = mx.zeros((B, H, want - size, c.values.shape[3]), c.values.dtype)
+    c.values = mx.concatenate([c.values, pad], axis=2)
 
 
 def decode_step_for(model: nn.Module) -> DecodeStep:

@@ -94,7 +94,12 @@ def scaled_dot_product_attention(
     e = ext()
     ranges = getattr(cache, "key_range", None)
     if ranges is not None:
-        if e is not None and sinks is None and queries.shape[2] <= ATTENTION_MAX_QUERIES and _on_cpu():
+        if (
+            e is not None
+            and sinks is None
+            and queries.shape[2] <= ATTENTION_MAX_QUERIES
+            and _on_cpu()
+        ):
             causal = mask is not None
             return e.attention(queries, keys, values, scale=scale, causal=causal, ranges=ranges)
         mask = _range_mask(ranges, queries.shape[2], keys.shape[2], mask is not None)

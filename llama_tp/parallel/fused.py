@@ -27,8 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 
-from ..kernels import ext as native_ext
-from ..kernels import gguf_matmul, on_cpu, quantized_matmul
+from ..kernels import gguf_matmul, quantized_matmul
 from ..kernels import layers as native_layers
 from . import layers as range_layers
 
@@ -177,15 +176,12 @@ def fused_heads(
 
 
 def fused_glu(module: nn.Module, x: mx.array) -> mx.array | None:
-    """A feed-forward's silu(w1 x) * (w3 x) from its fused gate/up product (the SwiGLU
-    one native primitive on the CPU), or None when not fused."""
+    """A feed-forward's silu(w1 x) * (w3 x) from its fused gate/up product (MLX's silu,
+    as the unfused path computes it), or None when not fused."""
     f = _live(module, GATE_UP)
     if f is None:
         return None
     y = f.product(x)
-    e = native_ext()
-    if e is not None and on_cpu():
-        return e.swiglu(y)
     n = f.rows[0]
     return nn.silu(y[..., :n]) * y[..., n:]
 

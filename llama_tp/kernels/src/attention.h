@@ -140,20 +140,4 @@ void rms_norm(const float* x, const float* w, int64_t rows, int64_t n, float eps
   }
 }
 
-// silu(g) * u for rows of 2n values [g | u] (a fused gate/up product's output): each step
-// rounded to T, as MLX's silu(g) * u computes it.
-template <typename T>
-void swiglu(const float* x, int64_t rows, int64_t n, T* out) {
-  for (int64_t r = 0; r < rows; r++) {
-    const float* g = x + r * 2 * n;
-    const float* u = g + n;
-    T* o = out + r * n;
-    for (int64_t i = 0; i < n; i++) {
-      float s = static_cast<float>(static_cast<T>(1.f / (1.f + std::exp(-g[i]))));
-      float a = static_cast<float>(static_cast<T>(g[i] * s));
-      o[i] = static_cast<T>(a * u[i]);
-    }
-  }
-}
-
 }  // namespace lt

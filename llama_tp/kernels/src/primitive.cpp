@@ -409,35 +409,4 @@ bool RMSNorm::is_equivalent(const mx::Primitive& other) const {
   return eps_ == static_cast<const RMSNorm&>(other).eps_;
 }
 
-mx::array swiglu(const mx::array& x, mx::StreamOrDevice s) {
-  check_float(x, "x");
-  if (x.ndim() < 1 || x.shape(-1) % 2)
-    throw std::invalid_argument("llama_tp kernels: swiglu takes (..., 2n)");
-  mx::Shape shape = x.shape();
-  shape.back() /= 2;
-  return mx::array(shape, x.dtype(), std::make_shared<SwiGLU>(mx::to_stream(s)), {x});
-}
-
-void SwiGLU::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  mx::array& out = outputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_output_array(out);
-  int64_t n = out.shape(-1), rows = n ? (int64_t)(out.size() / n) : 0;
-  enc.dispatch([x = View(inputs[0]), o = out.data<void>(), ot = out.dtype(), rows, n]() {
-    prof::Scope timed(prof::SWIGLU);
-    std::vector<float> xf(x.size);
-    x.floats(xf.data());
-    by_type(ot, [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      lt::swiglu<T>(xf.data(), rows, n, static_cast<T*>(o));
-    });
-  });
-}
-
-void SwiGLU::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
-}
-
 }  // namespace lt

@@ -65,19 +65,6 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
 // CPU); its output type is x's and the weight's result type.
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s = {});
 
-// silu(x[..., :n]) * x[..., n:] for x (..., 2n): a fused gate/up product's SwiGLU, one
-// primitive.
-mx::array swiglu(const mx::array& x, mx::StreamOrDevice s = {});
-
-class SwiGLU : public mx::Primitive {
- public:
-  explicit SwiGLU(mx::Stream stream) : mx::Primitive(stream) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override { return "LlamaTpSwiGLU"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-};
-
 class RMSNorm : public mx::Primitive {
  public:
   RMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}

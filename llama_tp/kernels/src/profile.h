@@ -9,9 +9,8 @@
 
 namespace lt::prof {
 
-enum Kind : int { QMATMUL = 0, ROPE, ATTENTION, NORM, DEQUANTIZE, SWIGLU, KINDS };
-inline const char* const NAMES[KINDS] = {"qmatmul", "rope", "attention", "norm", "dequantize",
-                                         "swiglu"};
+enum Kind : int { QMATMUL = 0, ROPE, ATTENTION, NORM, DEQUANTIZE, KINDS };
+inline const char* const NAMES[KINDS] = {"qmatmul", "rope", "attention", "norm", "dequantize"};
 
 extern std::atomic<bool> on;
 extern std::atomic<int64_t> ns[KINDS], calls[KINDS];
