@@ -224,6 +224,22 @@ def _reserve(c: Any, n: int = 1) -> None:
     c.values = mx.concatenate([c.values, pad], axis=2)
 
 
+def describe_step(model: nn.Module) -> str:
+    """One line for --verbose: how decode steps ran, and the products fused."""
+    from ..parallel.fused import fused_count
+
+    s = decode_step_for(model).stats()
+    f = fused_count(model)
+    fused = f"fused products: q/k/v {f['qkv']}, gate/up {f['gate_up']}"
+    if not s["calls"]:
+        how = "eager (the model's own forward: no step it compiles)"
+    elif _compile:
+        how = f"compiled, {s['traces']} graph{'s' * (s['traces'] != 1)} traced, {s['calls']} steps"
+    else:
+        how = f"eager (--no-compile), {s['calls']} steps"
+    return f"{how}; {fused}"
+
+
 def decode_step_for(model: nn.Module) -> DecodeStep:
     """The model's `DecodeStep` (one per model, kept on it)."""
     step = model.__dict__.get("_decode_step")
