@@ -4,6 +4,8 @@ quantized products, collectives and the rest, per token, on 1 and 2 ranks.
     python bench/step_profile.py                        # the matrix below, a Markdown table
     python bench/step_profile.py --models builtin --ranks 1 --json
     python bench/step_profile.py --instructions         # instructions per step (valgrind)
+    python bench/step_profile.py --variants "eager, unfused" "eager, fused" compiled base \
+        --base /path/to/older/checkout                  # each change apart, and before them
     python bench/step_profile.py --rank-program [--model PATH | --synthetic SPEC]
 
 The matrix: the built-in model (SmolLM2-135M Q4_1), the synthetic Qwen3 (`qwen3-q4`: MLX
@@ -40,6 +42,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 MODELS = {"builtin": [], "qwen3": ["--synthetic", "qwen3-q4"], "moe": ["--synthetic", "moe-a3b-q4"]}
+# The changes of issue 41 one at a time: eager steps with the products apart, then fused,
+# then compiled (the default); `--base DIR` adds another checkout (before them all).
+VARIANTS = {
+    "eager, unfused": {"LLAMA_TP_COMPILE": "0", "LLAMA_TP_FUSED": "0"},
+    "eager, fused": {"LLAMA_TP_COMPILE": "0"},
+    "compiled": {},
+}
 
 
 def _lenient_rlimits() -> None:
@@ -98,30 +107,39 @@ def _kernel_threads() -> int | None:
     return st.threads if st.native else None
 
 
-def run_config(model: str, ranks: int, steps: int, extra_env: dict | None = None) -> dict:
-    cmd = [PY, str(Path(__file__).resolve()), "--rank-program", "--steps", str(steps)]
+def _where(variant: str, base: str | None) -> tuple[Path, dict]:
+    """(the checkout to run, its environment) for a variant."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_TP_COMPILE", "LLAMA_TP_FUSED")}
+    if variant == "base":
+        return Path(base), env | {"PYTHONPATH": base}
+    return ROOT, env | VARIANTS[variant]
+
+
+def run_config(model: str, ranks: int, steps: int, variant: str, base: str | None) -> dict:
+    root, env = _where(variant, base)
+    cmd = [PY, str(root / "bench" / "step_profile.py"), "--rank-program", "--steps", str(steps)]
     cmd += MODELS[model]
     if ranks > 1:
         cmd = [PY, "-m", "llama_tp.launch", "-n", str(ranks), "--", *cmd]
-    env = dict(os.environ) | (extra_env or {})
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
     line = next((x for x in r.stdout.splitlines() if x.startswith("{")), None)
     if line is None:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     return json.loads(line)
 
 
-def instructions(model: str, ranks: int, steps: int) -> list[dict]:
+def instructions(model: str, ranks: int, steps: int, variant: str, base: str | None) -> list:
     """Instructions per step of each rank, by thread and by component (see the module)."""
+    root, env = _where(variant, base)
     out_dir = tempfile.mkdtemp(prefix="llama_tp_callgrind_")
     vg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes"]
     vg += [f"--callgrind-out-file={out_dir}/cg.%p"]
-    cmd = [*vg, PY, str(Path(__file__).resolve()), "--rank-program", "--callgrind", str(steps)]
-    cmd += MODELS[model]
-    env = dict(os.environ, LLAMA_TP_KERNEL_THREADS="1")
+    cmd = [*vg, PY, str(root / "bench" / "step_profile.py"), "--rank-program"]
+    cmd += ["--callgrind", str(steps), *MODELS[model]]
+    env["LLAMA_TP_KERNEL_THREADS"] = "1"
     if ranks > 1:
         cmd = [PY, "-m", "llama_tp.launch", "-n", str(ranks), "--", *cmd]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
     if r.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     files = sorted(Path(out_dir).glob("cg.*"))
@@ -207,18 +225,18 @@ def _component(ob: str | None) -> str:
 def instruction_table(rows) -> str:
     comps = ("Python", "MLX", "libc", "MLX compiled kernels", "native kernels", "other")
     out = [
-        "| model | ranks | M instructions per step: main thread (Python, MLX, libc) "
+        "| model | ranks | variant | M instructions per step: main thread (Python, MLX, libc) "
         "| stream thread | other threads | all threads: " + " / ".join(comps) + " |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for model, ranks, res in rows:
+    for model, ranks, variant, res in rows:
         r0 = res[0]
         m = r0["main_by_component"]
         parts = ", ".join(f"{m.get(c, 0) / 1e6:.1f}" for c in ("Python", "MLX", "libc"))
         main = f"{r0['main'] / 1e6:.1f} ({parts})"
         cells = " / ".join(f"{r0['by_component'].get(c, 0) / 1e6:.1f}" for c in comps)
         th = f"{r0['stream'] / 1e6:.1f} | {r0['other'] / 1e6:.1f}"
-        out.append(f"| {model} | {ranks} | {main} | {th} | {cells} |")
+        out.append(f"| {model} | {ranks} | {variant} | {main} | {th} | {cells} |")
     return "\n".join(out)
 
 
@@ -237,12 +255,12 @@ COLUMNS = (
 
 def table(rows: list[tuple[str, int, list[dict]]]) -> str:
     head = (
-        "| model | ranks | "
+        "| model | ranks | variant | "
         + " | ".join(c[1] for c in COLUMNS)
         + " | CPU by thread: main / stream / pool / other ms |"
     )
-    out = [head, "|" + " --- |" * (len(COLUMNS) + 3)]
-    for model, ranks, runs in rows:
+    out = [head, "|" + " --- |" * (len(COLUMNS) + 4)]
+    for model, ranks, variant, runs in rows:
         r0 = [r["per_rank"][0] for r in runs]
         cells = []
         for key, _ in COLUMNS:
@@ -252,7 +270,7 @@ def table(rows: list[tuple[str, int, list[dict]]]) -> str:
             f"{statistics.median(r['threads'][k] for r in r0):.2f}"
             for k in ("main", "stream", "pool", "other")
         )
-        out.append(f"| {model} | {ranks} | " + " | ".join(cells) + f" | {th} |")
+        out.append(f"| {model} | {ranks} | {variant} | " + " | ".join(cells) + f" | {th} |")
     return "\n".join(out)
 
 
@@ -267,30 +285,37 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print the raw results too")
     p.add_argument("--instructions", action="store_true", help="count instructions (valgrind)")
+    p.add_argument("--variants", nargs="+", default=["compiled"], choices=[*VARIANTS, "base"])
+    p.add_argument("--base", help="another checkout (variant 'base'): its bench/step_profile.py")
     p.add_argument("--callgrind", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank_program:
         rank_program(args)
         return
+    if "base" in args.variants and not args.base:
+        p.error("--variants base needs --base DIR")
+    keys = [(m, n, v) for m in args.models for n in args.ranks for v in args.variants]
     if args.instructions:
-        rows = [(m, n, instructions(m, n, 8)) for m in args.models for n in args.ranks]
+        rows = [(m, n, v, instructions(m, n, 8, v, args.base)) for m, n, v in keys]
         print("instructions per decode step (valgrind, 1 kernel thread per rank), rank 0")
         print(instruction_table(rows))
         if args.json:
-            print(json.dumps({f"{m}/{n}": res for m, n, res in rows}))
+            print(
+                json.dumps({"/".join(map(str, k)): r[3] for k, r in zip(keys, rows, strict=True)})
+            )
         return
     load = [os.getloadavg()[0]]
-    results = {(m, n): [] for m in args.models for n in args.ranks}
+    results = {k: [] for k in keys}
     for _ in range(args.rounds):
-        for key in results:
-            results[key].append(run_config(key[0], key[1], args.steps))
+        for m, n, v in keys:
+            results[m, n, v].append(run_config(m, n, args.steps, v, args.base))
     load.append(os.getloadavg()[0])
-    rows = [(m, n, runs) for (m, n), runs in results.items()]
+    rows = [(*k, runs) for k, runs in results.items()]
     print(f"load average {load[0]:.1f} before, {load[1]:.1f} after; ", end="")
     print(f"medians of {args.rounds} rounds, rank 0")
     print(table(rows))
     if args.json:
-        print(json.dumps({f"{m}/{n}": runs for (m, n), runs in results.items()}))
+        print(json.dumps({"/".join(map(str, k)): runs for k, runs in results.items()}))
 
 
 if __name__ == "__main__":
