@@ -16,7 +16,10 @@ each step's graph built and started before the previous token is read):
   `host_ms` = the main thread's CPU per token in the loop.
 - `ops`: the operations (graph nodes) of one step, and the most frequent kinds.
 - `native_ms`: wall time inside the native primitives per token, by kind (`qmatmul` =
-  the quantized products), measured by the extension's own clock on the stream thread.
+  the quantized products), measured by the extension's own clock on the stream thread;
+  `pool_wait`, the part of the products the stream thread spent waiting for chunks the
+  kernels' other threads had taken (`native_calls`: calls per token, and the chunks those
+  threads ran).
 - `collectives_ms`: the step minus the same step with every collective replaced by the
   identity (`cluster.collectives`), on more than one rank; `rest_ms`: what is left of
   the step after the quantized products and the collectives.
@@ -101,9 +104,10 @@ def run_steps(step: Callable[[], Any], n: int) -> dict[str, Any]:
     cpu1 = _thread_cpu()
     threads = _classify(cpu0, cpu1, main)
     waits = _classify(cpu0, cpu1, main, 1)
-    native = {}
+    native, counts = {}, {}
     if e is not None:
-        native = {k: ns / 1e6 / n for k, calls, ns in e.profile_counts() if calls}
+        native = {k: ns / 1e6 / n for k, calls, ns in e.profile_counts() if ns}
+        counts = {k: calls / n for k, calls, _ in e.profile_counts() if calls}
         e.profile(False)
     return {
         "step_ms": 1e3 * wall / n,
@@ -112,6 +116,7 @@ def run_steps(step: Callable[[], Any], n: int) -> dict[str, Any]:
         "waiting": {k: v / 1e6 / n for k, v in waits.items()},  # runnable, no core free
         "host_ms": 1e3 * t_main / n,
         "native_ms": native,
+        "native_calls": counts,  # per step; worker_chunks: chunks the pool's workers ran
     }
 
 

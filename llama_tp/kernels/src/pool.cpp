@@ -56,15 +56,18 @@ void Pool::set_threads(int n) {
   for (int i = 1; i < n; i++) workers_.emplace_back([this] { loop(); });
 }
 
-void Pool::work(uint64_t gen) {
+int Pool::work(uint64_t gen) {
   uint64_t w = word_.load();
+  int ran = 0;
   while (gen_of(w) == gen && next_of(w) < n_of(w)) {
     if (!word_.compare_exchange_weak(w, w + 1)) continue;  // w reloaded
     int i = next_of(w);
     fn_[gen & 1](ctx_[gen & 1], i);
     done_.fetch_add(1);
+    ran++;
     w = word_.load();
   }
+  return ran;
 }
 
 std::vector<int> Pool::worker_tids() {
@@ -102,7 +105,9 @@ void Pool::loop() {
     }
     if (stop_) return;
     seen = gen;
-    work(gen);
+    int ran = work(gen);
+    if (ran && prof::on.load(std::memory_order_relaxed))
+      prof::calls[prof::WORKER_CHUNKS].fetch_add(ran, std::memory_order_relaxed);
   }
 }
 
@@ -124,6 +129,7 @@ void Pool::run(int n, Fn fn, void* ctx) {
   work(gen);
   // the last chunks are in other threads' hands: spin briefly, then yield the core (one
   // of them may be waiting for it on a busy machine)
+  prof::Scope waited(prof::POOL_WAIT);
   for (int i = 0; done_.load() < n; i++) {
     if (i < 2000) {
       LT_PAUSE();

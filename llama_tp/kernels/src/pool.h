@@ -27,7 +27,7 @@ class Pool {
   void run(int n, Fn fn, void* ctx);
 
  private:
-  void work(uint64_t gen);
+  int work(uint64_t gen);  // chunks this thread ran
   void loop();
   void stop_workers();
 

@@ -53,6 +53,10 @@ struct View {
     for (size_t i = 0; i < size; i++) std::memcpy(keep.data() + i * item, data + at(i) * item, item);
     return keep.data();
   }
+  // Its float32 values when they are already row-major float32 (else null).
+  const float* float32_rows() const {
+    return dtype == mx::float32 && flat ? reinterpret_cast<const float*>(data) : nullptr;
+  }
   // Float32, row-major.
   void floats(float* out) const {
     if (dtype == mx::float32) {
@@ -174,10 +178,21 @@ void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
       m.group_size = gs;
       m.groups = k / gs;
     }
-    std::vector<float> xf((size_t)B * n), y((size_t)B * N);
-    x.floats(xf.data());
-    matmul(kernels(), m, N, xf.data(), B, n, lead, y.data());
-    store_floats(y.data(), y.size(), y_dtype, y_out);
+    // float32 in and out (the common case): no copies, the output written in place
+    thread_local std::vector<float> xf, y;
+    const float* xp = x.float32_rows();
+    if (xp == nullptr) {
+      xf.resize((size_t)B * n);
+      x.floats(xf.data());
+      xp = xf.data();
+    }
+    float* yp = static_cast<float*>(y_out);
+    if (y_dtype != mx::float32) {
+      y.resize((size_t)B * N);
+      yp = y.data();
+    }
+    matmul(kernels(), m, N, xp, B, n, lead, yp);
+    if (y_dtype != mx::float32) store_floats(yp, (size_t)B * N, y_dtype, y_out);
   });
 }
 

@@ -9,8 +9,11 @@
 
 namespace lt::prof {
 
-enum Kind : int { QMATMUL = 0, ROPE, ATTENTION, NORM, DEQUANTIZE, KINDS };
-inline const char* const NAMES[KINDS] = {"qmatmul", "rope", "attention", "norm", "dequantize"};
+enum Kind : int { QMATMUL = 0, ROPE, ATTENTION, NORM, DEQUANTIZE, POOL_WAIT, WORKER_CHUNKS, KINDS };
+// pool_wait: the calling thread waiting for chunks other threads took (calls: products
+// split over threads); worker_chunks: chunks the pool's workers ran (ns unused).
+inline const char* const NAMES[KINDS] = {"qmatmul",    "rope",      "attention",    "norm",
+                                         "dequantize", "pool_wait", "worker_chunks"};
 
 extern std::atomic<bool> on;
 extern std::atomic<int64_t> ns[KINDS], calls[KINDS];
