@@ -93,9 +93,15 @@ class DecodeStep:
 
     def supports(self, cache: Sequence[Any] | None) -> bool:
         """The step runs over these caches: every one a filled `KVCache` or
-        `BatchKVCache` (exactly those kinds), at one position."""
+        `BatchKVCache` (exactly those kinds), at one position; and no layer is counting
+        its experts' routes (`record_expert_load`)."""
         if not self.layers_ok or not cache or len(cache) != len(self.model.layers):
             return False
+        if any(
+            getattr(layer.feed_forward, "expert_load", None) is not None
+            for layer in self.model.layers
+        ):
+            return False  # counting expert routes (a side effect a graph cannot replay)
         kind = type(cache[0])
         if kind not in (KVCache, BatchKVCache) or any(type(c) is not kind for c in cache):
             return False
@@ -148,7 +154,12 @@ class DecodeStep:
             id(mx.distributed.all_sum), id(mx.distributed.all_gather), _shard_key(shard),
         )  # fmt: skip
         fn = self._function(key, sampling, shard)
-        logits, y, rows, keys, values = fn(*inputs)
+        try:
+            logits, y, rows, keys, values = fn(*inputs)
+        except BaseException:
+            for c, (k, v) in zip(cache, kv, strict=True):  # the caches as they were
+                c.keys, c.values = k, v
+            raise
         for c, k, v in zip(cache, keys, values, strict=True):
             c.keys, c.values = k, v
             if batch:
