@@ -34,6 +34,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..cluster.affinity import background_thread
+
 # Compact JSON (no optional whitespace): a model cannot pad a reply with spaces forever.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -129,19 +131,30 @@ def is_compiled(grammar: str) -> bool:
         return any(g == grammar for _, g in _COMPILED)
 
 
+PROBE = 64  # a first free choice of at most this many tokens is tried token by token
+
+
 def _first_steps(matcher, vocab_size: int) -> None:
-    """GrammarError when the matcher fails on its first mask, or once it has taken the
-    tokens its grammar forces (a `$ref` loop, a row past llguidance's item limit): such a
-    grammar compiles, but no reply can follow it."""
-    for _ in range(2):
-        if not matcher.is_error():
-            allowed = _allowed(matcher, vocab_size)
-        if matcher.is_error() or not allowed.any():
+    """GrammarError when the matcher fails before the reply's first free choice (a `$ref`
+    loop, a row past llguidance's item limit), or on one of the few tokens that choice
+    allows: such a grammar compiles, but a reply cannot follow it."""
+    for _ in range(4):
+        allowed = None if matcher.is_error() else _allowed(matcher, vocab_size)
+        if allowed is None or matcher.is_error() or not allowed.any():
             raise GrammarError(_why(matcher))
         forced = matcher.compute_ff_tokens()
-        if not forced:
-            return
-        matcher.consume_tokens(forced)
+        if forced:
+            matcher.consume_tokens(forced)
+            continue
+        choices = np.flatnonzero(allowed)
+        if len(choices) <= PROBE:
+            for t in choices.tolist():
+                probe = matcher.deep_copy()
+                if probe.consume_token(t) and not probe.is_stopped():
+                    _allowed(probe, vocab_size)
+                if probe.is_error():
+                    raise GrammarError(_why(probe))
+        return
 
 
 def _allowed(matcher, vocab_size: int) -> np.ndarray:
@@ -170,7 +183,8 @@ class Prefetch:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos: frozenset[int]):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, eos
-        self._pool = ThreadPoolExecutor(1, "llama_tp-grammar-ahead")
+        # at a lower priority than the step loop it runs beside
+        self._pool = ThreadPoolExecutor(1, "llama_tp-grammar-ahead", background_thread)
         self._futures: dict[int, Future] = {}
 
     def want(self, grammars: dict[int, str]) -> None:

@@ -42,7 +42,8 @@ class BodyError(RequestError):
 
     def __init__(self, reason: str, loc: Loc, place: Place, code: str = "invalid_json"):
         where = place(loc)
-        super().__init__(f"{where}: {reason}" if where else reason, where or None, 400, code)
+        text = f"{label(place, loc)}: {reason}" if where else reason
+        super().__init__(text, where or None, 400, code)
 
 
 def _no_constant(name: str) -> Any:
@@ -148,6 +149,13 @@ def field_path(loc: Loc, prefix: str = "") -> str:
         if isinstance(part, int) or (part.isidentifier() and part not in _TYPE_NAMES):
             parts.append(str(part))
     return ".".join(parts)
+
+
+def label(place: Place, loc: Loc) -> str:
+    """A field's name at the head of an error message: quoted in OpenAI's ('messages[0]'),
+    as it is in Anthropic's and Ollama's (messages.0)."""
+    where = place(loc)
+    return f"'{where}'" if place is openai_param else where
 
 
 def dotted_place(loc: Loc) -> str:

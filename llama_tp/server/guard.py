@@ -8,9 +8,11 @@ the body is read before the checks that do not need it):
    constant time: `Authorization: Bearer KEY` (the scheme in any case) or `x-api-key`;
 3. a JSON content type on every POST (a cross-site form or `text/plain` body cannot be
    sent without the browser's preflight, which CORS then refuses);
-4. the body's size: a declared length over the limit is refused before a byte is read,
+4. the body's size: a declared length over the limit is refused before a byte is kept,
    a body that grows past it (chunked) when it does, and one that takes longer than
-   BODY_SECONDS to arrive too; the body read is then handed to the route.
+   BODY_SECONDS to arrive too; the body read is then handed to the route. The rest of
+   a body refused as too large is read and dropped (up to DRAIN_BYTES, within
+   DRAIN_SECONDS), so that a client still sending it reads the 413 rather than a reset.
 
 Every response also carries `X-Content-Type-Options: nosniff`. The refusals are in the
 error shape of the API the path belongs to (`error(path, RequestError)`).
@@ -28,6 +30,8 @@ from .errors import RequestError
 
 OPEN = ("/health", "/")  # paths served without the key (no data: probes and the page)
 BODY_SECONDS = 60.0  # the longest a request body may take to arrive
+DRAIN_BYTES = 64 << 20  # of a body refused as too large, read and dropped at most
+DRAIN_SECONDS = 10.0
 LOCAL_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
 
 
@@ -173,6 +177,7 @@ class Guard:
         limit = self.max_body()
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
+            await _drain(receive, int(declared))
             raise _too_large(int(declared), limit)
         return await _read(receive, limit)
 
@@ -212,7 +217,25 @@ async def _read(receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
+            if message.get("more_body", False):
+                await _drain(receive, DRAIN_BYTES)
             raise _too_large(size, limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def _drain(receive, size: int) -> None:
+    """Read and drop the rest of a refused body, when it is at most DRAIN_BYTES and
+    arrives within DRAIN_SECONDS (else the connection closes on it)."""
+    if size > DRAIN_BYTES:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DRAIN_SECONDS
+    while loop.time() < deadline:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - loop.time())
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return

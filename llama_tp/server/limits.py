@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .bodies import label
 from .errors import RequestError
 
 MIB = 1 << 20
@@ -40,7 +41,7 @@ class Limits:
     json_depth: int = 64  # nesting of a body's JSON
     tools: int = 512  # tools in one request
     stop_chars: int = 1000  # characters of one stop string
-    schema_bytes: int = 64 * 1024  # a JSON schema (or forced tool calls' schemas) as JSON
+    schema_bytes: int = 32 * 1024  # a JSON schema (or forced tool calls' schemas) as JSON
 
     @classmethod
     def of(cls, context: int, vocab: int, tokenizer: Any = None, max_body: int = 0) -> Limits:
@@ -78,7 +79,7 @@ class Limits:
             if isinstance(items, list) and len(items) > most:
                 why = "the model's context" if name == "messages" else "this server's limit"
                 raise RequestError(
-                    f"{place((name,))}: {len(items)} {name}; at most {most} ({why})",
+                    f"{label(place, (name,))}: {len(items)} {name}; at most {most} ({why})",
                     place((name,)),
                     code="too_many",
                 )

@@ -13,8 +13,9 @@ answering the other requests, nor in the step loop, which keeps decoding them.
 Work is split into lanes, so that costly requests wait for each other and never for
 the cheap ones: bodies up to LARGE_BODY on a pool of SMALL_WORKERS threads; larger
 bodies one at a time on their own thread; grammar compilations one at a time on
-theirs. At most WAITING requests wait in the large-body or the grammar lane (429
-beyond). After a large body the freed memory is handed back to the system (glibc's
+theirs. The two costly lanes run at a lower priority (`background_thread`: nice +10),
+so that on a busy machine they take the cores the step loop leaves. At most WAITING
+requests wait in the large-body or the grammar lane (429 beyond). After a large body the freed memory is handed back to the system (glibc's
 `malloc_trim`), so a burst of large requests leaves no lasting growth.
 """
 
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cluster.affinity import background_thread
 from ..engine.grammar import GrammarError, compile_grammar, is_compiled
 from .bodies import Place, decode, openai_param
 from .errors import RequestError
@@ -70,8 +72,17 @@ class Api:
         return RequestError(text, name, e.status, e.code, e.kind)
 
 
-OPENAI_CHAT = Api(lambda data, context: (data, True))
-OPENAI_COMPLETION = Api(lambda data, context: (data, False))
+def _openai(chat: bool) -> Callable[[Any, int], tuple[dict, bool]]:
+    def translate(data: Any, context: int) -> tuple[dict, bool]:
+        if not isinstance(data, dict):
+            raise RequestError(f"the body is not a JSON object, got {type(data).__name__}")
+        return data, chat
+
+    return translate
+
+
+OPENAI_CHAT = Api(_openai(True))
+OPENAI_COMPLETION = Api(_openai(False))
 
 
 @dataclass
@@ -93,8 +104,9 @@ class Preparation:
     def __init__(self, defaults: Defaults):
         self.defaults = defaults
         self._small = ThreadPoolExecutor(SMALL_WORKERS, "llama_tp-prepare")
-        self._large = ThreadPoolExecutor(1, "llama_tp-prepare-large")
-        self._grammar = ThreadPoolExecutor(1, "llama_tp-grammar")
+        # The costly lanes yield the cores to the step loop and the event loop.
+        self._large = ThreadPoolExecutor(1, "llama_tp-prepare-large", background_thread)
+        self._grammar = ThreadPoolExecutor(1, "llama_tp-grammar", background_thread)
         self._waiting = {"large": 0, "grammar": 0}
 
     async def prepare(self, raw: bytes, api: Api, info: Any, count_only: bool = False) -> Prepared:
