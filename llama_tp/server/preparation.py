@@ -10,13 +10,14 @@ and then compiles the grammar the request asks for (engine/grammar.py keeps it, 
 step loop only copies it). Nothing of this runs on the event loop, which keeps
 answering the other requests, nor in the step loop, which keeps decoding them.
 
-Work is split into lanes, so that costly requests wait for each other and never for
-the cheap ones: bodies up to LARGE_BODY on a pool of SMALL_WORKERS threads; larger
-bodies one at a time on their own thread; grammar compilations one at a time on
-theirs. The two costly lanes run at a lower priority (`background_thread`: nice +10),
-so that on a busy machine they take the cores the step loop leaves. At most WAITING
-requests wait in the large-body or the grammar lane (429 beyond). After a large body the freed memory is handed back to the system (glibc's
-`malloc_trim`), so a burst of large requests leaves no lasting growth.
+Work is split into lanes, so that costly requests wait for each other and never for the
+cheap ones: bodies up to LARGE_BODY on a pool of SMALL_WORKERS threads; larger bodies
+one at a time on their own thread; grammar compilations one at a time on theirs. The two
+costly lanes run at a lower priority (`background_thread`: nice +10), so that on a busy
+machine they take the cores the step loop leaves. At most WAITING requests wait in the
+large-body or the grammar lane (429 beyond). After a large body the freed memory is
+handed back to the system (glibc's `malloc_trim`), so a burst of large requests leaves
+no lasting growth.
 """
 
 from __future__ import annotations
