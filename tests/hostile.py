@@ -19,6 +19,7 @@ from serve_client import KEY, Server, chat
 AUTH = {"Authorization": f"Bearer {KEY}"}
 JSON = {"Content-Type": "application/json"}
 QUESTION = "What is the capital of France?"
+ATTEMPTS = 3
 # Every route that reads a body, and how a minimal valid body looks on it.
 ROUTES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -128,11 +129,15 @@ class Normal:
         it must give its own text, within 1 s (and twice its time, for a loaded machine)
         of its time alone, or of its time beside `n` copies of `like` (the same load
         without what makes it hostile: requests that share the batch slow it anyway).
-        The hostile calls' results, after."""
-        reference = self.alone if like is None else self._beside(like, n)[0]
-        took, results = self._beside(hostile, n)
-        assert took < 2 * reference + 1.0, f"{took:.2f} s beside, {reference:.2f} s without"
-        return results
+        A busy machine's noise gets up to ATTEMPTS tries. The hostile calls' results."""
+        seen = []
+        for _ in range(ATTEMPTS):
+            reference = self.alone if like is None else self._beside(like, n)[0]
+            took, results = self._beside(hostile, n)
+            seen.append((round(took, 2), round(reference, 2)))
+            if took < 2 * reference + 1.0:
+                return results
+        raise AssertionError(f"(seconds beside, seconds without) in each try: {seen}")
 
     def _beside(self, calls: Callable[[], object], n: int) -> tuple[float, list]:
         with ThreadPoolExecutor(n) as pool:

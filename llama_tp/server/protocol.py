@@ -21,7 +21,7 @@ from ..checkpoints.chat_template import ChatTemplateError
 from ..engine.grammar import GrammarError, json_object_grammar, json_schema_grammar
 from ..engine.settings import SamplingParams, SettingsError
 from . import tools as tool_calls
-from .bodies import validate
+from .bodies import openai_param, validate
 from .errors import RequestError, error_body  # noqa: F401 (routes import both from here)
 from .limits import Limits
 
@@ -215,7 +215,7 @@ def parse_chat(body: Any, defaults: Defaults, limits: Limits | None = None) -> R
     """A decoded /v1/chat/completions body -> Request (RequestError naming the bad field),
     held to `limits` when given."""
     if limits is not None:
-        limits.precheck(body, _param)
+        limits.precheck(body, openai_param)
     req = chat_request(validate(ChatBody, body, validation_error), defaults, limits)
     if limits is not None:
         limits.check(req)
@@ -229,10 +229,6 @@ def parse_completion(body: Any, defaults: Defaults, limits: Limits | None = None
     if limits is not None:
         limits.check(req)
     return req
-
-
-def _param(loc: tuple) -> str:
-    return f"'{loc[0]}'" if len(loc) == 1 else str(loc)
 
 
 def chat_request(body: ChatBody, defaults: Defaults, limits: Limits | None = None) -> Request:
