@@ -191,7 +191,11 @@ def build_app(
         prefix = "chatcmpl" if req.chat else "cmpl"
         rid = f"{prefix}-{job.uid}-{int(time.time() * 1000)}"
         decode = info.renderer.tokenizer.decode
-        lp = Logprobs(req.chat, lambda t: decode([t])) if req.params.logprobs is not None else None
+        lp = (
+            Logprobs(req.chat, lambda t: _text(decode, t))
+            if req.params.logprobs is not None
+            else None
+        )
         fmt = tool_format(info.renderer.tokenizer) if req.tools else None
         calls = ToolStream(fmt, req.tools) if fmt is not None else None
         api = p.api
@@ -335,6 +339,15 @@ def route_error(path: str, e: RequestError) -> dict:
     if path.startswith("/api/"):
         return ollama.error_body(str(e))
     return e.body()
+
+
+def _text(decode, token: int) -> str:
+    """A token's text for its log-probability ("" for an id the tokenizer lacks: one of a
+    padded vocabulary's rows among the top alternatives)."""
+    try:
+        return decode([token])
+    except Exception:
+        return ""
 
 
 def wants_logprob(e) -> bool:

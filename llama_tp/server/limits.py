@@ -35,7 +35,7 @@ class Limits:
     """The bounds of one served model's requests (docs/serving.md#reliability)."""
 
     context: int  # tokens: the model's context
-    vocab: int  # token ids are in [0, vocab)
+    vocab: int  # token ids are in [0, vocab): the model's, less any its tokenizer lacks
     token_bytes: int = 256  # the longest token's text, in UTF-8 bytes
     max_body: int = 0  # bytes of a request body (0: from the prompt bound, >= 8 MiB)
     json_depth: int = 64  # nesting of a body's JSON
@@ -47,7 +47,9 @@ class Limits:
     def of(cls, context: int, vocab: int, tokenizer: Any = None, max_body: int = 0) -> Limits:
         """The limits of a model of `context` tokens whose ids are in [0, vocab), read with
         `tokenizer` (mlx-lm's wrapper; its vocabulary gives the longest token)."""
-        return cls(context, vocab, _token_bytes(tokenizer), max_body)
+        known, longest = _vocabulary(tokenizer)
+        # A padded vocabulary (more rows than tokens) has ids no text comes from.
+        return cls(context, min(vocab, known or vocab), longest, max_body)
 
     @property
     def prompt_bytes(self) -> int:
@@ -124,12 +126,8 @@ class Limits:
 
     def _prompt_size(self, req: Any) -> tuple[str, int]:
         """(the field, the UTF-8 bytes of text the prompt renders at least)."""
-        if not req.chat:
-            if isinstance(req.prompt, list):
-                return "prompt", len(req.prompt) * self.token_bytes if len(
-                    req.prompt
-                ) > self.context else 0
-            return "prompt", _utf8(req.prompt)
+        if not req.chat:  # token ids are counted when the prompt is fitted (`fit`)
+            return "prompt", 0 if isinstance(req.prompt, list) else _utf8(req.prompt)
         size = sum(_utf8(m.get("content") or "") for m in req.messages)
         if req.tools:
             size += sum(len(json.dumps(t, ensure_ascii=False)) for t in req.tools)
@@ -156,11 +154,11 @@ def _utf8(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
 
 
-def _token_bytes(tokenizer: Any) -> int:
-    """The longest token's UTF-8 bytes, from the vocabulary's keys: a key is never
-    shorter than the text its token decodes to (byte-level BPE spells a byte with one or
-    two, SentencePiece a space with three), so a prompt of n bytes has at least
-    n / token_bytes tokens."""
+def _vocabulary(tokenizer: Any) -> tuple[int, int]:
+    """(the tokens `tokenizer` knows, the longest one's UTF-8 bytes), from its vocabulary's
+    keys; (0, a generous default) without one. A key is never shorter than the text its
+    token decodes to (byte-level BPE spells a byte with one or two, SentencePiece a space
+    with three), so a prompt of n bytes has at least n / token_bytes tokens."""
     vocab = None
     for source in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
         get = getattr(source, "get_vocab", None)
@@ -171,5 +169,9 @@ def _token_bytes(tokenizer: Any) -> int:
             except Exception:  # some wrappers forward and fail: try the next
                 continue
     if not vocab:
-        return Limits.token_bytes  # the field's default: a generous bound
-    return max(len(k.encode("utf-8", "replace")) if isinstance(k, str) else len(k) for k in vocab)
+        return 0, Limits.token_bytes  # the field's default: a generous bound
+    known = max(vocab.values()) + 1 if isinstance(vocab, dict) else len(vocab)
+    longest = max(
+        len(k.encode("utf-8", "replace")) if isinstance(k, str) else len(k) for k in vocab
+    )
+    return known, longest
