@@ -113,7 +113,7 @@ class Normal:
 
     def __init__(self, s: Server):
         self.s = s
-        self.client = s.client(timeout=120)
+        self.client = s.client(timeout=300)
         self.text = self.ask()[1]
         self.alone = statistics.median(self.ask()[0] for _ in range(3))
 

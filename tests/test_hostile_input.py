@@ -257,8 +257,12 @@ def test_a_grammar_that_fails_mid_reply_ends_that_reply_with_a_400(served):
             return c.chat.completions.create(**kw)
         return [ch for ch in c.chat.completions.create(stream=True, **kw)]
 
+    def plain():  # the same requests without their schema: the batch's own load
+        return c.chat.completions.create(model="m", messages=HI, max_tokens=16)
+
     for stream in (False, True):
-        for status, text in normal.beside(lambda st=stream: bad_request(lambda: ask(st)), n=2):
+        hostile = lambda st=stream: bad_request(lambda: ask(st))  # noqa: E731
+        for status, text in normal.beside(hostile, n=2, like=plain):
             assert "response_format" in text and "failed while generating" in text, text
             assert "items; max is 2000" in text, text
             assert status == (None if stream else 400), (status, text)
