@@ -1,0 +1,105 @@
+"""`python -m llama_tp.launch ... --restart -m llama_tp.serve ...`: the supervisor's process.
+
+It binds the public address itself (an error names it), then runs the front door
+(uvicorn, on this process's event loop) and the supervisor's loop side by side. SIGTERM
+or SIGINT stops the ranks and the front door and exits 0; giving up after too many
+failures exits 1; ranks that refuse the server's flags at the first launch, 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+
+from ..console.cli import UsageError
+
+MISSING = 'the supervisor needs FastAPI, uvicorn, prometheus_client and httpx2: pip install "llama_tp[serve]"'  # noqa: E501
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The front door's listening socket (OSError naming the address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(argv: list[str]) -> int:
+    """The supervisor: 0 when stopped by a signal, 1 after giving up or on an error, 2
+    for a usage error."""
+    from .command import parse
+    from .hosts import layout_of
+
+    try:
+        spec = parse(argv)
+        layout = layout_of(spec.launcher)
+    except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        import fastapi  # noqa: F401
+        import httpx2  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print(f"error: {MISSING}", file=sys.stderr)
+        return 1
+    try:
+        sock = bind(spec.host, spec.port)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return asyncio.run(_serve(spec, layout, sock))
+
+
+async def _serve(spec, layout, sock: socket.socket) -> int:
+    import httpx2
+    import uvicorn
+
+    from .control import Supervisor, say
+    from .front import build_front
+
+    class Server(uvicorn.Server):
+        def capture_signals(self):  # the supervisor handles SIGTERM and SIGINT itself
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=32)
+    timeout = httpx2.Timeout(None, connect=5.0)  # a stream may wait long for its tokens
+    async with httpx2.AsyncClient(timeout=timeout, limits=limits) as client:
+        sup = Supervisor(spec, layout, client)
+        config = uvicorn.Config(
+            build_front(sup, client),
+            log_level="warning",
+            http="h11",
+            ws="none",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=3,
+        )
+        server = Server(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, sup.request_stop)
+        http = asyncio.create_task(server.serve(sockets=[sock]))
+        ranks = len(layout.hosts)
+        say(
+            f"supervisor: listening on http://{spec.host}:{spec.port}; starting "
+            f"{ranks} rank{'s' * (ranks > 1)} (--restart-limit {spec.restart_limit} in "
+            f"{spec.restart_window:g} s)"
+        )
+        try:
+            code = await sup.run()
+        finally:
+            server.should_exit = True
+            await asyncio.wait([http], timeout=10)
+    return code
