@@ -146,6 +146,7 @@ class Traffic:
     results: dict = field(default_factory=dict)
     threads: list = field(default_factory=list)
     tokens: dict = field(default_factory=dict)  # stream name -> tokens received
+    done: dict = field(default_factory=dict)  # name -> when it ended (monotonic)
 
     def _run(self, name: str, fn) -> None:
         def body():
@@ -153,6 +154,7 @@ class Traffic:
                 self.results[name] = ("ok", fn())
             except openai.APIError as e:
                 self.results[name] = ("error", e)
+            self.done[name] = time.monotonic()
 
         t = threading.Thread(target=body, daemon=True)
         t.start()

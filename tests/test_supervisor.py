@@ -96,7 +96,7 @@ def fault(sup: Supervised, record: dict, victim: int, sig: int, extra=None) -> d
         extra(sup)
     results = traffic.join()
     after = new.join()
-    restored = time.monotonic() - t0
+    restored = new.done["new"] - t0
     status = sup.wait_serving(60, before["generation"])
     return {"results": results, "new": after["new"], "restored": restored, "status": status}
 

@@ -339,6 +339,8 @@ class Supervisor:
         deadline = None if limit is None else time.monotonic() + limit + 60
         why = await self.group.wait_ready(self.client, self.headers, deadline)
         if why is None and not self._stop:
+            with contextlib.suppress(Exception):  # the new ranks' figures from the start
+                await self._read_status(5.0)
             return self._ready(gen)
         await self.group.stop(0)
         if self._stop:
@@ -425,18 +427,14 @@ class Supervisor:
         while gen == self.generation and self.serving:
             await asyncio.sleep(MONITOR_EVERY)
             try:
-                r = await self.client.get(
-                    f"{self.base}/v1/status", headers=self.headers, timeout=timeout
-                )
-                status = r.json()
+                status = await self._read_status(timeout)
             except Exception as e:
                 if gen == self.generation and self.serving:
                     what = f"did not answer /v1/status within {timeout:g} s ({type(e).__name__})"
                     self._detect(gen, Fault(what, 0, weight=1))
                 return
-            if r.status_code != 200:
+            if status is None:
                 continue
-            self.rank_status, self._reported = status, self.current
             age = status.get("reported_seconds_ago")
             stage = (status.get("watchdog") or {}).get("stage")
             limit = self.spec.step_timeout
@@ -450,6 +448,14 @@ class Supervisor:
             probes += 1
             if self.state == "degraded" and probes % 30 == 0:
                 await self._probe_gone()
+
+    async def _read_status(self, timeout: float) -> dict | None:
+        """Rank 0's /v1/status, kept as the current generation's (None: not a 200)."""
+        r = await self.client.get(f"{self.base}/v1/status", headers=self.headers, timeout=timeout)
+        if r.status_code != 200:
+            return None
+        self.rank_status, self._reported = r.json(), self.current
+        return self.rank_status
 
     async def _probe_gone(self) -> None:
         back = [h for h in self.gone if await unanswered(h) is None]
@@ -477,7 +483,8 @@ class Supervisor:
                 self.gone, self.back = {}, []
                 return self.layout
             for h, why in gone.items():
-                say(f"supervisor: host {h} does not answer ({why}); attempt {self._misses[h]}")
+                if self._misses[h] <= HOST_ATTEMPTS:  # then once while down, below
+                    say(f"supervisor: host {h} does not answer ({why}); attempt {self._misses[h]}")
             fewest = min(self._misses[h] for h in gone)
             if fewest < HOST_ATTEMPTS:
                 self._wake.clear()
@@ -490,10 +497,11 @@ class Supervisor:
                 say(f"supervisor: {fit.line}")
                 return remaining
             line = fit.line if fit is not None else "no host answers"
-            missing = ", ".join(sorted(gone))
-            say(f"error: supervisor: {line}; waiting for {missing} to answer")
+            reason = f"{line}; waiting for {', '.join(sorted(gone))} to answer"
+            if reason != self.reason:
+                say(f"error: supervisor: {reason}")
             self.gone = gone
-            self._enter("down", f"{line}; waiting for {missing} to answer")
+            self._enter("down", reason)
             self._wake.clear()
             await self._pause(PROBE_EVERY)
         return None
