@@ -18,7 +18,8 @@ import time
 
 import openai
 import pytest
-from serve_client import KEY, http
+from conftest import run_python
+from serve_client import KEY, free_port, http
 from supervised import Supervised, Traffic, answer, rss, started_by
 
 pytestmark = pytest.mark.ranks
@@ -71,19 +72,19 @@ def test_the_front_door_serves_and_shows_its_state(sup, record):
     record["pids"] |= set(sup.ranks().values())
 
 
-def fault(sup: Supervised, record: dict, victim: int, sig: int, extra=None) -> dict:
-    """`sig` to rank `victim` while two streams fill the batch and requests wait behind
-    them; checks the outcome and returns the status after recovery."""
+def fault(sup: Supervised, expected: dict, victim: int, sig: int, extra=None) -> dict:
+    """`sig` to rank `victim` while two streams fill the batch and the prompts of
+    `expected` wait behind them, and a new request just after; what each got."""
     before = sup.status()["supervisor"]
     c = sup.client()
     traffic = Traffic(c)
     traffic.stream("s1", "Count from one to a thousand.")
     traffic.stream("s2", "List every country you know.")
     traffic.wait_streaming(["s1", "s2"])
-    for i, prompt in enumerate(QUEUED):
+    for i, prompt in enumerate(expected):
         traffic.ask(f"q{i}", prompt, stream=i == 1)  # one of them streamed
     deadline = time.monotonic() + 60
-    while sup.status()["queue"] < len(QUEUED):  # all waiting at rank 0 behind the streams
+    while sup.status()["queue"] < len(expected):  # all waiting at rank 0 behind the streams
         assert time.monotonic() < deadline, sup.status()
         time.sleep(0.05)
     pids = sup.ranks()
@@ -91,7 +92,7 @@ def fault(sup: Supervised, record: dict, victim: int, sig: int, extra=None) -> d
     os.kill(pids[victim], sig)
     time.sleep(0.5)
     new = Traffic(c)
-    new.ask("new", QUEUED[0])
+    new.ask("new", next(iter(expected)))
     if extra is not None:
         extra(sup)
     results = traffic.join()
@@ -101,15 +102,15 @@ def fault(sup: Supervised, record: dict, victim: int, sig: int, extra=None) -> d
     return {"results": results, "new": after["new"], "restored": restored, "status": status}
 
 
-def check(outcome: dict, record: dict, names_fault: str) -> None:
+def check(outcome: dict, expected: dict, names_fault: str) -> None:
     results = outcome["results"]
     for name in ("s1", "s2"):
         kind, e = results[name]
         assert kind == "error" and isinstance(e, openai.APIError), results[name]
         assert re.search(names_fault, str(e)), str(e)
-    for i, prompt in enumerate(QUEUED):
-        assert results[f"q{i}"] == ("ok", record["expected"][prompt]), results[f"q{i}"]
-    assert outcome["new"] == ("ok", record["expected"][QUEUED[0]])
+    for i, prompt in enumerate(expected):
+        assert results[f"q{i}"] == ("ok", expected[prompt]), results[f"q{i}"]
+    assert outcome["new"] == ("ok", next(iter(expected.values())))
     last = outcome["status"]["supervisor"]["last_fault"]
     print(
         f"\nrestored in {outcome['restored']:.1f} s after the fault; detected -> relaunch "
@@ -131,15 +132,15 @@ def settled(sup: Supervised, record: dict) -> None:
 
 
 def test_sigkill_of_a_rank_mid_stream(sup, record):
-    outcome = fault(sup, record, 1, signal.SIGKILL)
-    check(outcome, record, r"rank 1 \(host \S+\) was killed by SIGKILL")
+    outcome = fault(sup, record["expected"], 1, signal.SIGKILL)
+    check(outcome, record["expected"], r"rank 1 \(host \S+\) was killed by SIGKILL")
     assert outcome["status"]["supervisor"]["restarts"] == 1
     settled(sup, record)
 
 
 def test_sigstop_of_a_rank_past_the_step_timeout(sup, record):
-    outcome = fault(sup, record, 1, signal.SIGSTOP)
-    check(outcome, record, rf"no progress for {STEP_TIMEOUT} s in generation step")
+    outcome = fault(sup, record["expected"], 1, signal.SIGSTOP)
+    check(outcome, record["expected"], rf"no progress for {STEP_TIMEOUT} s in generation step")
     settled(sup, record)
 
 
@@ -169,8 +170,8 @@ def over_the_bound(sup: Supervised) -> None:
 
 
 def test_sigkill_of_rank_0_and_a_full_queue_while_recovering(sup, record):
-    outcome = fault(sup, record, 0, signal.SIGKILL, extra=over_the_bound)
-    check(outcome, record, r"rank 0 \(host \S+\) was killed by SIGKILL")
+    outcome = fault(sup, record["expected"], 0, signal.SIGKILL, extra=over_the_bound)
+    check(outcome, record["expected"], r"rank 0 \(host \S+\) was killed by SIGKILL")
     assert outcome["status"]["supervisor"]["restarts"] == 3
     settled(sup, record)
 
@@ -189,3 +190,32 @@ def test_sigterm_stops_every_rank_and_exits_0(sup):
     for pid in ranks.values():
         assert not os.path.exists(f"/proc/{pid}"), pid
     assert "supervisor: stopped" in sup.stderr()
+
+
+def test_three_local_ranks_sigkill_of_the_last(tmp_path, long_tiny):
+    """The same on 3 ranks (the tiny model: cheap to start twice)."""
+    sup = Supervised(["-n", "3"], long_tiny, tmp_path, "--timeout", str(STEP_TIMEOUT),
+                     "--max-batch", "2")  # fmt: skip
+    try:
+        sup.wait_serving(300)
+        c = sup.client()
+        expected = {p: answer(c, p) for p in QUEUED[:2]}
+        outcome = fault(sup, expected, 2, signal.SIGKILL)
+        check(outcome, expected, r"rank 2 \(host \S+\) was killed by SIGKILL")
+        assert sorted(sup.ranks(), key=str) == [0, 1, 2, "launcher"]
+        assert sup.stop() == 0 and started_by(sup.proc.pid) == {}
+    finally:
+        sup.close()
+
+
+def test_ranks_that_refuse_their_flags_end_it_at_once():
+    """Bad server flags fail the first launch: the supervisor says so and exits with the
+    ranks' code instead of relaunching them."""
+    r = run_python(
+        ["-m", "llama_tp.launch", "-n", "1", "--restart", "-m", "llama_tp.serve", "--port",
+         str(free_port()), "--max-batch", "0"],
+        timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("error: --max-batch must be >= 1, got 0") == 1, r.stderr
+    assert "error: supervisor: the ranks did not start (exit code 2)" in r.stderr

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 
@@ -77,18 +76,8 @@ def link(hosts, name: str, up: bool) -> None:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, tiny_dir):
-    """The tiny model with a context long enough for streams that run until the fault."""
-    path = tmp_path_factory.mktemp("long") / "model"
-    shutil.copytree(tiny_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 1 << 20
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-@pytest.fixture(scope="module")
-def sup(hosts, model, tmp_path_factory):
+def sup(hosts, long_tiny, tmp_path_factory):
+    model = long_tiny
     from llama_tp.supervisor.replacement import _shape, rank_bytes
 
     tmp = tmp_path_factory.mktemp("hosts")

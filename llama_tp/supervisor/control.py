@@ -119,6 +119,7 @@ class Supervisor:
         self._misses: dict[str, int] = {}
         self._launch_failures = 0  # in a row
         self._stop = self._planned = False
+        self.stop_code = 0
         self._wake = asyncio.Event()  # a fault, a stop or a restart request
         self._changed = asyncio.Event()  # pulsed on every state change
         self._tmp = tempfile.TemporaryDirectory(prefix="llama_tp-supervisor-")
@@ -185,7 +186,18 @@ class Supervisor:
     def _refusal(self) -> str:
         if self.state == "stopping":
             return "the server is shutting down"
+        if self.state == "failed":
+            return f"the server gave up: {self.reason}"
         return f"the server is {self.state}: {self.reason}"
+
+    async def end_message(self, generation: int) -> str:
+        """Why a stream of `generation` that had shown output was cut off."""
+        if self._stop:
+            return "the server is shutting down"
+        if self.state == "restarting" and generation == self.generation:
+            return f"the server is restarting: {self.reason}"
+        what = await self.fault_text(generation)
+        return f"a rank of the server failed: {what}; the server is recovering"
 
     def suspect(self, generation: int, what: str) -> None:
         """A request saw rank 0 of `generation` fail (503, or no answer)."""
@@ -248,8 +260,10 @@ class Supervisor:
 
     # -- operator and signals --
 
-    def request_stop(self) -> None:
+    def request_stop(self, code: int = 0) -> None:
+        """Stop every rank and return `code` from `run` (SIGTERM 0, SIGINT 130)."""
         if not self._stop:
+            self.stop_code = code
             self._stop = True
             self._enter("stopping", "the server is shutting down")
             self._wake.set()
@@ -274,8 +288,8 @@ class Supervisor:
                 if layout is None:
                     break
                 outcome = await self._launch(layout)
-                if outcome == "usage":
-                    code = 2
+                if isinstance(outcome, int):  # the ranks refused to start: no retry
+                    code = outcome
                     break
                 if outcome != "ok":
                     if self._stop:
@@ -297,7 +311,7 @@ class Supervisor:
                 await self.group.stop(STOP_GRACE)
             self._tmp.cleanup()
         say("supervisor: stopped")
-        return code
+        return self.stop_code if self._stop else code
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, unless a stop or restart request comes first."""
@@ -326,6 +340,8 @@ class Supervisor:
         self.generation += 1
         gen = self.generation
         replaced = layout is not self.layout
+        for old in Path(self._tmp.name).glob("hosts-*.json"):
+            old.unlink()
         hostfile = layout.write(Path(self._tmp.name) / f"hosts-{gen}.json") if replaced else None
         host = layout.rank0_address()
         port = free_port(host)
@@ -345,10 +361,12 @@ class Supervisor:
         await self.group.stop(0)
         if self._stop:
             return "stopped"
-        if self.group.code == 2 and self.restarts == 0 and self.rank_status is None:
-            say("error: supervisor: the ranks refused the server's flags (exit code 2)")
+        if self.group.code in (1, 2) and self.rank_status is None:
+            # Never served, and a rank ended on its own error (bad flags, a model that
+            # does not load): the same command would fail again.
+            say(f"error: supervisor: the ranks did not start (exit code {self.group.code})")
             self._enter("failed", why)
-            return "usage"
+            return self.group.code
         say(f"supervisor: generation {gen} did not start: {why}")
         return why
 

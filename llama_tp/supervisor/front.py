@@ -212,10 +212,7 @@ def build_front(sup: Supervisor, client):
                 why = "ended a stream with an error event"
             if not ended:
                 sup.suspect(gen, why)
-                what = await sup.fault_text(gen)
-                shown = "the server is shutting down" if sup.state == "stopping" else None
-                message = shown or f"a rank of the server failed: {what}; the server is recovering"
-                yield events.fault_event(message)
+                yield events.fault_event(await sup.end_message(gen))
         finally:
             sup.inflight -= 1
             await up.aclose()

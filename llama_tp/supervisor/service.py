@@ -2,8 +2,9 @@
 
 It binds the public address itself (an error names it), then runs the front door
 (uvicorn, on this process's event loop) and the supervisor's loop side by side. SIGTERM
-or SIGINT stops the ranks and the front door and exits 0; giving up after too many
-failures exits 1; ranks that refuse the server's flags at the first launch, 2.
+stops the ranks and the front door and exits 0 (SIGINT: 130); giving up after too many
+failures exits 1; ranks that fail to start the first time (before ever serving: bad
+flags, a model that does not load) end it with their exit code, 1 or 2.
 """
 
 from __future__ import annotations
@@ -88,12 +89,12 @@ async def _serve(spec, layout, sock: socket.socket) -> int:
         )
         server = Server(config)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, sup.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, sup.request_stop, 0)
+        loop.add_signal_handler(signal.SIGINT, sup.request_stop, 130)
         http = asyncio.create_task(server.serve(sockets=[sock]))
         ranks = len(layout.hosts)
         say(
-            f"supervisor: listening on http://{spec.host}:{spec.port}; starting "
+            f"supervisor: listening on http://{spec.host}:{sock.getsockname()[1]}; starting "
             f"{ranks} rank{'s' * (ranks > 1)} (--restart-limit {spec.restart_limit} in "
             f"{spec.restart_window:g} s)"
         )
