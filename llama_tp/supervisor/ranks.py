@@ -1,5 +1,6 @@
 """One generation of ranks: `python -m llama_tp.launch ... -m llama_tp.serve ...` run as a
-subprocess in a session of its own, rank 0 listening on a private address.
+subprocess in a session of its own, rank 0 listening on a private address. On Linux the
+launcher is told to stop (SIGTERM) when the supervisor dies, so no rank outlives it.
 
 Its stderr is forwarded to the supervisor's, line by line, and each line handed to
 `on_line` (the supervisor reads the fault lines). `stop` ends it: SIGTERM to the
@@ -23,6 +24,16 @@ from pathlib import Path
 
 POLL = 0.25  # seconds between readiness checks
 SUPERVISOR_ENV = "LLAMA_TP_SUPERVISOR"  # the supervisor's pid, in its ranks' environment
+# Runs the launcher (sys.argv[1:]) so that on Linux it gets SIGTERM, and stops its ranks,
+# if the supervisor dies (PR_SET_PDEATHSIG = 1 survives the exec).
+ORPHAN_GUARD = """
+import ctypes, os, signal, sys
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != int(os.environ["LLAMA_TP_SUPERVISOR"]):
+        sys.exit(1)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
 
 
 class RankGroup:
@@ -40,7 +51,10 @@ class RankGroup:
         env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
         self.started = time.monotonic()
         self.proc = await asyncio.create_subprocess_exec(
-            *self.argv,
+            sys.executable,
+            "-c",
+            ORPHAN_GUARD,
+            *self.argv[1:],  # the launcher's argv after its python
             stdin=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
             env=env,
