@@ -79,7 +79,9 @@ class Supervised:
             stdout=subprocess.DEVNULL,
             stderr=open(self.err_path, "w"),
             start_new_session=True,
-            env={**os.environ, **(env or {})},
+            # The ranks' session at the others' priority: on a busy machine a step at nice
+            # 10 (the launcher's default for pinned ranks) can outlast the step timeout.
+            env={**os.environ, "LLAMA_TP_SESSION_NICE": "0", **(env or {})},
         )
         self.base = f"http://127.0.0.1:{self.port}"
 

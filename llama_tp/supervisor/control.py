@@ -38,7 +38,7 @@ from .hosts import LOCAL, Layout, unanswered
 from .ranks import RankGroup, free_port
 
 SETTLE = 1.5  # seconds a fault's description may still improve before the ranks are killed
-STOP_GRACE = 10.0  # seconds the ranks get to stop on their own (SIGTERM, a planned restart)
+STOP_GRACE = 5.0  # seconds the ranks get to stop on their own (SIGTERM, a planned restart)
 MONITOR_EVERY = 1.0  # seconds between reads of rank 0's /v1/status
 HOST_ATTEMPTS = 2  # probes a host may fail before the model is re-placed without it
 PROBE_EVERY = 5.0  # seconds between probes of the missing hosts while down
