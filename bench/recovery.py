@@ -1,16 +1,19 @@
 """How fast the supervised server heals: a rank's fault to the first good answer after it.
 
     python bench/recovery.py [--model M | --synthetic 0.5b-fp16] [--faults 3]
-                             [--signal KILL|STOP] [--timeout 5]
+                             [--signal KILL|STOP] [--timeout 60] [--nice N]
 
 Starts `python -m llama_tp.launch -n 2 --restart -m llama_tp.serve` (the built-in model
 by default; `--synthetic SPEC`: a random-weight model of that size, written once into
 the cache), and per fault: streams one answer, sends the signal to rank 1 mid-stream
-and, 0.2 s later, a new request (held by the front door until the ranks are back).
+and, 0.2 s later, a new one-token request (held by the front door until the ranks are
+back; one token, so that the figures are the recovery's, not the model's speed).
 Prints per fault, from the signal: when the supervisor saw the fault (detect), when the
 new ranks answered /health (relaunch: from the detection), when the first answer after
 it completed (first answer, from the detection), and when the new request was answered
-(from the signal). docs/reliability.md has the figures.
+(from the signal). `--nice N`: the ranks' session nice (LLAMA_TP_SESSION_NICE; on a
+busy machine the default 10 of pinned ranks starves them). docs/reliability.md has the
+figures.
 """
 
 from __future__ import annotations
@@ -84,8 +87,9 @@ def rank_pid(supervisor: int, rank: int) -> int:
         except OSError:
             continue
         if f"LLAMA_TP_SUPERVISOR={supervisor}".encode() in env:
-            if f"MLX_RANK={rank}".encode() in env:
-                return int(entry.name)
+            for name in ("MLX_RANK", "OMPI_COMM_WORLD_RANK"):  # mlx.launch's ranks, mpirun's
+                if f"{name}={rank}".encode() in env:
+                    return int(entry.name)
     raise LookupError(f"no rank {rank} of supervisor {supervisor}")
 
 
@@ -105,7 +109,7 @@ def one_fault(base: str, supervisor: int, sig: int) -> dict:
     t0 = time.time()
     os.kill(rank_pid(supervisor, 1), sig)
     time.sleep(0.2)
-    chat(base, "Name a colour.", 8)  # held until the ranks are back
+    chat(base, "Name a colour.", 1)  # held until the ranks are back; one token: not speed
     answered = time.time() - t0
     s = wait_state(base, "serving", before["generation"])["last_fault"]
     return {
@@ -124,7 +128,8 @@ def main() -> int:
     src.add_argument("--synthetic", metavar="SPEC", help="e.g. 0.5b-fp16")
     p.add_argument("--faults", type=int, default=3)
     p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
-    p.add_argument("--timeout", type=float, default=5.0, help="the server's --timeout")
+    p.add_argument("--timeout", type=float, default=60.0, help="the server's --timeout")
+    p.add_argument("--nice", type=int, default=None, help="LLAMA_TP_SESSION_NICE for the ranks")
     args = p.parse_args()
     model = args.model
     if args.synthetic:
@@ -137,7 +142,12 @@ def main() -> int:
     cmd += ["--api-key", KEY, "--timeout", f"{args.timeout:g}"]
     cmd += ["--model", model] if model else []
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+    env = dict(os.environ)
+    if args.nice is not None:
+        env["LLAMA_TP_SESSION_NICE"] = str(args.nice)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     rows = []
     try:
         t = time.monotonic()
@@ -152,8 +162,11 @@ def main() -> int:
         code = proc.wait(120)
     load = open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else []
     name = Path(model).name if model else "built-in (SmolLM2-135M-Instruct Q4_1)"
-    print(f"\n{name}, 2 ranks, SIG{args.signal} of rank 1, --timeout {args.timeout:g}; "
-          f"first start {started:.1f} s; load average {' '.join(load)}; exit code {code}")  # fmt: skip
+    print(
+        f"\n{name}, 2 ranks, SIG{args.signal} of rank 1, --timeout {args.timeout:g}"
+        f"{'' if args.nice is None else f', session nice {args.nice}'}; first "
+        f"start {started:.1f} s; load average {' '.join(load)}; exit code {code}"
+    )
     print("| fault | detect | relaunch | first answer | new request |")
     print("| --- | --- | --- | --- | --- |")
     for i, r in enumerate(rows, 1):

@@ -25,6 +25,7 @@ from conftest import _PORTS, ROOT
 from serve_client import KEY, free_port, http
 
 SUPERVISOR_ENV = "LLAMA_TP_SUPERVISOR"
+RANK_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")  # mlx.launch's ranks, mpirun's
 NO_EOS = {"0": -100, "2": -100}  # the built-in model's end tokens: a stream that runs on
 
 
@@ -117,11 +118,13 @@ class Supervised:
     def wait_serving(self, timeout: float = 180, generation: int = 0) -> dict:
         return self.wait_state(("serving",), timeout, generation)
 
-    def ranks(self) -> dict:
-        """{rank: pid} of the processes it started now, with "launcher"."""
+    def ranks(self) -> dict[int, int]:
+        """{rank: pid} of the ranks it runs now."""
         out = {}
         for pid, env in started_by(self.proc.pid).items():
-            out[int(env["MLX_RANK"]) if "MLX_RANK" in env else "launcher"] = pid
+            rank = next((env[k] for k in RANK_ENV if k in env), None)
+            if rank is not None:
+                out[int(rank)] = pid
         return out
 
     def stop(self, timeout: float = 60) -> int:
