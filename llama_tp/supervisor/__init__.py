@@ -6,13 +6,14 @@ rank 0 listening on a private port) come and go:
 
 - `command`: the supervised command split into the launcher's flags, the supervisor's
   own and the server's; the command each generation of ranks runs.
-- `hosts`: the hosts a launch names, whether each answers, and re-placing the model over
-  the ones that remain (the memory-weighted plan, or a one-line refusal with the numbers).
+- `hosts`: the hosts a launch names and whether each answers; `replacement`: the model
+  re-placed over the ones that remain (memory-weighted), or one line saying why not.
 - `ranks`: one generation of ranks: the launcher subprocess, its stderr read for fault
   lines, readiness, stopping every process it started.
 - `faults`: what a fault line says (which rank, which host, what happened).
-- `control`: the state machine: detect, drain, relaunch with backoff, resume; requests
-  held while recovering; the figures of `/v1/status` and `/metrics`.
+- `control`: the state machine: detect, drain, relaunch with backoff, resume.
+- `admission`: the requests' side: held while recovering, up to a bound; what a stream
+  cut off is told; the `supervisor` section of `/v1/status` (`metrics`: of `/metrics`).
 - `streams`: a proxied answer's events: held until the first token (so that a request
   that has not started can be replayed), and the fault event in each API's shape.
 - `front`: the FastAPI app in front: the proxy, status, metrics, the page, the restart route.

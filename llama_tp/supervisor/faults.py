@@ -11,13 +11,16 @@ that was killed is named rather than the peer that noticed:
     3  the watchdog: "error: rank 0: no progress for 60 s in generation step 12 ..."
     2  a lost peer: "error: rank 0: lost the connection to a peer rank ..."
     1  what the supervisor saw itself (rank 0 stopped answering, the ranks stalled)
+
+`Recovery` is a fault with the times of what followed (relaunch, ready, first answer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..cluster.watchdog import EXIT_PEER, PEER_LOST
 
@@ -79,3 +82,31 @@ def from_exit(code: int) -> Fault:
     if code < 0:
         return Fault(f"the ranks' launcher was killed by {signal_name(-code)}")
     return Fault(f"the ranks' launcher exited with code {code}")
+
+
+@dataclass
+class Recovery:
+    """A fault and how long the service took to come back (seconds after detection)."""
+
+    fault: Fault
+    generation: int  # the generation it ended
+    at: float  # wall clock of the detection
+    detected: float  # monotonic
+    relaunched: float | None = None  # the new generation's launch started
+    ready: float | None = None  # rank 0 answered /health
+    first_answer: float | None = None  # the first answer completed after recovery
+    described: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def json(self) -> dict:
+        def since(t: float | None) -> float | None:
+            return None if t is None else round(t - self.detected, 3)
+
+        return {
+            "rank": self.fault.rank,
+            "host": self.fault.host,
+            "what": self.fault.text(),
+            "at": round(self.at, 3),
+            "seconds_to_relaunch": since(self.relaunched),
+            "seconds_to_ready": since(self.ready),
+            "seconds_to_first_answer": since(self.first_answer),
+        }

@@ -19,7 +19,8 @@ import contextlib
 import secrets
 from pathlib import Path
 
-from .control import ClientGone, Supervisor, Unavailable
+from .admission import ClientGone, Unavailable
+from .control import Supervisor
 from .streams import ERROR, OUTPUT, Events, api_of, error_body, is_stream
 
 MAX_REPLAYS = 3  # a request interrupted by more faults than this gets the last one's 503
