@@ -14,23 +14,10 @@ import signal
 import socket
 import sys
 
+from ..cluster.listen import bind
 from ..console.cli import UsageError
 
 MISSING = 'the supervisor needs FastAPI, uvicorn, prometheus_client and httpx2: pip install "llama_tp[serve]"'  # noqa: E501
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The front door's listening socket (OSError naming the address)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
 
 
 def run(argv: list[str]) -> int:
