@@ -37,7 +37,7 @@ from .hosts import LOCAL, Layout, unanswered
 from .ranks import RankGroup, free_port
 
 SETTLE = 1.5  # seconds a fault's description may still improve before the ranks are killed
-STOP_GRACE = 5.0  # seconds the ranks get to stop on their own (SIGTERM, a planned restart)
+STOP_GRACE = 2.0  # seconds the launcher gets to stop its ranks itself, then SIGKILL
 MONITOR_EVERY = 1.0  # seconds between reads of rank 0's /v1/status
 HOST_ATTEMPTS = 2  # probes a host may fail before the model is re-placed without it
 BACKOFF_MAX = 30.0
