@@ -82,6 +82,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     )
     add_moe_split_arg(p)
     add_split_arg(p)
+    p.add_argument(
+        "--weights-cache",
+        metavar="DIR|none",
+        default=None,
+        help="where a rank without the model keeps the slices it received, for the next "
+        "start (default: $LLAMA_TP_WEIGHTS_CACHE, else ~/.cache/llama_tp/weights; "
+        "'none': keep nothing)",
+    )
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
@@ -320,8 +328,7 @@ def run(main: Callable[[], int | None]) -> NoReturn:
     except Exception as e:  # the entry point's job: one line, never a traceback
         if peer_lost(e):
             watchdog.uninstall()
-            line = f"error: rank {watchdog.rank_label()}: {watchdog.PEER_LOST}"
-            watchdog.report_and_exit(line, EXIT_PEER)
+            watchdog.report_and_exit(watchdog.lost_line(watchdog.rank_label()), EXIT_PEER)
         _report(e)
         code = EXIT_ERROR
     watchdog.uninstall()
@@ -362,6 +369,7 @@ def load_checked(args, group: mx.distributed.Group):
                 sequence_parallel=getattr(args, "sequence_parallel", False),
                 moe_split=args.moe_split,
                 split=args.split,
+                weights_cache=getattr(args, "weights_cache", None),
                 **mesh,
             )
         except (MeshError, SplitError) as e:  # the same on every rank

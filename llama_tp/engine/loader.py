@@ -37,6 +37,8 @@ from ..parallel.shares import MEMORY, SplitSpec, Weights, memory_split, parse_sp
 from .agreement import check_mesh_flags
 from .kernel_choice import native_kernels, products_path
 from .load_placement import checkpoint_placement
+from .model_sources import Shared, open_shared
+from .weight_transfer import read_weights
 
 
 def _read(ckpt: Checkpoint, mine: RankPlacement) -> list[tuple[str, mx.array]]:
@@ -100,12 +102,16 @@ def _open(
     group: mx.distributed.Group,
     model_group: mx.distributed.Group,
     blocks: bool = False,
-) -> Checkpoint:
-    """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
-    model); if any rank of `group` fails, every rank raises."""
-    return agreed(
-        lambda: open_checkpoint(path, model_group.rank(), model_group.size(), blocks), group
-    )
+    weights_cache: Any = None,
+) -> Shared:
+    """The checkpoint on every rank (as rank of `model_group`, the ranks that share one
+    model): its own file's, or, where it has none, a holder's description (its slices
+    then come over the link: `engine/model_sources.py`); if any rank of `group` fails,
+    every rank raises."""
+    if group.size() == 1:
+        ckpt = agreed(lambda: open_checkpoint(path, 0, model_group.size(), blocks), group)
+        return Shared(ckpt, group, str(path), [0], [0], 1, [None], blocks)
+    return agreed(lambda: open_shared(path, group, model_group, blocks, weights_cache), group)
 
 
 def load_model(
@@ -122,6 +128,7 @@ def load_model(
     dp: int | None = None,
     moe_split: str = DEFAULT_MOE_SPLIT,
     split: SplitSpec = None,
+    weights_cache: str | Path | bool | None = None,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
 
@@ -146,7 +153,9 @@ def load_model(
     rank (`parallel/experts.py`). `split` divides each tensor group unevenly: "3:1" or
     (3, 1), one weight per tensor rank, or "memory" (weights from every rank's available
     memory, gathered here); a pre-split folder keeps the weights it was cut with
-    (`parallel/shares.py`). Returns the model,
+    (`parallel/shares.py`). A rank that cannot read `path` receives its slices from one
+    that can, and keeps them in `weights_cache` for the next start (None: the default
+    folder, `checkpoints/weights_cache.py`; False or "none": no cache). Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
@@ -178,7 +187,8 @@ def load_model(
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
-    ckpt = _open(path, group, model_group, blocks=blocks)
+    shared = _open(path, group, model_group, blocks, weights_cache)
+    ckpt = shared.ckpt
     ckpt.mesh = whole_mesh
     ckpt.products = products
     error = None
@@ -198,7 +208,7 @@ def load_model(
                 if mesh
                 else placement.ranks[model_group.rank()]
             )
-            weights = _read(ckpt, mine)
+            weights = read_weights(shared, mine, lambda: _read(ckpt, mine))
             model = _build(ckpt, placement, model_group, mesh, sequence_parallel)
         else:  # a user's style plan: the placement is what its styles keep
             model = skeleton(ckpt)
@@ -207,7 +217,7 @@ def load_model(
                 sequence_parallel=sequence_parallel,
             )  # fmt: skip
             mine = styles_placement(done, model_shape(ckpt))
-            weights = _read(ckpt, mine)
+            weights = read_weights(shared, mine, lambda: _read(ckpt, mine))
         if mesh is not None:  # the stage's layers are numbered from 0
             from .pipeline import local_name
 
@@ -237,6 +247,7 @@ def load_model(
         "peak_memory": mx.get_peak_memory(),
         "max_rss": max_rss(),
         "seconds": time.perf_counter() - tic,
+        **(shared.stats or {"source": "local"}),  # where the weights came from (--verbose)
     }
     barrier(group)
     return model, ckpt
