@@ -157,7 +157,8 @@ def main() -> int:
         from .engine.weight_transfer import where_from
 
         load = ", ".join(
-            f"rank {i} {where_from(s)}, peak {s['peak_memory'] / 1e6:.1f} MB in {s['seconds']:.1f} s"
+            f"rank {i} {where_from(s)}, peak {s['peak_memory'] / 1e6:.1f} MB"
+            f" in {s['seconds']:.1f} s"
             for i, (_, _, s) in enumerate(peaks)
         )
         eprint0(f"Loading: {load}")

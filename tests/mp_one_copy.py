@@ -38,8 +38,8 @@ def damage(cache: Path) -> list[str]:
 
 
 def run_case(case: dict, group) -> dict:
-    rank = group.rank()
-    damaged = damage(Path(case["cache"])) if case.get("damage") == rank else []
+    rank, cache = group.rank(), Path(case["cache"])
+    damaged = damage(cache) if case.get("damage") == rank else []
     model, ckpt = load_model(case["model"], group, weights_cache=case["cache"], **case["options"])
     stats = dict(ckpt.load_stats)
     tokenizer = load_tokenizer(ckpt)
@@ -49,13 +49,18 @@ def run_case(case: dict, group) -> dict:
     for _, v in params:
         crc = zlib.crc32(memoryview(mx.contiguous(v)), crc)
     ids = tokenizer.encode("hi")
-    tokens = [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=case["tokens"], group=group)]
+    tokens = [
+        r.token
+        for r in stream_generate(model, tokenizer, ids, max_tokens=case["tokens"], group=group)
+    ]
     mine = {
         "stats": stats,
         "crc": crc,
         "largest": max(v.nbytes for _, v in params),
         "damaged": damaged,
-        "cache_files": sorted(str(p.relative_to(case["cache"])) for p in Path(case["cache"]).rglob("*")),
+        "cache_files": sorted(
+            str(p.relative_to(case["cache"])) for p in Path(case["cache"]).rglob("*")
+        ),
     }
     return {"name": case["name"], "tokens": tokens, "ranks": all_gather_object(mine, group)}
 

@@ -19,12 +19,15 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import launch
 from mp_ranks import Ranks
 
 SMALL = "64k"  # the tmpfs that fills up
 # rank r > 0: the models folder replaced by VIEW, a small tmpfs on SMALL, then the command
-HIDE = 'mount --bind "$0" "$1" && mount -t tmpfs -o size=' + SMALL + ' tmpfs "$2" && shift 2 && exec "$@"'
+HIDE = (
+    'mount --bind "$0" "$1" && mount -t tmpfs -o size='
+    + SMALL
+    + ' tmpfs "$2" && shift 2 && exec "$@"'
+)
 
 
 def _link_tree(src, dst) -> None:
@@ -40,10 +43,10 @@ def _link_tree(src, dst) -> None:
 def hosts(tmp_path_factory):
     """(root, a `prefix` for Ranks that hides root/models from ranks > 0)."""
     root = tmp_path_factory.mktemp("one_copy")
-    for d in ("models", "shared", "view", "small", "cache"):
+    for d in ("models", "shared", "view1", "view2", "small", "cache"):
         (root / d).mkdir()
     probe = subprocess.run(
-        ["unshare", "-m", "sh", "-c", HIDE, str(root / "view"), str(root / "models"),
+        ["unshare", "-m", "sh", "-c", HIDE, str(root / "view2"), str(root / "models"),
          str(root / "small"), "true"],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -53,23 +56,35 @@ def hosts(tmp_path_factory):
     def prefix(rank: int) -> list[str]:
         if rank == 0:
             return []
-        paths = [root / "view", root / "models", root / "small"]
+        paths = [root / f"view{min(rank, 2)}", root / "models", root / "small"]
         return ["unshare", "-m", "sh", "-c", HIDE, *map(str, paths)]
 
     return root, prefix
 
 
+def _link(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy(src, dst)
+
+
 def model(root, name: str, make) -> None:
     """root/models/NAME (rank 0 only) and the same files at root/shared/NAME (every rank)."""
-    make(root / "models" / name)
     src, dst = root / "models" / name, root / "shared" / name
-    if src.is_dir():
-        _link_tree(src, dst)
-    else:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy(src, dst)
+    if dst.exists():
+        return
+    make(src)
+    _link_tree(src, dst) if src.is_dir() else _link(src, dst)
+
+
+def differing_copies(root) -> None:
+    """root/models/other: one model for rank 0, another at the same path for rank 1."""
+    from fixtures import write_hf_model
+
+    if not (root / "models" / "other").exists():
+        write_hf_model(root / "models" / "other")
+        write_hf_model(root / "view1" / "other", seed=1)
 
 
 def run(hosts, n: int, cases: list[dict], timeout: float = 240, **kw) -> tuple[dict, list]:
@@ -112,9 +127,8 @@ def test_two_ranks_one_copy(hosts, default_gguf):
     root, _ = hosts
     model(root, "tiny", write_hf_model)
     model(root, "q4", lambda p: write_hf_model(p, quantize=(4, 32), dim=128, hidden_dim=256))
-    model(root, "smol.gguf", lambda p: os.link(default_gguf, p))
-    write_hf_model(root / "models" / "other")  # rank 0's copy ...
-    write_hf_model(root / "view" / "other", seed=1)  # ... and another one for the others
+    model(root, "smol.gguf", lambda p: _link(default_gguf, p))
+    differing_copies(root)
     hidden, shared = root / "models", root / "shared"
     split = {"options": {"split": "2:1"}}
     cases = [
@@ -161,11 +175,11 @@ def test_two_ranks_one_copy(hosts, default_gguf):
         r"device; the partial copy was removed \(the model is loaded\)",
         warnings[0],
     ), results[0].err
-    # copies that differ are refused, naming both; a path nobody has names every host
+    # copies that differ are refused after loading (every rank has one: the start-up
+    # agreement, as before), naming both; a path nobody has names every host
     assert re.fullmatch(
-        rf"{root}/models/other differs between ranks: rank 0 on \S+ has \w+, rank 1 on \S+ "
-        r"has \w+ \(size, header and samples compared\); make the copies the same, or remove "
-        r"one: a rank without the file receives its slices",
+        r"ranks disagree on the model weights: rank 0 has \w+, rank 1 has \w+ "
+        rf"\({root}/models/other\)",
         out["differ"].get("error", ""),
     ), out["differ"]
     assert re.fullmatch(
@@ -173,3 +187,79 @@ def test_two_ranks_one_copy(hosts, default_gguf):
         r"put the model on one of them: the others receive their slices from it",
         out["nowhere"].get("error", ""),
     ), out["nowhere"]
+
+
+def test_three_ranks_experts_and_pre_split(hosts):
+    """Ranks 1 and 2 without the model: a mixture of experts split by expert, and a
+    folder pre-split for 3 ranks (each receives its own rank folder's tensors)."""
+    from fixtures import write_hf_model
+    from moe_fixtures import FAMILIES
+
+    from llama_tp.checkpoints.convert import convert
+
+    root, _ = hosts
+    model(root, "moe", lambda p: write_hf_model(p, **FAMILIES["qwen3_moe"]))
+    model(root, "split3", lambda p: convert(root / "models" / "moe", p, shards=3, progress=False))
+    differing_copies(root)
+    hidden, shared = root / "models", root / "shared"
+    expert = {"options": {"moe_split": "expert"}}
+    cases = [
+        {"name": "moe", "model": hidden / "moe", **expert},
+        {"name": "moe local", "model": shared / "moe", **expert},
+        {"name": "split", "model": hidden / "split3"},
+        {"name": "split local", "model": shared / "split3"},
+        {"name": "differ", "model": hidden / "other"},
+    ]
+    out, _ = run(hosts, 3, cases)
+    # rank 2 would receive, and ranks 0 and 1 have different copies: refused at start-up
+    assert re.fullmatch(
+        rf"{root}/models/other differs between ranks: rank 0 on \S+ has \w+, rank 1 on \S+ "
+        r"has \w+ \(size, header and samples compared\); make the copies the same, or remove "
+        r"one: a rank without the file receives its slices",
+        out["differ"].get("error", ""),
+    ), out["differ"]
+    for name in ("moe", "split"):
+        assert_same_as_local(out, name, f"{name} local")
+    experts = [r["stats"]["placement_bytes"] for r in out["moe"]["ranks"]]
+    assert len(set(experts)) > 1 or experts  # uneven: 7 experts over 3 ranks
+
+
+def test_tp2_pp2_mesh_relayed_round_the_ring(hosts):
+    """4 ranks, --tp 2 --pp 2, only rank 0 with the model: rank 2 is no neighbour of rank 0
+    on the ring, so its slices pass through rank 1 or 3 (relayed, not kept)."""
+    from fixtures import write_hf_model
+
+    root, _ = hosts
+    model(root, "deep", lambda p: write_hf_model(p, n_layers=4))
+    mesh = {"options": {"tp": 2, "pp": 2}}
+    cases = [
+        {"name": "mesh", "model": root / "models" / "deep", **mesh},
+        {"name": "mesh local", "model": root / "shared" / "deep", **mesh},
+    ]
+    out, _ = run(hosts, 4, cases)
+    assert_same_as_local(out, "mesh", "mesh local")
+    stages = [r["stats"]["placement_bytes"] for r in out["mesh"]["ranks"]]
+    relayed = sum(r["stats"]["bytes_relayed"] for r in out["mesh"]["ranks"])
+    assert relayed == stages[2], (relayed, stages)
+
+
+def test_sender_killed_mid_transfer_ends_every_rank(hosts):
+    """The only sender dies after its first tensor: the receiver ends within the
+    watchdog's bound with one line naming itself and the tensor it was receiving."""
+    from fixtures import write_hf_model
+
+    root, prefix = hosts
+    model(root, "killed", write_hf_model)
+    args = ["-m", "llama_tp.generate", "--model", str(root / "models" / "killed"),
+            "--prompt", "hi", "--max-tokens", "4", "--load-timeout", "10",
+            "--weights-cache", "none"]  # fmt: skip
+    ranks = Ranks(2, args, root, prefix=prefix, env={0: {"LLAMA_TP_FAULT": "die-sending:rank0"}})
+    r0, r1 = ranks.wait(60)
+    assert r0.code == -9, (r0.code, r0.err)
+    [line] = r1.error_lines()
+    assert re.fullmatch(
+        r"error: rank 1: lost the connection to a peer rank \(it crashed or was stopped\) "
+        r"while receiving \S+ from rank 0",
+        line,
+    ), r1.err
+    assert r1.code == 3 and r1.seconds <= 15, (r1.code, r1.seconds)

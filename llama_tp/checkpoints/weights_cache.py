@@ -127,7 +127,8 @@ class WeightsCache:
             _replace_dir(partial, final)
         except OSError as e:
             shutil.rmtree(partial, ignore_errors=True)
-            raise CacheError(e.errno, f"cannot cache the weights in {source}: {e.strerror or e}")
+            why = e.strerror or str(e)
+            raise CacheError(e.errno, f"cannot cache the weights in {source}: {why}") from None
         return nbytes
 
 

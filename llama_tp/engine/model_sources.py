@@ -37,7 +37,7 @@ from ..checkpoints.description import (
     source_fingerprint,
 )
 from ..checkpoints.fingerprint import weights_fingerprint
-from ..checkpoints.split import SHARD_CONFIG, is_split
+from ..checkpoints.split import SHARD_CONFIG, is_split, rank_dir
 from ..checkpoints.weights_cache import WeightsCache, cache_root
 from ..cluster.distributed import PeerError, all_gather_bytes, all_gather_object, first_line
 
@@ -102,19 +102,32 @@ def _present(path: str, model_rank: int) -> tuple[Path | None, list[int] | None,
     return (p if model_rank in seen else None), seen, None
 
 
-def _local(path: str, model_rank: int, model_size: int, blocks: bool, several: bool):
-    """This rank's checkpoint (None: it has no copy), the source's fingerprint where it
-    sees one, the rank folders it sees of a pre-split folder, why a hub id failed."""
-    local, seen, why = _present(path, model_rank)
-    ckpt = fingerprint = None
-    if local is not None:
-        ckpt = open_checkpoint(local, model_rank, model_size, blocks)
-        if several:
-            fingerprint = source_fingerprint(ckpt)
-            ckpt.fingerprint = weights_fingerprint(ckpt)  # computed once
-    elif seen:  # other ranks' folders only: it can still send them theirs
-        fingerprint = source_fingerprint(open_checkpoint(Path(path), seen[0], model_size, blocks))
-    return ckpt, fingerprint, seen, why
+def _fingerprint(
+    ckpt: Checkpoint | None, path: str, seen: list[int] | None, blocks: bool, size: int
+) -> str | None:
+    """The source's fingerprint as this rank sees it (None: it sees no copy)."""
+    if ckpt is not None:
+        ckpt.fingerprint = weights_fingerprint(ckpt)  # once: the agreement reuses it
+        return source_fingerprint(ckpt)
+    if seen:  # other ranks' folders of a pre-split folder only: it can still send them
+        return source_fingerprint(open_checkpoint(Path(path), seen[0], size, blocks))
+    return None
+
+
+def _gather(value: Any, error: BaseException | None, group: mx.distributed.Group) -> list:
+    """Every rank's `value`, after which all raise if any rank failed (`error`: this one's)."""
+    out = all_gather_object((None if error is None else first_line(error), value), group)
+    _raise_first([e for e, _ in out], error)
+    return [v for _, v in out]
+
+
+def _raise_first(errors: list[str | None], mine: BaseException | None) -> None:
+    """Every rank raises when any failed: a failed rank its own error, the others the first."""
+    if mine is not None:
+        raise mine
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        raise PeerError(f"rank {failed[0][0]}: {failed[0][1]}")
 
 
 def open_shared(
@@ -126,32 +139,37 @@ def open_shared(
 ) -> Shared:
     """Every rank's checkpoint of `path` (collective over `group`; see the module
     docstring). `weights_cache`: `--weights-cache` (None: the default folder; False or
-    'none': no cache). Raises alike on every rank."""
+    'none': no cache). Raises alike on every rank. When every rank has the file this is
+    one small all-gather: fingerprints are compared (by the start-up agreement) after
+    loading, as before."""
     path = str(path)
     mrank, msize = model_group.rank(), model_group.size()
-    ckpt = fingerprint = seen = error = why = None
+    ckpt = seen = error = why = None
     try:
-        ckpt, fingerprint, seen, why = _local(path, mrank, msize, blocks, group.size() > 1)
+        local, seen, why = _present(path, mrank)
+        if local is not None:
+            ckpt = open_checkpoint(local, mrank, msize, blocks)
     except Exception as e:  # every rank learns of it below
         error = e
-    mine = {
-        "host": socket.gethostname(),
-        "has": ckpt is not None,
-        "fingerprint": fingerprint,
-        "serves": seen,
-        "model_rank": mrank,
-        "error": None if error is None else first_line(error),
-        "hub": why,
-    }
-    infos = all_gather_object(mine, group) if group.size() > 1 else [mine]
-    _check(infos, error, path)
+    mine = {"host": socket.gethostname(), "has": ckpt is not None, "serves": seen,
+            "model_rank": mrank, "hub": why}  # fmt: skip
+    infos = _gather(mine, error, group)
+    _nobody(infos, path)
     holders = [r for r, i in enumerate(infos) if i["has"]]
     shared = Shared(
         ckpt, group, path, holders, [i["model_rank"] for i in infos], msize,
-        [i["serves"] for i in infos], blocks, infos[holders[0]]["fingerprint"],
+        [i["serves"] for i in infos], blocks,
     )  # fmt: skip
     if shared.everyone:
         return shared
+    fingerprint = None
+    try:
+        fingerprint = _fingerprint(ckpt, path, seen, blocks, msize)
+    except Exception as e:
+        error = e
+    prints = _gather(fingerprint, error, group)
+    _differ(prints, infos, path)
+    shared.fingerprint = next(p for p in prints if p)
     root = cache_root(weights_cache)
     shared.cache = WeightsCache(root) if root is not None else None
     variant = f"-rank{mrank}" if shared.split else ""
@@ -166,39 +184,38 @@ def open_shared(
     return shared
 
 
-def _check(infos: list[dict], error: BaseException | None, path: str) -> None:
-    """The start-up verdict, alike on every rank: a rank's error, nobody with the
-    model, or copies that differ."""
-    failed = [(r, i["error"]) for r, i in enumerate(infos) if i["error"]]
-    if failed:
-        if error is not None:
-            raise error
-        raise PeerError(f"rank {failed[0][0]}: {failed[0][1]}")
-    if not any(i["has"] for i in infos):
-        hosts: dict[str, list[int]] = {}
-        for r, i in enumerate(infos):
-            hosts.setdefault(i["host"], []).append(r)
-        where = ", ".join(
-            f"{h} (rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))})" for h, rs in hosts.items()
-        )
-        if _REPO_ID.match(path):
-            raise CheckpointError(
-                f"{path}: not a local path on any host, and fetching it from the Hugging Face "
-                f"hub failed on every rank ({infos[0]['hub']}; {where})"
-            )
+def _nobody(infos: list[dict], path: str) -> None:
+    """One line naming the path and every host, alike on every rank, when no rank has it."""
+    if any(i["has"] for i in infos):
+        return
+    hosts: dict[str, list[int]] = {}
+    for r, i in enumerate(infos):
+        hosts.setdefault(i["host"], []).append(r)
+    where = ", ".join(
+        f"{h} (rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))})" for h, rs in hosts.items()
+    )
+    if _REPO_ID.match(path):
         raise CheckpointError(
-            f"{path}: no such file or directory on any host ({where}); put the model on one "
-            "of them: the others receive their slices from it"
+            f"{path}: not a local path on any host, and fetching it from the Hugging Face "
+            f"hub failed on every rank ({infos[0]['hub']}; {where})"
         )
-    seen = [(r, i) for r, i in enumerate(infos) if i["fingerprint"]]
-    differ = [(r, i) for r, i in seen if i["fingerprint"] != seen[0][1]["fingerprint"]]
+    raise CheckpointError(
+        f"{path}: no such file or directory on any host ({where}); put the model on one "
+        "of them: the others receive their slices from it"
+    )
+
+
+def _differ(prints: list[str | None], infos: list[dict], path: str) -> None:
+    """One line naming two ranks whose copies differ, alike on every rank."""
+    seen = [(r, p) for r, p in enumerate(prints) if p]
+    differ = [(r, p) for r, p in seen if p != seen[0][1]]
     if differ:
         (a, first), (b, other) = seen[0], differ[0]
         raise CheckpointError(
-            f"{path} differs between ranks: rank {a} on {first['host']} has "
-            f"{first['fingerprint']}, rank {b} on {other['host']} has {other['fingerprint']} "
-            "(size, header and samples compared); make the copies the same, or remove one: "
-            "a rank without the file receives its slices"
+            f"{path} differs between ranks: rank {a} on {infos[a]['host']} has {first}, "
+            f"rank {b} on {infos[b]['host']} has {other} (size, header and samples "
+            "compared); make the copies the same, or remove one: a rank without the file "
+            "receives its slices"
         )
 
 
@@ -233,12 +250,9 @@ def _receiver_checkpoint(shared: Shared, desc: dict[str, Any] | None, variant: s
     """A receiver's checkpoint from `desc`, its small files in the cache (a temporary
     folder without one, or where the cache cannot be written); the description is kept
     for the next start."""
-    if desc is None:
-        folders = shared.model_ranks[shared.group.rank()]
-        raise CheckpointError(
-            f"{shared.path}: no rank can send this rank the model (rank {folders}'s folder "
-            "is on no host)"
-        )
+    if desc is None:  # a pre-split folder whose rank folder no host has: name it
+        rank_dir(Path(shared.path), shared.model_ranks[shared.group.rank()], shared.model_size)
+        raise CheckpointError(f"{shared.path}: no rank could send this rank the model")
     if shared.cache is not None:
         try:
             shared.cache.save_description(shared.fingerprint, variant, desc)

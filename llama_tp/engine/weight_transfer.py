@@ -27,10 +27,10 @@ from ..checkpoints.slices import model_shape, read_tensor
 from ..checkpoints.weights_cache import CacheError
 from ..cluster import transfer, watchdog
 from ..cluster.diagnostics import backend_name
-from ..cluster.distributed import PeerError, all_gather_object, eprint0, first_line
+from ..cluster.distributed import all_gather_object, eprint0, first_line
 from ..cluster.progress import progress
 from ..parallel.placement import RankPlacement, Slice
-from .model_sources import Shared
+from .model_sources import Shared, _raise_first
 
 Weights = list[tuple[str, mx.array]]
 
@@ -46,9 +46,7 @@ def _estimate(ckpt: Checkpoint, mine: RankPlacement) -> dict[str, int]:
     return out
 
 
-def read_weights(
-    shared: Shared, mine: RankPlacement, read_local: Callable[[], Weights]
-) -> Weights:
+def read_weights(shared: Shared, mine: RankPlacement, read_local: Callable[[], Weights]) -> Weights:
     """This rank's tensors, exactly `mine.slices`, in its order (collective over
     `shared.group`; see the module docstring)."""
     if shared.everyone:
@@ -118,15 +116,6 @@ def read_weights(
             eprint0(f"warning: rank {r}: {w}", group=group)
     shared.stats = _stats(receiving, have, received, moved, cached, written, warning)
     return weights
-
-
-def _raise_first(errors: list[str | None], mine: BaseException | None) -> None:
-    """Every rank raises when any failed: a failed rank its own error, the others the first."""
-    if mine is not None:
-        raise mine
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        raise PeerError(f"rank {failed[0][0]}: {failed[0][1]}")
 
 
 def _stats(
