@@ -25,6 +25,7 @@ from llama_tp.cluster.distributed import all_gather_object, first_line
 from llama_tp.engine.agreement import check_agreement
 from llama_tp.engine.generation import stream_generate
 from llama_tp.engine.loader import load_model
+from llama_tp.engine.transfer_check import check_weights
 
 
 def damage(cache: Path) -> list[str]:
@@ -39,6 +40,10 @@ def damage(cache: Path) -> list[str]:
 
 def run_case(case: dict, group) -> dict:
     rank, cache = group.rank(), Path(case["cache"])
+    if case.get("doctor"):  # the doctor's weights row, as `doctor --model` prints it
+        report: dict = {}
+        check = check_weights(group, report, case["model"], quick=True, weights_cache=cache)
+        return {"name": case["name"], "doctor": [check.status, check.detail]}
     damaged = damage(cache) if case.get("damage") == rank else []
     model, ckpt = load_model(case["model"], group, weights_cache=case["cache"], **case["options"])
     stats = dict(ckpt.load_stats)

@@ -94,6 +94,9 @@ def test_doctor_two_ranks(tiny_dir, monkeypatch):
     assert status == "ok" and detail.startswith("weights fit balanced (rank "), detail
     assert "; for speed " in detail and detail.endswith("; for memory --split 2:1"), detail
     assert checks["kernels"][0] == "ok" and checks["kernels"][1].endswith("on every rank")
+    # where each rank's weights come from (every rank has the file here), and the link's rate
+    status, detail = checks["weights"]
+    assert status == "ok" and detail == f"{tiny_dir}: rank 0 locally; rank 1 locally", detail
     assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
 
 

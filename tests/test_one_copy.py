@@ -132,8 +132,10 @@ def test_two_ranks_one_copy(hosts, default_gguf):
     hidden, shared = root / "models", root / "shared"
     split = {"options": {"split": "2:1"}}
     cases = [
+        {"name": "doctor first", "model": hidden / "tiny", "doctor": True},
         {"name": "hf", "model": hidden / "tiny"},
         {"name": "hf local", "model": shared / "tiny"},
+        {"name": "doctor", "model": hidden / "tiny", "doctor": True},
         {"name": "hf cached", "model": hidden / "tiny"},
         {"name": "hf damaged", "model": hidden / "tiny", "damage": 1},
         {"name": "gguf", "model": hidden / "smol.gguf"},
@@ -160,6 +162,14 @@ def test_two_ranks_one_copy(hosts, default_gguf):
     assert s["source"] == "cache" and s["bytes_received"] == 0, s
     assert s["bytes_from_cache"] == s["placement_bytes"], s
     assert cached["ranks"][0]["stats"]["bytes_sent"] == 0
+    # the doctor says so, beforehand
+    status, detail = out["doctor first"]["doctor"]
+    assert status == "ok" and re.fullmatch(
+        rf"{hidden / 'tiny'}: rank 0 locally; rank 1 over the link from rank 0 at about \d+ MB/s",
+        detail,
+    ), detail
+    status, detail = out["doctor"]["doctor"]
+    assert status == "ok" and detail == f"{hidden / 'tiny'}: rank 0 locally; rank 1 from its cache"
     # a damaged cache file is found and its tensors fetched again
     damaged = out["hf damaged"]
     assert damaged["ranks"][1]["damaged"], damaged

@@ -87,6 +87,15 @@ class WeightsCache:
         folder.mkdir(parents=True, exist_ok=True)
         _write_atomic(folder / f"source{variant}.json", encode(desc))
 
+    def has_entry(self, fingerprint: str, slices: Mapping[str, Any]) -> bool:
+        """Whether this rank's entry is there, complete (its checksums are checked when read)."""
+        folder = self.source(fingerprint) / f"slices-{entry_key(slices)}"
+        try:
+            entry = json.loads((folder / "entry.json").read_text())
+            return entry["format"] == FORMAT and entry["slices"] == _plain(slices)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
     def read_entry(
         self, fingerprint: str, slices: Mapping[str, Any]
     ) -> tuple[dict[str, mx.array], list[str]]:

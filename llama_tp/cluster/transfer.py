@@ -26,6 +26,7 @@ rank that dies mid-round leaves the others in a receive: the watchdog ends them
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -159,25 +160,44 @@ def _header(seq: int, a: mx.array | None, crc: int = 0) -> mx.array:
 
 
 class _Rank:
-    """One rank's part of a run: its sends in flight, its arrivals to check."""
+    """One rank's part of a run: its sends in flight, its arrivals to check.
 
-    def __init__(self, group, read, deliver, stats: Stats):
+    Two carriers: `send` / `recv` to a neighbour (`pair` False), or, in a group of two
+    ranks on the ring backend (`pair`), an all-reduce in which the receiver adds zeros:
+    MLX's ring sends to one neighbour over one direction's connections only, its
+    all-reduce over both, which is what `doctor` times (integers: x + 0 is x, bit for
+    bit, whatever the dtype viewed as bytes)."""
+
+    def __init__(self, group, read, deliver, stats: Stats, pair: bool):
         self.group, self.read, self.deliver, self.stats = group, read, deliver, stats
-        self.me = group.rank()
+        self.me, self.pair = group.rank(), pair
         self.in_flight: deque[list[mx.array]] = deque()
         self.arrivals: deque[tuple[Job, list[int], mx.array]] = deque()
         self.error: str | None = None
         # LLAMA_TP_FAULT=die-sending:rankR (tests only): rank R is killed after its first send
         self.die = os.environ.get("LLAMA_TP_FAULT") == f"die-sending:rank{self.me}"
 
-    def send(self, arrays: list[mx.array], dst: int) -> None:
+    def put(self, arrays: list[mx.array], dst: int) -> None:
+        """Send `arrays` in order to `dst` (queued: at most two in flight)."""
         while len(self.in_flight) > 1:  # two arrays alive at most: one sent, one read
             mx.eval(self.in_flight.popleft())
         out = []
         for a in arrays:  # one evaluation each: the stream keeps their order, one graph may not
-            out.append(mx.distributed.send(a, dst, group=self.group, stream=mx.cpu))
+            if self.pair:
+                out.append(mx.distributed.all_sum(_bytes(a), group=self.group, stream=mx.cpu))
+            else:
+                out.append(mx.distributed.send(a, dst, group=self.group, stream=mx.cpu))
             mx.async_eval(out[-1])
         self.in_flight.append(out)
+
+    def take(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array:
+        """The next array from `src` (lazy: queued behind what came before)."""
+        if not self.pair:
+            return mx.distributed.recv(shape, dtype, src, group=self.group, stream=mx.cpu)
+        n = math.prod(shape) * dtype.size
+        zeros = mx.zeros((n // 4,) if n % 4 == 0 else (n,), mx.uint32 if n % 4 == 0 else mx.uint8)
+        got = mx.distributed.all_sum(zeros, group=self.group, stream=mx.cpu)
+        return got.view(dtype).reshape(shape)
 
     def source(self, seq: int, job: Job) -> None:
         try:
@@ -186,30 +206,29 @@ class _Rank:
             header = _header(seq, a, checksum(a))
         except Exception as e:  # tell the receiver, then every rank at the round's end
             self.error = self.error or f"rank {self.me} could not read {job.label}: {first_line(e)}"
-            self.send([_header(seq, None)], job.path[1])
+            self.put([_header(seq, None)], job.path[1])
             return
-        self.send([header, a], job.path[1])
+        self.put([header, a], job.path[1])
         self.stats.sent += a.nbytes
         if self.die:  # the test hook: this rank stops dead mid-transfer
             mx.eval(self.in_flight[-1])
             os.kill(os.getpid(), signal.SIGKILL)
 
     def receive(self, seq: int, job: Job, prev: int, nxt: int | None) -> None:
-        h = mx.distributed.recv((HEADER,), mx.int64, prev, group=self.group, stream=mx.cpu)
+        h = self.take((HEADER,), mx.int64, prev)
         mx.eval(h)
         values = h.tolist()
         if values[0] != _MAGIC or values[1] != seq:
             raise TransferError(
                 f"rank {self.me} received out of step from rank {prev} (expected "
-                f"{job.label}, array {seq}, got {values[:3]}): the ranks disagree on what to send"
+                f"{job.label}, array {seq}): the ranks disagree on what to send"
             )
         a = None
         if values[2] == 0:
             ndim = values[4]
-            shape, dtype = tuple(values[5 : 5 + ndim]), DTYPES[values[3]]
-            a = mx.distributed.recv(shape, dtype, prev, group=self.group, stream=mx.cpu)
+            a = self.take(tuple(values[5 : 5 + ndim]), DTYPES[values[3]], prev)
         if nxt is not None:  # a relay: pass both on
-            self.send([h] if a is None else [h, a], nxt)
+            self.put([h] if a is None else [h, a], nxt)
             self.stats.relayed += 0 if a is None else a.nbytes
             return
         if a is None:
@@ -239,6 +258,12 @@ class _Rank:
             self.check(*self.arrivals.popleft())
 
 
+def _bytes(a: mx.array) -> mx.array:
+    """`a`'s bytes as a flat integer array (no copy): uint32 words where they divide."""
+    flat = a.reshape(-1)
+    return flat.view(mx.uint32) if a.nbytes % 4 == 0 else flat.view(mx.uint8)
+
+
 def run(
     jobs: list[Job],
     group: mx.distributed.Group,
@@ -246,6 +271,7 @@ def run(
     deliver: Callable[[Job, mx.array], None],
     done: Callable[[int], None] | None = None,
     round_bytes: int = ROUND_BYTES,
+    pair: bool = False,
 ) -> Stats:
     """Run `jobs` (the same list on every rank: `schedule`'s); collective over `group`.
     This rank reads the jobs it is the source of, relays those that pass it and checks
@@ -253,7 +279,7 @@ def run(
     progress bar). Raises TransferError on every rank when any job failed."""
     stats = Stats()
     tic = time.perf_counter()
-    me = _Rank(group, read, deliver, stats)
+    me = _Rank(group, read, deliver, stats, pair and group.size() == 2)
     all_rounds = rounds(jobs, round_bytes)
     seq = 0
     for number, batch in enumerate(all_rounds, 1):

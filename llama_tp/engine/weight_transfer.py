@@ -79,7 +79,8 @@ def read_weights(shared: Shared, mine: RankPlacement, read_local: Callable[[], W
         for r, (_, lst) in enumerate(asked)
         for i, (name, _, nbytes) in enumerate(lst)
     ]
-    jobs = transfer.schedule(needs, group.size(), ring=backend_name(group) == "ring")
+    ring = backend_name(group) == "ring"
+    jobs = transfer.schedule(needs, group.size(), ring=ring)
     opened: dict[int, Checkpoint] = {}
 
     def read(job: transfer.Job) -> mx.array:
@@ -94,7 +95,7 @@ def read_weights(shared: Shared, mine: RankPlacement, read_local: Callable[[], W
     name = Path(shared.path).name
     total = sum(j.nbytes for j in jobs)
     with progress(desc=f"sending {name}", total=total, unit="B", unit_scale=True, delay=1.0) as bar:
-        moved = transfer.run(jobs, group, read, deliver, bar.update)
+        moved = transfer.run(jobs, group, read, deliver, bar.update, pair=ring)
     if stage:
         watchdog.progress(stage, "load")
     weights = local
