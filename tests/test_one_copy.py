@@ -147,9 +147,18 @@ def test_two_ranks_one_copy(hosts, default_gguf):
         {"name": "differ", "model": hidden / "other"},
         {"name": "nowhere", "model": hidden / "nowhere"},
     ]
-    out, results = run(hosts, 2, cases)
+    # a hub id: rank 0 finds it in its hub cache, rank 1 cannot fetch it (no hub here)
+    snapshot = root / "hub" / "hub" / "models--tiny-org--tiny" / "snapshots" / ("0" * 40)
+    _link_tree(hidden / "tiny", snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    cases.append({"name": "hub", "model": "tiny-org/tiny", "cache": root / "cache-hub"})
+    offline = {"HF_HUB_OFFLINE": "1"}
+    env = {0: {**offline, "HF_HOME": str(root / "hub")}, 1: {**offline, "HF_HOME": str(root)}}
+    out, results = run(hosts, 2, cases, env=env)
     for name in ("hf", "gguf", "q4", "split"):  # HF, GGUF blocks as stored, 4-bit, --split 2:1
         assert_same_as_local(out, name, f"{name} local")
+    assert_same_as_local(out, "hub", "hf local")
     # the receiver's peak: its share, one tensor in flight and a little (headers, buffers)
     for r in out["gguf"]["ranks"][1:]:
         s = r["stats"]

@@ -18,7 +18,7 @@ from typing import NoReturn
 import mlx.core as mx
 
 from ..cluster import watchdog
-from ..cluster.distributed import agreed, first_line, is_rank0
+from ..cluster.distributed import agreed, all_gather_object, first_line, is_rank0
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -346,6 +346,22 @@ def _report(e: Exception) -> None:
         print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
 
 
+def model_on_some_rank(find: Callable[[], object], group: mx.distributed.Group) -> str:
+    """This rank's path from `find` (the built-in model), or where it has none, the first
+    rank's that has one: that rank sends it its slices (`engine/model_sources.py`). When
+    no rank has one, every rank raises its own error."""
+    mine = error = None
+    try:
+        mine = str(find())
+    except Exception as e:
+        error = e
+    paths = all_gather_object(mine, group) if group.size() > 1 else [mine]
+    found = [p for p in paths if p]
+    if not found:
+        raise error
+    return mine or found[0]
+
+
 def load_checked(args, group: mx.distributed.Group):
     """The commands' loading: (model, tokenizer) of `args.model`, after the start-up
     agreement (llama_tp.agreement); any rank's failure makes every rank raise."""
@@ -353,8 +369,7 @@ def load_checked(args, group: mx.distributed.Group):
     from ..engine.agreement import check_agreement
     from ..engine.loader import default_model, load_model
 
-    # e.g. the built-in model is missing on one host: every rank stops
-    path = agreed(lambda: args.model or default_model(), group)
+    path = args.model or model_on_some_rank(default_model, group)
     from ..parallel.mesh import MeshError
     from ..parallel.shares import SplitError
 
