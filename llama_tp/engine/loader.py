@@ -285,7 +285,7 @@ def load(
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
     `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp,
-    moe_split, split)."""
+    moe_split, split, weights_cache)."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()
