@@ -3,7 +3,7 @@
     ROOT/<source fingerprint>/source.json           the checkpoint's description (`description.py`)
     ROOT/<source fingerprint>/<model name>/         its tokenizer and config files
     ROOT/<source fingerprint>/slices-<key>/         one rank's slices, as its placement cut them:
-        entry.json                                  every tensor's file, shape, size and CRC-32
+        entry.json                                  every tensor's file, size and checksum
         weights-00001.safetensors ...               the slices by the model's names
 
 ROOT is `--weights-cache DIR`, else `$LLAMA_TP_WEIGHTS_CACHE`, else `llama_tp/weights` under
@@ -153,7 +153,7 @@ def _read_file(path: Path, names: list[str], table: dict) -> dict[str, mx.array]
         for name in names:
             a, want = arrays[name], table[name]
             mx.eval(a)
-            if a.nbytes != want["nbytes"] or checksum(a) != want["crc32"]:
+            if a.nbytes != want["nbytes"] or checksum(a) != want["checksum"]:
                 return None
             out[name] = a
         return out
@@ -181,7 +181,7 @@ def _write_files(
 
     for name in slices:
         a = tensors[name]
-        table[name] = {"nbytes": a.nbytes, "crc32": checksum(a), "file": None}
+        table[name] = {"nbytes": a.nbytes, "checksum": checksum(a), "file": None}
         batch[name] = a
         size += a.nbytes
         total += a.nbytes

@@ -32,7 +32,7 @@ def link_rates(group: mx.distributed.Group, nbytes: int) -> list[float | None]:
     needs = [transfer.Need(r, 0, nbytes, (0,), "a test array") for r in range(1, n)]
     jobs = transfer.schedule(needs, n, ring=ring)
     probe = mx.zeros((nbytes,), dtype=mx.uint8)
-    stats = transfer.run(jobs, group, lambda job: probe, lambda job, a: None, pair=ring)
+    stats = transfer.run(jobs, group, lambda job: probe, lambda job, a: None)
     got = all_gather_object((stats.received, stats.seconds), group)
     return [None if r == 0 else b / s if s > 0 else None for r, (b, s) in enumerate(got)]
 

@@ -6,7 +6,7 @@ Exactly the bytes of the placement (`RankPlacement.slices`: tensor slices, stage
 experts, vocabulary rows, weighted splits, a pre-split folder's tensors, GGUF blocks as
 stored) travel, each read by a rank that has the file (`engine/model_sources.py`) and
 sent tensor by tensor over the group's own backend (`cluster/transfer.py`: size and
-CRC-32 checked on arrival; the work shared when several ranks have the file; relayed
+checksum checked on arrival; the work shared when several ranks have the file; relayed
 round a ring). Holders read their own slices as usual, meanwhile receivers take what
 their cache holds intact (`checkpoints/weights_cache.py`) and ask only for the rest;
 they write what they received back to the cache afterwards. A cache that cannot be
@@ -95,7 +95,7 @@ def read_weights(shared: Shared, mine: RankPlacement, read_local: Callable[[], W
     name = Path(shared.path).name
     total = sum(j.nbytes for j in jobs)
     with progress(desc=f"sending {name}", total=total, unit="B", unit_scale=True, delay=1.0) as bar:
-        moved = transfer.run(jobs, group, read, deliver, bar.update, pair=ring)
+        moved = transfer.run(jobs, group, read, deliver, bar.update)
     if stage:
         watchdog.progress(stage, "load")
     weights = local
