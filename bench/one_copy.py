@@ -7,10 +7,10 @@ its own mount namespace (`unshare -m`, needs root) where the models folder is em
 it cannot read the model and receives its slices from rank 0. One launch, alternating
 per trial: *all-local* (both ranks read a hard-linked copy every rank sees), *one copy*
 (rank 1's cache emptied first: everything over the link, then cached) and *cached*
-(the second start: rank 1 reads its cache). Also measured in the same launch: the bus
-bandwidth of a 16 MB all-reduce, as `python -m llama_tp.doctor` measures it on this
-link, to which the transfer rate (bytes received / seconds of the transfer, on rank 1)
-is compared. Load time: the slowest rank's `load_model` wall time; medians of the trials.
+(the second start: rank 1 reads its cache), each trial after the bus bandwidth of a
+16 MB all-reduce as `python -m llama_tp.doctor` measures it on this link, to which the
+transfer rate (bytes received / seconds of the transfer, on rank 1) is compared. Load
+time: the slowest rank's `load_model` wall time; medians of the trials.
 """
 
 from __future__ import annotations
@@ -58,18 +58,18 @@ def worker(spec: dict) -> None:
         return all_gather_object(stats, group)
 
     load(spec["shared"])  # warm the page cache (and the imports)
-    bus = time_all_reduce(group, 16 << 20)["bus_gbps"]
     trials = []
-    for _ in range(spec["trials"]):
+    for _ in range(spec["trials"]):  # each trial side by side: the machine may be shared
+        bus = time_all_reduce(group, 16 << 20)["bus_gbps"]
         local = load(spec["shared"])
         if rank == 1:
             shutil.rmtree(cache, ignore_errors=True)
         barrier(group)
         copy = load(spec["hidden"])
         cached = load(spec["hidden"])
-        trials.append({"local": local, "copy": copy, "cached": cached})
+        trials.append({"bus_gbps": bus, "local": local, "copy": copy, "cached": cached})
     if rank == 0:
-        print(json.dumps({"bus_gbps": bus, "trials": trials}), flush=True)
+        print(json.dumps({"trials": trials}), flush=True)
 
 
 def launch(spec_path: Path, hidden: Path, port: int) -> dict:
@@ -92,42 +92,61 @@ def launch(spec_path: Path, hidden: Path, port: int) -> dict:
 
 
 def summary(res: dict) -> dict:
+    """Medians over the trials of each figure, and of each trial's own ratios."""
+
     def slowest(run: list[dict]) -> float:
         return max(s["wall"] for s in run)
 
-    out = {k: median(slowest(t[k]) for t in res["trials"]) for k in ("local", "copy", "cached")}
-    received = [t["copy"][1] for t in res["trials"]]
-    out["rate_gbps"] = median(s["bytes_received"] / s["transfer_seconds"] / 1e9 for s in received)
-    out["bytes_received"] = received[0]["bytes_received"]
-    out["share"] = received[0]["placement_bytes"]
-    out["bus_gbps"] = res["bus_gbps"]
+    rows = []
+    for t in res["trials"]:
+        got = t["copy"][1]
+        row = {k: slowest(t[k]) for k in ("local", "copy", "cached")}
+        row["rate_gbps"] = got["bytes_received"] / got["transfer_seconds"] / 1e9
+        row["bus_gbps"] = t["bus_gbps"]
+        row["rate_ratio"] = row["rate_gbps"] / row["bus_gbps"]
+        row["copy_ratio"] = row["copy"] / row["local"]
+        row["cached_ratio"] = row["cached"] / row["local"]
+        rows.append(row)
+    out = {k: median(r[k] for r in rows) for k in rows[0]}
+    first = res["trials"][0]["copy"][1]
+    out["bytes_received"], out["share"] = first["bytes_received"], first["placement_bytes"]
+    out["trials"] = rows
     return out
 
 
 def report(spec: str, s: dict, res: dict) -> str:
-    rate = s["rate_gbps"] / s["bus_gbps"]
-    return "\n".join(
-        [
-            "### One copy of the model: 2 ranks, the model on rank 0 only",
-            "",
-            f"Regenerate with `.venv/bin/python bench/one_copy.py` ({spec}: rank 1 receives "
-            f"{s['bytes_received'] / 1e6:.1f} MB, its share as `plan` prints it, "
-            f"{s['share'] / 1e6:.1f} MB). {facts_line(res)} Load average at the start: "
-            f"{res['load']}.",
-            "",
-            f"| load | seconds (median of {len(res['trials'])}) | / all-local |",
-            "|---|---|---|",
-            f"| all-local (every rank reads the file) | {s['local']:.2f} | 1.00 |",
-            f"| one copy (rank 1 receives, then caches) | {s['copy']:.2f} | "
-            f"{s['copy'] / s['local']:.2f} |",
-            f"| cached second start (rank 1 reads its cache) | {s['cached']:.2f} | "
-            f"{s['cached'] / s['local']:.2f} |",
-            "",
-            f"Transfer rate: {s['rate_gbps'] * 1000:.0f} MB/s received by rank 1, against a bus "
-            f"bandwidth of {s['bus_gbps'] * 1000:.0f} MB/s for a 16 MB all-reduce on the same "
-            f"link (`doctor`'s figure): {rate:.2f} of it.",
-        ]
-    )
+    n = len(s["trials"])
+    lines = [
+        "### One copy of the model: 2 ranks, the model on rank 0 only",
+        "",
+        f"Regenerate with `.venv/bin/python bench/one_copy.py` ({spec}: rank 1 receives "
+        f"{s['bytes_received'] / 1e6:.1f} MB, its share as `plan` prints it, "
+        f"{s['share'] / 1e6:.1f} MB). {facts_line(res)} Load average at the start: "
+        f"{res['load']}. Each trial runs the four side by side; medians of {n} trials "
+        "(of each trial's own ratios for the ratios).",
+        "",
+        "| load | seconds | / all-local |",
+        "|---|---|---|",
+        f"| all-local (every rank reads the file) | {s['local']:.2f} | 1.00 |",
+        f"| one copy (rank 1 receives, then caches) | {s['copy']:.2f} | {s['copy_ratio']:.2f} |",
+        f"| cached second start (rank 1 reads its cache) | {s['cached']:.2f} | "
+        f"{s['cached_ratio']:.2f} |",
+        "",
+        f"Transfer rate: {s['rate_gbps'] * 1000:.0f} MB/s received by rank 1, against a bus "
+        f"bandwidth of {s['bus_gbps'] * 1000:.0f} MB/s for a 16 MB all-reduce on the same "
+        f"link (`doctor`'s figure, timed just before): {s['rate_ratio']:.2f} of it. Each trial:",
+        "",
+        "| trial | all-local s | one copy s | cached s | received MB/s | all-reduce MB/s "
+        "| rate / all-reduce | cached / all-local |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(s["trials"], 1):
+        lines.append(
+            f"| {i} | {r['local']:.2f} | {r['copy']:.2f} | {r['cached']:.2f} | "
+            f"{r['rate_gbps'] * 1000:.0f} | {r['bus_gbps'] * 1000:.0f} | {r['rate_ratio']:.2f} "
+            f"| {r['cached_ratio']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> int:

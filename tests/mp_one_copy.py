@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from llama_tp.checkpoints.tokenizer import load_tokenizer
+from llama_tp.checkpoints.weights_cache import wait_for_writes
 from llama_tp.cluster.distributed import all_gather_object, first_line
 from llama_tp.engine.agreement import check_agreement
 from llama_tp.engine.generation import stream_generate
@@ -54,6 +55,7 @@ def run_case(case: dict, group) -> dict:
     for _, v in params:
         crc = zlib.crc32(memoryview(mx.contiguous(v)), crc)
     ids = tokenizer.encode("hi")
+    wait_for_writes()  # the cache is written behind the load
     tokens = [
         r.token
         for r in stream_generate(model, tokenizer, ids, max_tokens=case["tokens"], group=group)

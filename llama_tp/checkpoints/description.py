@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,7 @@ def from_description(desc: dict[str, Any], folder: Path) -> Checkpoint:
     for name, data in desc["files"].items():
         target = folder / Path(name).name
         if not target.is_file() or target.read_bytes() != data:
-            tmp = target.with_name(f".{target.name}.partial")
+            tmp = target.with_name(f".{target.name}.partial-{os.getpid()}")
             tmp.write_bytes(data)
             tmp.replace(target)
     try:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,38 @@ class WeightsCache:
         return nbytes
 
 
+_writing: list[threading.Thread] = []
+
+
+def write_behind(
+    cache: WeightsCache,
+    fingerprint: str,
+    slices: Mapping[str, Any],
+    tensors: Mapping[str, mx.array],
+    failed: Callable[[CacheError], None],
+) -> None:
+    """`cache.write_entry(...)` in a thread of its own, so that the model runs meanwhile
+    (the disk may be slower than the link); `failed(error)` if it cannot be written. The
+    interpreter waits for it at exit; `wait_for_writes()` sooner (before reading the
+    cache again)."""
+
+    def write() -> None:
+        try:
+            cache.write_entry(fingerprint, slices, tensors)
+        except CacheError as e:
+            failed(e)
+
+    thread = threading.Thread(target=write, name="llama_tp-cache-write")
+    thread.start()
+    _writing.append(thread)
+
+
+def wait_for_writes() -> None:
+    """Until every cache write this process started has ended."""
+    while _writing:
+        _writing.pop().join()
+
+
 def _plain(slices: Mapping[str, Any]) -> dict[str, Any]:
     return {k: list(v) if v is not None else None for k, v in slices.items()}
 
@@ -199,8 +232,9 @@ _NAMES = {
 
 
 def _save(path: Path, tensors: Mapping[str, mx.array]) -> None:
-    """A safetensors file written from the arrays' own memory (no copy), synced: a full
-    disk is an OSError with its errno (mx.save_safetensors says only that it failed)."""
+    """A safetensors file written from the arrays' own memory (no copy): a full disk is
+    an OSError with its errno (mx.save_safetensors says only that it failed). Not synced:
+    what a power cut leaves half-written fails its checksums and is fetched again."""
     header: dict[str, Any] = {}
     offset = 0
     for name, a in tensors.items():
@@ -216,17 +250,12 @@ def _save(path: Path, tensors: Mapping[str, mx.array]) -> None:
         f.write(len(head).to_bytes(8, "little") + head)
         for a in tensors.values():
             f.write(memoryview(mx.contiguous(a)).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp.write_bytes(data)
         tmp.replace(path)
     except OSError:
         tmp.unlink(missing_ok=True)

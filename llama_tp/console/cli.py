@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import mlx.core as mx
 
+from ..checkpoints.weights_cache import wait_for_writes
 from ..cluster import watchdog
 from ..cluster.distributed import agreed, all_gather_object, first_line, is_rank0
 
@@ -333,6 +334,7 @@ def run(main: Callable[[], int | None]) -> NoReturn:
         code = EXIT_ERROR
     watchdog.uninstall()
     sys.stdout.flush()
+    wait_for_writes()  # the received weights' cache, written behind the load (and its warning)
     watchdog.close_filter(final=True)  # MLX's teardown at exit may still write "[ring]"
     sys.exit(code)
 

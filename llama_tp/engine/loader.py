@@ -100,18 +100,19 @@ def _build(
 def _open(
     path: str | Path,
     group: mx.distributed.Group,
-    model_group: mx.distributed.Group,
+    model_group: mx.distributed.Group | None,
     blocks: bool = False,
     weights_cache: Any = None,
 ) -> Shared:
     """The checkpoint on every rank (as rank of `model_group`, the ranks that share one
-    model): its own file's, or, where it has none, a holder's description (its slices
-    then come over the link: `engine/model_sources.py`); if any rank of `group` fails,
-    every rank raises."""
+    model; None: each rank holds the whole model): its own file's, or, where it has
+    none, a holder's description (its slices then come over the link:
+    `engine/model_sources.py`); if any rank of `group` fails, every rank raises."""
+    model = (model_group.rank(), model_group.size()) if model_group is not None else (0, 1)
     if group.size() == 1:
-        ckpt = agreed(lambda: open_checkpoint(path, 0, model_group.size(), blocks), group)
+        ckpt = agreed(lambda: open_checkpoint(path, *model, blocks), group)
         return Shared(ckpt, group, str(path), [0], [0], 1, [None], blocks)
-    return agreed(lambda: open_shared(path, group, model_group, blocks, weights_cache), group)
+    return agreed(lambda: open_shared(path, group, model, blocks, weights_cache), group)
 
 
 def load_model(
@@ -254,17 +255,20 @@ def load_model(
 
 
 def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
-    """The model at `path` whole on this rank (no collectives inside: e.g. a small draft
-    model replicated on every rank). Returns (model, checkpoint); if any rank of
-    `group` fails, every rank raises."""
+    """The model at `path` whole on every rank of `group` (e.g. a small draft model
+    replicated on every rank; ranks without the file receive it whole from one that has
+    it, `engine/model_sources.py`). Returns (model, checkpoint); if any rank of `group`
+    fails, every rank raises."""
     group = group or world()
     native = native_kernels(None, group)
+    shared = _open(path, group, None, native)
+    ckpt = shared.ckpt
+    if ckpt.format == "split":  # alike on every rank
+        raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
+    everything = place(model_shape(ckpt)).ranks[0]  # every tensor whole, once
+    weights = read_weights(shared, everything, lambda: _read(ckpt, everything))
 
     def whole() -> tuple[nn.Module, Checkpoint]:
-        ckpt = open_checkpoint(path, 0, 1, blocks=native)
-        if ckpt.format == "split":
-            raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
-        weights = _read(ckpt, place(model_shape(ckpt)).ranks[0])  # every tensor whole, once
         model = skeleton(ckpt)
         load_weights(model, ckpt, weights)
         if mx.default_device().type == mx.cpu:

@@ -1,6 +1,6 @@
 """Who has the model: agreed at start-up, so that one copy is enough.
 
-    shared = open_shared(path, group, model_group, blocks, weights_cache)   # collective
+    shared = open_shared(path, group, (rank, size), blocks, weights_cache)   # collective
     shared.ckpt        # this rank's checkpoint: its own file's, or built from a description
     shared.holders     # the ranks that read `path` themselves (the others receive)
 
@@ -21,6 +21,7 @@ import atexit
 import shutil
 import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,17 +134,19 @@ def _raise_first(errors: list[str | None], mine: BaseException | None) -> None:
 def open_shared(
     path: str | Path,
     group: mx.distributed.Group,
-    model_group: mx.distributed.Group,
+    model: tuple[int, int] | None = None,
     blocks: bool = False,
     weights_cache: Any = None,
 ) -> Shared:
     """Every rank's checkpoint of `path` (collective over `group`; see the module
-    docstring). `weights_cache`: `--weights-cache` (None: the default folder; False or
-    'none': no cache). Raises alike on every rank. When every rank has the file this is
-    one small all-gather: fingerprints are compared (by the start-up agreement) after
-    loading, as before."""
-    path = str(path)
-    mrank, msize = model_group.rank(), model_group.size()
+    docstring), opened as rank `model[0]` of `model[1]` ranks holding one copy of the
+    model (default: as ranks of `group`; a pre-split folder opens that rank's folder).
+    `weights_cache`: `--weights-cache` (None: the default folder; False or 'none': no
+    cache). Raises alike on every rank. When every rank has the file this is one small
+    all-gather: fingerprints are compared (by the start-up agreement) after loading,
+    as before."""
+    path, tic = str(path), time.perf_counter()
+    mrank, msize = model or (group.rank(), group.size())
     ckpt = seen = error = why = None
     try:
         local, seen, why = _present(path, mrank)
@@ -181,6 +184,7 @@ def open_shared(
         desc = _descriptions(shared, wanted) or desc
     if ckpt is None:
         shared.ckpt = _receiver_checkpoint(shared, desc, variant)
+    shared.stats["start_seconds"] = time.perf_counter() - tic  # who has it, descriptions
     return shared
 
 

@@ -90,7 +90,7 @@ def _fit(
     from .model_sources import open_shared
 
     group = group or world()
-    shape = model_shape(open_shared(model, group, group).ckpt)
+    shape = model_shape(open_shared(model, group).ckpt)
     n = len(available)
     holds: dict[str, list[int]] = {}
     for name in ("balanced", "speed", "memory"):

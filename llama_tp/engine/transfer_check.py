@@ -83,7 +83,7 @@ def _sources(group, model: str, tp, pp, cache) -> list[tuple[str, list[int]]]:
     from .model_sources import open_shared
 
     native = native_kernels(None, group)
-    shared = agreed(lambda: open_shared(model, group, group, native, cache), group)
+    shared = agreed(lambda: open_shared(model, group, None, native, cache), group)
     me = group.rank()
     source = "local"
     if me not in shared.holders:

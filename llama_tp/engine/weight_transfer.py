@@ -9,13 +9,15 @@ sent tensor by tensor over the group's own backend (`cluster/transfer.py`: size 
 checksum checked on arrival; the work shared when several ranks have the file; relayed
 round a ring). Holders read their own slices as usual, meanwhile receivers take what
 their cache holds intact (`checkpoints/weights_cache.py`) and ask only for the rest;
-they write what they received back to the cache afterwards. A cache that cannot be
-written (a full disk) is one warning on rank 0's terminal: the partial copy is removed
-and the model stays loaded. What moved is in `shared.stats` (the loader's `load_stats`).
+what they received is written back to the cache behind the load, while the model runs
+(the disk may be slower than the link). A cache that cannot be written (a full disk)
+is one warning line from that rank: the partial copy is removed and the model runs on.
+What moved is in `shared.stats` (the loader's `load_stats`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,11 +26,12 @@ import mlx.core as mx
 
 from ..checkpoints.base import Checkpoint
 from ..checkpoints.slices import model_shape, read_tensor
-from ..checkpoints.weights_cache import CacheError
+from ..checkpoints.weights_cache import CacheError, wait_for_writes, write_behind
 from ..cluster import transfer, watchdog
 from ..cluster.diagnostics import backend_name
-from ..cluster.distributed import all_gather_object, eprint0, first_line
+from ..cluster.distributed import all_gather_object, first_line
 from ..cluster.progress import progress
+from ..cluster.watchdog import rank_label
 from ..parallel.placement import RankPlacement, Slice
 from .model_sources import Shared, _raise_first
 
@@ -63,6 +66,7 @@ def read_weights(shared: Shared, mine: RankPlacement, read_local: Callable[[], W
         if receiving:
             missing = list(mine.slices)
             if shared.cache is not None:
+                wait_for_writes()  # an earlier load's, in this process
                 have, missing = shared.cache.read_entry(shared.fingerprint, mine.slices)
             sizes = _estimate(shared.ckpt, mine)
             wanted = [(n, mine.slices[n], sizes[n]) for n in missing]
@@ -70,9 +74,9 @@ def read_weights(shared: Shared, mine: RankPlacement, read_local: Callable[[], W
             local = read_local()  # while the receivers read their caches
     except Exception as e:  # every rank learns of it with the others' needs
         error = e
+    own = time.perf_counter() - tic  # this rank's own part: its cache, or its file
     asked = all_gather_object((None if error is None else first_line(error), wanted), group)
     _raise_first([a[0] for a in asked], error)
-    cached = time.perf_counter() - tic
     received: dict[str, mx.array] = {}
     needs = [
         transfer.Need(r, i, nbytes, shared.servers(r), name)
@@ -99,24 +103,20 @@ def read_weights(shared: Shared, mine: RankPlacement, read_local: Callable[[], W
     if stage:
         watchdog.progress(stage, "load")
     weights = local
-    warning = error = None
     written = 0
     if receiving:
         weights = [(n, have[n] if n in have else received[n]) for n in mine.slices]
-        if received and shared.cache is not None:
-            try:
-                written = shared.cache.write_entry(shared.fingerprint, mine.slices, dict(weights))
-            except CacheError as e:
-                warning = f"{e.strerror}; the partial copy was removed (the model is loaded)"
-            except Exception as e:
-                error = e
-    outcomes = all_gather_object((None if error is None else first_line(error), warning), group)
-    _raise_first([o[0] for o in outcomes], error)
-    for r, (_, w) in enumerate(outcomes):
-        if w:
-            eprint0(f"warning: rank {r}: {w}", group=group)
-    shared.stats = _stats(receiving, have, received, moved, cached, written, warning)
+        if received and shared.cache is not None:  # while the model runs
+            written = sum(a.nbytes for _, a in weights)
+            write_behind(shared.cache, shared.fingerprint, mine.slices, dict(weights), _warn)
+    shared.stats.update(_stats(receiving, have, received, moved, own, written))
     return weights
+
+
+def _warn(e: CacheError) -> None:
+    """A cache that could not be written: one line from this rank (the model runs on)."""
+    line = f"warning: rank {rank_label()}: {e.strerror}; the partial copy was removed "
+    print(line + "(the model is loaded)", file=sys.stderr, flush=True)
 
 
 def _stats(
@@ -124,9 +124,8 @@ def _stats(
     have: dict[str, mx.array],
     received: dict[str, mx.array],
     moved: transfer.Stats,
-    cached_seconds: float,
+    own_seconds: float,
     written: int,
-    warning: str | None,
 ) -> dict:
     """How this rank got its weights, for `load_stats` (--verbose, doctor, bench)."""
     source = "local"
@@ -139,10 +138,9 @@ def _stats(
         "bytes_sent": moved.sent,
         "bytes_relayed": moved.relayed,
         "received_from": sorted(moved.peers),
+        "own_seconds": own_seconds,  # its own file, or its cache (before the transfer)
         "transfer_seconds": moved.seconds,
-        "cache_seconds": cached_seconds if receiving else 0.0,
-        "cache_written": written,
-        "cache_warning": warning,
+        "cache_written": written,  # being written behind (`weights_cache.write_behind`)
     }
 
 
