@@ -221,11 +221,15 @@ def test_three_ranks_experts_and_pre_split(hosts):
     model(root, "moe", lambda p: write_hf_model(p, **FAMILIES["qwen3_moe"]))
     model(root, "split3", lambda p: convert(root / "models" / "moe", p, shards=3, progress=False))
     differing_copies(root)
+    if not (root / "view1" / "moe2").exists():  # ranks 0 and 1 have this one, rank 2 not
+        _link_tree(root / "models" / "moe", root / "models" / "moe2")
+        _link_tree(root / "models" / "moe", root / "view1" / "moe2")
     hidden, shared = root / "models", root / "shared"
     expert = {"options": {"moe_split": "expert"}}
     cases = [
         {"name": "moe", "model": hidden / "moe", **expert},
         {"name": "moe local", "model": shared / "moe", **expert},
+        {"name": "two senders", "model": hidden / "moe2", "cache": root / "cache-2", **expert},
         {"name": "split", "model": hidden / "split3"},
         {"name": "split local", "model": shared / "split3"},
         {"name": "differ", "model": hidden / "other"},
@@ -240,6 +244,14 @@ def test_three_ranks_experts_and_pre_split(hosts):
     ), out["differ"]
     for name in ("moe", "split"):
         assert_same_as_local(out, name, f"{name} local")
+    # two ranks have the model: they share the sending to the third
+    both = out["two senders"]["ranks"]
+    assert [r["crc"] for r in both] == [r["crc"] for r in out["moe local"]["ranks"]]
+    share = both[2]["stats"]["placement_bytes"]
+    assert both[2]["stats"]["bytes_received"] == share
+    assert both[2]["stats"]["received_from"] == [0, 1]
+    sent = [both[r]["stats"]["bytes_sent"] for r in (0, 1)]
+    assert sum(sent) == share and min(sent) > share // 4, (sent, share)
     experts = [r["stats"]["placement_bytes"] for r in out["moe"]["ranks"]]
     assert len(set(experts)) > 1 or experts  # uneven: 7 experts over 3 ranks
 

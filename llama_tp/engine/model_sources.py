@@ -118,11 +118,11 @@ def _fingerprint(
 def _gather(value: Any, error: BaseException | None, group: mx.distributed.Group) -> list:
     """Every rank's `value`, after which all raise if any rank failed (`error`: this one's)."""
     out = all_gather_object((None if error is None else first_line(error), value), group)
-    _raise_first([e for e, _ in out], error)
+    raise_first([e for e, _ in out], error)
     return [v for _, v in out]
 
 
-def _raise_first(errors: list[str | None], mine: BaseException | None) -> None:
+def raise_first(errors: list[str | None], mine: BaseException | None) -> None:
     """Every rank raises when any failed: a failed rank its own error, the others the first."""
     if mine is not None:
         raise mine

@@ -33,7 +33,7 @@ from ..cluster.distributed import all_gather_object, first_line
 from ..cluster.progress import progress
 from ..cluster.watchdog import rank_label
 from ..parallel.placement import RankPlacement, Slice
-from .model_sources import Shared, _raise_first
+from .model_sources import Shared, raise_first
 
 Weights = list[tuple[str, mx.array]]
 
@@ -76,7 +76,7 @@ def read_weights(shared: Shared, mine: RankPlacement, read_local: Callable[[], W
         error = e
     own = time.perf_counter() - tic  # this rank's own part: its cache, or its file
     asked = all_gather_object((None if error is None else first_line(error), wanted), group)
-    _raise_first([a[0] for a in asked], error)
+    raise_first([a[0] for a in asked], error)
     received: dict[str, mx.array] = {}
     needs = [
         transfer.Need(r, i, nbytes, shared.servers(r), name)
