@@ -6,11 +6,12 @@ Two ranks (the ring backend over 127.0.0.1, as mlx.launch starts them); rank 1 r
 its own mount namespace (`unshare -m`, needs root) where the models folder is empty, so
 it cannot read the model and receives its slices from rank 0. One launch, alternating
 per trial: *all-local* (both ranks read a hard-linked copy every rank sees), *one copy*
-(rank 1's cache emptied first: everything over the link, then cached) and *cached*
-(the second start: rank 1 reads its cache), each trial after the bus bandwidth of a
-16 MB all-reduce as `python -m llama_tp.doctor` measures it on this link, to which the
-transfer rate (bytes received / seconds of the transfer, on rank 1) is compared. Load
-time: the slowest rank's `load_model` wall time; medians of the trials.
+(rank 1's cache emptied first: everything over the link, then cached behind the load)
+and *cached* (the second start, once the first's cache is written: rank 1 reads it),
+each trial after the bus bandwidth of a 16 MB all-reduce as `python -m llama_tp.doctor`
+measures it on this link, to which the transfer rate (bytes received / seconds of the
+transfer, on rank 1) is compared. Load time: the slowest rank's `load_model` wall time;
+medians of the trials.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def worker(spec: dict) -> None:
 
     import mlx.core as mx
 
+    from llama_tp.checkpoints.weights_cache import wait_for_writes
     from llama_tp.cluster.diagnostics import time_all_reduce
     from llama_tp.cluster.distributed import all_gather_object, barrier
     from llama_tp.engine.loader import load_model
@@ -66,6 +68,7 @@ def worker(spec: dict) -> None:
             shutil.rmtree(cache, ignore_errors=True)
         barrier(group)
         copy = load(spec["hidden"])
+        wait_for_writes()  # as the first start's command does before it exits
         cached = load(spec["hidden"])
         trials.append({"bus_gbps": bus, "local": local, "copy": copy, "cached": cached})
     if rank == 0:
