@@ -27,7 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 
-from ..kernels import gguf_matmul, quantized_matmul
+from ..kernels import ext as native_ext
+from ..kernels import gguf_matmul, on_cpu, quantized_matmul
 from ..kernels import layers as native_layers
 from . import layers as range_layers
 
@@ -163,15 +164,19 @@ def fused_heads(
     module: nn.Module, x: mx.array, head_dim: int
 ) -> tuple[mx.array, mx.array, mx.array] | None:
     """An attention's q, k, v (B, heads, L, head_dim) for x (B, L, dim) from its fused
-    q/k/v product, split once into heads (one reshape, one transpose, three slices of
-    heads), or None when not fused."""
+    q/k/v product, split into heads (one native op on the CPU; else one reshape, one
+    transpose and three slices), or None when not fused."""
     f = _live(module, QKV)
     if f is None:
         return None
     y = f.product(x)
     B, L, _ = y.shape
+    nq, nk, nv = (r // head_dim for r in f.rows)
+    e = native_ext()
+    if e is not None and on_cpu():  # one native op
+        q, k, v = e.split_heads(y, nq, nk, nv, head_dim)
+        return q, k, v
     t = y.reshape(B, L, -1, head_dim).transpose(0, 2, 1, 3)
-    nq, nk = f.rows[0] // head_dim, f.rows[1] // head_dim
     return t[:, :nq], t[:, nq : nq + nk], t[:, nq + nk :]
 
 

@@ -45,6 +45,9 @@ NB_MODULE(_ext, m) {
   m.def("attention", &lt::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a,
         "ranges"_a = nb::none(), "stream"_a = nb::none(),
         "Attention of (B, Hq, L, D) over (B, Hkv, S, D) [keys ranges (B, 2)], one primitive.");
+  m.def("split_heads", &lt::split_heads, "y"_a, "a"_a, "b"_a, "c"_a, "d"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "(B, L, (a+b+c)*d) -> heads (B, a, L, d), (B, b, L, d), (B, c, L, d), one primitive.");
   m.def("rms_norm", &lt::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "mx.fast.rms_norm of (..., n) with weight (n,), one primitive.");
   m.def("isa", &lt::isa, "The instruction set in use.");

@@ -385,6 +385,51 @@ bool Attention::is_equivalent(const mx::Primitive& other) const {
   return scale_ == o.scale_ && causal_ == o.causal_;
 }
 
+std::vector<mx::array> split_heads(const mx::array& y, int a, int b, int c, int d,
+                                   mx::StreamOrDevice s) {
+  check_float(y, "y");
+  if (y.ndim() != 3 || d < 1 || a < 0 || b < 0 || c < 0 || y.shape(2) != (a + b + c) * d)
+    throw std::invalid_argument("llama_tp kernels: split_heads takes (B, L, (a + b + c) * d)");
+  int B = y.shape(0), L = y.shape(1);
+  std::vector<mx::Shape> shapes = {{B, a, L, d}, {B, b, L, d}, {B, c, L, d}};
+  return mx::array::make_arrays(std::move(shapes), {y.dtype(), y.dtype(), y.dtype()},
+                                std::make_shared<SplitHeads>(mx::to_stream(s), d), {y});
+}
+
+void SplitHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  std::vector<uint8_t*> outs;
+  std::vector<int> heads;
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    enc.set_output_array(o);
+    outs.push_back(o.data<uint8_t>());
+    heads.push_back(o.shape(1));
+  }
+  const mx::array& y = inputs[0];
+  int B = y.shape(0), L = y.shape(1), d = d_;
+  enc.dispatch([v = View(y), outs, heads, B, L, d]() {
+    std::vector<uint8_t> keep;
+    const uint8_t* src = v.bytes(keep);  // row-major (B, L, H * d)
+    size_t item = v.item, row = (size_t)(heads[0] + heads[1] + heads[2]) * d * item;
+    size_t first = 0;  // the output's first head within a row, in bytes
+    for (int i = 0; i < 3; i++) {
+      size_t span = (size_t)d * item;
+      for (int b = 0; b < B; b++)
+        for (int h = 0; h < heads[i]; h++)
+          for (int l = 0; l < L; l++)
+            std::memcpy(outs[i] + (((size_t)b * heads[i] + h) * L + l) * span,
+                        src + ((size_t)b * L + l) * row + first + (size_t)h * span, span);
+      first += (size_t)heads[i] * span;
+    }
+  });
+}
+
+void SplitHeads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s) {
   check_float(x, "x");
   check_float(w, "weight");

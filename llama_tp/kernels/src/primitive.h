@@ -65,6 +65,26 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
 // CPU); its output type is x's and the weight's result type.
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s = {});
 
+// y (B, L, (a + b + c) * d) -> its heads as (B, a, L, d), (B, b, L, d), (B, c, L, d): a
+// fused q/k/v product's output split into q, k and v, one primitive (for MLX a reshape,
+// a transpose and three slices).
+std::vector<mx::array> split_heads(const mx::array& y, int a, int b, int c, int d,
+                                   mx::StreamOrDevice s = {});
+
+class SplitHeads : public mx::Primitive {
+ public:
+  SplitHeads(mx::Stream stream, int d) : mx::Primitive(stream), d_(d) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpSplitHeads"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return d_ == static_cast<const SplitHeads&>(other).d_;
+  }
+
+ private:
+  int d_;
+};
+
 class RMSNorm : public mx::Primitive {
  public:
   RMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
