@@ -10,9 +10,10 @@ so that decoding attends in the latent space (the query absorbs `embed_q`) and p
 expands the keys and values. The cache holds c and k_pe only: kv_lora_rank +
 qk_rope_head_dim values per token and layer (DeepSeek-V3: 512 + 64), whatever the heads.
 
-Split by heads (`parallel/llama_plan.latent_attention_styles`): the rows of q_b_proj (or
-wq) and the heads of embed_q / unembed_out, wo by columns; the latent projections and
-norms are replicated, so every rank computes and caches the same latent as one process.
+Split by heads (its split table, `LatentAttention.split_table`): the rows of q_b_proj
+(or wq) and the heads of embed_q / unembed_out, wo by columns; the latent projections and
+norms are replicated, so every rank computes and caches the same latent as one process
+(its cache spec: kv_lora_rank + qk_rope_head_dim values per token, whole).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 from mlx_lm.models.deepseek_v3 import ModelArgs as DeepseekV3Args
 
 from ..model_args import ModelArgs
-from ..parallel.llama_plan import latent_attention_styles
+from ..parallel.llama_plan import table_styles
 from ..parallel.parallelize import parallelize
 from ..parallel.partition import RankPart
+from ..parallel.splits import COLUMNS, HEADS, ROWS, CacheSpec, SplitTable, TensorSplit
 
 
 def deepseek_v3_args(args: ModelArgs) -> DeepseekV3Args:
@@ -57,8 +59,31 @@ class LatentAttention(DeepseekV3Attention):
     """x (B, L, dim) -> (B, L, dim): mlx-lm's multi-head latent attention, its output
     projection named `wo` (and a direct query projection `wq`), with `n_heads` local."""
 
+    @classmethod
+    def split_table(cls, args: ModelArgs) -> SplitTable:
+        """Query heads, any count per rank: their rows of q_b_proj (or wq), their (H, out,
+        in) stacks of embed_q / unembed_out, wo's columns; the latent whole."""
+        q_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
+        return SplitTable(
+            "latent attention",
+            {
+                "q_b_proj" if args.q_lora_rank else "wq": TensorSplit("q_heads", ROWS, q_head_dim),
+                "embed_q": TensorSplit("q_heads", HEADS),
+                "unembed_out": TensorSplit("q_heads", HEADS),
+                "wo": TensorSplit("q_heads", COLUMNS, args.v_head_dim),
+            },
+            module="heads",
+            plain_when_even=False,
+        )
+
+    @classmethod
+    def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
+        """The latent and the RoPE key, whole on every rank."""
+        return CacheSpec("kv", (("", args.kv_lora_rank + args.qk_rope_head_dim),))
+
     def __init__(self, args: ModelArgs):
         super().__init__(deepseek_v3_args(args))
+        object.__setattr__(self, "args", args)
         self.wo = self.pop("o_proj")  # the names every attention of the model uses
         if "q_proj" in self:
             self.wq = self.pop("q_proj")
@@ -98,7 +123,5 @@ class LatentAttention(DeepseekV3Attention):
 
     def shard(self, group: mx.distributed.Group, part: RankPart) -> None:
         """Keep the heads `part.q_heads` (any count per rank), the latent replicated."""
-        styles = latent_attention_styles(
-            self.q_head_dim, self.v_head_dim, "wq" in self, {group.rank(): part}
-        )
+        styles = table_styles(self.split_table(self.args), {group.rank(): part})
         parallelize(self, styles, group)

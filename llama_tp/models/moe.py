@@ -15,8 +15,10 @@ when there are many (prefill, batches), as mlx-lm does. Three routers:
                  renormalised with norm_topk_prob, times routed_scaling_factor
                  (mlx-lm's `MoEGate`: the router's `weight` and `e_score_correction_bias`)
 
-Apart from `shard`, nothing here knows about ranks: how the experts split (by tensor
-or by expert) is `parallel/experts.py`'s.
+Its split table (`MoEFeedForward.split_table`): every expert's gate/up rows and down
+columns by "expert_ffn" (or whole experts, when the plan splits by expert), the shared
+expert's by "shared_ffn", all kept in place and summed once (`parallel/experts.py`'s
+styles); the router whole. Apart from `shard`, nothing here knows about ranks.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..model import FeedForward
 from ..model_args import ModelArgs
-from ..parallel.experts import moe_styles
+from ..parallel.llama_plan import table_styles
 from ..parallel.parallelize import parallelize
 from ..parallel.partition import RankPart
+from ..parallel.splits import COLUMNS, ROWS, CacheSpec, SplitTable, TensorSplit
 from .latent_attention import deepseek_v3_args
 
 
@@ -40,8 +43,28 @@ class MoEFeedForward(nn.Module):
     `switch_mlp` (the E experts), and with `shared_expert_dim` a `shared_expert`
     FeedForward and, if `shared_expert_gated`, its `shared_expert_gate` (dim -> 1)."""
 
+    @classmethod
+    def split_table(cls, args: ModelArgs) -> SplitTable:
+        experts = {
+            "switch_mlp.gate_proj": TensorSplit("expert_ffn", ROWS, stacked=True, in_place=True),
+            "switch_mlp.up_proj": TensorSplit("expert_ffn", ROWS, stacked=True, in_place=True),
+            "switch_mlp.down_proj": TensorSplit("expert_ffn", COLUMNS, stacked=True, in_place=True),
+        }
+        if args.shared_expert_dim:
+            experts |= {
+                "shared_expert.w1": TensorSplit("shared_ffn", ROWS, in_place=True),
+                "shared_expert.w3": TensorSplit("shared_ffn", ROWS, in_place=True),
+                "shared_expert.w2": TensorSplit("shared_ffn", COLUMNS, in_place=True),
+            }
+        return SplitTable("experts", experts, module="summed", plain_when_even=False)
+
+    @classmethod
+    def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
+        return None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
+        object.__setattr__(self, "args", args)
         self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
         self.softmax_first = args.router == "softmax_topk"
         self.norm_topk_prob = args.norm_topk_prob
@@ -95,8 +118,8 @@ class MoEFeedForward(nn.Module):
         """Split the experts over `group` as `part` of the partition says ("tensor": every
         expert's columns `part.expert_ffn`; "expert": the experts `part.experts`), the
         shared expert by its columns `part.shared_ffn`, the router replicated; the
-        partial outputs are summed once (`parallel.experts.moe_styles`)."""
-        styles = moe_styles({group.rank(): part}, split, "shared_expert" in self)
+        partial outputs are summed once (the styles its split table gives)."""
+        styles = table_styles(self.split_table(self.args), {group.rank(): part}, moe_split=split)
         parallelize(self, styles, group)
 
 

@@ -22,7 +22,9 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             qk-norm if set
 
 The readers (`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into
-`ModelArgs`; `build` makes the model.
+`ModelArgs`; `layer_kinds` says each layer's mixer kinds, from which `build` makes the
+model and `layer_specs` the placement's view of it (each kind's split table and cache,
+`parallel/splits.py`) without building anything.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import mlx.nn as nn
 
 from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
+from ..parallel.splits import LayerSpec
 from .gpt_oss import SinkAttention
 from .latent_attention import LatentAttention
 from .moe import MoEFeedForward
@@ -59,16 +62,29 @@ def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
     return f"unsupported {kind} {name!r} (supported: {', '.join(supported)})"
 
 
+def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
+    """The mixer kinds of layer `i` of the family `args` describe, by path in the layer."""
+    if args.kv_lora_rank:
+        attention: type[nn.Module] = LatentAttention
+    elif args.attention_sinks:
+        attention = SinkAttention
+    else:
+        attention = QKNormAttention if args.qk_norm else Attention
+    feed_forward = MoEFeedForward if args.is_sparse(i) else FeedForward
+    return {"attention": attention, "feed_forward": feed_forward}
+
+
 def block(args: ModelArgs, i: int) -> TransformerBlock:
     """Layer `i` of the family `args` describe."""
-    if args.kv_lora_rank:
-        attention: nn.Module = LatentAttention(args)
-    elif args.attention_sinks:
-        attention = SinkAttention(args, args.window(i))
-    else:
-        attention = QKNormAttention(args) if args.qk_norm else Attention(args)
-    feed_forward: nn.Module = MoEFeedForward(args) if args.is_sparse(i) else FeedForward(args)
-    return TransformerBlock(args, attention, feed_forward)
+    kinds = layer_kinds(args, i)
+    attention = kinds["attention"]
+    mixer = attention(args, args.window(i)) if attention is SinkAttention else attention(args)
+    return TransformerBlock(args, mixer, kinds["feed_forward"](args), layer=i)
+
+
+def layer_specs(args: ModelArgs) -> tuple[LayerSpec, ...]:
+    """Every layer's split tables and cache, from its kinds (nothing built)."""
+    return tuple(LayerSpec.of(layer_kinds(args, i), args, i) for i in range(args.n_layers))
 
 
 def build(args: ModelArgs) -> Transformer:
