@@ -122,19 +122,20 @@ class AttentionHeads(Style):
 @dataclass(frozen=True)
 class LocalUnits(Style):
     """A mixer of a kind with its own units (`SplitTable.module == "units"`): on each
-    rank, its attributes `local` (attribute, unit, width) become this rank's count of
-    the unit times the width (e.g. `num_k_heads`, `key_dim`, a conv's `groups`), and its
-    1-D parameters `vectors` (parameter, unit, width) keep this rank's values (e.g.
-    `A_log`, `dt_bias` per value head). `parts` None: N equal blocks.
-    `input_layout="sequence"` gathers the sequence chunks first."""
+    rank, its attributes `local` (attribute, ((unit, width), ...)) become the sum of this
+    rank's count of each unit times its width (e.g. `num_k_heads`, `key_dim`, a conv's
+    `conv1d.groups` = 2 key dims + the value dim), and its 1-D parameters `vectors`
+    (parameter, unit, width) keep this rank's values (e.g. `A_log`, `dt_bias` per value
+    head). `parts` None: N equal blocks. `input_layout="sequence"` gathers the sequence
+    chunks first."""
 
-    local: tuple[tuple[str, str, int], ...] = ()
+    local: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
     vectors: tuple[tuple[str, str, int], ...] = ()
     parts: Parts | None = None
     input_layout: Layout = "replicate"
 
     def split(self, module: nn.Module, path: str, n: int) -> None:
-        for attr, _, _ in self.local:
+        for attr, _ in self.local:
             target = _owner(module, attr)
             if target is None:
                 raise PlanError(f"{path}: {type(module).__name__} has no attribute {attr!r}")
@@ -145,22 +146,25 @@ class LocalUnits(Style):
                 raise PlanError(f"{path}: {type(module).__name__} has no parameter {name!r}")
         return None
 
-    def _range(self, unit: str, width: int, total: int, group: mx.distributed.Group) -> range:
+    def _count(self, terms, total: int, group: mx.distributed.Group) -> int:
         if self.parts is None:
-            b = total // group.size()
-            return range(group.rank() * b, (group.rank() + 1) * b)
-        r = _by_rank(self.parts)[group.rank()].unit(unit)
-        return range(r.start * width, r.stop * width)
+            return total // group.size()
+        part = _by_rank(self.parts)[group.rank()]
+        return sum(len(part.unit(u)) * w for u, w in terms)
 
     def apply(self, module, group, ctx, split):
-        for attr, unit, width in self.local:
+        for attr, terms in self.local:
             target, name = _owner(module, attr), attr.rpartition(".")[2]
-            r = self._range(unit, width, getattr(target, name), group)
-            setattr(target, name, len(r))
+            setattr(target, name, self._count(terms, getattr(target, name), group))
         for name, unit, width in self.vectors:
             v = module[name]
-            r = self._range(unit, width, v.shape[0], group)
-            module[name] = mx.contiguous(v[r.start : r.stop])
+            if self.parts is None:
+                b = v.shape[0] // group.size()
+                a, b = group.rank() * b, (group.rank() + 1) * b
+            else:
+                r = _by_rank(self.parts)[group.rank()].unit(unit)
+                a, b = r.start * width, r.stop * width
+            module[name] = mx.contiguous(v[a:b])
         if self.input_layout == "sequence":
             gather_input(module, ctx)
         return module
@@ -223,7 +227,7 @@ def table_styles(
         styles[""] = MoEParallel(layout, layout)
     elif table.module == "units":
         vectors = tuple((k, e.unit, e.width) for k, e in table.tensors.items() if e.dim == VECTOR)
-        local = tuple((k, u, w) for k, (u, w) in table.local.items())
+        local = tuple((k, tuple(terms)) for k, terms in table.local.items())
         styles[""] = LocalUnits(local, vectors, parts, input_layout=layout)
     elif sequence:
         styles[""] = PrepareModuleInput()

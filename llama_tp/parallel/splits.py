@@ -144,15 +144,15 @@ class SplitTable:
     mixer ("wq", "switch_mlp.gate_proj", "sinks"); `module`, the style of the mixer
     itself: "heads" (attention: local head counts, KV map), "summed" (one all-reduce of
     the partial outputs of in-place tensors), "units" (local counts `local`, attribute ->
-    (unit, width), and VECTOR parameters sliced), or None; `units`, the kind's own units
-    (`Unit`); `plain_when_even`: on an even split the projections take mlx's
+    ((unit, width), ...) summed, and VECTOR parameters sliced), or None; `units`, the
+    kind's own units (`Unit`); `plain_when_even`: on an even split the projections take mlx's
     `shard_linear` (no ranges), as the design card's `shard` methods do."""
 
     kind: str
     tensors: Mapping[str, TensorSplit] = field(default_factory=dict)
     module: str | None = None
     units: tuple[Unit, ...] = ()
-    local: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    local: Mapping[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     plain_when_even: bool = True
 
     def entry(self, name: str) -> tuple[TensorSplit, str] | None:
@@ -170,7 +170,7 @@ class SplitTable:
     def unit_names(self) -> tuple[str, ...]:
         """Every unit the table splits by, in order."""
         names = [u for e in self.tensors.values() for u in e.units()]
-        names += [u for u, _ in self.local.values()]
+        names += [u for terms in self.local.values() for u, _ in terms]
         return tuple(dict.fromkeys(names))
 
 
