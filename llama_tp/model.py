@@ -62,7 +62,22 @@ class Attention(nn.Module):
     """x (B, L, dim) -> (B, L, dim): grouped-query attention with RoPE over a KV cache.
 
     The attention kind: split by whole heads (`splits.llama_attention`), a KVCache of
-    its KV heads' keys and values."""
+    its KV heads' keys and values. `hf_names` / `gguf_names`: its tensors in Hugging Face
+    and GGUF checkpoints (checkpoint module path under the layer -> the model's), which
+    the readers map (`checkpoints/hf.py`, `checkpoints/gguf.py`)."""
+
+    hf_names = (
+        ("self_attn.q_proj", "attention.wq"),
+        ("self_attn.k_proj", "attention.wk"),
+        ("self_attn.v_proj", "attention.wv"),
+        ("self_attn.o_proj", "attention.wo"),
+    )
+    gguf_names = (
+        ("attn_q", "attention.wq"),
+        ("attn_k", "attention.wk"),
+        ("attn_v", "attention.wv"),
+        ("attn_output", "attention.wo"),
+    )
 
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
@@ -172,6 +187,17 @@ class FeedForward(nn.Module):
     """x (B, L, dim) -> (B, L, dim): the SwiGLU feed-forward, split by its intermediate
     columns (`splits.llama_feed_forward`); it caches nothing."""
 
+    hf_names = (
+        ("mlp.gate_proj", "feed_forward.w1"),
+        ("mlp.down_proj", "feed_forward.w2"),
+        ("mlp.up_proj", "feed_forward.w3"),
+    )
+    gguf_names = (
+        ("ffn_gate", "feed_forward.w1"),
+        ("ffn_down", "feed_forward.w2"),
+        ("ffn_up", "feed_forward.w3"),
+    )
+
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
         return llama_feed_forward()
@@ -199,6 +225,18 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    # the layer's own tensors, its norms, in checkpoints (GLM-4.5's and gpt-oss's GGUF
+    # files name the feed-forward's norm post_attention_norm)
+    hf_names = (
+        ("input_layernorm", "attention_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+    )
+    gguf_names = (
+        ("attn_norm", "attention_norm"),
+        ("ffn_norm", "ffn_norm"),
+        ("post_attention_norm", "ffn_norm"),
+    )
+
     def __init__(
         self,
         args: ModelArgs,

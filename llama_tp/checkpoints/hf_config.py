@@ -15,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.mla import QuantizedMultiLinear
 
+from ..models.registry import FAMILIES
 from .base import Checkpoint, CheckpointError
 from .hf import _RENAMES, BLOCK_SPARSE_MOE, DEEPSEEK_V3, SIGMOID_GROUP, to_model_name
 
@@ -95,18 +96,7 @@ def quantization(model: nn.Module) -> dict[str, Any] | None:
     return block
 
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "kimi_k2": "DeepseekV3ForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-}
+_ARCHITECTURES = {t: f.architecture for t, f in FAMILIES.items() if f.architecture}
 
 
 def _first_dense(a: Any) -> tuple[int, int]:

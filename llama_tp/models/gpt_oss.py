@@ -35,6 +35,9 @@ class SinkAttention(Attention):
     """x (B, L, dim) -> (B, L, dim): the core attention with a sink logit per query head
     (`sinks`, (n_heads,)), attending to the last `window` positions (None: all)."""
 
+    hf_names = ()  # the core attention's names; the sinks are `self_attn.sinks`
+    gguf_names = (("attn_sinks.weight$", "attention.sinks"),)  # a vector: the name exactly
+
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
         table = super().split_table(args)
@@ -56,3 +59,22 @@ class SinkAttention(Attention):
         return scaled_dot_product_attention(
             q, k, v, cache=cache, scale=self.scale, mask=mask, sinks=self.sinks
         )
+
+
+def gpt_oss_fields(config: dict) -> dict:
+    """gpt-oss's experts, sinks and sliding-window layers (mlx-lm's defaults: layers
+    alternating sliding and full attention, a window of 128)."""
+    n_layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention", "full_attention"] * (n_layers // 2)
+    return {
+        "n_experts": config.get("num_local_experts", 128),
+        "n_experts_per_tok": config.get("num_experts_per_tok", 4),
+        "moe_hidden_dim": config["intermediate_size"],
+        "router": "topk_softmax",
+        "expert_bias": True,
+        "activation": "swiglu_oai",
+        "swiglu_limit": float(config.get("swiglu_limit", 7.0)),
+        "attention_sinks": True,
+        "sliding_window": config.get("sliding_window", 128),
+        "layer_types": list(types),
+    }

@@ -59,6 +59,20 @@ class LatentAttention(DeepseekV3Attention):
     """x (B, L, dim) -> (B, L, dim): mlx-lm's multi-head latent attention, its output
     projection named `wo` (and a direct query projection `wq`), with `n_heads` local."""
 
+    # its own projections and norms under their own names (last among the kinds: the
+    # projections every attention has are named by `Attention`)
+    hf_names = (("self_attn", "attention"),)
+    gguf_names = (
+        ("attn_q_a_norm", "attention.q_a_layernorm"),
+        ("attn_q_a", "attention.q_a_proj"),
+        ("attn_q_b", "attention.q_b_proj"),
+        ("attn_kv_a_norm", "attention.kv_a_layernorm"),
+        ("attn_kv_a_mqa", "attention.kv_a_proj_with_mqa"),
+        ("attn_kv_b", "attention.kv_b_proj"),
+        ("attn_k_b", "attention.embed_q"),
+        ("attn_v_b", "attention.unembed_out"),
+    )
+
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
         """Query heads, any count per rank: their rows of q_b_proj (or wq), their (H, out,
@@ -125,3 +139,42 @@ class LatentAttention(DeepseekV3Attention):
         """Keep the heads `part.q_heads` (any count per rank), the latent replicated."""
         styles = table_styles(self.split_table(self.args), {group.rank(): part})
         parallelize(self, styles, group)
+
+
+def deepseek_v3_fields(config: dict) -> dict:
+    """Latent attention and routing fields of a DeepSeek-V3 config (mlx-lm's defaults)."""
+    d = DeepseekV3Args.from_dict(config)
+    check_routing(d.topk_method, d.scoring_func)
+    routed = d.n_routed_experts or 0
+    freq = d.moe_layer_freq or 1
+    sparse = [
+        i
+        for i in range(d.num_hidden_layers)
+        if routed and i >= d.first_k_dense_replace and i % freq == 0
+    ]
+    return {
+        "n_experts": routed,
+        "n_experts_per_tok": d.num_experts_per_tok if routed else 0,
+        "moe_hidden_dim": d.moe_intermediate_size,
+        "shared_expert_dim": (d.n_shared_experts or 0) * d.moe_intermediate_size,
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(d.norm_topk_prob),
+        "router": "sigmoid_group",
+        "n_group": d.n_group,
+        "topk_group": d.topk_group,
+        "routed_scaling_factor": float(d.routed_scaling_factor),
+        "sparse_layers": None if len(sparse) == d.num_hidden_layers else sparse,
+        "kv_lora_rank": d.kv_lora_rank,
+        "q_lora_rank": d.q_lora_rank or 0,
+        "qk_nope_head_dim": d.qk_nope_head_dim,
+        "qk_rope_head_dim": d.qk_rope_head_dim,
+        "v_head_dim": d.v_head_dim,
+    }
+
+
+def check_routing(topk_method: str, scoring_func: str) -> None:
+    if topk_method != "noaux_tc" or scoring_func != "sigmoid":
+        raise ValueError(
+            f"model config: routing {topk_method!r} with {scoring_func!r} scores is not "
+            "supported (DeepSeek-V3's is 'noaux_tc' with 'sigmoid')"
+        )

@@ -21,40 +21,89 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             partial RoPE,
                                                             qk-norm if set
 
-The readers (`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into
-`ModelArgs`; `layer_kinds` says each layer's mixer kinds, from which `build` makes the
+A family is a registry row (`FAMILIES`, `GGUF_FAMILIES`); a mixer kind is one class
+in its own module that declares its split table, its cache, its checkpoint names
+(`KINDS`, `checkpoint_names`) and reads its config fields. The readers
+(`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into `ModelArgs`;
+`layer_kinds` says each layer's mixer kinds, from which `build` makes the
 model and `layer_specs` the placement's view of it (each kind's split table and cache,
 `parallel/splits.py`) without building anything.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import mlx.nn as nn
 
 from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
-from .gpt_oss import SinkAttention
-from .latent_attention import LatentAttention
-from .moe import MoEFeedForward
+from .gpt_oss import SinkAttention, gpt_oss_fields
+from .latent_attention import LatentAttention, deepseek_v3_fields
+from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .qk_norm import QKNormAttention
 
-MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v3",
-    "kimi_k2",
-    "gpt_oss",
-    "glm4_moe",
+
+@dataclass(frozen=True)
+class Family:
+    """A registry row: one Hugging Face `model_type`. `architecture`: the class `convert`
+    names in the config.json it writes (None: not written); `fields`: the family's
+    ModelArgs fields from its config.json beyond the common ones (its kinds' readers);
+    `qk_norm`: its attention normalises q and k per head."""
+
+    architecture: str | None = None
+    fields: Callable[[dict], dict] | None = None
+    qk_norm: bool = False
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM"),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "mixtral": Family("MixtralForCausalLM", mixtral_fields),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", qwen_moe_fields),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qwen_moe_fields, qk_norm=True),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
+    "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
+    "gpt_oss": Family(None, gpt_oss_fields),
+    "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
+}
+MODEL_TYPES = tuple(FAMILIES)
+# GGUF `general.architecture` -> (the family's model_type, RoPE on the halves of each
+# head: llama.cpp's NEOX, whose q/k rows are not permuted for interleaved pairs); llama
+# with experts is Mixtral (`checkpoints/gguf.py`)
+GGUF_FAMILIES = {
+    "llama": ("llama", False),
+    "qwen2": ("qwen2", True),
+    "qwen3": ("qwen3", True),
+    "qwen2moe": ("qwen2_moe", True),
+    "qwen3moe": ("qwen3_moe", True),
+    "deepseek2": ("deepseek_v3", False),
+    "glm4moe": ("glm4_moe", True),
+    "gpt-oss": ("gpt_oss", True),
+}
+GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
+# Every mixer kind (and the layer's own norms), in the order their checkpoint names are
+# tried: a kind's later, broader names (latent attention's) after the others'.
+KINDS: tuple[type[nn.Module], ...] = (
+    Attention,
+    FeedForward,
+    TransformerBlock,
+    QKNormAttention,
+    SinkAttention,
+    MoEFeedForward,
+    LatentAttention,
 )
-GGUF_ARCHITECTURES = (
-    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "gpt-oss",
-)  # fmt: skip
+
+
+def checkpoint_names(fmt: str) -> list[tuple[str, str]]:
+    """Every kind's tensor names in `fmt` ("hf" or "gguf") checkpoints: (checkpoint path
+    under a layer, the model's path under the layer), in `KINDS` order. A path ending in
+    "$" is a whole tensor's name; the others are module prefixes."""
+    return [pair for kind in KINDS for pair in vars(kind).get(f"{fmt}_names", ())]
 
 
 def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
