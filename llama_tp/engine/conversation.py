@@ -21,10 +21,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..checkpoints.chat_template import FALLBACK_STOP, ChatTemplateError, renderer_for
 from ..cluster.distributed import world
+from . import caches
 from .chat_tools import ChatTools
 from .drafters import make_drafter
 from .generation import stream_generate
@@ -128,7 +128,7 @@ class Chat(ChatTools):
         self.last_stats: TurnStats | None = None
         self.tools, self.last_tool_calls = tools, []
         self._renderer = renderer_for(tokenizer)
-        self._cache = make_prompt_cache(model)
+        self._cache = caches.new(model)
         self._held: list[int] = []  # the tokens in the cache, exactly
         self._tokens_of: dict[int, tuple[dict, str, list[int]]] = {}  # id(reply) -> its tokens
         self._turn = 0
@@ -268,7 +268,7 @@ class Chat(ChatTools):
             steps.close()
             if state == "failed":  # an error mid-turn: the cache may be half-written
                 self.history[:] = before
-                self._cache = make_prompt_cache(self.model)
+                self._cache = caches.new(self.model)
                 self._held = []
             else:
                 reply = "".join(shown)
@@ -304,19 +304,18 @@ class Chat(ChatTools):
             raise ValueError("the chat template rendered an empty prompt")
         common = min(common, len(tokens) - 1)
         extra = len(self._held) - common
-        if extra > 0:
-            if can_trim_prompt_cache(self._cache):
-                trim_prompt_cache(self._cache, extra)
-            else:
-                self._cache, common = make_prompt_cache(self.model), 0
+        if caches.can_rewind(self._cache, extra):
+            caches.rewind(self._cache, extra)
+        else:  # a layer kind that cannot step back (a wrapped window): start afresh
+            self._cache, common = caches.new(self.model), 0
         self._held = self._held[:common]
         return common
 
     def _end_turn(self, reused, new, generated, reply, finish, eos, stop_hit, state) -> None:
-        # Generation may have fed one token fewer than it sampled (at max_tokens),
-        # so the cache's own offset says which tokens it holds.
-        offset = self._cache[0].offset if self._cache else 0
-        self._held = (self._held[:reused] + new + generated)[:offset]
+        # Generation may have fed one token fewer than it sampled (at max_tokens), or one
+        # more (a last token a layer kind could not step back over): the cache says.
+        held = caches.held(self._cache) if self._cache else 0
+        self._held = (self._held[:reused] + new + generated)[:held]
         message = {"role": "assistant", "content": reply}
         self.history.append(message)
         tokens = generated

@@ -19,12 +19,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..checkpoints.chat_template import renderer_for
 from ..cluster import watchdog
 from ..cluster.distributed import broadcast_object, world
+from . import caches
 from .agreement import TokenCheck
 from .decoder import Decoder, decode_step
 from .drafters import make_drafter
@@ -59,7 +59,7 @@ def generate_step(
     with a vocabulary-parallel head the logits are this rank's (1, V_local). Each
     step builds the next token's graph before waiting for the current one.
     """
-    cache = cache if cache is not None else make_prompt_cache(model)
+    cache = cache if cache is not None else caches.new(model)
     prefill(model, prompt[:-1], cache, prefill_step_size)
     y, logits, rows = decode_step(model, sampler, cache, mx.array(prompt[-1:], dtype=mx.int32))
     mx.async_eval(y)
@@ -113,9 +113,9 @@ def stream_generate(
 ) -> Iterator[Response]:
     """Generate from token ids `prompt`, yielding text pieces as they are decoded.
 
-    `cache` (from `make_prompt_cache`) already holding earlier tokens continues
-    from them: `prompt` is then only the new tokens, and `history` the tokens the
-    cache holds (for drafters and logits processors). `stop` strings end the reply
+    `cache` (from `caches.new`, or mlx-lm's `make_prompt_cache`) already holding earlier
+    tokens continues from them: `prompt` is then only the new tokens, and `history` the
+    tokens the cache holds (for drafters and logits processors). `stop` strings end the reply
     (not shown; text that may start one is held back). `should_stop` is asked on
     every rank after every step; when any rank answers True, all ranks stop at the
     same token (finish_reason "interrupted"), so their caches stay alike.
@@ -153,7 +153,7 @@ def stream_generate(
             model, drafter=make_drafter(draft, model), prefill_step_size=prefill_step_size
         )
         tic = time.perf_counter()
-        decoder.start(seq, cache if cache is not None else make_prompt_cache(model))
+        decoder.start(seq, cache if cache is not None else caches.new(model))
         if decoder.drafter is not None:
             decoder.drafter.prefill(seq.history, prefill_step_size)
         yield from _responses(decoder, seq, TokenCheck(prompt, group, eos), should_stop, tic)
