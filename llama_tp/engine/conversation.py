@@ -27,7 +27,7 @@ from ..cluster.distributed import world
 from . import caches
 from .chat_tools import ChatTools
 from .drafters import make_drafter
-from .generation import stream_generate
+from .generation import keyword_params, stream_generate
 from .grammar import json_schema_grammar
 from .settings import SamplingParams, SettingsError
 from .speculative import SpecStats
@@ -65,7 +65,9 @@ class TurnStats:
 class Chat(ChatTools):
     """A conversation with a (possibly sharded) model, reusing its KV cache between turns.
 
-    `system`: the system message; `stop`: strings that end a reply (never
+    `params`: the sampling settings (`SamplingParams`: max_tokens, temperature, top-p,
+    min-p, top-k, stop strings, draft tokens), or the keywords of the same names (mlx-lm's:
+    `temp`; not both). `system`: the system message; `stop`: strings that end a reply (never
     shown, not kept in the history); `max_context`: the context limit in tokens
     (default: the model's `max_position_embeddings`); `overflow`: what to do when
     a turn (its prompt plus `max_tokens`) would not fit: "error" raises
@@ -88,11 +90,12 @@ class Chat(ChatTools):
         tokenizer: Any,
         system: str | None = None,
         *,
-        max_tokens: int = 256,
-        temp: float = 0.0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        top_k: int = 0,
+        params: SamplingParams | None = None,
+        max_tokens: int | None = None,
+        temp: float | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         stop: list[str] | tuple[str, ...] | str | None = None,
         max_context: int | None = None,
@@ -100,17 +103,26 @@ class Chat(ChatTools):
         should_stop: Callable[[], bool] | None = None,
         group: mx.distributed.Group | None = None,
         draft: Any = None,
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int | None = None,
         tools: list[dict] | None = None,
     ):
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        given = dict(
+            max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k,
+            stop=stop, num_draft_tokens=num_draft_tokens,
+        )  # fmt: skip
+        if params is not None and any(v is not None for v in given.values()):
+            named = ", ".join(k for k, v in given.items() if v is not None)
+            raise TypeError(f"Chat takes params or the sampling keywords, not both ({named})")
         try:  # the same checks as every other driver's (the names are this class's)
-            self.params = SamplingParams(
-                max_tokens, temp, top_p, min_p, top_k, stop=tuple(stop),
-                num_draft_tokens=num_draft_tokens if draft is not None else 0,
-            )  # fmt: skip
+            if params is None:
+                params = keyword_params(**given, drafting=draft is not None)
+            elif draft is None:
+                params = params.but(num_draft_tokens=0)
+            elif params.num_draft_tokens == 0:  # a drafter's default
+                params = params.but(num_draft_tokens=4)
         except SettingsError as e:
             raise ValueError(e.named("temp" if e.field == "temperature" else e.field)) from None
+        self.params = params
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         if max_context is None:
@@ -119,11 +131,10 @@ class Chat(ChatTools):
             raise ValueError(f"max_context must be positive, got {max_context}")
         self.model, self.tokenizer = model, tokenizer
         self.group = group or world()
-        self.max_tokens, self.temp, self.top_p, self.seed = max_tokens, temp, top_p, seed
-        self.min_p, self.top_k = min_p, top_k
-        self.stop, self.max_context, self.overflow = stop, max_context, overflow
+        self.seed = seed
+        self.stop, self.max_context, self.overflow = list(params.stop), max_context, overflow
         self.should_stop = should_stop
-        self.drafter, self.num_draft_tokens = make_drafter(draft, model), num_draft_tokens
+        self.drafter = make_drafter(draft, model)
         self.history: list[dict[str, Any]] = []
         self.last_stats: TurnStats | None = None
         self.tools, self.last_tool_calls = tools, []
@@ -133,6 +144,28 @@ class Chat(ChatTools):
         self._tokens_of: dict[int, tuple[dict, str, list[int]]] = {}  # id(reply) -> its tokens
         self._turn = 0
         self.system = system
+
+    # -- settings (the keywords' names, for reading and changing between turns) --
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, value: int) -> None:
+        self.params = self.params.but(max_tokens=value)
+
+    @property
+    def temp(self) -> float:
+        return self.params.temperature
+
+    @temp.setter
+    def temp(self, value: float) -> None:
+        self.params = self.params.but(temperature=value)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.params.num_draft_tokens
 
     # -- conversation state -------------------------------------------------
 
@@ -218,6 +251,7 @@ class Chat(ChatTools):
         new = tokens[reused:]
         seed = None if self.seed is None else self.seed + self._turn
         self._turn += 1
+        params = self.params.but(seed=seed, stop=(*self.stop, *self._renderer.stops))
         self.history[:] = messages
         live = {id(m) for m in messages}
         self._tokens_of = {k: v for k, v in self._tokens_of.items() if k in live}
@@ -225,19 +259,12 @@ class Chat(ChatTools):
             self.model,
             self.tokenizer,
             new,
-            max_tokens=self.max_tokens,
-            temp=self.temp,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            top_k=self.top_k,
-            seed=seed,
-            stop=(*self.stop, *self._renderer.stops),
+            params,
             cache=self._cache,
             history=self._held[:reused],
             should_stop=should_stop or self.should_stop,
             group=self.group,
             draft=None if processors else self.drafter,  # a grammar follows one token
-            num_draft_tokens=self.num_draft_tokens,
             logits_processors=processors,
         )
         generated: list[int] = []

@@ -92,14 +92,15 @@ def stream_generate(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
     prompt: list[int],
+    params: SamplingParams | None = None,
     *,
-    max_tokens: int = 256,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    top_k: int = 0,
+    max_tokens: int | None = None,
+    temp: float | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    top_k: int | None = None,
     seed: int | None = None,
-    stop: tuple[str, ...] | list[str] = (),
+    stop: tuple[str, ...] | list[str] | None = None,
     cache: list[Any] | None = None,
     history: list[int] | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -107,11 +108,17 @@ def stream_generate(
     eos_token_ids: set[int] | None = None,
     group: mx.distributed.Group | None = None,
     draft: Any = None,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     prefill_step_size: int = 512,
 ) -> Iterator[Response]:
     """Generate from token ids `prompt`, yielding text pieces as they are decoded.
+
+    `params`: the sampling settings (`SamplingParams`: max_tokens, temperature, top-p,
+    min-p, top-k, seed, stop strings, log-probabilities, draft tokens), used as given,
+    its seed included. Without it, the keywords of the same names say them (mlx-lm's:
+    `temp` is the temperature; defaults: 256 tokens, greedy, and `seed` None: rank 0's
+    random choice, agreed by every rank); giving both is a TypeError.
 
     `cache` (from `caches.new`, or mlx-lm's `make_prompt_cache`) already holding earlier
     tokens continues from them: `prompt` is then only the new tokens, and `history` the
@@ -133,18 +140,27 @@ def stream_generate(
     """
     if not prompt:
         raise ValueError("the prompt is empty")
-    drafts = num_draft_tokens if draft is not None else 0
-    if draft is not None and drafts == 0:
-        raise SettingsError("num_draft_tokens", "must be at least 1 with a drafter", 0)
-    params = SamplingParams(
-        max_tokens, temp, top_p, min_p, top_k, stop=tuple(stop), logprobs=logprobs,
-        num_draft_tokens=drafts,
+    given = dict(
+        max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k,
+        seed=seed, stop=stop, logprobs=logprobs, num_draft_tokens=num_draft_tokens,
     )  # fmt: skip
+    if params is not None and any(v is not None for v in given.values()):
+        named = ", ".join(k for k, v in given.items() if v is not None)
+        raise TypeError(
+            f"stream_generate takes params or the sampling keywords, not both ({named})"
+        )
+    if params is None:
+        params = keyword_params(**given, drafting=draft is not None)
+    elif draft is None:
+        params = params.but(num_draft_tokens=0)
+    if draft is not None and params.num_draft_tokens == 0:
+        raise SettingsError("num_draft_tokens", "must be at least 1 with a drafter", 0)
     group = group or world()
     # Armed only under the commands (llama_tp.watchdog.install): a peer that stops
     # would otherwise leave this rank waiting in a collective forever.
     with watchdog.stage(f"prompt processing ({len(prompt)} tokens)", "load"), wired_limit(model):
-        params = params.but(seed=agree_seed(seed, group))
+        if params.seed is None:
+            params = params.but(seed=agree_seed(None, group))
         eos = renderer_for(tokenizer).eos if eos_token_ids is None else frozenset(eos_token_ids)
         seq = Sequence(0, prompt, params, tokenizer.detokenizer, eos)
         seq.context = list(history or [])
@@ -157,6 +173,35 @@ def stream_generate(
         if decoder.drafter is not None:
             decoder.drafter.prefill(seq.history, prefill_step_size)
         yield from _responses(decoder, seq, TokenCheck(prompt, group, eos), should_stop, tic)
+
+
+def keyword_params(
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: tuple[str, ...] | list[str] | str | None = None,
+    logprobs: int | None = None,
+    num_draft_tokens: int | None = None,
+    drafting: bool = False,
+) -> SamplingParams:
+    """The settings the drivers' keywords give (None: the default), its seed None when
+    not given (then agreed at generation): `stream_generate`'s and `Chat`'s keywords.
+    `num_draft_tokens` counts only with a drafter (default 4)."""
+    drafts = (4 if num_draft_tokens is None else num_draft_tokens) if drafting else 0
+    return SamplingParams(
+        256 if max_tokens is None else max_tokens,
+        0.0 if temperature is None else temperature,
+        1.0 if top_p is None else top_p,
+        0.0 if min_p is None else min_p,
+        0 if top_k is None else top_k,
+        seed,
+        stop=tuple([stop] if isinstance(stop, str) else stop or ()),
+        logprobs=logprobs,
+        num_draft_tokens=drafts,
+    )
 
 
 def _responses(

@@ -12,6 +12,7 @@ tensor it does not keep, and `python -m llama_tp.plan` prints the same placement
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,46 @@ def _open(
     )
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """How `load_model` loads and splits a model (its keywords, as one value): the
+    commands build it once from their flags (`LoadOptions.from_args`).
+
+    `vocab_parallel`: the embedding and head split by vocabulary rows; `dtype`: cast
+    every weight at load; `plan`: a user's style plan instead of the built-in one;
+    `sequence_parallel`: prefill split along the sequence; `tp`, `pp`, `pp_split`, `dp`:
+    the mesh; `moe_split`: experts by tensor or by expert; `split`: uneven shares
+    ("3:1", (3, 1) or "memory")."""
+
+    vocab_parallel: bool = True
+    dtype: str | None = None
+    plan: StylePlan | None = None
+    sequence_parallel: bool = False
+    tp: int | None = None
+    pp: int | None = None
+    pp_split: str | None = None
+    dp: int | None = None
+    moe_split: str = DEFAULT_MOE_SPLIT
+    split: SplitSpec = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> LoadOptions:
+        """From a command's parsed flags (`--no-vocab-parallel`, `--dtype`,
+        `--sequence-parallel`, `--tp/--pp/--pp-split/--dp`, `--moe-split`, `--split`;
+        a command without some of them takes their defaults)."""
+        return cls(
+            vocab_parallel=not getattr(args, "no_vocab_parallel", False),
+            dtype=getattr(args, "dtype", None),
+            sequence_parallel=getattr(args, "sequence_parallel", False),
+            tp=getattr(args, "tp", None),
+            pp=getattr(args, "pp", None),
+            pp_split=getattr(args, "pp_split", None),
+            dp=getattr(args, "dp", None),
+            moe_split=getattr(args, "moe_split", DEFAULT_MOE_SPLIT),
+            split=getattr(args, "split", None),
+        )
+
+
 def load_model(
     path: str | Path,
     group: mx.distributed.Group | None = None,
@@ -122,8 +163,12 @@ def load_model(
     dp: int | None = None,
     moe_split: str = DEFAULT_MOE_SPLIT,
     split: SplitSpec = None,
+    options: LoadOptions | None = None,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
+
+    `options` (a `LoadOptions`) gives every keyword below as one value (a command's
+    flags); then the keywords themselves stay at their defaults.
 
     With `vocab_parallel` (the default) the embedding and output head are split
     by vocabulary rows too, and the model returns each rank's slice of the logits.
@@ -151,6 +196,22 @@ def load_model(
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
     """
+    given = LoadOptions(
+        vocab_parallel, dtype, plan, sequence_parallel, tp, pp, pp_split, dp, moe_split, split
+    )
+    if options is not None and given != LoadOptions():
+        named = [f.name for f in fields(given) if getattr(given, f.name) != f.default]
+        raise TypeError(
+            f"load_model takes options or their keywords, not both ({', '.join(named)})"
+        )
+    o = options or given
+    vocab_parallel, dtype, plan, sequence_parallel = (
+        o.vocab_parallel,
+        o.dtype,
+        o.plan,
+        o.sequence_parallel,
+    )
+    tp, pp, pp_split, dp, moe_split, split = o.tp, o.pp, o.pp_split, o.dp, o.moe_split, o.split
     if dtype is not None and sequence_parallel:
         # cast_model swaps layers for plain float twins, which would drop the
         # sequence-parallel wrappers: refuse rather than silently run without them
@@ -274,7 +335,7 @@ def load(
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
     `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp,
-    moe_split, split)."""
+    moe_split, split, or options=LoadOptions(...))."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()

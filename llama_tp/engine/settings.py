@@ -31,14 +31,16 @@ class SettingsError(ValueError):
 @dataclass
 class SamplingParams:
     """One sequence's settings. `seed` with the token's index picks every random draw
-    (`sampling.token_key`): the same settings and prompt give the same tokens."""
+    (`sampling.token_key`): the same settings and prompt give the same tokens. `seed`
+    None: rank 0 chooses one at generation and every rank takes it (`stream_generate`,
+    `Chat`; a batch's rows always say theirs)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     min_p: float = 0.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = 0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: no log-probabilities; k: the token's and the k best
     num_draft_tokens: int = 0  # prompt-lookup / draft-model tokens verified per step
@@ -57,7 +59,8 @@ class SamplingParams:
         _number("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1]", open_low=True)
         _number("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
         _integer("top_k", self.top_k, 0)
-        _integer("seed", self.seed, -(2**63), 2**64 - 1)
+        if self.seed is not None:
+            _integer("seed", self.seed, -(2**63), 2**64 - 1)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SettingsError("stop", "must hold non-empty strings", self.stop)
         if self.logprobs is not None:
