@@ -34,9 +34,9 @@ from .latent import split_kv_b
 
 # llama.cpp rotates the halves of each head (NEOX) in these: their q/k rows are not
 # permuted for interleaved pairs as the llama converter does (registry rows)
-_NEOX = tuple(arch for arch, (_, neox) in GGUF_FAMILIES.items() if neox)
+_NEOX = tuple(arch for arch, row in GGUF_FAMILIES.items() if row.neox)
 # GGUF architecture -> the family's model_type (llama with experts: Mixtral)
-_MODEL_TYPES = {arch: model_type for arch, (model_type, _) in GGUF_FAMILIES.items()}
+_MODEL_TYPES = {arch: row.model_type for arch, row in GGUF_FAMILIES.items()}
 
 # llama.cpp's tensor names -> the model's: the model's own, then every kind's
 # (`models.registry.checkpoint_names`: each mixer kind declares its names)
@@ -121,6 +121,11 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
         experts |= routed.fields(arch, get, path)
     elif arch in gpt_oss.ARCHITECTURES:
         experts |= gpt_oss.fields(arch, get, path)
+    elif GGUF_FAMILIES[arch].fields is not None:  # a family whose kinds read their own
+        try:
+            experts |= GGUF_FAMILIES[arch].fields(get)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     scaling = experts.pop("rope_scaling", scaling)
     try:
         return ModelArgs(

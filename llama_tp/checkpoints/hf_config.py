@@ -183,6 +183,12 @@ def _experts_config(a: Any) -> dict[str, Any]:
     return out
 
 
+def _family_config(a: Any) -> dict[str, Any]:
+    """The family's own keys: its registry row's writer, or the experts' keys above."""
+    keys = FAMILIES[a.model_type].config_keys
+    return keys(a) if keys is not None else _experts_config(a)
+
+
 def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
     """`config.json` for mlx-lm's model of the family (and llama_tp's HF reader)."""
     a = ckpt.args
@@ -208,7 +214,7 @@ def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
         "tie_word_embeddings": a.tie_word_embeddings,
         "attention_bias": a.o_bias if qwen2 else a.qkv_bias,
         "mlp_bias": a.mlp_bias,
-        **_experts_config(a),
+        **_family_config(a),
     }
     if a.rope_scaling:
         config["rope_scaling"] = a.rope_scaling

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.nn as nn
 
@@ -50,12 +51,28 @@ from .qk_norm import QKNormAttention
 class Family:
     """A registry row: one Hugging Face `model_type`. `architecture`: the class `convert`
     names in the config.json it writes (None: not written); `fields`: the family's
-    ModelArgs fields from its config.json beyond the common ones (its kinds' readers);
-    `qk_norm`: its attention normalises q and k per head."""
+    ModelArgs fields from its config.json beyond the common ones (its kinds' readers;
+    a ValueError names a bad value); `qk_norm`: its attention normalises q and k per
+    head; `config_keys`: the config.json keys `convert` writes for the family beyond
+    the common ones (None: `checkpoints/hf_config.py`'s for the families before)."""
 
     architecture: str | None = None
     fields: Callable[[dict], dict] | None = None
     qk_norm: bool = False
+    config_keys: Callable[[ModelArgs], dict] | None = None
+
+
+@dataclass(frozen=True)
+class GgufFamily:
+    """A registry row for a GGUF `general.architecture`: the family's `model_type`;
+    `neox`: RoPE on the halves of each head (llama.cpp's NEOX: q/k rows not permuted for
+    interleaved pairs); `fields`: the family's ModelArgs fields from the metadata beyond
+    the common ones, given `get(key, default)` of `{arch}.*` (None: `checkpoints/gguf.py`'s
+    for the families before; a ValueError names a bad value)."""
+
+    model_type: str
+    neox: bool = False
+    fields: Callable[[Callable[..., Any]], dict] | None = None
 
 
 FAMILIES = {
@@ -72,18 +89,16 @@ FAMILIES = {
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
 }
 MODEL_TYPES = tuple(FAMILIES)
-# GGUF `general.architecture` -> (the family's model_type, RoPE on the halves of each
-# head: llama.cpp's NEOX, whose q/k rows are not permuted for interleaved pairs); llama
-# with experts is Mixtral (`checkpoints/gguf.py`)
+# GGUF `general.architecture` -> its row (llama with experts is Mixtral: `checkpoints/gguf.py`)
 GGUF_FAMILIES = {
-    "llama": ("llama", False),
-    "qwen2": ("qwen2", True),
-    "qwen3": ("qwen3", True),
-    "qwen2moe": ("qwen2_moe", True),
-    "qwen3moe": ("qwen3_moe", True),
-    "deepseek2": ("deepseek_v3", False),
-    "glm4moe": ("glm4_moe", True),
-    "gpt-oss": ("gpt_oss", True),
+    "llama": GgufFamily("llama"),
+    "qwen2": GgufFamily("qwen2", neox=True),
+    "qwen3": GgufFamily("qwen3", neox=True),
+    "qwen2moe": GgufFamily("qwen2_moe", neox=True),
+    "qwen3moe": GgufFamily("qwen3_moe", neox=True),
+    "deepseek2": GgufFamily("deepseek_v3"),
+    "glm4moe": GgufFamily("glm4_moe", neox=True),
+    "gpt-oss": GgufFamily("gpt_oss", neox=True),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
