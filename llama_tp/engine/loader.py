@@ -29,6 +29,7 @@ from ..cluster.memory import max_rss, memory_figures
 from ..cluster.progress import progress
 from ..kernels.layers import use_native
 from ..model import Transformer
+from ..models.registry import layer_specs
 from ..parallel.cast import cast_model, float32_experts
 from ..parallel.mesh import Mesh
 from ..parallel.parallelize import Plan as StylePlan
@@ -72,10 +73,13 @@ def _build(
 ) -> nn.Module:
     """The (lazy) model this rank runs, sharded as `placement` says: the whole model over
     `group`, or its stage of `mesh` over the stage's tensor group."""
-    a = ckpt.args
-    if sequence_parallel and any(a.window(i) for i in range(a.n_layers)):
+    masks = {s.cache.mask for s in layer_specs(ckpt.args) if s.cache is not None}
+    if sequence_parallel and "window" in masks:
         # the chunks' masks would be causal, not windowed
         raise ValueError("--sequence-parallel does not take sliding-window layers (gpt-oss)")
+    if sequence_parallel and masks - {"causal", "window"}:
+        # a recurrent state runs over the whole sequence in order: no chunks of it
+        raise ValueError("--sequence-parallel does not take recurrent layers (linear attention)")
     model = skeleton(ckpt)
     if mesh is None:
         if group.size() > 1:
