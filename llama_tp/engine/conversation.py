@@ -145,7 +145,7 @@ class Chat(ChatTools):
         self._turn = 0
         self.system = system
 
-    # -- settings (the keywords' names, for reading and changing between turns) --
+    # -- settings: `params` (and `stop`) change between turns -------------------
 
     @property
     def max_tokens(self) -> int:
@@ -154,18 +154,6 @@ class Chat(ChatTools):
     @max_tokens.setter
     def max_tokens(self, value: int) -> None:
         self.params = self.params.but(max_tokens=value)
-
-    @property
-    def temp(self) -> float:
-        return self.params.temperature
-
-    @temp.setter
-    def temp(self, value: float) -> None:
-        self.params = self.params.but(temperature=value)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.params.num_draft_tokens
 
     # -- conversation state -------------------------------------------------
 
