@@ -27,9 +27,9 @@ from ..cluster.distributed import world
 from . import caches
 from .chat_tools import ChatTools
 from .drafters import make_drafter
-from .generation import keyword_params, stream_generate
+from .generation import stream_generate
 from .grammar import json_schema_grammar
-from .settings import SamplingParams, SettingsError
+from .settings import SamplingParams, SettingsError, request_params
 from .speculative import SpecStats
 
 __all__ = ["FALLBACK_STOP", "Chat", "ChatTemplateError", "ContextOverflowError", "TurnStats"]
@@ -110,16 +110,8 @@ class Chat(ChatTools):
             max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k,
             stop=stop, num_draft_tokens=num_draft_tokens,
         )  # fmt: skip
-        if params is not None and any(v is not None for v in given.values()):
-            named = ", ".join(k for k, v in given.items() if v is not None)
-            raise TypeError(f"Chat takes params or the sampling keywords, not both ({named})")
         try:  # the same checks as every other driver's (the names are this class's)
-            if params is None:
-                params = keyword_params(**given, drafting=draft is not None)
-            elif draft is None:
-                params = params.but(num_draft_tokens=0)
-            elif params.num_draft_tokens == 0:  # a drafter's default
-                params = params.but(num_draft_tokens=4)
+            params = request_params("Chat", params, draft is not None, **given)
         except SettingsError as e:
             raise ValueError(e.named("temp" if e.field == "temperature" else e.field)) from None
         self.params = params

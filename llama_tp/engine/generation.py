@@ -30,7 +30,7 @@ from .decoder import Decoder, decode_step
 from .drafters import make_drafter
 from .prefill import prefill
 from .sequence import LogitsProcessor, Sequence
-from .settings import SamplingParams, SettingsError
+from .settings import SamplingParams, request_params
 from .speculative import SpecStats
 
 
@@ -144,17 +144,7 @@ def stream_generate(
         max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k,
         seed=seed, stop=stop, logprobs=logprobs, num_draft_tokens=num_draft_tokens,
     )  # fmt: skip
-    if params is not None and any(v is not None for v in given.values()):
-        named = ", ".join(k for k, v in given.items() if v is not None)
-        raise TypeError(
-            f"stream_generate takes params or the sampling keywords, not both ({named})"
-        )
-    if params is None:
-        params = keyword_params(**given, drafting=draft is not None)
-    elif draft is None:
-        params = params.but(num_draft_tokens=0)
-    if draft is not None and params.num_draft_tokens == 0:
-        raise SettingsError("num_draft_tokens", "must be at least 1 with a drafter", 0)
+    params = request_params("stream_generate", params, draft is not None, **given)
     group = group or world()
     # Armed only under the commands (llama_tp.watchdog.install): a peer that stops
     # would otherwise leave this rank waiting in a collective forever.
@@ -173,35 +163,6 @@ def stream_generate(
         if decoder.drafter is not None:
             decoder.drafter.prefill(seq.history, prefill_step_size)
         yield from _responses(decoder, seq, TokenCheck(prompt, group, eos), should_stop, tic)
-
-
-def keyword_params(
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: tuple[str, ...] | list[str] | str | None = None,
-    logprobs: int | None = None,
-    num_draft_tokens: int | None = None,
-    drafting: bool = False,
-) -> SamplingParams:
-    """The settings the drivers' keywords give (None: the default), its seed None when
-    not given (then agreed at generation): `stream_generate`'s and `Chat`'s keywords.
-    `num_draft_tokens` counts only with a drafter (default 4)."""
-    drafts = (4 if num_draft_tokens is None else num_draft_tokens) if drafting else 0
-    return SamplingParams(
-        256 if max_tokens is None else max_tokens,
-        0.0 if temperature is None else temperature,
-        1.0 if top_p is None else top_p,
-        0.0 if min_p is None else min_p,
-        0 if top_k is None else top_k,
-        seed,
-        stop=tuple([stop] if isinstance(stop, str) else stop or ()),
-        logprobs=logprobs,
-        num_draft_tokens=drafts,
-    )
 
 
 def _responses(

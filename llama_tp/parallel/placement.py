@@ -64,21 +64,6 @@ class ModelShape:
         """Layer `layer`'s kinds: split tables and cache."""
         return llama_layer(self.args.head_dim) if self.layers is None else self.layers[layer]
 
-    def total(self, unit: str) -> int:
-        """How many of `unit` one layer has, by the config (the core units) or the kinds."""
-        a = self.args
-        core = {
-            "q_heads": a.n_heads,
-            "kv_heads": a.n_kv_heads,
-            "ffn": a.hidden_dim,
-            "experts": getattr(a, "n_experts", 0),
-            "expert_ffn": getattr(a, "moe_hidden_dim", 0),
-            "shared_ffn": getattr(a, "shared_expert_dim", 0),
-        }
-        if unit in core:
-            return core[unit]
-        return next(u.total for u in self.units() if u.name == unit)
-
     def units(self) -> tuple[Unit, ...]:
         """The units the layers' kinds declare beyond the core ones, once each."""
         found: dict[str, Unit] = {}
@@ -163,11 +148,12 @@ def kv_cache_bytes(shape: ModelShape, mine: RankPlacement, tokens: int = 1000) -
     qk_rope_head_dim values per token), as one process does; a sliding-window layer
     (gpt-oss) the last `sliding_window` tokens at most (its RotatingKVCache, between
     steps); a recurrent layer its fixed state, whatever the length."""
+    # a user's style plan (no part): the caches of one process, every unit whole
+    part = mine.part if mine.part is not None else partition(shape, 1).parts[0]
 
     def units(name: str) -> tuple[range, int] | None:
-        total = shape.total(name)
-        r = mine.part.unit(name) if mine.part is not None else range(total)
-        return None if r is None else (r, total)
+        r = part.unit(name)
+        return None if r is None else (r, 0)  # (the counts are all a cache needs)
 
     held = 0
     for i in mine.layers:
