@@ -70,3 +70,37 @@ def test_batches_merge_extend_filter_extract():
     caches.filter_rows(batch, [1])
     one = caches.extract(batch, 0)
     assert one[1][0].tolist() == b[1][0].tolist()
+
+
+def test_an_end_of_sequence_past_a_wrapped_window(tmp_path):
+    """A reply that ends (its end-of-sequence token fed) once gpt-oss's sliding windows
+    have wrapped: the caches cannot step back over that token, so they keep it, and a
+    chat's next turn reuses what they hold (it used to fail with a speculative-decoding
+    error)."""
+    from gpt_oss_fixtures import write_gpt_oss
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.tokenizer import load_tokenizer
+    from llama_tp.engine.conversation import Chat
+    from llama_tp.engine.generation import stream_generate
+
+    ckpt = open_checkpoint(write_gpt_oss(tmp_path / "gpt_oss"))
+    model, tok = build_model(ckpt), load_tokenizer(ckpt)
+    prompt = list(range(5, 13))  # past the window of 4
+    plain = [
+        r.token for r in stream_generate(model, tok, prompt, max_tokens=6, eos_token_ids=set())
+    ]
+    cache = caches.new(model)
+    out = [
+        r.token
+        for r in stream_generate(
+            model, tok, prompt, max_tokens=6, eos_token_ids={plain[3]}, cache=cache
+        )
+    ]
+    assert out == plain[: plain.index(plain[3]) + 1]
+    assert caches.held(cache) == len(prompt) + len(out)  # the fed end of sequence kept
+    chat = Chat(model, tok, max_tokens=4)
+    chat.send("hi")
+    chat.send("again")
+    assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
