@@ -20,6 +20,7 @@ import mlx.nn as nn
 from ..checkpoints.chat_template import renderer_for
 from ..cluster import watchdog
 from ..cluster.distributed import agree_ok, eprint0, world
+from ..cluster.listen import bind
 from ..engine.batch import BatchEngine
 from .app import ModelInfo, build_app
 from .protocol import MAX_DRAFT_TOKENS, Defaults
@@ -89,21 +90,6 @@ class HTTPThread:
     def stop(self, timeout: float = 5.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket (an error names the address, e.g. a port in use)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def defaults_from(args: argparse.Namespace) -> Defaults:
