@@ -273,3 +273,26 @@ def test_down_answers_503_with_the_reason(front):
         ask(front.client(), "hi", False)
     assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
     assert str(e.value).endswith("the server is down: cannot re-place m over 1 of 2 hosts: ...")
+
+
+def test_the_front_door_guards_as_the_server_does(front):
+    """The server's guard at the door browsers reach (issue #37): a Host a rebinding page
+    names, a key in any case of its scheme, a body that is not JSON."""
+    import http.client
+
+    def raw(method: str, path: str, headers: dict, body: bytes | None = None) -> int:
+        host, port = front.base.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    key = {"Authorization": f"bearer {KEY}"}
+    assert raw("GET", "/v1/status", key) == 200
+    assert raw("GET", "/v1/status", {**key, "Host": "rebound.example"}) == 403
+    assert raw("GET", "/health", {"Host": "rebound.example:80"}) == 403
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert raw("POST", "/v1/chat/completions", {**key, "Content-Type": "text/plain"}, body) == 415
+    assert raw("POST", "/v1/chat/completions", {"Content-Type": "application/json"}, body) == 401

@@ -307,5 +307,7 @@ def prepare_model(args: Any, group: mx.distributed.Group) -> tuple[Path, str]:
             synthetic_dir(args.synthetic)
         barrier(group)
         return synthetic_dir(args.synthetic), f"synthetic {args.synthetic}"
-    path = Path(args.model) if args.model else default_model()
+    from ..console.cli import model_on_some_rank
+
+    path = Path(args.model or model_on_some_rank(default_model, group))
     return path, path.name

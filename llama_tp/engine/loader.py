@@ -39,6 +39,8 @@ from ..parallel.shares import MEMORY, SplitSpec, Weights, memory_split, parse_sp
 from .agreement import check_mesh_flags
 from .kernel_choice import native_kernels, products_path
 from .load_placement import checkpoint_placement
+from .model_sources import Shared, open_shared
+from .weight_transfer import read_weights
 
 
 def _read(ckpt: Checkpoint, mine: RankPlacement) -> list[tuple[str, mx.array]]:
@@ -103,14 +105,19 @@ def _build(
 def _open(
     path: str | Path,
     group: mx.distributed.Group,
-    model_group: mx.distributed.Group,
+    model_group: mx.distributed.Group | None,
     blocks: bool = False,
-) -> Checkpoint:
-    """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
-    model); if any rank of `group` fails, every rank raises."""
-    return agreed(
-        lambda: open_checkpoint(path, model_group.rank(), model_group.size(), blocks), group
-    )
+    weights_cache: Any = None,
+) -> Shared:
+    """The checkpoint on every rank (as rank of `model_group`, the ranks that share one
+    model; None: each rank holds the whole model): its own file's, or, where it has
+    none, a holder's description (its slices then come over the link:
+    `engine/model_sources.py`); if any rank of `group` fails, every rank raises."""
+    model = (model_group.rank(), model_group.size()) if model_group is not None else (0, 1)
+    if group.size() == 1:
+        ckpt = agreed(lambda: open_checkpoint(path, *model, blocks), group)
+        return Shared(ckpt, group, str(path), [0], [0], 1, [None], blocks)
+    return agreed(lambda: open_shared(path, group, model, blocks, weights_cache), group)
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,8 @@ class LoadOptions:
     every weight at load; `plan`: a user's style plan instead of the built-in one;
     `sequence_parallel`: prefill split along the sequence; `tp`, `pp`, `pp_split`, `dp`:
     the mesh; `moe_split`: experts by tensor or by expert; `split`: uneven shares
-    ("3:1", (3, 1) or "memory")."""
+    ("3:1", (3, 1) or "memory"); `weights_cache`: where a rank that cannot read the
+    model keeps the slices it receives (None: the default folder; False: none)."""
 
     vocab_parallel: bool = True
     dtype: str | None = None
@@ -134,12 +142,13 @@ class LoadOptions:
     dp: int | None = None
     moe_split: str = DEFAULT_MOE_SPLIT
     split: SplitSpec = None
+    weights_cache: str | Path | bool | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> LoadOptions:
         """From a command's parsed flags (`--no-vocab-parallel`, `--dtype`,
-        `--sequence-parallel`, `--tp/--pp/--pp-split/--dp`, `--moe-split`, `--split`;
-        a command without some of them takes their defaults)."""
+        `--sequence-parallel`, `--tp/--pp/--pp-split/--dp`, `--moe-split`, `--split`,
+        `--weights-cache`; a command without some of them takes their defaults)."""
         return cls(
             vocab_parallel=not getattr(args, "no_vocab_parallel", False),
             dtype=getattr(args, "dtype", None),
@@ -150,6 +159,7 @@ class LoadOptions:
             dp=getattr(args, "dp", None),
             moe_split=getattr(args, "moe_split", DEFAULT_MOE_SPLIT),
             split=getattr(args, "split", None),
+            weights_cache=getattr(args, "weights_cache", None),
         )
 
 
@@ -167,6 +177,7 @@ def load_model(
     dp: int | None = None,
     moe_split: str = DEFAULT_MOE_SPLIT,
     split: SplitSpec = None,
+    weights_cache: str | Path | bool | None = None,
     options: LoadOptions | None = None,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
@@ -195,14 +206,17 @@ def load_model(
     rank (`parallel/experts.py`). `split` divides each tensor group unevenly: "3:1" or
     (3, 1), one weight per tensor rank, or "memory" (weights from every rank's available
     memory, gathered here); a pre-split folder keeps the weights it was cut with
-    (`parallel/shares.py`). Returns the model,
+    (`parallel/shares.py`). A rank that cannot read `path` receives its slices from one
+    that can, and keeps them in `weights_cache` for the next start (None: the default
+    folder, `checkpoints/weights_cache.py`; False or "none": no cache). Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
     """
     given = LoadOptions(
-        vocab_parallel, dtype, plan, sequence_parallel, tp, pp, pp_split, dp, moe_split, split
-    )
+        vocab_parallel, dtype, plan, sequence_parallel, tp, pp, pp_split, dp, moe_split, split,
+        weights_cache,
+    )  # fmt: skip
     if options is not None and given != LoadOptions():
         named = [f.name for f in fields(given) if getattr(given, f.name) != f.default]
         raise TypeError(
@@ -216,6 +230,7 @@ def load_model(
         o.sequence_parallel,
     )
     tp, pp, pp_split, dp, moe_split, split = o.tp, o.pp, o.pp_split, o.dp, o.moe_split, o.split
+    weights_cache = o.weights_cache
     if dtype is not None and sequence_parallel:
         # cast_model swaps layers for plain float twins, which would drop the
         # sequence-parallel wrappers: refuse rather than silently run without them
@@ -243,7 +258,8 @@ def load_model(
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
-    ckpt = _open(path, group, model_group, blocks=blocks)
+    shared = _open(path, group, model_group, blocks, weights_cache)
+    ckpt = shared.ckpt
     ckpt.mesh = whole_mesh
     ckpt.products = products
     error = None
@@ -263,7 +279,7 @@ def load_model(
                 if mesh
                 else placement.ranks[model_group.rank()]
             )
-            weights = _read(ckpt, mine)
+            weights = read_weights(shared, mine, lambda: _read(ckpt, mine))
             model = _build(ckpt, placement, model_group, mesh, sequence_parallel)
         else:  # a user's style plan: the placement is what its styles keep
             model = skeleton(ckpt)
@@ -272,7 +288,7 @@ def load_model(
                 sequence_parallel=sequence_parallel,
             )  # fmt: skip
             mine = styles_placement(done, model_shape(ckpt))
-            weights = _read(ckpt, mine)
+            weights = read_weights(shared, mine, lambda: _read(ckpt, mine))
         if mesh is not None:  # the stage's layers are numbered from 0
             from .pipeline import local_name
 
@@ -302,23 +318,27 @@ def load_model(
         "peak_memory": mx.get_peak_memory(),
         "max_rss": max_rss(),
         "seconds": time.perf_counter() - tic,
+        **(shared.stats or {"source": "local"}),  # where the weights came from (--verbose)
     }
     barrier(group)
     return model, ckpt
 
 
 def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
-    """The model at `path` whole on this rank (no collectives inside: e.g. a small draft
-    model replicated on every rank). Returns (model, checkpoint); if any rank of
-    `group` fails, every rank raises."""
+    """The model at `path` whole on every rank of `group` (e.g. a small draft model
+    replicated on every rank; ranks without the file receive it whole from one that has
+    it, `engine/model_sources.py`). Returns (model, checkpoint); if any rank of `group`
+    fails, every rank raises."""
     group = group or world()
     native = native_kernels(None, group)
+    shared = _open(path, group, None, native)
+    ckpt = shared.ckpt
+    if ckpt.format == "split":  # alike on every rank
+        raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
+    everything = place(model_shape(ckpt)).ranks[0]  # every tensor whole, once
+    weights = read_weights(shared, everything, lambda: _read(ckpt, everything))
 
     def whole() -> tuple[nn.Module, Checkpoint]:
-        ckpt = open_checkpoint(path, 0, 1, blocks=native)
-        if ckpt.format == "split":
-            raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
-        weights = _read(ckpt, place(model_shape(ckpt)).ranks[0])  # every tensor whole, once
         model = skeleton(ckpt)
         load_weights(model, ckpt, weights)
         if mx.default_device().type == mx.cpu:
@@ -339,7 +359,7 @@ def load(
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
     `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp,
-    moe_split, split, or options=LoadOptions(...))."""
+    moe_split, split, weights_cache, or options=LoadOptions(...))."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()

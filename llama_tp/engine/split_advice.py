@@ -62,7 +62,7 @@ def check_split(
     if model is None:
         detail = "; ".join(words) or "one tensor rank: nothing to split"
         return Check("split", "ok", detail + (" (--model M: do its weights fit?)" * (T > 1)))
-    fit, err = run_check("split", lambda: _fit(model, T, P, available, advice), group)
+    fit, err = run_check("split", lambda: _fit(model, T, P, available, advice, group), group)
     if err:
         return Check("split", "FAILED", f"cannot place {model}: {err}")
     status, text = fit
@@ -74,15 +74,23 @@ def _flag(weights: Weights | None) -> str:
 
 
 def _fit(
-    model: str, tp: int, pp: int, available: list[int], advice: dict[str, Any]
+    model: str,
+    tp: int,
+    pp: int,
+    available: list[int],
+    advice: dict[str, Any],
+    group: mx.distributed.Group | None = None,
 ) -> tuple[str, str]:
     """(status, text): do the model's weights fit each rank's available memory, balanced
-    or under the suggested weights (each rank's bytes into `advice["holds"]`)?"""
-    from ..checkpoints import open_checkpoint
+    or under the suggested weights (each rank's bytes into `advice["holds"]`)? The model
+    need be on one rank only (`model_sources.open_shared`; collective)."""
     from ..checkpoints.slices import model_shape
+    from ..cluster.distributed import world
     from ..parallel.placement import place
+    from .model_sources import open_shared
 
-    shape = model_shape(open_checkpoint(model))
+    group = group or world()
+    shape = model_shape(open_shared(model, group).ckpt)
     n = len(available)
     holds: dict[str, list[int]] = {}
     for name in ("balanced", "speed", "memory"):

@@ -47,6 +47,8 @@ class Spec:
     model: str | None = None
     split: str | None = None
     cors: list[str] | None = None
+    allowed_hosts: list[str] | None = None  # the server's --allowed-hosts (the front's too)
+    max_body: int = 0  # the server's --max-body-bytes (0: the server's own bound)
     restart_limit: int = RESTART_LIMIT
     restart_window: float = RESTART_WINDOW
     mesh: list[str] = field(default_factory=list)  # --tp/--pp/--dp given (dropped when re-placed)
@@ -74,6 +76,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--split", default=None)
     p.add_argument("--cors", default=None)
+    p.add_argument("--allowed-hosts", default=None)
+    p.add_argument("--max-body-bytes", type=int, default=0)
     for flag in _MESH:
         p.add_argument(flag, type=int, default=None)
     return p
@@ -128,6 +132,8 @@ def parse(argv: list[str]) -> Spec:
     if args.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
     cors = [o.strip() for o in args.cors.split(",") if o.strip()] if args.cors else None
+    hosts = args.allowed_hosts
+    hosts = [h.strip() for h in hosts.split(",") if h.strip()] if hosts else None
     return Spec(
         launcher=launcher,
         prefix=prefix,
@@ -141,6 +147,8 @@ def parse(argv: list[str]) -> Spec:
         model=args.model,
         split=args.split,
         cors=cors,
+        allowed_hosts=hosts,
+        max_body=args.max_body_bytes,
         restart_limit=limit,
         restart_window=window,
         mesh=[f for f in _MESH if getattr(args, f[2:]) is not None],

@@ -16,9 +16,10 @@ everything but the page and /health, as on the server itself.
 
 import asyncio
 import contextlib
-import secrets
 from pathlib import Path
 
+from ..server.app import route_error
+from ..server.guard import Guard, Hosts, key_matches
 from .admission import ClientGone, Unavailable
 from .control import Supervisor
 from .streams import ERROR, OUTPUT, Events, api_of, error_body, is_stream
@@ -27,6 +28,7 @@ MAX_REPLAYS = 3  # a request interrupted by more faults than this gets the last 
 PAGE = Path(__file__).resolve().parent.parent / "server" / "page" / "index.html"
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
         "upgrade", "accept-encoding", "proxy-authorization"}  # fmt: skip
+FRONT_BODY = 64 << 20  # the largest body the front reads, without --max-body-bytes
 _PASSED = ("content-type", "cache-control", "x-accel-buffering", "retry-after")
 
 
@@ -45,6 +47,16 @@ def build_front(sup: Supervisor, client):
 
     spec = sup.spec
     app = FastAPI(title="llama_tp supervisor", docs_url=None, redoc_url=None, openapi_url=None)
+    # The server's guard (server/guard.py) at the door browsers reach: the Host a request
+    # names (rank 0 sees the front's own), the key before the body is read, a JSON body of
+    # a bounded size (rank 0 holds it to the model's own bound after).
+    app.add_middleware(
+        Guard,
+        hosts=Hosts(spec.host, spec.allowed_hosts),
+        api_key=spec.api_key,
+        max_body=lambda: spec.max_body or FRONT_BODY,
+        error=route_error,
+    )
     if spec.cors:
         app.add_middleware(
             CORSMiddleware, allow_origins=spec.cors, allow_methods=["*"], allow_headers=["*"]
@@ -54,11 +66,7 @@ def build_front(sup: Supervisor, client):
         """401 in the route's shape unless the request carries the API key."""
         if spec.api_key is None:
             return None
-        bearer = request.headers.get("authorization") or ""
-        key = request.headers.get("x-api-key") or ""
-        if secrets.compare_digest(bearer.encode(), f"Bearer {spec.api_key}".encode()):
-            return None
-        if secrets.compare_digest(key.encode(), spec.api_key.encode()):
+        if key_matches({k.lower(): v for k, v in request.headers.items()}, spec.api_key):
             return None
         message = "invalid or missing API key (Authorization: Bearer ... or x-api-key: ...)"
         body = error_body(api_of(request.url.path), message, 401)
