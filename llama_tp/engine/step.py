@@ -21,8 +21,10 @@ cache as explicit inputs and outputs:
 
 The eager step (`LLAMA_TP_COMPILE=0`, `--no-compile`) runs the very same function
 without `mx.compile`, so compiled and uncompiled steps give the same tokens; caches or
-layers the step does not know (sliding windows, latent attention, quantized caches,
-pipeline stages) run the model's ordinary forward.
+layers the step does not know run the model's ordinary forward: it reaches the caches
+through the facade (`engine/caches.py`: `kv_position`, `take_kv`, `give_kv`) and takes
+only plain KV caches, so sliding windows, latent attention, recurrent states (linear
+attention, Mamba), quantized caches and pipeline stages stay eager.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from . import caches
 
 ENV = "LLAMA_TP_COMPILE"  # "0": run the decode step eagerly
 MAX_ENTRIES = 16  # compiled graphs kept per model (one per shape)
@@ -69,11 +72,23 @@ class StepCache:
         return None  # the key ranges are the mask
 
 
-def _supported_attention(model: nn.Module) -> bool:
+def _supported_layers(model: nn.Module) -> bool:
+    """Every layer is the core attention (or its q/k-norm variant) then a feed-forward
+    or experts, caching a plain causal KV cache (as its kinds declare): the layers whose
+    cache the step holds as buffers. Other kinds (sliding windows, latent attention,
+    recurrent mixers, `MixerBlock` layers) run the model's own forward."""
     from ..model import Attention
     from ..models.qk_norm import QKNormAttention
 
-    return all(type(layer.attention) in (Attention, QKNormAttention) for layer in model.layers)
+    for layer in model.layers:
+        spec = getattr(layer, "spec", None)
+        if type(getattr(layer, "attention", None)) not in (Attention, QKNormAttention):
+            return False
+        if spec is None or spec.cache is None or spec.cache.kind != "kv":
+            return False
+        if spec.cache.mask != "causal":
+            return False
+    return True
 
 
 class DecodeStep:
@@ -88,13 +103,13 @@ class DecodeStep:
         self.layers_ok = (
             getattr(model, "mesh", None) is None
             and hasattr(model, "layers")
-            and _supported_attention(model)
+            and _supported_layers(model)
         )
 
     def supports(self, cache: Sequence[Any] | None) -> bool:
-        """The step runs over these caches: every one a filled `KVCache` or
-        `BatchKVCache` (exactly those kinds), at one position; and no layer is counting
-        its experts' routes (`record_expert_load`)."""
+        """The step runs over these caches: the model's layers are kinds it knows, every
+        layer's cache a filled plain KV cache at one position (`caches.kv_position`),
+        and no layer is counting its experts' routes (`record_expert_load`)."""
         if not self.layers_ok or not cache or len(cache) != len(self.model.layers):
             return False
         if any(
@@ -102,13 +117,7 @@ class DecodeStep:
             for layer in self.model.layers
         ):
             return False  # counting expert routes (a side effect a graph cannot replay)
-        kind = type(cache[0])
-        if kind not in (KVCache, BatchKVCache) or any(type(c) is not kind for c in cache):
-            return False
-        if any(c.keys is None for c in cache):
-            return False
-        pos = _position(cache[0])
-        return all(_position(c) == pos for c in cache)
+        return caches.kv_position(cache) is not None
 
     def stats(self) -> dict[str, int]:
         return {
@@ -130,26 +139,14 @@ class DecodeStep:
         None: every row greedy; `sampling.draw_arrays`' (temps, keys, noisy): greedy or
         temperature rows, sampled on `shard`. The caches advance by one position."""
         self.calls += 1
-        for c in cache:
-            _reserve(c)
-        c0 = cache[0]
-        batch = type(c0) is BatchKVCache
-        pos = _position(c0)
         B = tokens.shape[0]
-        if batch:
-            offsets = c0.offset.astype(mx.int32)
-            starts = c0.left_padding.astype(mx.int32)
-        else:
-            offsets = mx.array(pos, dtype=mx.int32)
-            starts = mx.zeros((B,), mx.int32)
-        ranges = mx.stack([starts, mx.full((B,), pos + 1, mx.int32)], axis=1)
-        kv = [(c.keys, c.values) for c in cache]
-        for c in cache:  # the buffers are the step's now: MLX may update them in place
-            c.keys = c.values = None
+        buf = caches.take_kv(cache, B)  # the buffers are the step's now (updated in place)
+        ranges = mx.stack([buf.starts, mx.full((B,), buf.pos + 1, mx.int32)], axis=1)
         samp = list(sampling) if isinstance(sampling, tuple) else []
-        inputs = (tokens[:, None], emb, kv, mx.array([pos], mx.int32), offsets, ranges, samp)
+        pos = mx.array([buf.pos], mx.int32)
+        inputs = (tokens[:, None], emb, buf.kv, pos, buf.offsets, ranges, samp)
         key = (
-            B, c0_len(kv), str(kv[0][0].dtype), emb is not None, batch,
+            B, buf.kv[0][0].shape[2], str(buf.kv[0][0].dtype), emb is not None, buf.batch,
             "logits" if sampling is False else "greedy" if sampling is None else "noisy",
             id(mx.distributed.all_sum), id(mx.distributed.all_gather), _shard_key(shard),
         )  # fmt: skip
@@ -157,16 +154,9 @@ class DecodeStep:
         try:
             logits, y, rows, keys, values = fn(*inputs)
         except BaseException:
-            for c, (k, v) in zip(cache, kv, strict=True):  # the caches as they were
-                c.keys, c.values = k, v
+            caches.give_kv(cache, buf.kv)  # the caches as they were
             raise
-        for c, k, v in zip(cache, keys, values, strict=True):
-            c.keys, c.values = k, v
-            if batch:
-                c.offset = c.offset + 1
-                c._idx += 1
-            else:
-                c.offset += 1
+        caches.give_kv(cache, list(zip(keys, values, strict=True)), 1)
         return logits, y, rows
 
     def _function(self, key: tuple, sampling: Any, shard: Any):
@@ -203,36 +193,11 @@ def _shard_key(shard: Any) -> tuple | None:
     return (shard.start, shard.stop, shard.size, shard.ranks, id(shard.embedding))
 
 
-def c0_len(kv: list[tuple[mx.array, mx.array]]) -> int:
-    return kv[0][0].shape[2]
-
-
 def _sample(logits: mx.array, samp: list[mx.array], shard: Any):
     from .sampling import sample_arrays
 
     temps, keys, noisy = samp if samp else (None, None, None)
     return sample_arrays(logits, shard, temps, keys, noisy)
-
-
-def _position(c: Any) -> int:
-    return c._idx if type(c) is BatchKVCache else c.offset
-
-
-def _reserve(c: Any, n: int = 1) -> None:
-    """Make room in `c`'s buffers for n more positions, their length a whole number of
-    the cache's steps (256): what mlx-lm's `update_and_fetch` grows to, but also after a
-    batch's rows joined or left (`merge`, `extend` and `filter` leave any length), so
-    that the step's shapes, and its compiled graphs, stay few. Positions past the cache's
-    are never read (the key ranges)."""
-    size = c.keys.shape[2]
-    want = -(-(_position(c) + n) // c.step) * c.step
-    if size >= want and size % c.step == 0:
-        return
-    want = max(want, -(-size // c.step) * c.step)
-    B, H, _, D = c.keys.shape
-    c.keys = mx.concatenate([c.keys, mx.zeros((B, H, want - size, D), c.keys.dtype)], axis=2)
-    pad = mx.zeros((B, H, want - size, c.values.shape[3]), c.values.dtype)
-    c.values = mx.concatenate([c.values, pad], axis=2)
 
 
 def describe_step(model: nn.Module) -> str:
