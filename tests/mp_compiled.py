@@ -64,12 +64,15 @@ def _chat(model, tok) -> list[str]:
     return [chat.send("hello"), chat.send("and then?")]
 
 
-def checks(model, tok, extras: bool) -> dict:
+def checks(model, tok, extras: bool, only: tuple[str, ...] = ()) -> dict:
+    """Compiled against eager on each check (`only`: these of the plain ones)."""
     runs = {
         "greedy": lambda: _generate(model, tok),
         "seeded": lambda: _generate(model, tok, temp=0.9, seed=7),
         "batch": lambda: _batch(model, tok),
     }
+    if only:
+        runs = {k: v for k, v in runs.items() if k in only}
     if extras:
         runs["speculative"] = lambda: _generate(model, tok, draft="ngram", num_draft_tokens=3)
         runs["batch_top_p"] = lambda: _batch(model, tok, top_p=0.9)
