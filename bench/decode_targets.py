@@ -115,6 +115,7 @@ def main() -> None:
     p.add_argument("-g", type=int, default=64)
     p.add_argument("--base", help="another checkout's root, its llama_tp rows side by side")
     p.add_argument("--only", nargs="+", help="run these configurations only")
+    p.add_argument("--progress", action="store_true", help="each figure on stderr as measured")
     args = p.parse_args()
     runs = configs(args.g, args.base)
     if args.only:
@@ -124,6 +125,8 @@ def main() -> None:
     for i in range(args.rounds):
         for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:
             res[name].append(runs[name]())
+            if args.progress:
+                print(f"round {i + 1}: {name}: {res[name][-1]:.2f}", file=sys.stderr, flush=True)
     load.append(os.getloadavg()[0])
     print(
         f"load average {load[0]:.1f} before, {load[1]:.1f} after; {args.rounds} rounds, -g {args.g}"
