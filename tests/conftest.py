@@ -20,8 +20,12 @@ BIN = Path(sys.executable).parent
 # from earlier tests' rings included) and the ring's bind then fails. Concurrent test
 # runs get different quarters by their pid; LLAMA_TP_TEST_PORT_BASE pins a base (one per
 # checkout when several checkouts run tests on one machine).
+# pytest-xdist's workers (`make test`) take blocks of their own within the base's.
 _BASE = os.environ.get("LLAMA_TP_TEST_PORT_BASE")
-_PORTS = itertools.count(int(_BASE) if _BASE else 10000 + (os.getpid() % 4) * 5000, 10)
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+_PORTS = itertools.count(
+    (int(_BASE) if _BASE else 10000 + (os.getpid() % 4) * 5000) + _WORKER * 1000, 10
+)
 
 
 def launch(
@@ -258,3 +262,31 @@ def pytest_runtest_setup(item):
             pytest.fail("; ".join(missing) + " and CI=true: .ci/run installs it", pytrace=False)
         if missing:
             pytest.skip("; ".join(missing))
+
+
+# -- what each test costs: LLAMA_TP_TEST_COSTS=<file> ---------------------------------
+# One line per test: seconds of wall time, seconds of CPU (this process and every process
+# it waited for: ranks, launchers, servers) and the test's id, appended to <file>. The
+# share of CPU says which tests would overlap with others without slowing them.
+_COSTS = os.environ.get("LLAMA_TP_TEST_COSTS")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _COSTS:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        s, c = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    t0, c0 = time.monotonic(), cpu()
+    yield
+    with open(_COSTS, "a") as f:
+        f.write(f"{time.monotonic() - t0:.2f}\t{cpu() - c0:.2f}\t{item.nodeid}\n")
