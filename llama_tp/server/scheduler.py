@@ -366,8 +366,9 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             return
         decision = decisions[mesh.replica if dp > 1 else 0]
         events = []
-        if decision.joins or decision.cancels:
+        if decision.joins or decision.cancels or engine.filling:  # a long prompt's next chunk
             n = sum(len(j.prompt) for j in decision.joins)
+            n += sum(len(s.tokens) - s.fed for s, _ in engine.filling)
             with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
                 events = engine.apply(decision)
         batch = len(engine) if dp == 1 or not rank0 else sum(scheduler.rows())
