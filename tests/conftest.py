@@ -266,9 +266,11 @@ def pytest_runtest_setup(item):
 
 # -- what each test costs: LLAMA_TP_TEST_COSTS=<file> ---------------------------------
 # One line per test: seconds of wall time, seconds of CPU (this process and every process
-# it waited for: ranks, launchers, servers) and the test's id, appended to <file>. The
-# share of CPU says which tests would overlap with others without slowing them.
+# it waited for: ranks, launchers, servers), seconds of CPU of a cgroup (a cpuacct.usage
+# file named by LLAMA_TP_TEST_CGROUP_CPU: every process the run started, ranks a killed
+# launcher left included; -1 without one) and the test's id, appended to <file>.
 _COSTS = os.environ.get("LLAMA_TP_TEST_COSTS")
+_CGROUP_CPU = os.environ.get("LLAMA_TP_TEST_CGROUP_CPU")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -286,7 +288,11 @@ def pytest_runtest_protocol(item, nextitem):
         )
         return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
-    t0, c0 = time.monotonic(), cpu()
+    def group() -> float:
+        return int(Path(_CGROUP_CPU).read_text()) / 1e9 if _CGROUP_CPU else -1.0
+
+    t0, c0, g0 = time.monotonic(), cpu(), group()
     yield
     with open(_COSTS, "a") as f:
-        f.write(f"{time.monotonic() - t0:.2f}\t{cpu() - c0:.2f}\t{item.nodeid}\n")
+        f.write(f"{time.monotonic() - t0:.2f}\t{cpu() - c0:.2f}\t{group() - g0:.2f}\t")
+        f.write(f"{item.nodeid}\n")
