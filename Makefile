@@ -38,15 +38,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two passes: the single-process tests on 2 workers (pytest-xdist, a file per worker at a
-# time: most of them wait on one core), then the multi-rank tests and those that time
-# themselves one at a time (ranks spin in collectives: two launches beside each other
-# would slow each other down). Both passes run; either failing fails the target.
+# Three passes (pytest-xdist spreads test files over 2 workers): the single-process tests,
+# then the multi-rank ones (most wait on start-up, a collective or a child for part of
+# their time), then the tests that time themselves or set short watchdog timeouts
+# (`exclusive`), one at a time. All three run; any failing fails the target.
 PASSES := -p no:cacheprovider --durations=25
 test: lint kernels
 	@rc=0; \
 	$(PY) -m pytest -q $(PASSES) -n 2 --dist loadfile -m "not ranks and not exclusive" || rc=$$?; \
-	$(PY) -m pytest -q $(PASSES) -m "ranks or exclusive" || rc=$$?; \
+	$(PY) -m pytest -q $(PASSES) -n 2 --dist loadfile -m "ranks and not exclusive" || rc=$$?; \
+	$(PY) -m pytest -q $(PASSES) -m "exclusive" || rc=$$?; \
 	exit $$rc
 
 test-fast: lint kernels
