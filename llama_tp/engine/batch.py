@@ -18,6 +18,7 @@ and the vocabulary-parallel sampler's.
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass
 
@@ -71,6 +72,8 @@ class BatchEngine(Decoder):
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
         )
         self.prefilled_tokens = 0  # prompt tokens run through the model (tests, logs)
+        self._empty: list | None = None  # a cache of the model's kinds (`_kinds`)
+        self._prefilling: Sequence | None = None
 
     def apply(self, decision: Decision) -> list[Event]:
         """Drop the cancelled rows and admit (prefill) the new ones."""
@@ -107,16 +110,16 @@ class BatchEngine(Decoder):
                 return seq.fail()
         cache, cached = None, 0
         if self.prompt_cache is not None:
-            cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, join.prompt)
-            if cache is not None and not rest:  # an exact hit: the last token is fed again
-                if caches.can_rewind(cache, 1):
-                    caches.rewind(cache, 1)
-                    rest = join.prompt[-1:]
-                else:  # a sliding window past its size (gpt-oss) cannot step back
-                    cache, rest = None, join.prompt
+            cache, rest = self._nearest(join.prompt)
             cached = len(join.prompt) - len(rest) if cache is not None else 0
+            if caches.recurrent(cache or self._kinds()):
+                # a recurrent state never steps back: keep the cache at the prompt's end
+                # (and at its segments' ends) for a later prompt that shares them
+                seq.marks = (*join.marks, len(join.prompt))
+                seq.on_mark = self._remember
         cache = cache if cache is not None else caches.new(self.model)
         seq.cached = seq.fed = cached
+        self._prefilling = seq
         ahead = self.prefill(seq, cache)  # alone (B = 1): as a single-sequence run does
         self.prefilled_tokens += len(join.prompt) - cached
         # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into
@@ -130,6 +133,33 @@ class BatchEngine(Decoder):
         self.rows.append(seq)
         return None
 
+    def _nearest(self, prompt: list[int]) -> tuple[list | None, list[int]]:
+        """The prompt cache's nearest entry for `prompt` and the tokens it lacks (at least
+        the last: it yields the first logits)."""
+        cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt)
+        if cache is not None and not rest:  # an exact hit: the last token is fed again
+            if caches.can_rewind(cache, 1):
+                caches.rewind(cache, 1)
+                return cache, prompt[-1:]
+            # a recurrent state (or a wrapped window) cannot step back: a shorter entry
+            cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt[:-1])
+            return (cache, [*rest, prompt[-1]]) if cache is not None else (None, prompt)
+        return cache, rest
+
+    def _kinds(self) -> list:
+        """A cache of the model's kinds (what its layers hold), made once."""
+        if self._empty is None:
+            self._empty = caches.new(self.model)
+        return self._empty
+
+    def _remember(self, held: int, cache: list) -> None:
+        """Keep a copy of `cache`, holding the first `held` tokens of the sequence being
+        prefilled, in the prompt cache."""
+        seq = self._prefilling
+        # At the prompt's end the cache is the batch's no more (`_admit` merges a copy)
+        kept = cache if held == len(seq.tokens) else copy.deepcopy(cache)
+        self.prompt_cache.insert_cache(_MODEL_KEY, seq.tokens[:held], kept, cache_type="user")
+
     def _release(self, keep: list[int], remember: bool = True) -> None:
         """Free the cache rows of the rows not in `keep` (after putting the finished ones'
         in the prompt cache)."""
@@ -138,9 +168,12 @@ class BatchEngine(Decoder):
                 r = self.rows[i]
                 cache = caches.extract(self.cache, i)
                 held = len(r.tokens) - 1  # all but the last token (see Decoder._release)
-                if not caches.can_rewind(cache, r.fed - held):
+                if caches.can_rewind(cache, r.fed - held):
+                    caches.rewind(cache, r.fed - held)
+                elif caches.recurrent(cache):  # a recurrent state holds what it was fed
+                    held = r.fed
+                else:
                     continue  # a sliding window past its size cannot step back: not kept
-                caches.rewind(cache, r.fed - held)
                 self.prompt_cache.insert_cache(_MODEL_KEY, r.tokens[:held], cache)
         if not keep:
             self.cache = None
