@@ -35,7 +35,7 @@ TEXT = dict(
     max_position_embeddings=4096,
     linear_num_key_heads=4,
     linear_num_value_heads=8,
-    linear_key_head_dim=16,
+    linear_key_head_dim=32,
     linear_value_head_dim=32,
     linear_conv_kernel_dim=4,
     full_attention_interval=4,
@@ -179,3 +179,162 @@ def hybrids(root: Path) -> dict[str, Path]:
 
 def random_tokens(n: int, seed: int = 0, vocab: int = 389) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+# -- GGUF, as llama.cpp's converter writes these families (convert_hf_to_gguf.py) --------
+
+GGUF_ARCH = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
+_NAMES = [
+    (r"^model\.embed_tokens\.", "token_embd."),
+    (r"^model\.norm\.", "output_norm."),
+    (r"^lm_head\.", "output."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".post_attention_norm."),
+    (r"\.self_attn\.q_proj\.", ".attn_q."),
+    (r"\.self_attn\.k_proj\.", ".attn_k."),
+    (r"\.self_attn\.v_proj\.", ".attn_v."),
+    (r"\.self_attn\.o_proj\.", ".attn_output."),
+    (r"\.self_attn\.q_norm\.", ".attn_q_norm."),
+    (r"\.self_attn\.k_norm\.", ".attn_k_norm."),
+    (r"\.mlp\.gate_proj\.", ".ffn_gate."),
+    (r"\.mlp\.up_proj\.", ".ffn_up."),
+    (r"\.mlp\.down_proj\.", ".ffn_down."),
+    (r"\.mlp\.gate\.", ".ffn_gate_inp."),
+    (r"\.mlp\.switch_mlp\.(gate|up|down)_proj\.", r".ffn_\1_exps."),
+    (r"\.mlp\.shared_expert\.(gate|up|down)_proj\.", r".ffn_\1_shexp."),
+    (r"\.mlp\.shared_expert_gate\.", ".ffn_gate_inp_shexp."),
+    (r"\.linear_attn\.in_proj_qkv\.", ".attn_qkv."),
+    (r"\.linear_attn\.in_proj_z\.", ".attn_gate."),
+    (r"\.linear_attn\.in_proj_b\.", ".ssm_beta."),
+    (r"\.linear_attn\.in_proj_a\.", ".ssm_alpha."),
+    (r"\.linear_attn\.in_proj_ba\.", ".ssm_ba."),
+    (r"\.linear_attn\.conv1d\.", ".ssm_conv1d."),
+    (r"\.linear_attn\.dt_bias$", ".ssm_dt.bias"),
+    (r"\.linear_attn\.A_log$", ".ssm_a"),
+    (r"\.linear_attn\.norm\.", ".ssm_norm."),
+    (r"\.linear_attn\.out_proj\.", ".ssm_out."),
+    (r"^model\.layers\.(\d+)\.", r"blk.\1."),
+]
+
+
+def _tiled(a: np.ndarray, axis: int, nk: int, r: int) -> np.ndarray:
+    """Value heads grouped by key head -> tiled (llama.cpp's `_reorder_v_heads`)."""
+    shape = list(a.shape)
+    a = a.reshape(*shape[:axis], nk, r, -1, *shape[axis + 1 :])
+    return np.swapaxes(a, axis, axis + 1).reshape(shape)
+
+
+def gguf_hybrid(src: Path, out: Path, quantized: dict[str, int] | None = None) -> Path:
+    """mlx-lm's float32 folder `src` as llama.cpp's converter writes its GGUF: the norms as
+    they are (the converter adds the 1 a release leaves out, mlx-lm's folder holds it),
+    A_log as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the conv (C, K); Qwen3-Next's
+    in_proj_qkvz split into attn_qkv (q | k | v of all heads) and attn_gate; Qwen3.5's value
+    heads tiled when there are more than key heads; one multi-token prediction layer
+    after the last (never used). Float32 but for `quantized` (name pattern, `blk.*.` for
+    every layer -> ggml type, quantized by gguf-py)."""
+    import re
+
+    import gguf
+
+    config = json.loads((src / "config.json").read_text())
+    family = config["model_type"]
+    text = config.get("text_config", config)
+    arch = GGUF_ARCH[family]
+    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    dk, dv, r = text["linear_key_head_dim"], text["linear_value_head_dim"], nv // nk
+    tiled = arch != "qwen3next" and r > 1
+    n_layers, dim = text["num_hidden_layers"], text["hidden_size"]
+    heads, hd = text["num_attention_heads"], text["head_dim"]
+    rope = text.get("rope_parameters") or {}
+    w = gguf.GGUFWriter(str(out), arch)
+    ints = {
+        "block_count": n_layers + 1,
+        "nextn_predict_layers": 1,
+        "context_length": text["max_position_embeddings"],
+        "embedding_length": dim,
+        "feed_forward_length": text["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": text["num_key_value_heads"],
+        "attention.key_length": hd,
+        "attention.value_length": hd,
+        "rope.dimension_count": int(
+            hd * text.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+        ),
+        "ssm.conv_kernel": text["linear_conv_kernel_dim"],
+        "ssm.state_size": dk,
+        "ssm.group_count": nk,
+        "ssm.time_step_rank": nv,
+        "ssm.inner_size": nv * dv,
+        "full_attention_interval": text["full_attention_interval"],
+        "expert_count": text.get("num_experts", 0),
+        "expert_used_count": text.get("num_experts_per_tok", 0),
+        "expert_feed_forward_length": text.get("moe_intermediate_size", 0),
+        "expert_shared_feed_forward_length": text.get("shared_expert_intermediate_size", 0),
+    }
+    for key, value in ints.items():
+        if value:
+            w.add_uint32(f"{arch}.{key}", value)
+    if arch != "qwen3next":
+        w.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", text["rms_norm_eps"])
+    w.add_float32(f"{arch}.rope.freq_base", float(text.get("rope_theta", rope.get("rope_theta"))))
+    from gguf_writer import llama_vocabulary
+
+    vocab = llama_vocabulary(text["vocab_size"])
+    w.add_string("tokenizer.ggml.model", "llama")
+    for key in ("tokens", "scores", "token_type"):
+        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
+    for key in ("bos", "eos", "unknown"):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    tensors: dict[str, np.ndarray] = {}
+    for name, v in mx.load(str(src / "model.safetensors")).items():
+        a = np.array(v.astype(mx.float32))
+        name = name.replace("language_model.model.", "model.").replace("language_model.", "")
+        if name.endswith("in_proj_qkvz.weight"):  # per key head q, k, v, z -> sections
+            per = a.T.reshape(dim, nk, -1)
+            q, k = per[..., :dk], per[..., dk : 2 * dk]
+            v, z = per[..., 2 * dk : 2 * dk + r * dv], per[..., 2 * dk + r * dv :]
+            qkv = np.concatenate([x.reshape(dim, -1) for x in (q, k, v)], -1).T
+            base = name.removesuffix("in_proj_qkvz.weight")
+            pairs = [
+                (base + "in_proj_qkv.weight", qkv),
+                (base + "in_proj_z.weight", z.reshape(dim, -1).T),
+            ]
+        else:
+            pairs = [(name, a)]
+        for name, a in pairs:
+            if name.endswith("A_log"):
+                a = -np.exp(a)
+            if "conv1d" in name:
+                a = a[..., 0]
+            if tiled and ".linear_attn." in name:
+                if "in_proj_qkv" in name or "conv1d" in name:
+                    a = np.concatenate([a[: 2 * nk * dk], _tiled(a[2 * nk * dk :], 0, nk, r)])
+                elif "out_proj" in name:
+                    a = _tiled(a, 1, nk, r)
+                elif any(
+                    s in name for s in ("in_proj_z", "in_proj_b", "in_proj_a", "A_log", "dt_bias")
+                ):
+                    a = _tiled(a, 0, nk, r)
+            if name.endswith("shared_expert_gate.weight"):
+                a = a.reshape(-1)
+            for pattern, repl in _NAMES:
+                name = re.sub(pattern, repl, name)
+            tensors[name] = np.ascontiguousarray(a)
+    rng = np.random.default_rng(7)
+    for part, shape in (("nextn.eh_proj.weight", (dim, 2 * dim)), ("nextn.enorm.weight", (dim,)),
+                        ("attn_norm.weight", (dim,))):  # fmt: skip
+        tensors[f"blk.{n_layers}.{part}"] = rng.normal(0, 1, shape).astype(np.float32)
+    quantized = quantized or {}
+    for name, a in tensors.items():
+        kind = quantized.get(name, quantized.get(re.sub(r"^blk\.\d+\.", "blk.*.", name)))
+        if kind is None:
+            w.add_tensor(name, a.astype(np.float32))
+        else:
+            qtype = gguf.GGMLQuantizationType(kind)
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -73,6 +73,7 @@ class BatchEngine(Decoder):
         )
         self.prefilled_tokens = 0  # prompt tokens run through the model (tests, logs)
         self._empty: list | None = None  # a cache of the model's kinds (`_kinds`)
+        self._tail: list[int] | None = None  # the chat template's generation prompt
         self._prefilling: Sequence | None = None
 
     def apply(self, decision: Decision) -> list[Event]:
@@ -115,7 +116,7 @@ class BatchEngine(Decoder):
             if caches.recurrent(cache or self._kinds()):
                 # a recurrent state never steps back: keep the cache at the prompt's end
                 # (and at its segments' ends) for a later prompt that shares them
-                seq.marks = (*join.marks, len(join.prompt))
+                seq.marks = (*join.marks, *self._user_end(join.prompt), len(join.prompt))
                 seq.on_mark = self._remember
         cache = cache if cache is not None else caches.new(self.model)
         seq.cached = seq.fed = cached
@@ -145,6 +146,24 @@ class BatchEngine(Decoder):
             cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt[:-1])
             return (cache, [*rest, prompt[-1]]) if cache is not None else (None, prompt)
         return cache, rest
+
+    def _user_end(self, prompt: list[int]) -> tuple[int, ...]:
+        """Where a chat prompt ends before its generation prompt (the next turn renders the
+        reply after it; a thinking template renders it differently from the generation
+        prompt), when `prompt` ends with the template's generation prompt; else ()."""
+        if self._tail is None:
+            self._tail = []
+            renderer = renderer_for(self.tokenizer)
+            try:
+                probe = [{"role": "user", "content": "Hi"}]
+                whole = renderer.apply(probe, add_generation_prompt=True)
+                bare = renderer.apply(probe, add_generation_prompt=False)
+                if whole[: len(bare)] == bare:
+                    self._tail = whole[len(bare) :]
+            except Exception:
+                pass
+        n = len(self._tail)
+        return (len(prompt) - n,) if 0 < n < len(prompt) and prompt[-n:] == self._tail else ()
 
     def _kinds(self) -> list:
         """A cache of the model's kinds (what its layers hold), made once."""

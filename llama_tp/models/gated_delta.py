@@ -307,3 +307,45 @@ def qwen3_5_gguf_fields(get: Any, arch: str) -> dict:
     extra = linear_fields(nk, nv, dk, inner // nv if nv else 0, get("ssm.conv_kernel") or 0,
                           layers, layout)  # fmt: skip
     return {"rope_dims": get("rope.dimension_count") or 0, "qk_norm": True, "extra": extra}
+
+
+def qwen3_5_config(a: ModelArgs) -> dict:
+    """The family's config.json keys `convert` writes (mlx-lm's qwen3_5 / qwen3_next read
+    them): the linear attention's, the layer pattern, partial RoPE, the experts'."""
+    n, linear = a.n_layers, a.linear_layers
+    if a.linear_projections == "qkv_ba":
+        raise ValueError(
+            "a qwen3next GGUF's linear attention (attn_qkv, attn_gate, ssm_ba) has no "
+            "mlx-lm layout to write: run the GGUF file itself, or pre-split it with --shards"
+        )
+    interval = next(
+        (k for k in range(1, n + 1) if linear == [i for i in range(n) if (i + 1) % k]), None
+    )
+    if interval is None:  # mlx-lm reads full_attention_interval only
+        raise ValueError(f"linear-attention layers {linear} are not every layer but each k-th")
+    out = {
+        "linear_num_key_heads": a.linear_num_key_heads,
+        "linear_num_value_heads": a.linear_num_value_heads,
+        "linear_key_head_dim": a.linear_key_head_dim,
+        "linear_value_head_dim": a.linear_value_head_dim,
+        "linear_conv_kernel_dim": a.linear_conv_kernel_dim,
+        "full_attention_interval": interval,
+        "layer_types": ["linear_attention" if i in linear else "full_attention" for i in range(n)],
+        "partial_rotary_factor": a.rope_dims / a.head_dim,
+    }
+    if a.model_type != "qwen3_next":
+        factor = a.rope_dims / a.head_dim
+        out["rope_parameters"] = {"type": "default", "rope_theta": a.rope_theta,
+                                  "partial_rotary_factor": factor}  # fmt: skip
+    if a.n_experts:
+        sparse = [i for i in range(n) if a.is_sparse(i)]
+        out |= {
+            "num_experts": a.n_experts,
+            "num_experts_per_tok": a.n_experts_per_tok,
+            "moe_intermediate_size": a.moe_hidden_dim,
+            "shared_expert_intermediate_size": a.shared_expert_dim,
+            "norm_topk_prob": a.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(n) if i not in sparse],
+        }
+    return out

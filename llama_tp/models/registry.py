@@ -48,7 +48,7 @@ from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
 from .gated_attention import GatedAttention
-from .gated_delta import GatedDeltaNet, qwen3_5_fields, qwen3_5_gguf_fields
+from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gpt_oss import SinkAttention, gpt_oss_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
@@ -62,12 +62,15 @@ class Family:
     ModelArgs fields from its config.json beyond the common ones (its kinds' readers;
     a ValueError names a bad value); `qk_norm`: its attention normalises q and k per
     head; `config_keys`: the config.json keys `convert` writes for the family beyond
-    the common ones (None: `checkpoints/hf_config.py`'s for the families before)."""
+    the common ones (None: `checkpoints/hf_config.py`'s for the families before);
+    `prefix`: what mlx-lm's model puts before the Hugging Face names (a language model
+    beside a vision tower: "language_model.")."""
 
     architecture: str | None = None
     fields: Callable[[dict], dict] | None = None
     qk_norm: bool = False
     config_keys: Callable[[ModelArgs], dict] | None = None
+    prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,17 @@ FAMILIES = {
     "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
     "gpt_oss": Family(None, gpt_oss_fields),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
-    "qwen3_5": Family(None, qwen3_5_fields, qk_norm=True),
-    "qwen3_5_moe": Family(None, qwen3_5_fields, qk_norm=True),
-    "qwen3_next": Family(None, qwen3_5_fields, qk_norm=True),
+    "qwen3_5": Family(
+        "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
+    ),
+    "qwen3_5_moe": Family(
+        "Qwen3_5MoeForConditionalGeneration",
+        qwen3_5_fields,
+        True,
+        qwen3_5_config,
+        "language_model.",
+    ),  # fmt: skip
+    "qwen3_next": Family("Qwen3NextForCausalLM", qwen3_5_fields, True, qwen3_5_config),
 }
 MODEL_TYPES = tuple(FAMILIES)
 # GGUF `general.architecture` -> its row (llama with experts is Mixtral: `checkpoints/gguf.py`)
