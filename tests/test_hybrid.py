@@ -67,11 +67,11 @@ def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t, _ in steps]
 
 
-def test_one_process_equals_mlx_lm(models):
+def test_one_process_equals_mlx_lm(models, monkeypatch, capsys):
     """Every folder (the release layout against mlx-lm on the MLX one): logits within 1e-4
     of mlx-lm's qwen3_5 / qwen3_5_moe / qwen3_next and the same 32 greedy tokens; each
     layer's cache the kind mlx-lm's model makes; what the recurrent states hold, the
-    bytes `plan` says (the delta-rule state in float32)."""
+    bytes `plan` says (the delta-rule state in float32), and `plan` prints them."""
     from mlx_lm.utils import load_model
 
     from llama_tp.checkpoints import open_checkpoint
@@ -104,6 +104,21 @@ def test_one_process_equals_mlx_lm(models):
         mine = place(shape).ranks[0]
         assert state == state_bytes(shape, mine) and state + kv == kv_cache_bytes(shape, mine, 12)
         assert caches.held(cache) == 12
+    # `plan` prints each rank's linear-attention heads and its state beside the KV cache
+    from llama_tp.parallel.plan_text import human_bytes
+    from llama_tp.plan import main as plan
+
+    ckpt = open_checkpoint(models["qwen3_5_moe"])
+    placement = place(model_shape(ckpt), 3)
+    monkeypatch.setattr("sys.argv", ["plan", "-n", "3", "--model", str(models["qwen3_5_moe"])])
+    assert plan() == 0
+    out = capsys.readouterr().out.splitlines()
+    states = [state_bytes(model_shape(ckpt), r) for r in placement.ranks]
+    assert ("Recurrent state per sequence: " + ", ".join(
+        f"rank {i} {human_bytes(b)}" for i, b in enumerate(states))) in next(
+        x for x in out if x.startswith("Recurrent"))  # fmt: skip
+    rows = [x.split() for x in out if x[:2] in ("0 ", "1 ", "2 ")]
+    assert [r[-7] for r in rows] == ["[2]", "[2]", "[1]"]  # 5 key heads: 2/2/1
     notes = open_checkpoint(models["qwen3_5-release"]).notes
     assert notes == [
         "its multi-token prediction layers are not used (skipped)",
