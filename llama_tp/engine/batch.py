@@ -6,7 +6,11 @@
 `BatchEngine` is the `Decoder` (engine/decoder.py) the server drives, over
 mlx-lm's `BatchKVCache` (left padding; merge, extend, filter): `apply(decision)`
 admits new sequences (each prefilled alone, so a row's prompt is processed
-exactly as it would be alone) and drops cancelled ones; `step()` decodes one
+exactly as it would be alone) and drops cancelled ones. While other rows are
+decoding, a long prompt is prefilled one chunk (`prefill_step_size` tokens) per
+call of `apply`, at the chunk boundaries it would have alone: the rows already
+decoding get a token between its chunks instead of waiting for all of it (a
+request with a long prompt cannot starve the others); `step()` decodes one
 token for every row at once, or, for a batch of one sequence that asked for
 drafts, a speculative step with prompt lookup. Finished rows can leave their
 cache in mlx-lm's `LRUPromptCache`, so that a later prompt sharing their prefix
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,6 +41,7 @@ from .batch_messages import Decision, Event, Join, SamplingParams
 from .decoder import Decoder
 from .drafters import NgramDrafter
 from .logits_processors import processors_for
+from .prefill import prefill
 from .sequence import Sequence
 
 __all__ = ["BatchEngine", "BatchResult", "Decision", "Event", "Join", "SamplingParams"]
@@ -74,12 +81,23 @@ class BatchEngine(Decoder):
         self.prefilled_tokens = 0  # prompt tokens run through the model (tests, logs)
         self._empty: list | None = None  # a cache of the model's kinds (`_kinds`)
         self._tail: list[int] | None = None  # the chat template's generation prompt
-        self._prefilling: Sequence | None = None
+        # Admitted sequences whose prompts are still being prefilled, with their caches
+        # (first in, first filled); they join the rows when their last token is fed.
+        self.filling: deque[tuple[Sequence, list[Any]]] = deque()
+        self._filled = False  # this step's chunk was prefilled (by `apply`)
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.filling)
 
     def apply(self, decision: Decision) -> list[Event]:
-        """Drop the cancelled rows and admit (prefill) the new ones."""
+        """Drop the cancelled rows, admit the new ones and prefill: every admitted prompt
+        when no row is decoding, else one chunk (the rest at the next calls)."""
         events = []
         cancelled = set(decision.cancels)
+        for seq, cache in [f for f in self.filling if f[0].uid in cancelled]:
+            self.filling.remove((seq, cache))
+            seq.end("cancelled")
+            events.append(seq.event("", None, None, None, "cancelled"))
         if cancelled & {r.uid for r in self.rows}:
             keep = []
             for i, r in enumerate(self.rows):
@@ -94,7 +112,39 @@ class BatchEngine(Decoder):
             refused = self._admit(join)
             if refused is not None:
                 events.append(refused)
+        self._fill()
         return events
+
+    def _fill(self) -> None:
+        """Prefill the admitted prompts: all of them while no row is decoding; else one
+        chunk of `prefill_step_size` tokens (a chunk alone would have had: the same
+        boundaries, the same numbers). A prompt fed up to its last token joins the rows."""
+        chunks, self._filled = 0, True
+        while self.filling:
+            seq, cache = self.filling[0]
+            rest = len(seq.tokens) - 1 - seq.fed  # all but the last: no logits needed
+            if rest > 0:
+                if self.rows and chunks:
+                    return  # the rows decode a token before the next chunk
+                n = min(rest, self.prefill_step_size)
+                # a chunk ends at a mark (a checkpoint of the recurrent state there)
+                n = min([n, *(m - seq.fed for m in seq.marks if seq.fed < m < seq.fed + n)])
+                prefill(self.model, seq.tokens[seq.fed : seq.fed + n], cache, n)
+                seq.fed += n
+                if seq.fed in seq.marks:
+                    self._mark(seq, seq.fed, cache)
+                chunks += 1
+                continue
+            self.filling.popleft()
+            self._join(seq, cache)
+
+    def step(self) -> list[Event]:
+        """One token for every row (Decoder.step), after the next chunk of a prompt being
+        prefilled when `apply` did not run one since the last step."""
+        if self.filling and not self._filled:
+            self._fill()
+        self._filled = False
+        return super().step()
 
     def _admit(self, join: Join) -> Event | None:
         """Prefill `join` into the batch; or, when its own processing cannot start (its
@@ -117,12 +167,17 @@ class BatchEngine(Decoder):
                 # a recurrent state never steps back: keep the cache at the prompt's end
                 # (and at its segments' ends) for a later prompt that shares them
                 seq.marks = (*join.marks, *self._user_end(join.prompt), len(join.prompt))
-                seq.on_mark = self._remember
+                seq.on_mark = lambda held, c, seq=seq: self._remember(seq, held, c)
         cache = cache if cache is not None else caches.new(self.model)
         seq.cached = seq.fed = cached
-        self._prefilling = seq
-        ahead = self.prefill(seq, cache)  # alone (B = 1): as a single-sequence run does
         self.prefilled_tokens += len(join.prompt) - cached
+        self.filling.append((seq, cache))
+        return None
+
+    def _join(self, seq: Sequence, cache: list[Any]) -> None:
+        """`seq`'s last prompt token fed, alone (B = 1, as a single-sequence run does), and
+        its cache merged into the batch."""
+        ahead = self.prefill(seq, cache)
         # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into
         # a BatchRotatingKVCache)
         merged = caches.merge(cache)
@@ -132,7 +187,6 @@ class BatchEngine(Decoder):
             caches.extend(self.cache, merged)
             self.ahead = self.ahead.extend(ahead)
         self.rows.append(seq)
-        return None
 
     def _nearest(self, prompt: list[int]) -> tuple[list | None, list[int]]:
         """The prompt cache's nearest entry for `prompt` and the tokens it lacks (at least
@@ -171,11 +225,10 @@ class BatchEngine(Decoder):
             self._empty = caches.new(self.model)
         return self._empty
 
-    def _remember(self, held: int, cache: list) -> None:
-        """Keep a copy of `cache`, holding the first `held` tokens of the sequence being
-        prefilled, in the prompt cache."""
-        seq = self._prefilling
-        # At the prompt's end the cache is the batch's no more (`_admit` merges a copy)
+    def _remember(self, seq: Sequence, held: int, cache: list) -> None:
+        """Keep a copy of `cache`, holding the first `held` tokens of `seq` (being
+        prefilled), in the prompt cache."""
+        # At the prompt's end the cache is the batch's no more (`_join` merges a copy)
         kept = cache if held == len(seq.tokens) else copy.deepcopy(cache)
         self.prompt_cache.insert_cache(_MODEL_KEY, seq.tokens[:held], kept, cache_type="user")
 
