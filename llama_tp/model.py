@@ -317,17 +317,45 @@ def layer_masks(h: mx.array, layers: list[nn.Module], cache: list[Any]) -> list[
     return out
 
 
+class StateCache(ArraysCache):
+    """mlx-lm's ArraysCache of a recurrent state (a linear-attention layer's conv and
+    delta-rule state) that also counts the tokens the state has taken (`offset`, as a
+    KV cache counts them), so that a cache of recurrent layers only (a pipeline stage of
+    them, a Mamba model) still says what it holds. The count is one sequence's: a batch's
+    rows keep their own in their KV layers."""
+
+    def __init__(self, size: int, left_padding: list[int] | None = None, what: str = ""):
+        super().__init__(size, left_padding)
+        self.offset = 0
+        self.what = what  # the layer kind (`CacheSpec.what`), for refusals
+
+    def advance(self, N: int) -> None:
+        super().advance(N)
+        self.offset += N
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> StateCache:
+        batch = super().merge(caches)
+        batch.what = caches[0].what
+        return batch
+
+    def extract(self, idx: int) -> StateCache:
+        row = StateCache(len(self.cache), what=self.what)
+        row.cache = [c[idx : idx + 1] for c in self.cache]
+        return row
+
+
 def make_layer_cache(spec: CacheSpec | None) -> Any:
     """mlx-lm's cache of the kind `spec` declares: a KVCache, a RotatingKVCache of the
-    window (it never holds more than the window), an ArraysCache of fixed-size arrays,
-    or a CacheList; a layer that caches nothing still gets a KVCache (unused), as
-    mlx-lm's models give every layer one."""
+    window (it never holds more than the window), an ArraysCache of fixed-size arrays
+    (a `StateCache`: it counts its tokens), or a CacheList; a layer that caches nothing
+    still gets a KVCache (unused), as mlx-lm's models give every layer one."""
     if spec is None or spec.kind == "kv":
         return KVCache()
     if spec.kind == "rotating":
         return RotatingKVCache(max_size=spec.window)
     if spec.kind == "arrays":
-        return ArraysCache(size=spec.size)
+        return StateCache(size=spec.size, what=spec.what)
     if spec.kind == "list":
         return CacheList(*[make_layer_cache(p) for p in spec.parts])
     raise ValueError(f"unknown cache kind {spec.kind!r}")

@@ -87,7 +87,7 @@ def main() -> int:
     from .checkpoints.build import skeleton
     from .checkpoints.slices import model_shape
     from .parallel.parallelize import format_plan_table
-    from .parallel.placement import kv_cache_bytes, place
+    from .parallel.placement import kv_cache_bytes, place, state_bytes
     from .parallel.plan_text import format_plan
     from .parallel.shard import builtin_plan
 
@@ -118,6 +118,7 @@ def main() -> int:
             [kv_cache_bytes(shape, r) for r in placement.ranks],
             (a.kv_lora_rank, a.qk_rope_head_dim) if a.kv_lora_rank else None,
             _sliding(a),
+            [state_bytes(shape, r) for r in placement.ranks],
         )
     )
     if ckpt.format == "gguf":

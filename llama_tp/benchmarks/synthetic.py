@@ -28,6 +28,7 @@ The `glm-*` sizes are GLM-4.5 models (half of each head rotated, q/k norms, q/k/
 DeepSeek-V3's routing and shared expert, a dense first layer); `glm4-moe` is GLM-4.5's
 shape scaled down (160 -> 64 experts, 8 per token, 92 -> 8 layers, 96/8 -> 24/2 heads of
 128 -> 64, widths / 4 to / 5).
+The `qwen35*` and `qwen3-next` sizes are Gated DeltaNet hybrids (`synthetic_hybrid.py`).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
@@ -164,6 +165,13 @@ def write_synthetic(
     s, dtype = parse_spec(spec)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if "hybrid" in s:  # Gated DeltaNet hybrids: written by mlx-lm's own classes
+        from .synthetic_hybrid import HYBRIDS, write_hybrid
+
+        config = write_hybrid(s["hybrid"], spec.rpartition("-")[2], dtype, out, seed)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        _write_tokenizer(out, HYBRIDS[s["hybrid"]][1]["vocab_size"])
+        return out
     if shapes_only:
         stored = _stored(s, dtype, spec.endswith("-q4"), spec.endswith("-mxfp4"))
         _write_shapes_only(stored, out / "model.safetensors")

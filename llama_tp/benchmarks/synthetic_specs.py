@@ -72,13 +72,15 @@ DTYPES = {
 
 def parse_spec(spec: str) -> tuple[dict, mx.Dtype]:
     """`0.5b-fp16` -> (size dict, dtype); ValueError naming the choices otherwise."""
+    from .synthetic_hybrid import HYBRIDS
+
     size, _, dtype = spec.rpartition("-")
-    if size not in SIZES or dtype not in DTYPES:
+    if (size not in SIZES and size not in HYBRIDS) or dtype not in DTYPES:
         raise ValueError(
-            f"synthetic model {spec!r}: expected SIZE-DTYPE with SIZE in {', '.join(SIZES)} "
-            f"and DTYPE in {', '.join(DTYPES)}"
+            f"synthetic model {spec!r}: expected SIZE-DTYPE with SIZE in "
+            f"{', '.join([*SIZES, *HYBRIDS])} and DTYPE in {', '.join(DTYPES)}"
         )
-    return SIZES[size], DTYPES[dtype]
+    return SIZES.get(size, {"hybrid": size}), DTYPES[dtype]
 
 
 def _deepseek_config(s: dict) -> dict:

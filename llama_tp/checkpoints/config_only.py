@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..model_args import ModelArgs
 from .base import Checkpoint, CheckpointError
-from .hf import args_from_config, read_config
+from .hf import args_from_config, language_model, read_config
 
 
 def read_config_only(config_file: Path, gguf_quant: str | None = None) -> Checkpoint:
@@ -30,7 +30,9 @@ def read_config_only(config_file: Path, gguf_quant: str | None = None) -> Checkp
     args = args_from_config(config, config_file.parent)
     model = build(args)
     dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-    model.set_dtype(dtypes.get(config.get("torch_dtype"), mx.float32))
+    text = language_model(config)  # a release's dtype may be its text_config's only
+    dtype = text.get("torch_dtype") or text.get("dtype")
+    model.set_dtype(dtypes.get(dtype, mx.float32))
     quant = config.get("quantization") or {}
     notes = _gguf_mix(model, args, gguf_quant, config_file) if gguf_quant else []
     if _mxfp4_release(config) and not gguf_quant:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 
-from ..parallel.placement import DEFAULT_MOE_SPLIT
+from ..parallel.placement import DEFAULT_MOE_SPLIT, Segmented, Slice
 from ..parallel.shares import SplitSpec, Weights, fixed_weights
 from . import open_checkpoint
 from .base import Checkpoint, CheckpointError
@@ -132,14 +132,14 @@ class Source:
         """The tensors are the file's own, readable in slices (not re-quantized or cast)."""
         return not self.changed and all(k in self.ckpt.sources for k in self.weights)
 
-    def get(self, name: str, s: tuple[int, int, int] | None) -> mx.array:
-        """Tensor `name`, or its (axis, start, stop) slice: read as a slice from a
-        safetensors source (nothing else held), else sliced from the lazy tensor."""
-        if self.from_file:
-            file, stored = self.ckpt.sources[name]
-            return file.read(stored) if s is None else file.read(stored, *s)
-        from .slices import sliced
+    def get(self, name: str, s: Slice | Segmented | None) -> mx.array:
+        """Tensor `name`, or its (axis, start, stop) slice (a fused tensor's: one per
+        segment): read as a slice from the file (nothing else held), else sliced from
+        the lazy tensor."""
+        from .slices import read_tensor, sliced
 
+        if self.from_file:
+            return read_tensor(self.ckpt, name, s)
         return sliced(self.weights[name], s)
 
 

@@ -28,6 +28,7 @@ from . import gguf_quants as gq
 from . import gguf_routed as routed
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts
+from .gated_delta import SKIPPED, from_gguf, say_once
 from .gguf_header import GGUFHeader, read_header
 from .gguf_reader import _MX, GGUFFile
 from .latent import split_kv_b
@@ -37,6 +38,9 @@ from .latent import split_kv_b
 _NEOX = tuple(arch for arch, row in GGUF_FAMILIES.items() if row.neox)
 # GGUF architecture -> the family's model_type (llama with experts: Mixtral)
 _MODEL_TYPES = {arch: row.model_type for arch, row in GGUF_FAMILIES.items()}
+# Gated DeltaNet hybrids; llama.cpp tiles the value heads of the Qwen3.5 ones
+_HYBRID = ("qwen35", "qwen35moe", "qwen3next")
+_TILED = ("qwen35", "qwen35moe")
 
 # llama.cpp's tensor names -> the model's: the model's own, then every kind's
 # (`models.registry.checkpoint_names`: each mixer kind declares its names)
@@ -115,7 +119,7 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
             "long-context outputs of Llama-3.1-style models may differ",
             stacklevel=2,
         )
-    n_layers = routed.main_layers(arch, get) if arch in routed.ARCHITECTURES else get("block_count")
+    n_layers = routed.main_layers(arch, get)  # less the multi-token prediction layers
     experts = _experts(arch, get, weights, n_layers)
     if arch in routed.ARCHITECTURES:
         experts |= routed.fields(arch, get, path)
@@ -306,6 +310,13 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
     if header.metadata.get(f"{header.architecture}.expert_count"):
         blocks = False  # a mixture of experts is converted (its experts take gather_qmm)
     file = GGUFFile(path, header, blocks)
+    arch = header.architecture
+    meta = header.metadata
+    if arch in _TILED and meta.get(f"{arch}.ssm.group_count") != meta.get(
+        f"{arch}.ssm.time_step_rank"
+    ):  # ssm_out's columns are read in value heads' runs narrower than K-quant blocks
+        for stored in [n for n in file.gguf if n.endswith(".ssm_out.weight")]:
+            file.unblock(stored)
     weights, sources, kept = {}, {}, {}
     for stored in file.tensors:
         name = to_model_name(stored)
@@ -317,12 +328,17 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         if weights[name].ndim == 1:  # llama.cpp stores the (1, dim) gate as a vector
             weights[name] = weights[name].reshape(1, -1)
             sources[name] = (_Row(*sources[name]), sources[name][1])
-    arch = header.architecture
-    if arch in routed.ARCHITECTURES:
-        get = lambda key, default=None: header.metadata.get(f"{arch}.{key}", default)  # noqa: E731
+    get = lambda key, default=None: header.metadata.get(f"{arch}.{key}", default)  # noqa: E731
+    if get("nextn_predict_layers"):  # multi-token prediction layers: dropped, as mlx-lm does
         routed.drop_extra_layers(weights, sources, routed.main_layers(arch, get))
+        for name in [k for k in kept if k not in weights]:
+            del kept[name]
+        if arch in _HYBRID:
+            say_once(str(path), SKIPPED["mtp"])
     _check_layers(header, weights, path)
     args = args_from_metadata(header.metadata, weights, path)
+    if arch in _HYBRID:  # llama.cpp's turns of the linear-attention tensors, undone
+        from_gguf(weights, sources, args, tiled=arch in _TILED)
     if args.kv_lora_rank:
         _latent(weights, sources, args, path)
     check_experts(

@@ -65,22 +65,31 @@ class GGUFFile:
         self.bits: dict[str, int] = {}
         self._cache: dict[tuple, dict[str, mx.array]] = {}
         for name, t in header.tensors.items():
-            shape = tuple(reversed(t.shape))  # ggml lists the fastest dimension first
-            bits = 4 if t.type_name == gq.MXFP4 else gq.mlx_bits(t.type_name)
-            if bits is None:
-                self.tensors[name] = Part(shape, _MX[t.type_name], name, "weight")
-                continue
-            if blocks and t.type_name in GGUF_TYPES and len(shape) == 2:
-                self.tensors[name] = Part(shape, mx.uint8, name, "blocks")
-                continue
-            if len(shape) not in (2, 3) or shape[-1] % gq.GROUP:
-                raise CheckpointError(f"{path}: tensor {name!r}: cannot hold shape {list(shape)}")
-            self.bits[name] = bits
-            *lead, cols = shape  # (rows, cols), or stacked experts' (E, rows, cols)
-            base = name.removesuffix(".weight")
-            self.tensors[name] = Part((*lead, cols * bits // 32), mx.uint32, name, "weight")
-            for p, dtype in _scales(t.type_name).items():
-                self.tensors[f"{base}.{p}"] = Part((*lead, cols // gq.GROUP), dtype, name, p)
+            self._add(name, t, blocks and t.type_name in GGUF_TYPES)
+
+    def _add(self, name: str, t: GGUFTensor, blocks: bool) -> None:
+        shape = tuple(reversed(t.shape))  # ggml lists the fastest dimension first
+        bits = 4 if t.type_name == gq.MXFP4 else gq.mlx_bits(t.type_name)
+        if bits is None:
+            self.tensors[name] = Part(shape, _MX[t.type_name], name, "weight")
+            return
+        if blocks and len(shape) == 2:
+            self.tensors[name] = Part(shape, mx.uint8, name, "blocks")
+            return
+        if len(shape) not in (2, 3) or shape[-1] % gq.GROUP:
+            raise CheckpointError(f"{self.path}: tensor {name!r}: cannot hold shape {list(shape)}")
+        self.bits[name] = bits
+        *lead, cols = shape  # (rows, cols), or stacked experts' (E, rows, cols)
+        base = name.removesuffix(".weight")
+        self.tensors[name] = Part((*lead, cols * bits // 32), mx.uint32, name, "weight")
+        for p, dtype in _scales(t.type_name).items():
+            self.tensors[f"{base}.{p}"] = Part((*lead, cols // gq.GROUP), dtype, name, p)
+
+    def unblock(self, name: str) -> None:
+        """Hold tensor `name` converted to MLX's quantization (groups of 32), not as stored
+        blocks: its columns are read in pieces narrower than a block."""
+        if self.tensors[name].part == "blocks":
+            self._add(name, self.gguf[name], False)
 
     def placeholder(self, name: str) -> mx.array:
         """A lazy array of `name`'s shape and dtype (never evaluated: sources replace it)."""

@@ -17,6 +17,7 @@ from ..model_args import ModelArgs
 from ..models.registry import FAMILIES, MODEL_TYPES, checkpoint_names, unsupported
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts
+from .gated_delta import SKIPPED, from_release, is_release, say_once, text_name
 from .latent import split_kv_b
 from .mxfp4 import mxfp4_experts, stored_part
 from .safetensors import SafetensorsFile
@@ -73,6 +74,20 @@ def read_config(path: Path) -> dict:
     return config
 
 
+def language_model(config: dict) -> dict:
+    """The language model's config: a release that nests it in `text_config` beside a
+    vision tower (Qwen3.5 / 3.6) lifted to the top, under the release's `model_type`; the
+    RoPE base of a `rope_parameters` block (transformers 5) as `rope_theta`."""
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+        config = {**outer, **text, "model_type": config.get("model_type")}
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" not in config and "rope_theta" in rope:
+        config = {**config, "rope_theta": rope["rope_theta"]}
+    return config
+
+
 def moe_fields(config: dict, model_type: str) -> dict:
     """The family's own fields of ModelArgs (experts, routing, latent attention, sinks,
     qk-norm) for `model_type`'s config: its registry row's readers (`models/registry.py`)."""
@@ -88,6 +103,10 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
         raise CheckpointError(
             f"{path / 'config.json'}: {unsupported('model_type', model_type, MODEL_TYPES)}"
         )
+    config = language_model(config)
+    if "intermediate_size" not in config and config.get("moe_intermediate_size"):
+        # experts in every layer (Qwen3.5-MoE's text_config): no dense width
+        config = {**config, "intermediate_size": config["moe_intermediate_size"]}
     missing = [
         k
         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -155,20 +174,26 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_weights(
-    files: list[Path],
+    files: list[Path], skipped: set[str] | None = None
 ) -> tuple[dict[str, mx.array], dict[str, tuple[SafetensorsFile, str]]]:
     """Lazily load safetensors files, keyed by the model's names; and where each
-    tensor lives, for reading slices of it (headers are checked against the sizes)."""
+    tensor lives, for reading slices of it (headers are checked against the sizes). A
+    release's language model under its own names; its vision tower and multi-token
+    prediction layers left out (their kinds added to `skipped`)."""
     weights, sources, experts, blocks = {}, {}, {}, {}
+    skipped = set() if skipped is None else skipped
     for f in files:
         header = SafetensorsFile(f)  # a truncated file fails here, with the numbers
         try:
             tensors = mx.load(str(f))
         except Exception as e:  # mlx raises RuntimeError/ValueError with a terse text
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
-        for name, value in tensors.items():
+        for stored_name, value in tensors.items():
+            name = text_name(stored_name, skipped)
+            if name is None:
+                continue
             if stacked := per_expert(name):  # one expert's tensor: stacked below
-                experts.setdefault(stacked[0], {})[stacked[1]] = (header, name, value)
+                experts.setdefault(stacked[0], {})[stacked[1]] = (header, stored_name, value)
                 continue
             if stored_part(name):  # gpt-oss's MXFP4 blocks: read as the model's, below
                 blocks[name] = (header, value)
@@ -176,7 +201,7 @@ def load_weights(
             new = to_model_name(name)
             if new is not None:
                 weights[new] = value
-                sources[new] = (header, name)
+                sources[new] = (header, stored_name)
     for name, (value, source) in stack_experts(experts, files[0].parent).items():
         new = to_model_name(name)
         weights[new], sources[new] = value, (source, name)
@@ -209,7 +234,14 @@ def read(path: Path) -> Checkpoint:
     config = read_config(path)
     args = args_from_config(config, path)
     files = weight_files(path)
-    weights, sources = load_weights(files)
+    skipped: set[str] = set()
+    weights, sources = load_weights(files, skipped)
+    if "vision_config" in config:
+        skipped.add("vision")
+    for kind in sorted(skipped):
+        say_once(str(path), SKIPPED[kind])
+    if "linear_layers" in args.extra and is_release(weights):
+        from_release(weights, sources)  # zero-centred norms, (C, 1, K) convs
     if args.model_type in SIGMOID_GROUP:
         _sigmoid_group(weights, sources, args, path)
     if "output.weight" not in weights and not args.tie_word_embeddings:
@@ -227,4 +259,6 @@ def read(path: Path) -> Checkpoint:
         {k: stored for k, (_, stored) in sources.items()},
         f"config.json's {key}",
     )
-    return Checkpoint(path, "hf", args, weights, config, files, sources)
+    ckpt = Checkpoint(path, "hf", args, weights, config, files, sources)
+    ckpt.notes += [SKIPPED[kind] for kind in sorted(skipped)]
+    return ckpt

@@ -14,6 +14,7 @@ from typing import Any
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.mla import QuantizedMultiLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from ..models.registry import FAMILIES
 from .base import Checkpoint, CheckpointError
@@ -43,7 +44,8 @@ def hf_name(name: str, model_type: str = "llama") -> str:
     for pattern, repl in sorted(_TO_HF, key=lambda r: first not in r[1]):
         new, n = pattern.subn(repl, name)
         if n and to_model_name(new) == name:
-            return new
+            family = FAMILIES.get(model_type)
+            return (family.prefix if family else "") + new
     raise CheckpointError(f"tensor {name!r} has no Hugging Face name")
 
 
@@ -67,9 +69,12 @@ def token_ids(ckpt: Checkpoint) -> tuple[int | None, int | list[int] | None]:
 
 
 def quantized_modules(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Module path -> (group_size, bits) of every quantized layer."""
+    """Module path -> (group_size, bits) of every quantized layer (stacked experts too,
+    when affine: MXFP4 experts keep their own mode)."""
     out = {}
     for path, m in model.named_modules():
+        if isinstance(m, QuantizedSwitchLinear) and m.mode == "affine":
+            out[path] = (m.group_size, m.bits)
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedMultiLinear)):
             if m.mode != "affine":
                 raise CheckpointError(f"{path}: unsupported quantization mode {m.mode!r}")

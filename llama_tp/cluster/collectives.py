@@ -218,6 +218,9 @@ def count_prefill_collectives(model: Any, length: int, mode: str = "count") -> d
         model(tokens, cache=make_prompt_cache(model))
     cache = make_prompt_cache(model)
     h = _layer_input(model, tokens)
+    spec = getattr(getattr(model.layers[0], "spec", None), "cache", None)
+    recurrent = spec is not None and spec.mask == "ssm"  # one sequence: no padding mask
+    mask = "causal" if h.shape[1] > 1 and not recurrent else None
     with collectives(mode) as layer:
-        model.layers[0](h, "causal" if h.shape[1] > 1 else None, cache[0])
+        model.layers[0](h, mask, cache[0])
     return {"tokens": length, "by_op": _summary(whole), "per_layer": _summary(layer)}

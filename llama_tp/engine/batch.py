@@ -22,6 +22,7 @@ and the vocabulary-parallel sampler's.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class BatchEngine(Decoder):
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
         )
         self.prefilled_tokens = 0  # prompt tokens run through the model (tests, logs)
+        self._empty: list | None = None  # a cache of the model's kinds (`_kinds`)
+        self._tail: list[int] | None = None  # the chat template's generation prompt
         # Admitted sequences whose prompts are still being prefilled, with their caches
         # (first in, first filled); they join the rows when their last token is fed.
         self.filling: deque[tuple[Sequence, list[Any]]] = deque()
@@ -124,8 +127,12 @@ class BatchEngine(Decoder):
                 if self.rows and chunks:
                     return  # the rows decode a token before the next chunk
                 n = min(rest, self.prefill_step_size)
+                # a chunk ends at a mark (a checkpoint of the recurrent state there)
+                n = min([n, *(m - seq.fed for m in seq.marks if seq.fed < m < seq.fed + n)])
                 prefill(self.model, seq.tokens[seq.fed : seq.fed + n], cache, n)
                 seq.fed += n
+                if seq.fed in seq.marks:
+                    self._mark(seq, seq.fed, cache)
                 chunks += 1
                 continue
             self.filling.popleft()
@@ -154,14 +161,13 @@ class BatchEngine(Decoder):
                 return seq.fail()
         cache, cached = None, 0
         if self.prompt_cache is not None:
-            cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, join.prompt)
-            if cache is not None and not rest:  # an exact hit: the last token is fed again
-                if caches.can_rewind(cache, 1):
-                    caches.rewind(cache, 1)
-                    rest = join.prompt[-1:]
-                else:  # a sliding window past its size (gpt-oss) cannot step back
-                    cache, rest = None, join.prompt
+            cache, rest = self._nearest(join.prompt)
             cached = len(join.prompt) - len(rest) if cache is not None else 0
+            if caches.recurrent(cache or self._kinds()):
+                # a recurrent state never steps back: keep the cache at the prompt's end
+                # (and at its segments' ends) for a later prompt that shares them
+                seq.marks = (*join.marks, *self._user_end(join.prompt), len(join.prompt))
+                seq.on_mark = lambda held, c, seq=seq: self._remember(seq, held, c)
         cache = cache if cache is not None else caches.new(self.model)
         seq.cached = seq.fed = cached
         self.prefilled_tokens += len(join.prompt) - cached
@@ -182,6 +188,50 @@ class BatchEngine(Decoder):
             self.ahead = self.ahead.extend(ahead)
         self.rows.append(seq)
 
+    def _nearest(self, prompt: list[int]) -> tuple[list | None, list[int]]:
+        """The prompt cache's nearest entry for `prompt` and the tokens it lacks (at least
+        the last: it yields the first logits)."""
+        cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt)
+        if cache is not None and not rest:  # an exact hit: the last token is fed again
+            if caches.can_rewind(cache, 1):
+                caches.rewind(cache, 1)
+                return cache, prompt[-1:]
+            # a recurrent state (or a wrapped window) cannot step back: a shorter entry
+            cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, prompt[:-1])
+            return (cache, [*rest, prompt[-1]]) if cache is not None else (None, prompt)
+        return cache, rest
+
+    def _user_end(self, prompt: list[int]) -> tuple[int, ...]:
+        """Where a chat prompt ends before its generation prompt (the next turn renders the
+        reply after it; a thinking template renders it differently from the generation
+        prompt), when `prompt` ends with the template's generation prompt; else ()."""
+        if self._tail is None:
+            self._tail = []
+            renderer = renderer_for(self.tokenizer)
+            try:
+                probe = [{"role": "user", "content": "Hi"}]
+                whole = renderer.apply(probe, add_generation_prompt=True)
+                bare = renderer.apply(probe, add_generation_prompt=False)
+                if whole[: len(bare)] == bare:
+                    self._tail = whole[len(bare) :]
+            except Exception:
+                pass
+        n = len(self._tail)
+        return (len(prompt) - n,) if 0 < n < len(prompt) and prompt[-n:] == self._tail else ()
+
+    def _kinds(self) -> list:
+        """A cache of the model's kinds (what its layers hold), made once."""
+        if self._empty is None:
+            self._empty = caches.new(self.model)
+        return self._empty
+
+    def _remember(self, seq: Sequence, held: int, cache: list) -> None:
+        """Keep a copy of `cache`, holding the first `held` tokens of `seq` (being
+        prefilled), in the prompt cache."""
+        # At the prompt's end the cache is the batch's no more (`_join` merges a copy)
+        kept = cache if held == len(seq.tokens) else copy.deepcopy(cache)
+        self.prompt_cache.insert_cache(_MODEL_KEY, seq.tokens[:held], kept, cache_type="user")
+
     def _release(self, keep: list[int], remember: bool = True) -> None:
         """Free the cache rows of the rows not in `keep` (after putting the finished ones'
         in the prompt cache)."""
@@ -190,9 +240,12 @@ class BatchEngine(Decoder):
                 r = self.rows[i]
                 cache = caches.extract(self.cache, i)
                 held = len(r.tokens) - 1  # all but the last token (see Decoder._release)
-                if not caches.can_rewind(cache, r.fed - held):
+                if caches.can_rewind(cache, r.fed - held):
+                    caches.rewind(cache, r.fed - held)
+                elif caches.recurrent(cache):  # a recurrent state holds what it was fed
+                    held = r.fed
+                else:
                     continue  # a sliding window past its size cannot step back: not kept
-                caches.rewind(cache, r.fed - held)
                 self.prompt_cache.insert_cache(_MODEL_KEY, r.tokens[:held], cache)
         if not keep:
             self.cache = None

@@ -20,6 +20,9 @@ class Join:
     uid: int
     prompt: list[int]
     params: SamplingParams
+    # Counts of prompt tokens at which a recurrent state is kept in the prompt cache
+    # (the end of a chat prompt before its generation prompt), beside the prompt's end
+    marks: tuple[int, ...] = ()
 
 
 @dataclass

@@ -83,9 +83,16 @@ def why_not_rewind(cache: Sequence[Any]) -> str | None:
                 "window (gpt-oss)"
             )
         if isinstance(c, ArraysCache):
-            return "a recurrent layer's state (linear attention, Mamba) cannot step back"
+            kind = getattr(c, "what", "") or "linear attention, Mamba"
+            return f"a recurrent layer's state ({kind}) cannot step back"
         return f"a layer's {type(c).__name__} cannot step back"
     return None
+
+
+def recurrent(cache: Sequence[Any]) -> bool:
+    """Whether some layer holds a recurrent state (it never steps back: checkpoints
+    serve instead)."""
+    return any(isinstance(c, ArraysCache) for c in _layers(cache))
 
 
 def can_rewind(cache: Sequence[Any], n: int = 1) -> bool:
@@ -109,9 +116,22 @@ def rewind(cache: Sequence[Any], n: int, why: str = "") -> None:
 @dataclass(frozen=True)
 class Checkpoint:
     """What `restore` needs to bring a cache back: per layer, the token count of a
-    trimmable one (it steps back to it), or a copy of the state of one that cannot."""
+    trimmable one (it steps back to it), or a copy of the state of one that cannot (and
+    its token count, if it keeps one)."""
 
-    layers: tuple[tuple[str, Any], ...]
+    layers: tuple[tuple[str, Any, int | None], ...]
+
+    def arrays(self) -> list[mx.array]:
+        """The copied states' arrays (to evaluate them)."""
+        out: list[mx.array] = []
+        for kind, value, _ in self.layers:
+            if kind == "state":
+                _walk(value, out)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
 
 
 def _copy(x: Any) -> Any:
@@ -130,9 +150,9 @@ def checkpoint(cache: Sequence[Any]) -> Checkpoint:
     out = []
     for c in _layers(cache):
         if c.is_trimmable():
-            out.append(("offset", c.offset))
+            out.append(("offset", c.offset, c.offset))
         else:
-            out.append(("state", _copy(c.state)))
+            out.append(("state", _copy(c.state), getattr(c, "offset", None)))
     return Checkpoint(tuple(out))
 
 
@@ -141,28 +161,30 @@ def restore(cache: Sequence[Any], snap: Checkpoint) -> None:
     layers = _layers(cache)
     if len(layers) != len(snap.layers):
         raise CacheError(f"a checkpoint of {len(snap.layers)} layers for {len(layers)}")
-    for c, (kind, value) in zip(layers, snap.layers, strict=True):
+    for c, (kind, value, offset) in zip(layers, snap.layers, strict=True):
         if kind == "offset":
             if c.offset > value:
                 c.trim(c.offset - value)
         else:
             c.state = _copy(value)
+            if offset is not None:
+                c.offset = offset
 
 
 def arrays(cache: Sequence[Any]) -> list[mx.array]:
     """Every array the cache holds (to evaluate it: prefill's chunks)."""
     out: list[mx.array] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, mx.array):
-            out.append(x)
-        elif isinstance(x, list | tuple):
-            for v in x:
-                walk(v)
-
     for c in _layers(cache):
-        walk(c.state)
+        _walk(c.state, out)
     return out
+
+
+def _walk(x: Any, out: list[mx.array]) -> None:
+    if isinstance(x, mx.array):
+        out.append(x)
+    elif isinstance(x, list | tuple):
+        for v in x:
+            _walk(v, out)
 
 
 # -- batches: each layer's batched kind (mlx-lm's BatchKVCache, BatchRotatingKVCache, an

@@ -133,6 +133,10 @@ class Chat(ChatTools):
         self._renderer = renderer_for(tokenizer)
         self._cache = caches.new(model)
         self._held: list[int] = []  # the tokens in the cache, exactly
+        # A recurrent state cannot step back: checkpoints of the cache at the ends of the
+        # turns' segments (a prompt before its generation prompt, the whole prompt), as
+        # (tokens held, checkpoint), prefixes of `_held`, to go back to (`_reuse`)
+        self._marks: list[tuple[int, caches.Checkpoint]] = []
         self._tokens_of: dict[int, tuple[dict, str, list[int]]] = {}  # id(reply) -> its tokens
         self._turn = 0
         self.system = system
@@ -229,6 +233,10 @@ class Chat(ChatTools):
         messages, tokens, dropped = self._fit([*self.history, *add])
         reused = self._reuse(tokens)
         new = tokens[reused:]
+        marks = ()
+        if caches.recurrent(self._cache):  # checkpoints at this turn's segment ends
+            ends = (self._user_end(messages, tokens), len(tokens))
+            marks = tuple(m - reused for m in ends if m is not None and m > reused)
         seed = None if self.seed is None else self.seed + self._turn
         self._turn += 1
         params = self.params.but(seed=seed, stop=(*self.stop, *self._renderer.stops))
@@ -246,6 +254,8 @@ class Chat(ChatTools):
             group=self.group,
             draft=None if processors else self.drafter,  # a grammar follows one token
             logits_processors=processors,
+            marks=marks,
+            on_mark=lambda n, cache: self._keep_mark(reused + n, caches.checkpoint(cache)),
         )
         generated: list[int] = []
         shown: list[str] = []
@@ -276,7 +286,7 @@ class Chat(ChatTools):
             if state == "failed":  # an error mid-turn: the cache may be half-written
                 self.history[:] = before
                 self._cache = caches.new(self.model)
-                self._held = []
+                self._held, self._marks = [], []
             else:
                 reply = "".join(shown)
                 finish = last.finish_reason if last and last.finish_reason else "interrupted"
@@ -313,10 +323,44 @@ class Chat(ChatTools):
         extra = len(self._held) - common
         if caches.can_rewind(self._cache, extra):
             caches.rewind(self._cache, extra)
-        else:  # a layer kind that cannot step back (a wrapped window): start afresh
-            self._cache, common = caches.new(self.model), 0
+        else:  # a layer kind that cannot step back: its latest checkpoint that fits
+            held, snap = max(
+                ((n, c) for n, c in self._marks if n <= common),
+                default=(0, None),
+                key=lambda m: m[0],
+            )
+            if snap is not None:
+                caches.restore(self._cache, snap)
+                common = held
+            else:  # none (a wrapped window): start afresh
+                self._cache, common = caches.new(self.model), 0
         self._held = self._held[:common]
+        self._marks = [(n, c) for n, c in self._marks if n <= common]
         return common
+
+    MARKS = 4  # recurrent-state checkpoints kept (each the size of the state)
+
+    def _keep_mark(self, held: int, snap: caches.Checkpoint) -> None:
+        self._marks = [*self._marks, (held, snap)][-self.MARKS :]
+
+    def _user_end(self, messages: list[dict], tokens: list[int]) -> int | None:
+        """Where `tokens` (of `messages`, ending with the generation prompt) end without the
+        generation prompt: the next turn renders the reply after it (thinking templates
+        change what follows it), so a checkpoint there serves. None when the generation
+        prompt's tokens do not stand alone at the end."""
+        try:
+            whole = self._apply(messages, tokenize=False)
+            bare = self._renderer.apply(
+                messages, tokenize=False, add_generation_prompt=False, tools=self.tools
+            )
+        except Exception:
+            return None
+        if not whole.startswith(bare) or len(whole) == len(bare):
+            return None
+        tail = self._encode(whole[len(bare) :])
+        if not tail or tokens[-len(tail) :] != tail:
+            return None
+        return len(tokens) - len(tail)
 
     def _end_turn(self, reused, new, generated, reply, finish, eos, stop_hit, state) -> None:
         # Generation may have fed one token fewer than it sampled (at max_tokens), or one

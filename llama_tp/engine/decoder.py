@@ -18,7 +18,8 @@ runs the same three pieces:
   while it equals the token the sampler draws at its position with that
   position's key. The tokens are therefore the plain step's, greedy or
   sampled, whatever the drafter proposes; the cache steps back to the kept ones
-  (`caches.rewind`: a layer kind that cannot, a recurrent state, is refused in one line).
+  (`caches.rewind`), or, a layer kind that cannot (a recurrent state), goes back to the
+  checkpoint taken before the check and takes the kept tokens again.
 
 Between steps each row has one token already sampled and not yet reported or
 fed to the cache (`Ahead`): a step feeds it, reports it and samples the next.
@@ -188,16 +189,31 @@ class Decoder:
 
     def prefill(self, seq: Sequence, cache: list[Any]) -> Ahead:
         """Feed the tokens of `seq` that `cache` does not hold (seq.fed) into it: all but
-        the last in chunks, then the last one's forward. Its first token, sampled (lazy)."""
-        todo = seq.tokens[seq.fed :]
-        prefill(self.model, todo[:-1], cache, self.prefill_step_size)
-        logits = self.model(mx.array(todo[-1:], dtype=mx.int32)[None], cache=cache)[:, -1, :]
-        seq.fed = len(seq.tokens)
+        the last in chunks, then the last one's forward. Its first token, sampled (lazy).
+        At each of `seq.marks` (a count of its tokens in the cache) the cache, evaluated,
+        goes to `seq.on_mark(count, cache)` to keep a checkpoint of (a recurrent state
+        cannot step back: a later prompt sharing that prefix starts from there)."""
+        start, end = seq.fed, len(seq.tokens)
+        for m in sorted(m for m in set(seq.marks) if start < m < end):
+            prefill(self.model, seq.tokens[start:m], cache, self.prefill_step_size)
+            self._mark(seq, m, cache)
+            start = m
+        prefill(self.model, seq.tokens[start:-1], cache, self.prefill_step_size)
+        logits = self.model(mx.array(seq.tokens[-1:], dtype=mx.int32)[None], cache=cache)
+        logits = logits[:, -1, :]
+        seq.fed = end
+        if end in seq.marks:
+            self._mark(seq, end, cache)
         ahead = self._sample(logits, [seq], [seq.n])
         # Started now, before any later graph: every rank must run its collectives in the
         # same order, and on a pipeline the next forward's send waits for this token.
         mx.async_eval(*ahead.arrays())
         return ahead
+
+    def _mark(self, seq: Sequence, held: int, cache: list[Any]) -> None:
+        if seq.on_mark is not None:
+            mx.eval(caches.arrays(cache))
+            seq.on_mark(held, cache)
 
     # -- one step -------------------------------------------------------------
 
@@ -266,6 +282,9 @@ class Decoder:
             self._release([])
             return events
         k = min(r.params.num_draft_tokens, r.params.max_tokens - r.n - 1)
+        # A cache that cannot step back over rejected drafts (a recurrent state) is
+        # checkpointed first, and the kept tokens fed again from there (`_trim`).
+        snap = None if caches.can_rewind(self.cache, 1) else caches.checkpoint(self.cache)
         with collectives() as calls:
             drafts = self.drafter.propose(r.history, k, self._draft_sampler(r)) if k > 0 else []
             logits = verify_logits(self.model, mx.array([[y, *drafts]], mx.int32), self.cache)
@@ -280,11 +299,12 @@ class Decoder:
         while kept < len(drafts) and drafts[kept] == checked[kept][0]:
             kept += 1
         r.spec.record(len(drafts), kept, len(calls))
-        self._trim(r, len(drafts) - kept)
+        fed = [y, *drafts]
+        self._trim(r, len(drafts) - kept, snap, fed)
         for i in range(kept):
             events.append(r.advance(*checked[i]))
             if r.finished:
-                self._trim(r, kept - 1 - i)  # the drafts after the one that ends it
+                self._trim(r, kept - 1 - i, snap, fed)  # the drafts after the one ending it
                 self.ahead = None
                 self._release([])
                 return events
@@ -300,13 +320,26 @@ class Decoder:
 
         return draw
 
-    def _trim(self, r: Sequence, n: int) -> None:
-        """Step the cache back over the row's last `n` fed tokens (rejected drafts)."""
-        if n > 0 and not caches.can_rewind(self.cache, n):
+    def _trim(
+        self, r: Sequence, n: int, snap: caches.Checkpoint | None = None, fed: list[int] = ()
+    ) -> None:
+        """Step the cache back over the row's last `n` fed tokens (rejected drafts): a
+        cache that cannot is brought back to `snap` (taken before `fed` went in) and the
+        tokens of `fed` it keeps are fed again."""
+        if n <= 0:
+            return
+        if caches.can_rewind(self.cache, n):
+            caches.rewind(self.cache, n)
+        elif snap is not None:
+            caches.restore(self.cache, snap)
+            keep = fed[: len(fed) - n]
+            if keep:
+                self.model(mx.array([keep], dtype=mx.int32), cache=self.cache)
+                mx.eval(caches.arrays(self.cache))
+        else:
             reason = caches.why_not_rewind(self.cache)
             raise caches.CacheError(f"speculative decoding: {reason}; run without a draft")
-        caches.rewind(self.cache, n)
-        r.fed -= max(n, 0)
+        r.fed -= n
 
     # -- sampling -------------------------------------------------------------
 

@@ -111,6 +111,8 @@ def stream_generate(
     num_draft_tokens: int | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     prefill_step_size: int = 512,
+    marks: tuple[int, ...] = (),
+    on_mark: Callable[[int, Any], None] | None = None,
 ) -> Iterator[Response]:
     """Generate from token ids `prompt`, yielding text pieces as they are decoded.
 
@@ -136,7 +138,9 @@ def stream_generate(
     step drafts up to `num_draft_tokens` tokens and checks them in one target
     forward. The output is the plain output, token for token, with any settings.
     `logits_processors`: callables (tokens, logits (1, V_local), shard) -> logits
-    applied before sampling, on every rank to its own columns.
+    applied before sampling, on every rank to its own columns. `marks`: counts of
+    `prompt`'s tokens after which the prefill hands the cache to `on_mark(count, cache)`
+    to checkpoint (a recurrent state's segment ends, `Chat`).
     """
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -155,6 +159,7 @@ def stream_generate(
         seq = Sequence(0, prompt, params, tokenizer.detokenizer, eos)
         seq.context = list(history or [])
         seq.processors = list(logits_processors or [])
+        seq.marks, seq.on_mark = tuple(marks), on_mark
         decoder = Decoder(
             model, drafter=make_drafter(draft, model), prefill_step_size=prefill_step_size
         )

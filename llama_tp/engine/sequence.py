@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -74,6 +75,11 @@ class Sequence:
     finished: str | None = None
     held: str = ""  # decoded, not yet sent: it may start a stop string
     guarded: bool = False  # a failure of its own processing ends it, not the caller
+    # Counts of its tokens in the cache at which prefill hands the cache to
+    # `on_mark(count, cache)` to keep a checkpoint (`Decoder.prefill`): a recurrent
+    # state's segment ends
+    marks: tuple[int, ...] = ()
+    on_mark: Callable[[int, Any], None] | None = None
     fault: tuple[str | None, str] | None = None  # (setting, why) once it failed
 
     def __post_init__(self) -> None:

@@ -20,6 +20,12 @@ feed-forward in some layers, chosen by the args, not by name:
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
+    Qwen3.5,    qwen3_5,           qwen35, qwen35moe        gated delta   core, or experts +
+    Qwen3.6     qwen3_5_moe                                 (3 of 4),     gated shared expert
+                                                            output-gated
+                                                            attention
+    Qwen3-Next  qwen3_next         qwen3next                as Qwen3.5    experts + gated
+                                                                          shared expert
 
 A family is a registry row (`FAMILIES`, `GGUF_FAMILIES`); a mixer kind is one class
 in its own module that declares its split table, its cache, its checkpoint names
@@ -41,6 +47,8 @@ import mlx.nn as nn
 from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
+from .gated_attention import GatedAttention
+from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gpt_oss import SinkAttention, gpt_oss_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
@@ -54,12 +62,15 @@ class Family:
     ModelArgs fields from its config.json beyond the common ones (its kinds' readers;
     a ValueError names a bad value); `qk_norm`: its attention normalises q and k per
     head; `config_keys`: the config.json keys `convert` writes for the family beyond
-    the common ones (None: `checkpoints/hf_config.py`'s for the families before)."""
+    the common ones (None: `checkpoints/hf_config.py`'s for the families before);
+    `prefix`: what mlx-lm's model puts before the Hugging Face names (a language model
+    beside a vision tower: "language_model.")."""
 
     architecture: str | None = None
     fields: Callable[[dict], dict] | None = None
     qk_norm: bool = False
     config_keys: Callable[[ModelArgs], dict] | None = None
+    prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,17 @@ FAMILIES = {
     "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
     "gpt_oss": Family(None, gpt_oss_fields),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
+    "qwen3_5": Family(
+        "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
+    ),
+    "qwen3_5_moe": Family(
+        "Qwen3_5MoeForConditionalGeneration",
+        qwen3_5_fields,
+        True,
+        qwen3_5_config,
+        "language_model.",
+    ),  # fmt: skip
+    "qwen3_next": Family("Qwen3NextForCausalLM", qwen3_5_fields, True, qwen3_5_config),
 }
 MODEL_TYPES = tuple(FAMILIES)
 # GGUF `general.architecture` -> its row (llama with experts is Mixtral: `checkpoints/gguf.py`)
@@ -99,6 +121,15 @@ GGUF_FAMILIES = {
     "deepseek2": GgufFamily("deepseek_v3"),
     "glm4moe": GgufFamily("glm4_moe", neox=True),
     "gpt-oss": GgufFamily("gpt_oss", neox=True),
+    "qwen35": GgufFamily(
+        "qwen3_5", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen35")
+    ),
+    "qwen35moe": GgufFamily(
+        "qwen3_5_moe", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen35moe")
+    ),
+    "qwen3next": GgufFamily(
+        "qwen3_next", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen3next")
+    ),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
@@ -110,6 +141,8 @@ KINDS: tuple[type[nn.Module], ...] = (
     QKNormAttention,
     SinkAttention,
     MoEFeedForward,
+    GatedDeltaNet,
+    GatedAttention,
     LatentAttention,
 )
 
@@ -128,13 +161,19 @@ def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
 
 def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
     """The mixer kinds of layer `i` of the family `args` describe, by path in the layer."""
+    feed_forward = MoEFeedForward if args.is_sparse(i) else FeedForward
+    if "linear_layers" in args.extra:  # Qwen3.5 / Qwen3-Next: 3 of 4 layers linear
+        linear = i in args.linear_layers
+        return {
+            "attention": GatedDeltaNet if linear else GatedAttention,
+            "feed_forward": feed_forward,
+        }
     if args.kv_lora_rank:
         attention: type[nn.Module] = LatentAttention
     elif args.attention_sinks:
         attention = SinkAttention
     else:
         attention = QKNormAttention if args.qk_norm else Attention
-    feed_forward = MoEFeedForward if args.is_sparse(i) else FeedForward
     return {"attention": attention, "feed_forward": feed_forward}
 
 

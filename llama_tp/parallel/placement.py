@@ -38,10 +38,10 @@ from .partition import (
 )
 from .shares import Weights
 from .shares import parse_split as parse_weights
-from .splits import LayerSpec, Segmented, Slice, Unit, cache_values, llama_layer
+from .splits import LayerSpec, Segmented, Slice, Unit, cache_bytes, llama_layer
 
 __all__ = ["ModelShape", "Placement", "RankPlacement", "Segmented", "Slice", "place"]
-__all__ += ["kv_cache_bytes", "partition", "stage_layers"]
+__all__ += ["kv_cache_bytes", "partition", "stage_layers", "state_bytes"]
 DEFAULT_MOE_SPLIT = "tensor"  # measured faster on 2 ranks: docs/mixture-of-experts.md
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -147,7 +147,8 @@ def kv_cache_bytes(shape: ModelShape, mine: RankPlacement, tokens: int = 1000) -
     multi-head latent attention, the whole latent and RoPE key (kv_lora_rank +
     qk_rope_head_dim values per token), as one process does; a sliding-window layer
     (gpt-oss) the last `sliding_window` tokens at most (its RotatingKVCache, between
-    steps); a recurrent layer its fixed state, whatever the length."""
+    steps); a recurrent layer its fixed state, whatever the length (its float32 part at
+    4 bytes a value)."""
     # a user's style plan (no part): the caches of one process, every unit whole
     part = mine.part if mine.part is not None else partition(shape, 1).parts[0]
 
@@ -155,12 +156,19 @@ def kv_cache_bytes(shape: ModelShape, mine: RankPlacement, tokens: int = 1000) -
         r = part.unit(name)
         return None if r is None else (r, 0)  # (the counts are all a cache needs)
 
-    held = 0
+    held, itemsize = 0, _itemsize(shape)
     for i in mine.layers:
         spec = shape.spec(i).cache
         if spec is not None:
-            held += cache_values(spec, units, tokens)
-    return held * _itemsize(shape)
+            held += cache_bytes(spec, units, tokens, itemsize)
+    return held
+
+
+def state_bytes(shape: ModelShape, mine: RankPlacement) -> int:
+    """What rank `mine`'s caches hold whatever the length, per sequence: the recurrent
+    states (a linear-attention layer's conv and delta-rule state) of the layers it
+    holds, for its heads only; 0 for a model of KV caches."""
+    return kv_cache_bytes(shape, mine, tokens=0)
 
 
 def _unit(

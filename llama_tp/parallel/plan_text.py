@@ -112,6 +112,16 @@ def cache_line(
     )
 
 
+def state_line(state_per_rank: list[int]) -> str:
+    """'Recurrent state per sequence: rank 0 1.50 MiB, ...': what a rank's linear-attention
+    layers hold whatever the length (their heads' conv and delta-rule states)."""
+    ranks = ", ".join(f"rank {i} {human_bytes(b)}" for i, b in enumerate(state_per_rank))
+    return (
+        f"Recurrent state per sequence: {ranks} (the conv and delta-rule states of its "
+        "linear-attention heads, whatever the length)"
+    )
+
+
 def format_plan(
     plan: Plan,
     bytes_per_rank: list[int] | None = None,
@@ -119,13 +129,15 @@ def format_plan(
     cache_per_rank: list[int] | None = None,
     latent: tuple[int, int] | None = None,
     sliding: tuple[int, int, int] | None = None,
+    state_per_rank: list[int] | None = None,
 ) -> str:
     """Human-readable table of the plan, one row per rank (each kind's units: heads,
     columns, experts, a kind's own; with each rank's vocabulary
     rows when `vocab` says them), then the imbalance, or the shares of a weighted split,
     and each rank's KV cache. `latent`: (kv_lora_rank, qk_rope_head_dim) of multi-head
     latent attention, whose heads share one cached latent (no KV heads); `sliding`:
-    (sliding-window layers, layers, window) (`cache_line`)."""
+    (sliding-window layers, layers, window) (`cache_line`). `state_per_rank`: each rank's
+    fixed recurrent state, part of `cache_per_rank`, printed on its own line."""
     replicated = plan.replicated_kv_heads()
     kv_header = [] if latent else ["kv heads"]
     kinds = [u.what for u in plan.units]  # the kinds' own units (linear-attention heads...)
@@ -176,5 +188,10 @@ def format_plan(
         counts = [len(p.q_heads) for p in plan.parts]
         lines.append(f"imbalance: {imbalance(counts):.1f}% of query heads")
     if cache_per_rank is not None:
+        state = state_per_rank if state_per_rank and any(state_per_rank) else None
+        if state:  # the KV cache line: what grows with the tokens
+            cache_per_rank = [c - s for c, s in zip(cache_per_rank, state, strict=True)]
         lines.append(cache_line(cache_per_rank, latent, sliding))
+        if state:
+            lines.append(state_line(state))
     return "\n".join(lines)

@@ -119,16 +119,20 @@ class CacheSpec:
     (unit, values per unit) per cached token (unit "": whole on every rank, e.g. a
     latent); `fixed`: the same per sequence, whatever its length (a recurrent state).
     `mask`: the mask the layer takes: "causal", "window" (the last `window`
-    positions) or "ssm" (mlx-lm's create_ssm_mask: padding only).
+    positions) or "ssm" (mlx-lm's create_ssm_mask: padding only). `fixed32`: fixed
+    values held in float32 whatever the model's dtype (mlx-lm's gated delta keeps its
+    recurrent state so); `per_token` and `fixed` are in the activations' dtype.
     """
 
     kind: str = "kv"
     per_token: tuple[tuple[str, int], ...] = ()
     fixed: tuple[tuple[str, int], ...] = ()
+    fixed32: tuple[tuple[str, int], ...] = ()
     window: int | None = None
     size: int = 0
     mask: str = "causal"
     parts: tuple[CacheSpec, ...] = ()  # "list": each of its caches
+    what: str = ""  # the layer kind, as refusals name it ("Gated DeltaNet linear attention")
 
     def rewinds(self) -> bool:
         """Whether the cache can step back over tokens it holds (a KV cache can; a
@@ -315,6 +319,20 @@ def cache_values(spec: CacheSpec, units: Units, tokens: int) -> int:
 
     per_token = sum(count(u) * w for u, w in spec.per_token)
     return held * per_token + sum(count(u) * w for u, w in spec.fixed)
+
+
+def cache_bytes(spec: CacheSpec, units: Units, tokens: int, itemsize: int) -> int:
+    """Bytes a layer's cache holds on a rank after `tokens` tokens: `cache_values` at
+    `itemsize` bytes each (the activations'), plus its float32 state (`fixed32`)."""
+    if spec.kind == "list":
+        return sum(cache_bytes(p, units, tokens, itemsize) for p in spec.parts)
+
+    def count(unit: str) -> int:
+        got = units(unit) if unit else None
+        return 1 if got is None else len(got[0])
+
+    state = sum(count(u) * w for u, w in spec.fixed32)
+    return cache_values(spec, units, tokens) * itemsize + 4 * state
 
 
 def split_extra_units(
