@@ -135,7 +135,11 @@ def moe_fields(config: dict, model_type: str) -> dict:
             "n_experts": config.get("num_experts", 0),
             "n_experts_per_tok": config.get("num_experts_per_tok", 0),
             "moe_hidden_dim": config.get("moe_intermediate_size", 0),
-            "shared_expert_dim": config.get("shared_expert_intermediate_size", 0),
+            # Qwen3-MoE has no shared expert: a config that carries the key anyway loads, as
+            # in mlx-lm and transformers, which ignore it
+            "shared_expert_dim": config.get("shared_expert_intermediate_size", 0)
+            if model_type == "qwen2_moe"
+            else 0,
             "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
             "sparse_layers": None if len(sparse) == n_layers else sparse,
         }

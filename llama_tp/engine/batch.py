@@ -35,6 +35,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..checkpoints.chat_template import renderer_for
 from ..cluster.distributed import world
 from .batch_messages import Decision, Event, Join, SamplingParams
+from .cache_abilities import cache_abilities
 from .decoder import Decoder
 from .drafters import NgramDrafter
 from .logits_processors import processors_for
@@ -75,6 +76,7 @@ class BatchEngine(Decoder):
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
         )
         self.prefilled_tokens = 0  # prompt tokens run through the model (tests, logs)
+        self.batched = True  # the rows' caches are mlx-lm's batched ones (merged)
 
     def apply(self, decision: Decision) -> list[Event]:
         """Drop the cancelled rows and admit (prefill) the new ones."""
@@ -113,8 +115,10 @@ class BatchEngine(Decoder):
         ahead = self.prefill(seq, cache)  # alone (B = 1): as a single-sequence run does
         self.prefilled_tokens += len(join.prompt) - cached
         # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into
-        # a BatchRotatingKVCache)
-        merged = [c.merge([c]) for c in cache]
+        # a BatchRotatingKVCache); caches that cannot merge run alone, as they are (the
+        # server then admits one sequence at a time: `cache_abilities`)
+        self.batched = cache_abilities(cache).merges
+        merged = [c.merge([c]) for c in cache] if self.batched else cache
         if self.cache is None:
             self.cache, self.ahead = merged, ahead
         else:
@@ -129,7 +133,7 @@ class BatchEngine(Decoder):
         if remember and self.prompt_cache is not None:
             for i in sorted(set(range(len(self.rows))) - set(keep)):
                 r = self.rows[i]
-                cache = [c.extract(i) for c in self.cache]
+                cache = [c.extract(i) for c in self.cache] if self.batched else self.cache
                 held = len(r.tokens) - 1  # all but the last token (see Decoder._release)
                 if r.fed > held and not can_trim_prompt_cache(cache):
                     continue  # a sliding window past its size cannot step back: not kept

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from ..checkpoints.chat_template import FALLBACK_STOP, ChatTemplateError, renderer_for
 from ..cluster.distributed import world
+from .cache_abilities import cache_abilities
 from .chat_tools import ChatTools
 from .drafters import make_drafter
 from .generation import stream_generate
@@ -314,8 +315,11 @@ class Chat(ChatTools):
 
     def _end_turn(self, reused, new, generated, reply, finish, eos, stop_hit, state) -> None:
         # Generation may have fed one token fewer than it sampled (at max_tokens),
-        # so the cache's own offset says which tokens it holds.
-        offset = self._cache[0].offset if self._cache else 0
+        # so the cache's own offset says which tokens it holds. Caches that do not count
+        # them (recurrent states only) start over: the next turn prefills it all again.
+        offset = cache_abilities(self._cache).held if self._cache else 0
+        if offset is None:
+            self._cache, offset = make_prompt_cache(self.model), 0
         self._held = (self._held[:reused] + new + generated)[:offset]
         message = {"role": "assistant", "content": reply}
         self.history.append(message)

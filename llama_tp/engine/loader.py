@@ -26,6 +26,7 @@ from ..checkpoints.slices import model_shape, read_slices
 from ..cluster.distributed import agree_ok, agreed, all_gather_object, barrier, world
 from ..cluster.memory import max_rss, memory_figures
 from ..cluster.progress import progress
+from ..generic.loader import checkpoint_route
 from ..kernels.layers import use_native
 from ..model import Transformer
 from ..parallel.cast import cast_model, float32_experts
@@ -156,6 +157,14 @@ def load_model(
         # sequence-parallel wrappers: refuse rather than silently run without them
         raise ValueError("--dtype and --sequence-parallel cannot be combined yet: pick one")
     group = group or world()
+    route = agreed(lambda: checkpoint_route(path), group)
+    if route is not None and route.generic:  # no native implementation: mlx-lm's classes
+        from .load_generic import load_generic_model
+
+        return load_generic_model(
+            path, group, route, dtype=dtype, plan=plan, sequence_parallel=sequence_parallel,
+            tp=tp, pp=pp, pp_split=pp_split, dp=dp, moe_split=moe_split, split=split,
+        )  # fmt: skip
     mesh = whole_mesh = None
     model_group = group  # the ranks that hold one copy of the model: a replica's with dp
     # making a mesh is collective: agree first

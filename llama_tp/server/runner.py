@@ -35,6 +35,21 @@ def model_info(model: nn.Module, tokenizer, name: str, use_chat_template: bool =
     )
 
 
+def batching(model: nn.Module, scheduler: Scheduler) -> str:
+    """'continuous', or one sequence at a time (the scheduler's batch lowered to 1, said on
+    stderr) when some cache of the model cannot merge into a batch (`cache_abilities`)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..engine.cache_abilities import cache_abilities
+
+    why = cache_abilities(make_prompt_cache(model)).why_not_merged
+    if why is None:
+        return "continuous"
+    scheduler.max_batch = 1
+    eprint0(f"serve: one sequence at a time: {why}")
+    return f"one sequence at a time: {why}"
+
+
 def create_app(
     model: nn.Module,
     tokenizer,
@@ -62,6 +77,7 @@ def create_app(
     app.state.model = model_info(model, tokenizer, model_name, use_template)
     app.state.scheduler, app.state.engine = scheduler, engine
     app.state.monitor.ranks = world().size()
+    app.state.monitor.batching = batching(model, scheduler)
     scheduler.ready = True
     app.state.steps = threading.Thread(
         target=run_steps, args=(engine, scheduler, world()), name="llama_tp-steps", daemon=True
@@ -152,6 +168,7 @@ def serve(args: argparse.Namespace) -> int:
         info = model_info(model, tokenizer, name, not args.ignore_chat_template)
         app.state.model = info
         app.state.monitor.ranks, app.state.monitor.mesh = group.size(), ckpt.mesh
+        app.state.monitor.batching = batching(model, scheduler)
         scheduler.ready = True
 
         def stop(signum, frame) -> None:
