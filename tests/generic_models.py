@@ -161,6 +161,9 @@ OVERRIDES: dict[str, dict] = {
     "phixtral": dict(rotary_dim=8, num_vocab=389),
     "plamo": dict(n_shared_head=2),
     "qwen": dict(intermediate_size=256, kv_channels=16),
+    # mlx-lm's Qwen2-MoE never renormalizes its top-k (llama_tp's follows the config, as
+    # transformers does); the released configs say false
+    "qwen2_moe": dict(norm_topk_prob=False),
     # mlx-lm's shard() of Qwen3.5 splits the vocabulary too: an even one
     "qwen3_5": dict(text_config=dict(vocab_size=390)),
     "qwen3_5_moe": dict(text_config=dict(vocab_size=390)),

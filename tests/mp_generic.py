@@ -48,12 +48,16 @@ def ours(path: Path, group, **mesh) -> tuple[list[int], dict]:
         layers = range(len(model.layers))
     mine = (
         ckpt.load_stats["bytes_read"],
-        [layers.start, layers.stop] if layers is not None else None,
+        [layers.start, layers.stop],
         ckpt.load_stats["bytes_held"],
     )
+    how = getattr(model, "split_by", None)
+    if how is None and mesh.get("tp") and group.size() > 1 and ckpt.route is None:
+        how = "the native plan"
     return tokens, {
         "ranks": all_gather_object(mine, group),
-        "how": getattr(model, "split_by", None),
+        "how": how,
+        "by_mlx_lm": getattr(model, "pipelined_by_mlx_lm", False),
     }
 
 

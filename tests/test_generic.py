@@ -80,7 +80,7 @@ def test_pipeline_stages_give_mlx_lms_greedy_tokens(written, pipelines, n):
         layers = [tuple(rank[1]) for rank in r["ranks"]]
         assert reads == held, name  # each rank read exactly what it holds
         if not r.get("by_mlx_lm"):  # the stages partition the layers, in rank order
-            assert layers[0][0] == 0 and layers[-1][1] == 6
+            assert layers[0][0] == 0 and layers[-1][1] == 6, (name, layers)
             assert all(a[1] == b[0] for a, b in zip(layers, layers[1:], strict=False)), name
 
 

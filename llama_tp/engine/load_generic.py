@@ -85,6 +85,7 @@ def load_generic_model(
 ):
     """`load_model` for an mlx-lm architecture (see the module docstring): (model, ckpt),
     every rank returning once all have loaded; if one fails, all raise."""
+    from ..generic.convert import is_stage_split, rank_folder
     from ..generic.loader import load_generic
 
     refuse_native_only(dtype, plan, sequence_parallel, moe_split, route)
@@ -103,8 +104,16 @@ def load_generic_model(
     READ.reset()
     mx.reset_peak_memory()
     model = ckpt = error = None
+    fingerprint = shapes = None
     try:
-        model, ckpt = load_generic(Path(path), model_group, mesh, pp_split, weights)
+        path = Path(path)
+        if is_stage_split(path):  # convert --shards N: this rank's folder, its stages
+            path, pp_split, fingerprint, shapes = rank_folder(
+                path, T, mesh.pp if mesh else 1, model_group.rank()
+            )
+        model, ckpt = load_generic(path, model_group, mesh, pp_split, weights, shapes)
+        if fingerprint is not None:  # the folders differ by design: the source's
+            ckpt.metadata = {**ckpt.metadata, "llama_tp": {"fingerprint": fingerprint}}
         ckpt.mesh = whole_mesh
         ckpt.products = "MLX's kernels (mlx-lm's classes)"
     except Exception as e:

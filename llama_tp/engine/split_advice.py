@@ -66,7 +66,11 @@ def check_split(
     if err:
         return Check("split", "FAILED", f"cannot place {model}: {err}")
     status, text = fit
-    return Check("split", status, "; ".join([text, *words]))
+    from ..generic.loader import checkpoint_route
+
+    route = checkpoint_route(model)
+    path = f"{route.path} ({route.reason})" if route is not None else None
+    return Check("split", status, "; ".join([p for p in (path, text, *words) if p]))
 
 
 def _flag(weights: Weights | None) -> str:
@@ -80,12 +84,21 @@ def _fit(
     or under the suggested weights (each rank's bytes into `advice["holds"]`)?"""
     from ..checkpoints import open_checkpoint
     from ..checkpoints.slices import model_shape
+    from ..generic.loader import checkpoint_route
     from ..parallel.placement import place
 
-    shape = model_shape(open_checkpoint(model))
     n = len(available)
     holds: dict[str, list[int]] = {}
-    for name in ("balanced", "speed", "memory"):
+    route = checkpoint_route(model)
+    if route is not None and route.generic:  # mlx-lm's classes: even tensor splits only
+        from pathlib import Path
+
+        from ..generic.plan import rank_holds
+
+        per_replica = rank_holds(Path(model), tp, pp)
+        holds["balanced"] = [per_replica[r % len(per_replica)] for r in range(n)]
+    shape = None if holds else model_shape(open_checkpoint(model))
+    for name in ("balanced", "speed", "memory") if shape is not None else ():
         weights = None if name == "balanced" else advice.get(name)
         if name != "balanced" and weights is None:
             continue

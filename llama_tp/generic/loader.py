@@ -27,7 +27,16 @@ from ..parallel.mesh import Mesh, MeshError, balanced_split, parse_split
 from ..parallel.shares import parse_split as parse_weights
 from . import classes
 from .model import GenericArgs, GenericModel
-from .reads import held, mlx_format, placeholders, read_direct, read_sanitized, stored_tensors
+from .reads import (
+    held,
+    mlx_format,
+    placeholders,
+    read_direct,
+    read_sanitized,
+    shape_bytes,
+    shapes_of,
+    stored_tensors,
+)
 from .stages import StageLink, cross_layer_state, cut_stage
 from .structure import Structure, find_structure, get_path
 from .tensor import shard_model
@@ -57,14 +66,18 @@ def _text(config: dict, key: str, default: Any = None) -> Any:
 class Opened:
     """A folder opened for the mlx-lm path: its config, headers and the lazy model."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, shapes: dict | None = None):
+        """`shapes`: every tensor of the whole checkpoint (name -> (shape, dtype)) when the
+        folder holds only a part of it (`convert.py`'s stage folders); default: its own."""
         self.path = path
         self.config = read_config(path)
         self.route = classes.route(self.config, str(path / "config.json"))
         self.files = weight_files(path)
         self.stored = stored_tensors(self.files)
+        self.shapes = {k: (tuple(v[0]), v[1]) for k, v in shapes.items()} if shapes else None
+        self.shapes = self.shapes or shapes_of(self.stored)
         self.model = classes.build(self.config, str(path / "config.json"))
-        ph = placeholders(self.stored)
+        ph = placeholders(self.shapes)
         sanitize = getattr(self.model, "sanitize", None)
         self.names = sanitize(dict(ph)) if sanitize else ph  # the model's names, lazily
         quantization = classes.quantization_of(self.config, str(path / "config.json"))
@@ -73,6 +86,7 @@ class Opened:
         self.direct = mlx_format(self.files) and all(
             k in ph and tuple(ph[k].shape) == tuple(v.shape) for k, v in self.names.items()
         )
+        self.partial = shapes is not None
         self.structure = find_structure(self.model, _text(self.config, "vocab_size"))
 
     def layer_bytes(self) -> tuple[list[int], int, int]:
@@ -83,14 +97,15 @@ class Opened:
         emb = head = 0
         emb_key = f".{s.embedding.rsplit('.', 1)[-1]}." if s.embedding else None
         head_key = f".{s.head.rsplit('.', 1)[-1]}." if s.head else None
-        for name, (_, info) in self.stored.items():
+        for name, (shape, dtype) in self.shapes.items():
+            nbytes = shape_bytes(shape, dtype)
             m = pattern.search(name)
             if m and int(m.group(1)) < s.n_layers:
-                per[int(m.group(1))] += info.nbytes
+                per[int(m.group(1))] += nbytes
             elif emb_key and emb_key in f".{name}":
-                emb += info.nbytes
+                emb += nbytes
             elif head_key and head_key in f".{name}":
-                head += info.nbytes
+                head += nbytes
         return per, emb, head if s.head else emb
 
     def args(self) -> GenericArgs:
@@ -209,13 +224,14 @@ def load_generic(
     mesh: Mesh | None,
     pp_split: str | None = None,
     stage_weights: tuple[float, ...] | None = None,
+    shapes: dict | None = None,
 ) -> tuple[GenericModel, Checkpoint]:
     """This rank's part of the mlx-lm model at `path`: over `group` by tensor (the model's
     `shard()` or the style table) when `mesh` is None, else its stage of `mesh` (tensor-
     parallel inside the stage's group). `stage_weights`: the stages' shares of the bytes
     (`--split` on a pipeline). Evaluated; not yet checked across ranks (the engine's
     loader does that)."""
-    opened = Opened(Path(path))
+    opened = Opened(Path(path), shapes)
     T, P = (mesh.tp, mesh.pp) if mesh is not None else (group.size(), 1)
     stage = mesh.stage if mesh is not None else 0
     tp_group = (mesh.tp_group if mesh is not None else group) if T > 1 else None
@@ -231,12 +247,15 @@ def load_generic(
                   delay=1.0) as bar:  # fmt: skip
         sanitize = getattr(model, "sanitize", None) or (lambda w: w)
         if opened.direct:
-            items = read_direct(opened.stored, want, placed.splits, sanitize, bar.update)
+            items = read_direct(
+                opened.stored, want, placed.splits, sanitize, bar.update, opened.shapes
+            )
         else:
             placed.notes.append("read whole and sanitized (not an mlx_lm.convert folder)")
             items = read_sanitized(
-                opened.stored, want, placed.splits, s, placed.layers, sanitize, bar.update
-            )
+                opened.stored, want, placed.splits, s, placed.layers, sanitize, bar.update,
+                opened.shapes,
+            )  # fmt: skip
     model.load_weights(items, strict=False)
     held_bytes = sum(v.nbytes for _, v in items)
     del items
@@ -270,8 +289,11 @@ def _pipeline_owner(model: nn.Module, s: Structure) -> nn.Module | None:
 
 
 def checkpoint_route(path: str | Path) -> classes.Route | None:
-    """The route of a Hugging Face / MLX folder (None: not such a folder, e.g. a GGUF file)."""
+    """The route of a Hugging Face / MLX folder, or of one split by stage (`convert.py`);
+    None: not such a folder (a GGUF file, a native pre-split one)."""
     p = Path(path)
+    if (p / "stages.json").is_file():  # generic/convert.py's split: its ranks' config
+        p = p / "rank-0"
     if not (p.is_dir() and (p / "config.json").is_file()):
         return None
     from ..checkpoints.hf import read_config as checked

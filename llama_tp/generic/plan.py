@@ -45,18 +45,16 @@ def rank_bytes(opened: Opened, names: dict) -> int:
     return total
 
 
-def plan_lines(
+def rank_parts(
     path: Path,
     tp: int,
     pp: int,
     pp_split: str | None = None,
     stage_weights: tuple[float, ...] | None = None,
-) -> list[str]:
-    """The plan of the mlx-lm model at `path` on a tp x pp mesh: the path it runs on and why,
-    how it splits, then one line per rank (its stage, layers, what else it holds, bytes)."""
+) -> tuple[Opened, list[tuple]]:
+    """Every rank's part (rank order: stage by stage, tensor ranks within): (stage, tensor
+    rank, loader.Placed, what it holds besides layers, its bytes)."""
     first = Opened(path)
-    route = first.route
-    lines = [f"{path.name}: {route.path}: {route.reason}"]
     rows = []
     for stage in range(pp):
         for t in range(tp):
@@ -66,8 +64,26 @@ def plan_lines(
                 pp_split, stage_weights, pp_is_world=tp == 1,
             )  # fmt: skip
             names = held(placed.model)
-            extra = _extras(opened, names)
-            rows.append((stage, t, placed, extra, rank_bytes(opened, names)))
+            rows.append((stage, t, placed, _extras(opened, names), rank_bytes(opened, names)))
+    return first, rows
+
+
+def rank_holds(path: Path, tp: int, pp: int) -> list[int]:
+    """The bytes each rank of a tp x pp mesh holds (the doctor's `--model` check)."""
+    return [row[4] for row in rank_parts(path, tp, pp)[1]]
+
+
+def plan_lines(
+    path: Path,
+    tp: int,
+    pp: int,
+    pp_split: str | None = None,
+    stage_weights: tuple[float, ...] | None = None,
+) -> list[str]:
+    """The plan of the mlx-lm model at `path` on a tp x pp mesh: the path it runs on and why,
+    how it splits, then one line per rank (its stage, layers, what else it holds, bytes)."""
+    first, rows = rank_parts(path, tp, pp, pp_split, stage_weights)
+    lines = [f"{path.name}: {first.route.path}: {first.route.reason}"]
     placed = rows[0][2]
     tensor = f"by tensor over {tp} ranks by {placed.how}" if tp > 1 else ""
     if pp > 1:

@@ -82,10 +82,15 @@ def mlx_format(files: list[Path]) -> bool:
     return all(SafetensorsFile(f).metadata.get("format") == "mlx" for f in files)
 
 
-def placeholders(stored: dict) -> dict[str, mx.array]:
-    """Lazy zeros of every stored tensor's shape and dtype (never evaluated: for `sanitize`
-    and the quantization rule to see names, shapes and dtypes)."""
-    return {k: mx.zeros(info.shape, DTYPES[info.dtype][1]) for k, (_, info) in stored.items()}
+def shapes_of(stored: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype) of every stored tensor."""
+    return {k: (info.shape, info.dtype) for k, (_, info) in stored.items()}
+
+
+def placeholders(shapes: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, mx.array]:
+    """Lazy zeros of every tensor's shape and dtype (never evaluated: for `sanitize` and the
+    quantization rule to see names, shapes and dtypes)."""
+    return {k: mx.zeros(shape, DTYPES[dtype][1]) for k, (shape, dtype) in shapes.items()}
 
 
 def held(model: nn.Module) -> dict[str, mx.array]:
@@ -102,16 +107,15 @@ def _read_split(header: SafetensorsFile, name: str, split: Split | None) -> mx.a
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
-def sanitized(sanitize: Callable[[dict], dict], read: dict, stored: dict) -> dict:
-    """`sanitize` over the tensors this rank read. Some look at a tensor of another stage
-    (Falcon-H1 checks layer 0's conv1d to tell a converted folder): they get lazy
-    placeholders of the others, whose values never reach a tensor this rank holds (only
-    the read names are taken, and `read_*` checks every one)."""
-    try:
-        return sanitize(dict(read))
-    except (KeyError, IndexError):
-        others = {k: v for k, v in placeholders(stored).items() if k not in read}
-        return sanitize({**others, **read})
+def sanitized(sanitize: Callable[[dict], dict], read: dict, shapes: dict) -> dict:
+    """`sanitize` over the tensors this rank read, beside lazy placeholders of every other
+    tensor of the checkpoint (`shapes`): it then sees the names a whole load shows it (some
+    act on them: Gemma 3's drops its head when the file has none, Falcon-H1's looks at layer
+    0's conv1d). Only the names read are taken from it (`read_*` check every one), so no
+    placeholder reaches a tensor this rank holds."""
+    others = {k: v for k, v in placeholders(shapes).items() if k not in read}
+    out = sanitize({**others, **read})
+    return {k: v for k, v in out.items() if k not in others or k in read}
 
 
 def read_direct(
@@ -120,6 +124,7 @@ def read_direct(
     splits: dict[str, Split],
     sanitize: Callable[[dict], dict],
     on_bytes: Callable,
+    shapes: dict | None = None,
 ) -> list[tuple[str, mx.array]]:
     """Each wanted parameter read by its own name, only this rank's part of it. The tensors
     read whole still go through `sanitize` (some change values under the same name, e.g.
@@ -136,7 +141,7 @@ def read_direct(
         value = _read_split(header, name, splits.get(name))
         (parts if name in splits else whole)[name] = value
         on_bytes(value.nbytes)
-    whole = sanitized(sanitize, whole, stored) if whole else whole
+    whole = sanitized(sanitize, whole, shapes or shapes_of(stored)) if whole else whole
     out = []
     for name, like in want.items():
         value = parts[name] if name in parts else whole.get(name)
@@ -155,6 +160,7 @@ def read_sanitized(
     layers: range,
     sanitize: Callable[[dict], dict],
     on_bytes: Callable,
+    shapes: dict | None = None,
 ) -> list[tuple[str, mx.array]]:
     """The stage's stored tensors whole (its layers', and those outside the layers that it
     holds a part of), sanitized together as mlx-lm loads them, then cut in memory."""
@@ -175,7 +181,7 @@ def read_sanitized(
         if keep:
             chosen[name] = header.read(name)
             on_bytes(chosen[name].nbytes)
-    weights = sanitized(sanitize, chosen, stored)
+    weights = sanitized(sanitize, chosen, shapes or shapes_of(stored))
     missing = [k for k in want if k not in weights]
     if missing:
         raise CheckpointError(

@@ -61,10 +61,8 @@ STYLES: dict[str, tuple[str, bool]] = {
 # and the experts' router
 REPLICATED = ("*norm*", "*layernorm*", "mlp.gate.*", "mlp.shared_expert_gate.*")
 # attention attributes holding head counts, divided by the group's size
-HEAD_COUNTS = (
-    "n_heads", "n_kv_heads", "num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
-)  # fmt: skip
 QUERY_HEADS = ("n_heads", "num_heads", "num_attention_heads")
+HEAD_COUNTS = (*QUERY_HEADS, "n_kv_heads", "num_key_value_heads", "num_kv_heads")
 
 
 def has_shard(model: nn.Module) -> bool:
