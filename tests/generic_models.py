@@ -199,7 +199,12 @@ NO_PIPELINE: dict[str, str] = {
     "rwkv7": "the first layer's values feed every later layer",
 }
 # Architectures without a shard() whose every layer the style table splits by tensor.
-STYLE_TABLE: tuple[str, ...] = ()
+STYLE_TABLE: tuple[str, ...] = (
+    "cohere", "cohere2", "deepseek", "ernie4_5", "ernie4_5_moe", "exaone4", "gear", "gemma",
+    "gemma2", "gemma3", "gemma3_text", "granite", "helium", "hunyuan_v1_dense", "internlm3",
+    "mellum", "mimo", "minicpm", "mistral3", "nanbeige", "nemotron", "nemotron-nas", "pixtral",
+    "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "seed_oss", "smollm3", "stablelm", "telechat3",
+)  # fmt: skip
 
 PROMPT = [1, 5, 9, 33, 70, 12, 100, 7, 250, 3]
 NEW_TOKENS = 8

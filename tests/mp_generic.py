@@ -6,7 +6,7 @@ or one launch, one JSON line per architecture on rank 0's stdout.
         and llama_tp's on one process: {"name", "mlx_lm", "tokens", "error"}
     python -m llama_tp.launch -n N -- python tests/mp_generic.py run ROOT --pp N [NAME...]
     python -m llama_tp.launch -n N -- python tests/mp_generic.py run ROOT --tp N [NAME...]
-        loads each folder split that way and prints {"name", "tokens", "error", "ranks":
+        loads each folder split that way (by tensor: the first half of the tokens) and prints {"name", "tokens", "error", "ranks":
         [(bytes read, layers run, bytes held) per rank], "how"}
 
 Generation is the engine's (`stream_generate`, greedy, no end of sequence), so the tokens
@@ -32,13 +32,13 @@ from llama_tp.engine.generation import stream_generate  # noqa: E402
 from llama_tp.engine.loader import load_model  # noqa: E402
 
 
-def ours(path: Path, group, **mesh) -> tuple[list[int], dict]:
+def ours(path: Path, group, n: int = NEW_TOKENS, **mesh) -> tuple[list[int], dict]:
     model, ckpt = load_model(path, group, **mesh)
     tokenizer = load_tokenizer(ckpt)
     tokens = [
         r.token
         for r in stream_generate(
-            model, tokenizer, PROMPT, max_tokens=NEW_TOKENS, eos_token_ids=set(), group=group
+            model, tokenizer, PROMPT, max_tokens=n, eos_token_ids=set(), group=group
         )
     ]
     layers = getattr(model, "stage_layers", None)
@@ -79,10 +79,12 @@ def main() -> None:
         return
     flag, n = sys.argv[3], int(sys.argv[4])
     names = sys.argv[5:] or [p.name for p in sorted(root.iterdir()) if p.is_dir()]
+    # by tensor: every layer all-reduces twice per token; the first tokens tell enough
+    count = NEW_TOKENS // 2 if flag == "--tp" else NEW_TOKENS
     for name in names:
         row = {"name": name}
         try:
-            row["tokens"], extra = ours(root / name, group, **{flag.lstrip("-"): n})
+            row["tokens"], extra = ours(root / name, group, count, **{flag.lstrip("-"): n})
             row |= extra
         except Exception as e:
             row["error"] = first_line(e) or type(e).__name__

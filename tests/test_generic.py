@@ -105,11 +105,31 @@ def test_tensor_splits(written):
     rows = _run(root, 2, "--tp", [*split, refused])
     for name in split:
         r = rows[name]
-        assert r.get("tokens") == ref[name]["mlx_lm"], (name, r.get("error"), r.get("trace"))
+        want = ref[name]["mlx_lm"][: len(r.get("tokens") or [])]
+        assert r.get("tokens") == want and len(want) == 4, (name, r.get("error"), r.get("trace"))
         assert r["how"] == tensor_split(name), name
     line = rows[refused]["error"]
     assert "run --pp 2 instead" in line and "\n" not in line, line
     assert set(STYLE_TABLE) <= set(split)
+
+
+def test_the_style_table_splits_exactly_the_listed_architectures(written):
+    """Without a launch (stand-in groups): the style table takes every architecture of
+    STYLE_TABLE and refuses, in one line suggesting --pp, every other one without shard()."""
+    from llama_tp.generic.loader import Opened, split_rank
+    from llama_tp.generic.plan import StandInGroup
+    from llama_tp.generic.tensor import TensorSplitError
+
+    root, _ = written
+    for name in runnable():
+        if tensor_split(name) in ("the native plan", "mlx-lm's shard()"):
+            continue
+        try:
+            placed = split_rank(Opened(root / name), 2, 1, 0, StandInGroup(2, 0), None)
+            assert name in STYLE_TABLE and placed.how == "the style table", name
+        except TensorSplitError as e:
+            assert name not in STYLE_TABLE, (name, e)
+            assert str(e).endswith("run --pp 2 instead") and "\n" not in str(e), e
 
 
 def test_models_md_is_rendered_from_the_table():

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, launch, run_python
 from generic_models import write_model
-from serve_client import Server, chat, http
+from serve_client import KEY, Server, chat, http
 
-NAMES = ("gemma3_text", "qwen3_next", "llama4_text", "phi3")
+NAMES = ("gemma3_text", "qwen3_next", "llama4", "phi3")
 PROMPTS = ["hello", "Tensor parallel", "abc abc", "The capital"]
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,8 @@ def test_two_ranks_run_every_driver_as_one_process(folders, tmp_path):
     assert all(0.3 * size < n < 0.7 * size for n in res["split_read"]), res["split_read"]
     assert res["perplexity"] == pytest.approx(ppl, rel=1e-4)
     assert res["chat"] == turns and turns[1][1] > 0  # Phi-3's second turn reused the cache
-    refused = res["refused"]
-    assert len(refused) == 2 and refused[0] == refused[1], refused
+    refused = res["refused"]  # every rank raised the same one line
+    assert len(refused) == 2 and refused[0] == refused[1] and "\n" not in refused[0], refused
     assert refused[0].startswith("phi3 (mlx_lm.models.phi3): no tensor split"), refused
     assert refused[0].endswith("run --pp 2 instead")
 
@@ -93,17 +94,6 @@ def test_chat_reuses_caches_that_cannot_rewind_only_when_nothing_is_rewound(fold
     assert chat._reuse(held + [5, 6]) == len(held) and chat._cache is cache  # a prefix: kept
     assert chat._reuse(held[:-3] + [7, 8]) == 0 and chat._cache is not cache  # prefilled again
     assert chat._held == []
-
-
-def test_a_refused_tensor_split_is_one_line(folders):
-    p = launch(2, ["-m", "llama_tp.generate", "--model", str(folders["phi3"]), "-m", "4"])
-    assert p.returncode == 1, p.stderr
-    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [
-        "error: phi3 (mlx_lm.models.phi3): no tensor split: mlx-lm defines no shard() for it "
-        "and llama_tp's style table does not know the shape of its layer 0 (TransformerBlock); "
-        "run --pp 2 instead"
-    ], p.stderr
 
 
 def test_plan_and_verbose_say_which_path_runs(folders):
@@ -133,7 +123,7 @@ def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_
     one = Server(1, folders["gemma3_text"], tmp_path, "--max-batch", "4")
     two = Server(2, folders["gemma3_text"], tmp_path, "--pp", "2", "--max-batch", "4",
                  launcher="llama_tp")  # fmt: skip
-    alone = Server(1, folders["llama4_text"], tmp_path, "--max-batch", "4")
+    alone = Server(1, folders["llama4"], tmp_path, "--max-batch", "4")
     try:
         for s in (one, two, alone):
             s.wait_ready(300)
@@ -141,13 +131,13 @@ def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = {p: pool.submit(chat, two.client(), p, max_tokens=8) for p in PROMPTS}
             assert {p: f.result()[:2] for p, f in futures.items()} == ref
-        status = json.loads(http(f"{two.base}/v1/status")[1])
+        status = json.loads(http(f"{two.base}/v1/status", headers=AUTH)[1])
         assert status["batching"] == "continuous" and status["mesh"]["pp"] == 2, status
         solo = {p: chat(alone.client(), p, max_tokens=8)[:2] for p in PROMPTS}
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             futures = {p: pool.submit(chat, alone.client(), p, max_tokens=8) for p in PROMPTS}
             assert {p: f.result()[:2] for p, f in futures.items()} == solo
-        status = json.loads(http(f"{alone.base}/v1/status")[1])
+        status = json.loads(http(f"{alone.base}/v1/status", headers=AUTH)[1])
         why = "one sequence at a time: its ChunkedKVCache cannot merge into a batch"
         assert status["batching"] == why and status["max_batch"] == 1, status
         assert f"serve: {why}" in alone.stderr()

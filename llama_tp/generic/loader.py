@@ -262,6 +262,8 @@ def load_generic(
     mx.eval(model.parameters())
     generic = GenericModel(model, opened.args(), s, placed.layers if P > 1 else range(s.n_layers))
     object.__setattr__(generic, "mesh", mesh)
+    if mesh is not None:  # each stage's layers, as the native loader records them
+        mesh.layers = list(placed.stages)
     object.__setattr__(generic, "link", placed.link)
     object.__setattr__(generic, "pipelined_by_mlx_lm", placed.by_mlx_lm)
     object.__setattr__(generic, "split_by", placed.how)

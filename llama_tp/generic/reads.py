@@ -67,6 +67,20 @@ class Split:
         return mx.contiguous(mx.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0])
 
 
+@dataclass(frozen=True)
+class Take:
+    """A parameter a `shard()` cut by hand (Kimi's per-head conv weights and decay rates,
+    DeepSeek's per-head `embed_q`): the flat indices of the stored tensor it keeps, in its
+    order, and its shape. Read whole, then taken (these tensors are small)."""
+
+    indices: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def cut(self, value: mx.array) -> mx.array:
+        flat = value.reshape(-1)[mx.array(self.indices, dtype=mx.int64)]
+        return mx.contiguous(flat.reshape(self.shape))
+
+
 def stored_tensors(files: list[Path]) -> dict[str, tuple[SafetensorsFile, TensorInfo]]:
     """Every tensor of the weight files by its stored name (headers only)."""
     out = {}
@@ -98,10 +112,12 @@ def held(model: nn.Module) -> dict[str, mx.array]:
     return {k: v for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array) and v.size}
 
 
-def _read_split(header: SafetensorsFile, name: str, split: Split | None) -> mx.array:
+def _read_split(header: SafetensorsFile, name: str, split: Split | Take | None) -> mx.array:
     info = header.tensors[name]
     if split is None:
         return header.read(name)
+    if isinstance(split, Take):
+        return split.cut(header.read(name))
     axis = split.axis % len(info.shape)
     parts = [header.read(name, axis, a, b) for a, b in split.runs(info.shape[axis])]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)

@@ -6,8 +6,9 @@ mlx-lm's `shard()` (where the architecture defines one) cuts each projection wit
 `shard_linear` / `shard_inplace`, evenly. It runs here on the model before any weight
 is read, with mlx's `_shard` watched: every parameter it cuts is recorded with its axis,
 segments and this rank's part (`reads.Split`), so the loader then reads only that part
-from the file. A parameter a `shard()` cuts by hand (DeepSeek's per-head `embed_q`) is
-recorded by its shape: the one axis that shrank by the group's size.
+from the file. A parameter a `shard()` cuts by hand (DeepSeek's per-head `embed_q`,
+Kimi's conv weights) is read off a probe: while the model splits, every parameter holds
+its own flat indices, so what the cut kept is known exactly (`reads.Take`).
 
 For an architecture without `shard()`, `STYLES` maps module paths inside a layer onto
 the same two styles (attention's q/k/v/o with the head counts divided, the gated MLP,
@@ -26,9 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.nn.layers.distributed as distributed
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
-from .reads import Split
+from .reads import Split, Take
 from .stages import swap_class
 from .structure import Structure, get_path
 
@@ -63,6 +64,13 @@ REPLICATED = ("*norm*", "*layernorm*", "mlp.gate.*", "mlp.shared_expert_gate.*")
 # attention attributes holding head counts, divided by the group's size
 QUERY_HEADS = ("n_heads", "num_heads", "num_attention_heads")
 HEAD_COUNTS = (*QUERY_HEADS, "n_kv_heads", "num_key_value_heads", "num_kv_heads")
+
+
+# Architectures whose layers have the table's shape but compute otherwise, with the reason
+# (tests/test_generic.py splits every other one it recognises and checks the tokens)
+STYLE_REFUSED = {
+    "plamo": "its attention reshapes by the config's head counts, not its own",
+}
 
 
 def has_shard(model: nn.Module) -> bool:
@@ -114,11 +122,18 @@ class _Indivisible(Exception):
 
 def shard_model(
     model: nn.Module, structure: Structure, group: mx.distributed.Group, config: dict, name: str
-) -> tuple[dict[str, Split], str]:
-    """Split `model` (built, not loaded) over `group`; returns each split parameter's Split
-    and how ("mlx-lm's shard()" or "the style table"). TensorSplitError when it cannot."""
+) -> tuple[dict[str, Split | Take], str]:
+    """Split `model` (built, not loaded) over `group`; returns what each split parameter keeps
+    (a `Split` through mlx's `_shard`, a `Take` of a cut by hand) and how ("mlx-lm's
+    shard()" or "the style table"). TensorSplitError when it cannot.
+
+    Before splitting, every parameter becomes a lazy probe holding its own flat indices
+    (`mx.arange`, never evaluated unless a `shard()` cuts the parameter by hand: then the
+    indices it kept are read off the probe)."""
     before = dict(tree_flatten(model.parameters()))
-    names = {id(v): k for k, v in before.items()}
+    probes = {k: mx.arange(v.size, dtype=mx.int64).reshape(v.shape) for k, v in before.items()}
+    model.update(tree_unflatten(list(probes.items())))
+    names = {id(v): k for k, v in probes.items()}
     how = "mlx-lm's shard()" if has_shard(model) else "the style table"
     with _recording(group) as made:
         try:
@@ -126,6 +141,13 @@ def shard_model(
                 _check_heads(config, group.size(), name)
                 model.shard(group)
             else:
+                refused = STYLE_REFUSED.get(config.get("model_type"))
+                if refused:
+                    raise TensorSplitError(
+                        f"{name}: no tensor split: mlx-lm defines no shard() for it and "
+                        f"llama_tp's style table cannot split it ({refused}); run --pp "
+                        f"{group.size()} instead"
+                    )
                 apply_styles(model, structure, group, name)
         except _Indivisible as e:
             what = names.get(e.array_id, "a weight")
@@ -140,21 +162,13 @@ def shard_model(
                 f"{name}: {how} cannot split it over {group.size()} ranks ({e}); run --pp "
                 f"{group.size()} instead"
             ) from None
-    splits = {}
+    splits: dict[str, Split | Take] = {}
     for k, v in tree_flatten(model.parameters()):
         if id(v) in made:
             splits[k] = made[id(v)][1]
-        elif k in before and v.shape != before[k].shape:  # cut by hand (DeepSeek's embed_q)
-            splits[k] = _by_shape(k, before[k].shape, v.shape, group)
+        elif k in probes and v is not probes[k]:  # cut by hand: the indices it kept
+            splits[k] = Take(tuple(v.reshape(-1).tolist()), tuple(v.shape))
     return splits, how
-
-
-def _by_shape(name: str, whole: tuple, part: tuple, group: mx.distributed.Group) -> Split:
-    axes = [i for i, (a, b) in enumerate(zip(whole, part, strict=True)) if a != b]
-    n = group.size()
-    if len(axes) != 1 or whole[axes[0]] != part[axes[0]] * n:
-        raise TensorSplitError(f"{name}: split from {list(whole)} to {list(part)}, not evenly")
-    return Split(axes[0], 1, n, group.rank())
 
 
 def _check_heads(config: dict, n: int, name: str) -> None:
