@@ -6,8 +6,9 @@ or one launch, one JSON line per architecture on rank 0's stdout.
         and llama_tp's on one process: {"name", "mlx_lm", "tokens", "error"}
     python -m llama_tp.launch -n N -- python tests/mp_generic.py run ROOT --pp N [NAME...]
     python -m llama_tp.launch -n N -- python tests/mp_generic.py run ROOT --tp N [NAME...]
-        loads each folder split that way (by tensor: the first half of the tokens) and prints {"name", "tokens", "error", "ranks":
-        [(bytes read, layers run, bytes held) per rank], "how"}
+        loads each folder split that way (by tensor: the first half of the tokens) and
+        prints {"name", "tokens", "error", "ranks": [(bytes read, layers run, bytes held)
+        per rank], "how", "by_mlx_lm"}
 
 Generation is the engine's (`stream_generate`, greedy, no end of sequence), so the tokens
 are what `python -m llama_tp.generate` prints.
