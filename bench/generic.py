@@ -11,8 +11,8 @@ path with OpenBLAS):
    own pipeline (`pipeline_load`) on the same weights and ranks;
 2. 1 rank, with `--compare mlx-lm`;
 3. llama_tp and mlx-lm loaded in one process, generating in turns for `--rounds` rounds
-   (`bench/moe.py`'s interleaved run): the 1-rank target is the median of the paired
-   ratios, so that the machine's other load weighs on both alike.
+   (as `bench/moe.py` does): the 1-rank target is the median of the paired ratios, so
+   that the machine's other load weighs on both alike.
 
 Rewrites the section "mlx-lm's classes" of docs/benchmarks.md and
 docs/benchmarks/generic.json. Targets (issue 39): 2 pipeline ranks >= 1.0x mlx-lm's
@@ -26,11 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import moe  # noqa: E402  (bench/moe.py: its interleaved one-process run)
-
-from llama_tp.benchmarks import sections  # noqa: E402
+from llama_tp.benchmarks import sections
 
 NAME = "generic"
 
@@ -96,6 +92,69 @@ def bench(path: Path, ranks: int, flags: list[str], args) -> dict:
     return json.loads(lines[-1])
 
 
+def interleaved(path: str, rounds: int, p: int, g: int) -> dict:
+    """bench/moe.py's interleaved run (llama_tp and mlx-lm in one process, generating in
+    turns, the order swapped every round), with mlx-lm's `load_model` (the folder has no
+    tokenizer: the prompt is token ids)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step as mlx_lm_step
+    from mlx_lm.generate import generation_stream
+    from mlx_lm.utils import load_model
+
+    from llama_tp.benchmarks.runner import timed
+    from llama_tp.engine.generation import generate_step
+    from llama_tp.engine.loader import load_model as load_ours
+    from llama_tp.engine.sampling import make_sampler
+
+    ours, _ = load_ours(path)
+    theirs, _ = load_model(Path(path))
+    prompt = mx.random.randint(0, ours.args.vocab_size, (p,), key=mx.random.key(0)).tolist()
+
+    def run(engine: str) -> dict:
+        if engine == "llama_tp":
+            return timed(generate_step(ours, prompt, make_sampler(0.0), g), p)[0]
+        steps = mlx_lm_step(mx.array(prompt), theirs, max_tokens=g, sampler=lambda x: x.argmax(-1))
+        return timed(steps, p, generation_stream)[0]
+
+    run("llama_tp"), run("mlx-lm")  # warm-up
+    trials: dict[str, list[dict]] = {"llama_tp": [], "mlx-lm": []}
+    for r in range(rounds):
+        for engine in ("llama_tp", "mlx-lm")[:: 1 if r % 2 == 0 else -1]:
+            trials[engine].append(run(engine))
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+    out: dict = {"rounds": rounds, "trials": trials}
+    for key in ("prompt_tps", "generation_tps"):
+        a = [t[key] for t in trials["llama_tp"]]
+        b = [t[key] for t in trials["mlx-lm"]]
+        out[key] = {"llama_tp": median(a), "mlx-lm": median(b)}
+        out[f"{key}_ratio"] = median([x / y for x, y in zip(a, b, strict=True)])
+    return out
+
+
+def one_process(path: Path, args) -> dict:
+    """`interleaved` in a child process with the one process's BLAS setup (OpenBLAS, two
+    threads), as bench/moe.py runs it."""
+    import os
+    import subprocess
+
+    from llama_tp.cluster.blas import find_openblas
+
+    cmd = [sys.executable, __file__, "--one-process", str(path), "--rounds", str(args.rounds)]
+    cmd += ["-p", str(args.p), "-g", str(args.g)]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "2"}
+    if find_openblas():
+        env["LD_PRELOAD"] = find_openblas()
+    print(" ".join(cmd[1:]), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def section(res: dict) -> str:
     runs, targets = res["runs"], res["targets"]
     md = [f"### mlx-lm's classes: `{res['arch']}` ({res['size']}) against mlx-lm", ""]
@@ -144,7 +203,11 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--port", type=int, help="the ranks' starting port (default: the launcher's)")
     p.add_argument("--out", default=str(sections.PAGE), help="the page whose section to rewrite")
+    p.add_argument("--one-process", help=argparse.SUPPRESS)  # the interleaved run's child
     args = p.parse_args()
+    if args.one_process:
+        print(json.dumps(interleaved(args.one_process, args.rounds, args.p, args.g)))
+        return 0
     path = write_folder(args.arch, args.hidden, args.layers, args.vocab, args.dtype)
     res = sections.run_facts("bench/generic.py")
     compare = ["--compare", "mlx-lm", "--collective-steps", "0"]
@@ -152,7 +215,7 @@ def main() -> int:
         "2 ranks, --pp 2": bench(path, 2, [*compare, "--pp", "2"], args),
         "1 rank": bench(path, 1, compare, args),
     }
-    runs["1 process, interleaved"] = side = moe.one_process(str(path), args)
+    runs["1 process, interleaved"] = side = one_process(path, args)
     two = runs["2 ranks, --pp 2"]
     targets = {
         "generation_2_pipeline_ranks_vs_mlx_lm_pipeline": two["llama_tp"]["generation_tps"]

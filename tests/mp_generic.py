@@ -6,7 +6,9 @@ or one launch, one JSON line per architecture on rank 0's stdout.
         and llama_tp's on one process: {"name", "mlx_lm", "tokens", "error"}
     python -m llama_tp.launch -n N -- python tests/mp_generic.py run ROOT --pp N [NAME...]
     python -m llama_tp.launch -n N -- python tests/mp_generic.py run ROOT --tp N [NAME...]
-        loads each folder split that way (by tensor: the first half of the tokens) and
+    python -m llama_tp.launch -n 4 -- python tests/mp_generic.py run ROOT --mesh 4 NAME...
+        loads each folder split that way (--mesh N: --tp 2 --pp N/2; by tensor: the
+        first half of the tokens) and
         prints {"name", "tokens", "error", "ranks": [(bytes read, layers run, bytes held)
         per rank], "how", "by_mlx_lm"}
 
@@ -79,13 +81,14 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         return
     flag, n = sys.argv[3], int(sys.argv[4])
+    mesh = {"tp": 2, "pp": n // 2} if flag == "--mesh" else {flag.lstrip("-"): n}
     names = sys.argv[5:] or [p.name for p in sorted(root.iterdir()) if p.is_dir()]
     # by tensor: every layer all-reduces twice per token; the first tokens tell enough
-    count = NEW_TOKENS // 2 if flag == "--tp" else NEW_TOKENS
+    count = NEW_TOKENS // 2 if flag in ("--tp", "--mesh") else NEW_TOKENS
     for name in names:
         row = {"name": name}
         try:
-            row["tokens"], extra = ours(root / name, group, count, **{flag.lstrip("-"): n})
+            row["tokens"], extra = ours(root / name, group, count, **mesh)
             row |= extra
         except Exception as e:
             row["error"] = first_line(e) or type(e).__name__

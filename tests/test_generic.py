@@ -113,6 +113,19 @@ def test_tensor_splits(written):
     assert set(STYLE_TABLE) <= set(split)
 
 
+def test_tensor_splits_inside_pipeline_stages(written):
+    """--tp 2 --pp 2 on 4 ranks: each stage split by the model's shard() or the style table."""
+    root, ref = written
+    names = ["ministral3", "gemma3_text"]  # shard() (and its own pipeline()), the style table
+    rows = _run(root, 4, "--mesh", names)
+    for name in names:
+        r = rows[name]
+        assert r.get("tokens") == ref[name]["mlx_lm"][:4], (name, r.get("error"), r.get("trace"))
+        assert r["how"] == tensor_split(name) and not r["by_mlx_lm"], (name, r)
+        stages = [tuple(x[1]) for x in r["ranks"]]
+        assert stages[0] == stages[1] and stages[2] == stages[3] and stages[0] != stages[2]
+
+
 def test_the_style_table_splits_exactly_the_listed_architectures(written):
     """Without a launch (stand-in groups): the style table takes every architecture of
     STYLE_TABLE and refuses, in one line suggesting --pp, every other one without shard()."""

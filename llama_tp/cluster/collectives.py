@@ -162,7 +162,7 @@ def count_collectives(
     pipeline_group = getattr(getattr(model, "mesh", None), "pp_group", None)
     return {
         "all_reduces_per_token": reduces,
-        "all_reduces_per_layer": sum(per_layer) / len(per_layer),
+        "all_reduces_per_layer": sum(per_layer) / len(per_layer) if per_layer else None,
         "all_reduces_in_layers": per_layer,
         "all_reduces_outside_layers": reduces - sum(per_layer),
         "other_collectives_per_token": len(step) - reduces,

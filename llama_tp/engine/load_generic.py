@@ -86,7 +86,7 @@ def load_generic_model(
     """`load_model` for an mlx-lm architecture (see the module docstring): (model, ckpt),
     every rank returning once all have loaded; if one fails, all raise."""
     from ..generic.convert import is_stage_split, rank_folder
-    from ..generic.loader import load_generic
+    from ..generic.loader import load_generic, local_path
 
     refuse_native_only(dtype, plan, sequence_parallel, moe_split, route)
     check_mesh_flags(tp, pp, pp_split, group, dp, split)
@@ -106,7 +106,7 @@ def load_generic_model(
     model = ckpt = error = None
     fingerprint = shapes = None
     try:
-        path = Path(path)
+        path = local_path(path)
         if is_stage_split(path):  # convert --shards N: this rank's folder, its stages
             path, pp_split, fingerprint, shapes = rank_folder(
                 path, T, mesh.pp if mesh else 1, model_group.rank()

@@ -290,10 +290,18 @@ def _pipeline_owner(model: nn.Module, s: Structure) -> nn.Module | None:
     return owner
 
 
+def local_path(path: str | Path) -> Path:
+    """`path`, or the local folder of a Hugging Face hub repo id (fetched as mlx-lm does)."""
+    from ..checkpoints import _REPO_ID, _download
+
+    p = Path(path)
+    return _download(str(path)) if not p.exists() and _REPO_ID.match(str(path)) else p
+
+
 def checkpoint_route(path: str | Path) -> classes.Route | None:
     """The route of a Hugging Face / MLX folder, or of one split by stage (`convert.py`);
     None: not such a folder (a GGUF file, a native pre-split one)."""
-    p = Path(path)
+    p = local_path(path)
     if (p / "stages.json").is_file():  # generic/convert.py's split: its ranks' config
         p = p / "rank-0"
     if not (p.is_dir() and (p / "config.json").is_file()):
