@@ -116,12 +116,15 @@ def diagnose(
     fault_rank: int | None = None,
     mesh: tuple[int | None, int | None, int | None] | None = None,
     model: str | None = None,
+    weights_cache: str | None = None,
 ) -> dict[str, Any]:
     """Run every check on every rank (all ranks must call this); the report, alike on
     every rank, as a JSON-able dict. `fault_rank` perturbs that rank's sharded model
     (to test that a failing check fails everywhere); `mesh`: (tp, pp, dp) to check;
-    `model`: a checkpoint whose weights the split advice places."""
+    `model`: a checkpoint whose weights the split advice places, and whose ranks say
+    where their weights would come from (`weights_cache`: the cache folder a run uses)."""
     from .engine.split_advice import check_split
+    from .engine.transfer_check import check_weights
 
     report: dict[str, Any] = {"backend": backend_name(group), "ranks": group.size()}
     checks = _check_ranks(group, report)
@@ -129,6 +132,8 @@ def diagnose(
     checks.append(check_split(group, report, model, *(mesh or (None, None, None))))
     checks.append(_check_kernels(group, report))
     checks.append(_check_all_reduce(group, report, quick))
+    tp, pp = (mesh or (None, None))[:2]
+    checks.append(check_weights(group, report, model, tp, pp, quick, weights_cache))
     checks.append(_check_logits(group, fault_rank))
     checks.append(_check_generic(group))
     if mesh is not None:
@@ -346,6 +351,11 @@ def main() -> int:
         help="also check that this checkpoint's weights fit each rank's available memory, "
         "balanced and under the suggested --split weights (nothing is loaded)",
     )
+    p.add_argument(
+        "--weights-cache",
+        metavar="DIR|none",
+        help="with --model: the cache folder a run would use (see generate --help)",
+    )
     # For the tests: perturb this rank's sharded model so that the logits check fails.
     p.add_argument("--inject-fault", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -365,7 +375,7 @@ def main() -> int:
         mesh = (args.tp, args.pp, args.dp)
     watchdog.install(step_timeout=args.timeout, load_timeout=None)
     watchdog.set_group_size(group.size())
-    report = diagnose(group, args.quick, args.inject_fault, mesh, args.model)
+    report = diagnose(group, args.quick, args.inject_fault, mesh, args.model, args.weights_cache)
     print0(json.dumps(report, indent=2) if args.json else format_report(report), group=group)
     failed = [c for c in report["checks"] if c["status"] == "FAILED"]
     if failed:

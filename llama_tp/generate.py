@@ -155,8 +155,10 @@ def main() -> int:
         eprint0(f"Peak memory: {per_rank} ({group.size()} rank{'s' * (group.size() > 1)})")
         emb = ", ".join(f"rank {i} {b / 1e6:.1f} MB" for i, (_, b, _) in enumerate(peaks))
         eprint0(f"Embedding and head: {emb}")
+        from .engine.weight_transfer import where_from
+
         load = ", ".join(
-            f"rank {i} read {s['bytes_read'] / 1e6:.1f} MB, peak {s['peak_memory'] / 1e6:.1f} MB"
+            f"rank {i} {where_from(s)}, peak {s['peak_memory'] / 1e6:.1f} MB"
             f" in {s['seconds']:.1f} s"
             for i, (_, _, s) in enumerate(peaks)
         )

@@ -10,6 +10,12 @@ get) is mlx's own launcher; only its I/O forwarding is replaced (see
 forwards stdin with its end of file, and exits with the first failing rank's
 code. `-m MODULE` runs `python -m MODULE` on every rank; with local ranks on
 Linux, Debian's OpenBLAS is preloaded when installed (`--no-openblas`: don't).
+
+    python -m llama_tp.launch -n 2 --restart -m llama_tp.serve --port 8080
+
+`--restart` (serve only) keeps the server up: a supervisor owns the port and relaunches
+the ranks when one dies, hangs or loses its link (`llama_tp/supervisor/`;
+`--restart-limit K` failures in `--restart-window SECONDS`, default 5 in 600, stop it).
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         print()
         argv = argv or ["--help"]
+    if _supervised(argv):
+        from .supervisor.service import run as supervise
+
+        return supervise(argv)
     openblas = "--no-openblas" not in argv
     argv = [a for a in argv if a != "--no-openblas"]
     install_sigterm()
@@ -33,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _supervised(argv: list[str]) -> bool:
+    """`--restart` among the launcher's own flags."""
+    from .cluster.launcher import split_argv
+
+    try:
+        return "--restart" in split_argv(argv)[0]
+    except ValueError:  # run() says what is wrong
+        return False
 
 
 def cli() -> None:

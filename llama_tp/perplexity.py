@@ -50,8 +50,10 @@ def main() -> int:
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--text-file {args.text_file}: {e}") from None
     group = world()
-    path = args.model or default_model()
+    from .console.cli import model_on_some_rank
     from .parallel.shares import SplitError
+
+    path = args.model or model_on_some_rank(default_model, group)
 
     try:
         model, tokenizer = load(
@@ -61,6 +63,7 @@ def main() -> int:
             args.dtype,
             moe_split=args.moe_split,
             split=args.split,
+            weights_cache=args.weights_cache,
         )
     except SplitError as e:  # the same on every rank
         raise UsageError(str(e)) from None

@@ -38,6 +38,21 @@ def _parser():
         metavar="ORIGINS",
         help="let browser pages from these origins call the API (comma-separated, or '*')",
     )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="Host names requests may give besides the local ones and any address "
+        "(comma-separated; '*.example.com' for a domain, '*' for any); others get 403",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the largest request body read (default 0: room for the largest prompt the "
+        "model's context can hold, at least 8 MiB); larger ones get 413",
+    )
     p.add_argument("--model-name", default=None, help="the id /v1/models reports")
     p.add_argument(
         "--max-batch",

@@ -101,6 +101,20 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_tiny(tmp_path_factory, tiny_dir) -> Path:
+    """The tiny model with a context long enough for streams that run until the fault."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("long") / "model"
+    shutil.copytree(tiny_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 1 << 20
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="session")
 def default_gguf() -> Path:
     """The built-in SmolLM2-135M-Instruct GGUF (installed by `make test`)."""
     from llama_tp.engine.loader import default_model

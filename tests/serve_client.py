@@ -47,7 +47,7 @@ class Server:
     """A server subprocess (its own process group), stopped at the end of the module."""
 
     def __init__(self, ranks: int, model: Path, tmp: Path, *flags: str, launcher: str = "mlx"):
-        self.port = free_port()
+        self.port, self.model = free_port(), model
         args = ["-m", "llama_tp.serve", "--model", str(model), "--port", str(self.port)]
         args += ["--api-key", KEY, *flags]
         if ranks == 1:

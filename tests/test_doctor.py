@@ -33,7 +33,7 @@ def check_lines(stdout: str) -> dict[str, tuple[str, str]]:
     out = {}
     for line in stdout.splitlines():
         m = re.match(
-            r"(ranks|versions|blas|kernels|split|all-reduce|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)",
+            r"(ranks|versions|blas|kernels|split|all-reduce|weights|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)",
             line,
         )
         if m:
@@ -57,6 +57,7 @@ def test_doctor_single_process():
     checks = check_lines(r.stdout)
     assert checks["ranks"][0] == "ok" and checks["versions"][0] == "ok", r.stdout
     assert checks["all-reduce"] == ("n/a", "single process: nothing to reduce"), r.stdout
+    assert checks["weights"] == ("n/a", "single process: nothing to send"), r.stdout
     assert checks["logits"][0] == "ok", r.stdout
     assert checks["blas"][0] in ("ok", "warn"), r.stdout
     # which path quantized products take (make test builds the native kernels)
@@ -67,7 +68,7 @@ def test_doctor_single_process():
 def test_doctor_two_ranks(tiny_dir, monkeypatch):
     # Unequal machines, faked (cluster/memory.py): 12 and 6 GiB available.
     monkeypatch.setenv("LLAMA_TP_FAKE_MEMORY", "24G:12G,8G:6G")
-    r = launch(2, [*DOCTOR, "--model", str(tiny_dir)], timeout=90)
+    r = launch(2, [*DOCTOR, "--model", str(tiny_dir)], timeout=150)
     assert_no_failed_rank(r)
     assert r.stdout.startswith("llama_tp doctor: 2 rank(s), backend ring"), r.stdout
     rows = rank_rows(r.stdout)
@@ -94,6 +95,9 @@ def test_doctor_two_ranks(tiny_dir, monkeypatch):
     assert status == "ok" and detail.startswith("weights fit balanced (rank "), detail
     assert "; for speed " in detail and detail.endswith("; for memory --split 2:1"), detail
     assert checks["kernels"][0] == "ok" and checks["kernels"][1].endswith("on every rank")
+    # where each rank's weights come from (every rank has the file here), and the link's rate
+    status, detail = checks["weights"]
+    assert status == "ok" and detail == f"{tiny_dir}: rank 0 locally; rank 1 locally", detail
     assert "doctor: healthy" in r.stdout.splitlines()[-1], r.stdout
 
 

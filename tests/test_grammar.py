@@ -54,7 +54,8 @@ def test_each_shard_masks_and_biases_its_own_columns(builtin):
     size = model.args.vocab_size
     eos = frozenset(tokenizer.eos_token_ids)
     logits = mx.random.normal((1, size), key=mx.random.key(0))
-    history = mx.array(tokenizer.encode('Hi {"city": "Pa'), mx.int32)
+    prompt = tokenizer.encode("Hi")  # then a reply the grammar allows so far
+    history = mx.array(prompt + tokenizer.encode('{"city": "Pa'), mx.int32)
     whole = VocabShard.whole(size)
     grammar = json_schema_grammar(SCHEMA)
     params = SamplingParams(
@@ -64,7 +65,7 @@ def test_each_shard_masks_and_biases_its_own_columns(builtin):
     def run(shard: VocabShard) -> mx.array:
         mask = GrammarMask(grammar, tokenizer, size, eos)
         procs = processors_for(params, tokenizer, size, eos)
-        out = mask(history[:2], logits[:, shard.start : shard.stop], shard)  # the prompt
+        out = mask(history[: len(prompt)], logits[:, shard.start : shard.stop], shard)
         out = mask(history, out, shard)  # then the reply so far
         for p in procs:
             out = p(history, out, shard)

@@ -4,7 +4,7 @@ Layers, lowest first; a module may import its own package's modules and any lowe
 layer, never a higher one:
 
     cluster < parallel, model_args < model < models < checkpoints < generic < engine < console
-            < server, benchmarks < the commands at the top (generate, chat, serve, ...)
+            < server, benchmarks < supervisor < the commands at the top (generate, chat, ...)
 
 Every import counts, including those inside functions (they are real dependencies,
 only deferred). The root `llama_tp/__init__.py` is the public facade: it imports
@@ -34,8 +34,9 @@ LAYERS = {
     "console": 6,
     "server": 7,
     "benchmarks": 7,
+    "supervisor": 8,  # the front door of `launch --restart`: above the server it fronts
 }
-TOP = 8  # the commands: llama_tp/<name>.py
+TOP = 9  # the commands: llama_tp/<name>.py
 
 
 def module_name(path: Path) -> str:

@@ -10,10 +10,8 @@ fails.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
-import shutil
 import subprocess
 import time
 
@@ -103,13 +101,9 @@ def test_generation_across_namespaces_equals_one_process(two_hosts, tiny_dir, tm
     assert r0.err == r1.err == ""
 
 
-def test_link_down_mid_generation_ends_every_rank(two_hosts, tmp_path, tiny_dir):
+def test_link_down_mid_generation_ends_every_rank(two_hosts, tmp_path, long_tiny):
     names, _, link = two_hosts
-    model = tmp_path / "long"  # the tiny model with a context long enough to keep going
-    shutil.copytree(tiny_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = 1 << 20
-    (model / "config.json").write_text(json.dumps(config))
+    model = long_tiny  # the tiny model with a context long enough to keep going
     ranks = in_namespaces(two_hosts, generate(model, 500000, "--timeout", "5"), tmp_path)
     ranks.wait_for_output(100)
     ip("-n", names[0], "link", "set", link, "down")

@@ -44,14 +44,9 @@ def gen_args(model, *extra: str, prompt: str = "hi") -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def long_model(tmp_path_factory, tiny_dir):
+def long_model(long_tiny):
     """The tiny model with a context long enough to keep generating until stopped."""
-    path = tmp_path_factory.mktemp("long") / "model"
-    shutil.copytree(tiny_dir, path)
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 1 << 20
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return long_tiny
 
 
 def endless(ranks_n: int, model, tmp_path, *extra: str, **kwargs) -> Ranks:

@@ -100,6 +100,7 @@ def bench_llama_tp(
             sequence_parallel=sp,
             moe_split=args.moe_split,
             split=args.split,
+            weights_cache=getattr(args, "weights_cache", None),
             **mesh_flags,
         )
     except (MeshError, SplitError) as e:  # the same on every rank
@@ -315,7 +316,9 @@ def prepare_model(args: Any, group: mx.distributed.Group) -> tuple[Path, str]:
             synthetic_dir(args.synthetic)
         barrier(group)
         return synthetic_dir(args.synthetic), f"synthetic {args.synthetic}"
-    path = Path(args.model) if args.model else default_model()
+    from ..console.cli import model_on_some_rank
+
+    path = Path(args.model or model_on_some_rank(default_model, group))
     return path, path.name
 
 

@@ -35,6 +35,9 @@ class Checkpoint:
     products: str = ""  # what computes the matrix products (the loader's; --verbose)
     mesh: Any = None  # the loader's parallel.mesh.Mesh (tp x pp x dp), when it made one
     placement: Any = None  # the loader's parallel.placement.Placement (built-in plan)
+    # the weights' fingerprint when known without the files (a rank that received its
+    # slices: the sender's; `fingerprint.weights_fingerprint`)
+    fingerprint: str | None = None
     # mlx-lm's classes (generic/): the route (why that path), each stage's layers, the bytes held
     route: Any = None
     stages: list = field(default_factory=list)

@@ -49,6 +49,8 @@ def file_fingerprint(path: Path) -> list[bytes]:
 
 def weights_fingerprint(ckpt: Any) -> str:
     """A short hash identifying the checkpoint's weights (see the module docstring)."""
+    if getattr(ckpt, "fingerprint", None):  # received from a rank that has the files
+        return str(ckpt.fingerprint)
     given = (ckpt.metadata.get("llama_tp") or {}).get("fingerprint")
     if ckpt.format == "split":  # one rank's folder: its files differ from the others' by design
         given = given or ckpt.metadata.get("fingerprint") or "(pre-split, no fingerprint)"

@@ -152,3 +152,23 @@ def yielding_session(nice: int = SESSION_NICE) -> Iterator[None]:
         yield
     finally:
         _set_session_nice(before)
+
+
+BACKGROUND_NICE = 10  # how much lower a background thread runs than its process
+
+
+def background_thread(by: int = BACKGROUND_NICE) -> None:
+    """Lower the calling thread's priority by `by` (Linux gives each thread its own nice
+    value; elsewhere nothing changes), so that it takes a core only when the process's
+    other threads leave one: the server's costly request preparation (tokenizing a
+    large prompt, compiling a grammar) beside its step loop and event loop."""
+    if sys.platform != "linux":
+        return
+    import threading
+
+    try:
+        tid = threading.get_native_id()
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + by))
+    except OSError:
+        pass

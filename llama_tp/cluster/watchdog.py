@@ -186,7 +186,7 @@ class Watchdog:
             others = f"{self.size - 1} other rank{'s' * (self.size > 2)}"
         return (
             f"error: rank {self.rank}: no progress for {timeout:g} s in {name} "
-            f"(waiting on {others}); a peer may be stopped or unreachable"
+            f"(waiting on {others}); a peer may be stopped or unreachable{detail()}"
         )
 
     def _watch(self) -> None:
@@ -197,7 +197,7 @@ class Watchdog:
             if self._hangup is None and any(map(_hung_up, self._peers)):
                 self._hangup = now
             if self._hangup is not None and now - self._hangup > HANGUP_GRACE:
-                self._fire(f"error: rank {self.rank}: {PEER_LOST}")
+                self._fire(lost_line(self.rank))
 
     def _fire(self, line: str) -> None:
         if self._stopped.is_set():  # the process is finishing on its own
@@ -257,6 +257,23 @@ def _hung_up(s: socket.socket) -> bool:
 
 _filter: RingNoiseFilter | None = None
 _active: Watchdog | None = None
+_doing: str | None = None  # what this rank is waiting for, for the lines above
+
+
+def doing(what: str | None) -> None:
+    """Say what this rank is in the middle of ("while receiving X from rank 0"), for the
+    lost-peer and no-progress lines (None: nothing in particular). Cheap; any thread."""
+    global _doing
+    _doing = what
+
+
+def detail() -> str:
+    return f" {_doing}" if _doing else ""
+
+
+def lost_line(rank: str) -> str:
+    """The one line a rank prints when a peer is lost, with what it was doing."""
+    return f"error: rank {rank}: {PEER_LOST}{detail()}"
 
 
 def filter_ring_noise() -> RingNoiseFilter:

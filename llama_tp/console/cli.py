@@ -17,8 +17,9 @@ from typing import NoReturn
 
 import mlx.core as mx
 
+from ..checkpoints.weights_cache import wait_for_writes
 from ..cluster import watchdog
-from ..cluster.distributed import agreed, first_line, is_rank0
+from ..cluster.distributed import agreed, all_gather_object, first_line, is_rank0
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -82,6 +83,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     )
     add_moe_split_arg(p)
     add_split_arg(p)
+    p.add_argument(
+        "--weights-cache",
+        metavar="DIR|none",
+        default=None,
+        help="where a rank without the model keeps the slices it received, for the next "
+        "start (default: $LLAMA_TP_WEIGHTS_CACHE, else ~/.cache/llama_tp/weights; "
+        "'none': keep nothing)",
+    )
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
@@ -320,12 +329,12 @@ def run(main: Callable[[], int | None]) -> NoReturn:
     except Exception as e:  # the entry point's job: one line, never a traceback
         if peer_lost(e):
             watchdog.uninstall()
-            line = f"error: rank {watchdog.rank_label()}: {watchdog.PEER_LOST}"
-            watchdog.report_and_exit(line, EXIT_PEER)
+            watchdog.report_and_exit(watchdog.lost_line(watchdog.rank_label()), EXIT_PEER)
         _report(e)
         code = EXIT_ERROR
     watchdog.uninstall()
     sys.stdout.flush()
+    wait_for_writes()  # the received weights' cache, written behind the load (and its warning)
     watchdog.close_filter(final=True)  # MLX's teardown at exit may still write "[ring]"
     sys.exit(code)
 
@@ -339,6 +348,22 @@ def _report(e: Exception) -> None:
         print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
 
 
+def model_on_some_rank(find: Callable[[], object], group: mx.distributed.Group) -> str:
+    """This rank's path from `find` (the built-in model), or where it has none, the first
+    rank's that has one: that rank sends it its slices (`engine/model_sources.py`). When
+    no rank has one, every rank raises its own error."""
+    mine = error = None
+    try:
+        mine = str(find())
+    except Exception as e:
+        error = e
+    paths = all_gather_object(mine, group) if group.size() > 1 else [mine]
+    found = [p for p in paths if p]
+    if not found:
+        raise error
+    return mine or found[0]
+
+
 def load_checked(args, group: mx.distributed.Group):
     """The commands' loading: (model, tokenizer) of `args.model`, after the start-up
     agreement (llama_tp.agreement); any rank's failure makes every rank raise."""
@@ -346,8 +371,7 @@ def load_checked(args, group: mx.distributed.Group):
     from ..engine.agreement import check_agreement
     from ..engine.loader import default_model, load_model
 
-    # e.g. the built-in model is missing on one host: every rank stops
-    path = agreed(lambda: args.model or default_model(), group)
+    path = args.model or model_on_some_rank(default_model, group)
     from ..parallel.mesh import MeshError
     from ..parallel.shares import SplitError
 
@@ -362,6 +386,7 @@ def load_checked(args, group: mx.distributed.Group):
                 sequence_parallel=getattr(args, "sequence_parallel", False),
                 moe_split=args.moe_split,
                 split=args.split,
+                weights_cache=getattr(args, "weights_cache", None),
                 **mesh,
             )
         except (MeshError, SplitError) as e:  # the same on every rank

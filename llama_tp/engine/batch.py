@@ -33,7 +33,7 @@ from mlx_lm.models.cache import (
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..checkpoints.chat_template import renderer_for
-from ..cluster.distributed import world
+from ..cluster.distributed import first_line, world
 from .batch_messages import Decision, Event, Join, SamplingParams
 from .cache_abilities import cache_abilities
 from .decoder import Decoder
@@ -93,10 +93,24 @@ class BatchEngine(Decoder):
             self.ahead = self.ahead.select(keep) if keep else None
             self._release(keep, remember=False)
         for join in decision.joins:
-            self._admit(join)
+            refused = self._admit(join)
+            if refused is not None:
+                events.append(refused)
         return events
 
-    def _admit(self, join: Join) -> None:
+    def _admit(self, join: Join) -> Event | None:
+        """Prefill `join` into the batch; or, when its own processing cannot start (its
+        logits processors), the event that ends it with an error, the batch unchanged."""
+        seq = Sequence(join.uid, join.prompt, join.params, self.tokenizer.detokenizer, self.eos)
+        seq.guarded = True  # its own failures end it alone (sequence.py)
+        if join.params.processed:  # logit bias, penalties, a grammar
+            try:
+                seq.processors = processors_for(
+                    join.params, self.tokenizer, self.shard.size, self.eos
+                )
+            except Exception as e:
+                seq.fault = ("grammar" if join.params.grammar else None, first_line(e))
+                return seq.fail()
         cache, cached = None, 0
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, join.prompt)
@@ -108,10 +122,7 @@ class BatchEngine(Decoder):
                     cache, rest = None, join.prompt
             cached = len(join.prompt) - len(rest) if cache is not None else 0
         cache = cache if cache is not None else make_prompt_cache(self.model)
-        seq = Sequence(join.uid, join.prompt, join.params, self.tokenizer.detokenizer, self.eos)
         seq.cached = seq.fed = cached
-        if join.params.processed:  # logit bias, penalties, a grammar
-            seq.processors = processors_for(join.params, self.tokenizer, self.shard.size, self.eos)
         ahead = self.prefill(seq, cache)  # alone (B = 1): as a single-sequence run does
         self.prefilled_tokens += len(join.prompt) - cached
         # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into
@@ -126,6 +137,7 @@ class BatchEngine(Decoder):
                 mine.extend(new)
             self.ahead = self.ahead.extend(ahead)
         self.rows.append(seq)
+        return None
 
     def _release(self, keep: list[int], remember: bool = True) -> None:
         """Free the cache rows of the rows not in `keep` (after putting the finished ones'

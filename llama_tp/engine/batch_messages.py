@@ -31,3 +31,7 @@ class Decision:
     stop: bool = False
     idle: float = 0.0  # nothing to do: sleep this long before the next decision
     report: bool = False  # every rank sends rank 0 its status (server/status.py) first
+    # Grammars every rank compiles ahead, off its step loop (grammar.Prefetch), by request
+    # id, before rank 0 lets the requests join; and the requests it still waits for.
+    prepare: dict[int, str] = field(default_factory=dict)
+    awaited: list[int] = field(default_factory=list)

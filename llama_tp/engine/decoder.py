@@ -294,8 +294,7 @@ class Decoder:
             row = logits[b : b + 1]
             if r.processors:
                 tokens = history(b) if history else mx.array(r.history, mx.int32)
-                for p in r.processors:
-                    row = p(tokens, row, self.shard)
+                row = r.process(tokens, row, self.shard)
             out.append(row)
         return mx.concatenate(out, axis=0)
 

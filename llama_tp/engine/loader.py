@@ -38,6 +38,8 @@ from ..parallel.shares import MEMORY, SplitSpec, Weights, memory_split, parse_sp
 from .agreement import check_mesh_flags
 from .kernel_choice import native_kernels, products_path
 from .load_placement import checkpoint_placement
+from .model_sources import Shared, open_shared
+from .weight_transfer import read_weights
 
 
 def _read(ckpt: Checkpoint, mine: RankPlacement) -> list[tuple[str, mx.array]]:
@@ -99,14 +101,19 @@ def _build(
 def _open(
     path: str | Path,
     group: mx.distributed.Group,
-    model_group: mx.distributed.Group,
+    model_group: mx.distributed.Group | None,
     blocks: bool = False,
-) -> Checkpoint:
-    """open_checkpoint on every rank (as rank of `model_group`, the ranks that share one
-    model); if any rank of `group` fails, every rank raises."""
-    return agreed(
-        lambda: open_checkpoint(path, model_group.rank(), model_group.size(), blocks), group
-    )
+    weights_cache: Any = None,
+) -> Shared:
+    """The checkpoint on every rank (as rank of `model_group`, the ranks that share one
+    model; None: each rank holds the whole model): its own file's, or, where it has
+    none, a holder's description (its slices then come over the link:
+    `engine/model_sources.py`); if any rank of `group` fails, every rank raises."""
+    model = (model_group.rank(), model_group.size()) if model_group is not None else (0, 1)
+    if group.size() == 1:
+        ckpt = agreed(lambda: open_checkpoint(path, *model, blocks), group)
+        return Shared(ckpt, group, str(path), [0], [0], 1, [None], blocks)
+    return agreed(lambda: open_shared(path, group, model, blocks, weights_cache), group)
 
 
 def load_model(
@@ -123,6 +130,7 @@ def load_model(
     dp: int | None = None,
     moe_split: str = DEFAULT_MOE_SPLIT,
     split: SplitSpec = None,
+    weights_cache: str | Path | bool | None = None,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
 
@@ -147,7 +155,9 @@ def load_model(
     rank (`parallel/experts.py`). `split` divides each tensor group unevenly: "3:1" or
     (3, 1), one weight per tensor rank, or "memory" (weights from every rank's available
     memory, gathered here); a pre-split folder keeps the weights it was cut with
-    (`parallel/shares.py`). Returns the model,
+    (`parallel/shares.py`). A rank that cannot read `path` receives its slices from one
+    that can, and keeps them in `weights_cache` for the next start (None: the default
+    folder, `checkpoints/weights_cache.py`; False or "none": no cache). Returns the model,
     evaluated, and the checkpoint it came from, with `load_stats` (bytes read, peak
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
@@ -187,7 +197,8 @@ def load_model(
     tic = time.perf_counter()
     READ.reset()
     mx.reset_peak_memory()
-    ckpt = _open(path, group, model_group, blocks=blocks)
+    shared = _open(path, group, model_group, blocks, weights_cache)
+    ckpt = shared.ckpt
     ckpt.mesh = whole_mesh
     ckpt.products = products
     error = None
@@ -207,7 +218,7 @@ def load_model(
                 if mesh
                 else placement.ranks[model_group.rank()]
             )
-            weights = _read(ckpt, mine)
+            weights = read_weights(shared, mine, lambda: _read(ckpt, mine))
             model = _build(ckpt, placement, model_group, mesh, sequence_parallel)
         else:  # a user's style plan: the placement is what its styles keep
             model = skeleton(ckpt)
@@ -216,7 +227,7 @@ def load_model(
                 sequence_parallel=sequence_parallel,
             )  # fmt: skip
             mine = styles_placement(done, model_shape(ckpt))
-            weights = _read(ckpt, mine)
+            weights = read_weights(shared, mine, lambda: _read(ckpt, mine))
         if mesh is not None:  # the stage's layers are numbered from 0
             from .pipeline import local_name
 
@@ -246,23 +257,27 @@ def load_model(
         "peak_memory": mx.get_peak_memory(),
         "max_rss": max_rss(),
         "seconds": time.perf_counter() - tic,
+        **(shared.stats or {"source": "local"}),  # where the weights came from (--verbose)
     }
     barrier(group)
     return model, ckpt
 
 
 def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
-    """The model at `path` whole on this rank (no collectives inside: e.g. a small draft
-    model replicated on every rank). Returns (model, checkpoint); if any rank of
-    `group` fails, every rank raises."""
+    """The model at `path` whole on every rank of `group` (e.g. a small draft model
+    replicated on every rank; ranks without the file receive it whole from one that has
+    it, `engine/model_sources.py`). Returns (model, checkpoint); if any rank of `group`
+    fails, every rank raises."""
     group = group or world()
     native = native_kernels(None, group)
+    shared = _open(path, group, None, native)
+    ckpt = shared.ckpt
+    if ckpt.format == "split":  # alike on every rank
+        raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
+    everything = place(model_shape(ckpt)).ranks[0]  # every tensor whole, once
+    weights = read_weights(shared, everything, lambda: _read(ckpt, everything))
 
     def whole() -> tuple[nn.Module, Checkpoint]:
-        ckpt = open_checkpoint(path, 0, 1, blocks=native)
-        if ckpt.format == "split":
-            raise CheckpointError(f"{path}: a pre-split checkpoint cannot be loaded whole")
-        weights = _read(ckpt, place(model_shape(ckpt)).ranks[0])  # every tensor whole, once
         model = skeleton(ckpt)
         load_weights(model, ckpt, weights)
         if mx.default_device().type == mx.cpu:
@@ -283,7 +298,7 @@ def load(
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
     `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp,
-    moe_split, split)."""
+    moe_split, split, weights_cache)."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()

@@ -7,6 +7,8 @@ tokens), and the grammar mask of a constrained reply (`grammar.GrammarMask`). Ea
 takes (the tokens the logits follow, this rank's logits (1, V_local), its
 `VocabShard`): the token ids are moved into the shard's columns, so a
 vocabulary-parallel head processes its own slice and every rank the same tokens.
+Each carries the name of the setting it applies (`setting`), so that a failure can be
+told as that setting's (`Sequence.process`).
 """
 
 from __future__ import annotations
@@ -30,18 +32,24 @@ def processors_for(
     """The logits processors `params` asks for (empty for most requests)."""
     out: list = []
     if params.logit_bias:
-        out.append(_bias(dict(params.logit_bias)))
+        out.append(_named(_bias(dict(params.logit_bias)), "logit_bias"))
     n = params.penalty_context
-    for make, value in (
-        (make_repetition_penalty, params.repetition_penalty),
-        (make_presence_penalty, params.presence_penalty),
-        (make_frequency_penalty, params.frequency_penalty),
+    for make, setting in (
+        (make_repetition_penalty, "repetition_penalty"),
+        (make_presence_penalty, "presence_penalty"),
+        (make_frequency_penalty, "frequency_penalty"),
     ):
+        value = getattr(params, setting)
         if value:
-            out.append(_on_shard(make(value, n), n))
+            out.append(_named(_on_shard(make(value, n), n), setting))
     if params.grammar is not None:
-        out.append(GrammarMask(params.grammar, tokenizer, vocab_size, eos))
+        out.append(_named(GrammarMask(params.grammar, tokenizer, vocab_size, eos), "grammar"))
     return out
+
+
+def _named(processor, setting: str):
+    processor.setting = setting
+    return processor
 
 
 def _bias(bias: dict[int, float]):
@@ -58,9 +66,9 @@ def _on_shard(penalty, context: int):
     """mlx-lm's penalty on the columns [shard.start, shard.stop) of the vocabulary."""
 
     def processor(tokens: mx.array, logits: mx.array, shard) -> mx.array:
-        recent = [
-            t - shard.start for t in tokens[-context:].tolist() if shard.start <= t < shard.stop
-        ]
+        # Never a slice bound past MLX's 32-bit indices, whatever the setting says.
+        last = tokens[-min(context, tokens.shape[0]) :].tolist()
+        recent = [t - shard.start for t in last if shard.start <= t < shard.stop]
         return penalty(mx.array(recent, mx.int32), logits) if recent else logits
 
     return processor

@@ -7,6 +7,13 @@ end-of-sequence token ends the reply ("stop", no text), `max_tokens` ends it
 held back until it is known not to be one (a stop string ends the reply
 "stop", itself not shown). What comes out is an `Event`: the new text, the
 token and its log-probabilities, and why the reply ended.
+
+A `guarded` sequence (the server's) fails alone: an exception raised by its own
+processing (its logits processors in `process`, its detokenizer or stop strings in
+`advance`) ends its reply with finish_reason "error" and the reason, at its next
+token, and the other rows and the server go on. Unguarded (`generate`, `Chat`), the
+exception reaches the caller. Every rank runs the same processing on the same tokens,
+so every rank ends the same sequence at the same step.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..cluster.distributed import first_line
 from .settings import SamplingParams
 from .speculative import SpecStats
 from .stops import find_stop, partial_stop
@@ -35,7 +43,7 @@ class Event:
     token: int | None
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
-    finish_reason: str | None  # "stop", "length", "cancelled", "interrupted" or None
+    finish_reason: str | None  # "stop", "length", "cancelled", "interrupted", "error" or None
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose keys and values came from a prompt cache
     completion_tokens: int
@@ -43,6 +51,8 @@ class Event:
     accepted: int = 0  # of those, kept: generated without a forward of their own
     eos: bool = False  # `token` is an end-of-sequence token (not part of the text)
     stop_string: str | None = None  # the stop string that ended the reply, if one did
+    error: str | None = None  # finish_reason "error": why (one line)
+    error_setting: str | None = None  # the setting whose processing failed, if known
 
 
 @dataclass
@@ -63,14 +73,52 @@ class Sequence:
     spec: SpecStats = field(default_factory=SpecStats)  # its speculative steps
     finished: str | None = None
     held: str = ""  # decoded, not yet sent: it may start a stop string
+    guarded: bool = False  # a failure of its own processing ends it, not the caller
+    fault: tuple[str | None, str] | None = None  # (setting, why) once it failed
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("the prompt is empty")
         self.tokens = list(self.prompt)
 
+    def process(self, tokens: mx.array, logits: mx.array, shard) -> mx.array:
+        """Its logits processors on its row of logits (1, V_local), which follow `tokens`.
+        Guarded, a processor that raises leaves the row as it came and ends the reply
+        with an error at its next token."""
+        row = logits
+        if self.fault is not None:
+            return row
+        for p in self.processors:
+            try:
+                row = p(tokens, row, shard)
+            except Exception as e:
+                if not self.guarded:
+                    raise
+                self.fault = (getattr(p, "setting", None), first_line(e))
+                return logits
+        return row
+
     def advance(self, token: int, logprob: float | None = None, top=None) -> Event:
-        """The event of generating `token` (with its log-probabilities, if asked)."""
+        """The event of generating `token` (with its log-probabilities, if asked); a
+        guarded sequence that failed ends here with finish_reason "error"."""
+        if self.guarded:
+            if self.fault is None:
+                try:
+                    return self._advance(token, logprob, top)
+                except Exception as e:
+                    self.fault = (None, first_line(e))
+            return self.fail()
+        return self._advance(token, logprob, top)
+
+    def fail(self) -> Event:
+        """The event that ends the reply for its fault (the text held back is dropped)."""
+        self.finished, self.held = "error", ""
+        setting, why = self.fault or (None, "failed")
+        e = self.event("", None, None, None, "error")
+        e.error, e.error_setting = why, setting
+        return e
+
+    def _advance(self, token: int, logprob: float | None, top) -> Event:
         self.n += 1
         self.tokens.append(token)
         finish, eos = None, token in self.eos

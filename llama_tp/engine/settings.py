@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, replace
 
 MAX_DRAFT_TOKENS = 64
+MAX_INDEX = 2**31 - 1  # MLX indexes and slices with 32-bit integers
 
 
 class SettingsError(ValueError):
@@ -69,7 +70,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2]")
         _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "must be >= 0")
-        _integer("penalty_context", self.penalty_context, 1)
+        _integer("penalty_context", self.penalty_context, 1, MAX_INDEX)
         if self.grammar is not None and self.num_draft_tokens:
             raise SettingsError(
                 "num_draft_tokens", "must be 0 with a grammar", self.num_draft_tokens

@@ -62,15 +62,11 @@ def check_split(
     if model is None:
         detail = "; ".join(words) or "one tensor rank: nothing to split"
         return Check("split", "ok", detail + (" (--model M: do its weights fit?)" * (T > 1)))
-    fit, err = run_check("split", lambda: _fit(model, T, P, available, advice), group)
+    fit, err = run_check("split", lambda: _fit(model, T, P, available, advice, group), group)
     if err:
         return Check("split", "FAILED", f"cannot place {model}: {err}")
     status, text = fit
-    from ..generic.loader import checkpoint_route
-
-    route = checkpoint_route(model)
-    path = f"{route.path} ({route.reason})" if route is not None else None
-    return Check("split", status, "; ".join([p for p in (path, text, *words) if p]))
+    return Check("split", status, "; ".join([p for p in (_path(model), text, *words) if p]))
 
 
 def _flag(weights: Weights | None) -> str:
@@ -78,26 +74,36 @@ def _flag(weights: Weights | None) -> str:
 
 
 def _fit(
-    model: str, tp: int, pp: int, available: list[int], advice: dict[str, Any]
+    model: str,
+    tp: int,
+    pp: int,
+    available: list[int],
+    advice: dict[str, Any],
+    group: mx.distributed.Group | None = None,
 ) -> tuple[str, str]:
     """(status, text): do the model's weights fit each rank's available memory, balanced
-    or under the suggested weights (each rank's bytes into `advice["holds"]`)?"""
-    from ..checkpoints import open_checkpoint
+    or under the suggested weights (each rank's bytes into `advice["holds"]`)? The model
+    need be on one rank only (`model_sources.open_shared`; collective)."""
     from ..checkpoints.slices import model_shape
-    from ..generic.loader import checkpoint_route
+    from ..cluster.distributed import all_gather_object, world
     from ..parallel.placement import place
+    from .model_sources import open_shared
 
+    group = group or world()
     n = len(available)
     holds: dict[str, list[int]] = {}
-    route = checkpoint_route(model)
-    if route is not None and route.generic:  # mlx-lm's classes: even tensor splits only
+    shape = None
+    # mlx-lm's classes (even tensor splits only): the same branch on every rank, even where
+    # the folder is missing (that rank then fails the check, and every rank says so)
+    if any(all_gather_object(_generic_here(model), group)):
         from pathlib import Path
 
         from ..generic.plan import rank_holds
 
         per_replica = rank_holds(Path(model), tp, pp)
         holds["balanced"] = [per_replica[r % len(per_replica)] for r in range(n)]
-    shape = None if holds else model_shape(open_checkpoint(model))
+    else:
+        shape = model_shape(open_shared(model, group).ckpt)
     for name in ("balanced", "speed", "memory") if shape is not None else ():
         weights = None if name == "balanced" else advice.get(name)
         if name != "balanced" and weights is None:
@@ -126,6 +132,29 @@ def _fit(
         f"weights fit no suggested split: balanced, rank {worst} would hold "
         f"{human_bytes(balanced[worst])} of {human_bytes(available[worst])} available"
     )
+
+
+def _path(model: str) -> str | None:
+    """Which path runs `model` and why ('native: ...', 'mlx-lm classes: ...'); None for a
+    file or a folder this rank lacks."""
+    from ..generic.loader import checkpoint_route
+
+    try:
+        route = checkpoint_route(model)
+    except Exception:  # noqa: BLE001 - placing it said what is wrong
+        return None
+    return f"{route.path} ({route.reason})" if route is not None else None
+
+
+def _generic_here(model: str) -> bool:
+    """Does mlx-lm's classes run `model` (a folder on this rank)?"""
+    from ..generic.loader import checkpoint_route
+
+    try:
+        route = checkpoint_route(model)
+    except Exception:  # noqa: BLE001 - the native path then says what is wrong
+        return False
+    return route is not None and route.generic
 
 
 def split_lines(report: dict) -> list[str]:

@@ -96,7 +96,7 @@ class ToolStream:
             return text, []
         try:
             calls = self._calls(text)
-        except (ValueError, AttributeError):  # json.JSONDecodeError is a ValueError
+        except Exception:  # a parser's error, or JSON nested past the recursion limit
             return text, []
         ids = [f"{self.prefix}{k}" if self.prefix else None for k in range(len(calls))]
         return "", [_openai(c, i) for c, i in zip(calls, ids, strict=True)]

@@ -19,8 +19,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .anthropic_answers import Events, message
+from .bodies import dotted, dotted_place, validate
+from .preparation import Api
 from .protocol import MAX_STOPS, RequestError
-from .translation import OpenAIRoutes, chunks, json_body, validate
+from .translation import OpenAIRoutes, chunks
 
 JOIN = "\n\n"  # between a message's text blocks (and a system prompt's)
 
@@ -99,7 +101,7 @@ def openai_body(body: Any) -> dict[str, Any]:
     """A Messages body -> the OpenAI chat body asking the same (RequestError naming the
     field of a bad one). Fields the server leaves out (temperature, top_p, top_k) take the
     server's defaults, as on the OpenAI route."""
-    b = validate(MessagesBody, body)
+    b = validate(MessagesBody, body, dotted())
     messages: list[dict[str, Any]] = []
     if b.system:
         system = b.system if isinstance(b.system, str) else JOIN.join(t.text for t in b.system)
@@ -191,7 +193,7 @@ def _block(raw: Any, at: str) -> _Body:
             f"{at}.type: content blocks are {known}; got {kind!r}" + (f" ({why})" if why else ""),
             f"{at}.type",
         )
-    return validate(model, raw, at)
+    return validate(model, raw, dotted(at))
 
 
 def _result_text(block: ToolResultBlock, at: str) -> str:
@@ -200,7 +202,7 @@ def _result_text(block: ToolResultBlock, at: str) -> str:
         text = block.content
     else:
         text = JOIN.join(
-            validate(TextBlock, part, f"{at}.content.{k}").text
+            validate(TextBlock, part, dotted(f"{at}.content.{k}")).text
             for k, part in enumerate(block.content)
         )
     return f"Error: {text}" if block.is_error else text
@@ -222,6 +224,25 @@ def _tool_choice(choice: ToolChoice, names: list[str]) -> dict[str, Any]:
     return out
 
 
+# The OpenAI fields a Messages body becomes, by their Anthropic names (in errors).
+NAMES = {
+    **{n: n for n in ("max_tokens", "temperature", "top_p", "top_k", "messages", "tools")},
+    "stop": "stop_sequences",
+    "tool_choice": "tool_choice",
+    "continue_final_message": "messages",
+}
+MESSAGES = Api(lambda data, context: (openai_body(data), True), dotted_place, NAMES)
+
+
+def _count_body(data: Any, context: int) -> tuple[dict, bool]:
+    if isinstance(data, dict):
+        data = {"max_tokens": 1, **data}  # count_tokens bodies have none
+    return openai_body(data), True
+
+
+COUNT = Api(_count_body, dotted_place, NAMES)
+
+
 def routes(openai: OpenAIRoutes):
     """The router of POST /messages and /messages/count_tokens (mounted under /v1)."""
     from fastapi import APIRouter
@@ -232,9 +253,10 @@ def routes(openai: OpenAIRoutes):
 
     @router.post("/messages")
     async def messages(request: HTTPRequest):
-        body = openai_body(json_body(await request.body()))
+        prepared = await openai.prepare(request, MESSAGES)
+        body = prepared.body
         stops = body.get("stop", [])
-        answer = await openai.chat(request, body)
+        answer = await openai.answer(request, prepared)
         if not body.get("stream"):
             return message(answer, stops)
         return StreamingResponse(
@@ -245,10 +267,8 @@ def routes(openai: OpenAIRoutes):
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: HTTPRequest):
-        raw = json_body(await request.body())
-        if isinstance(raw, dict):
-            raw = {"max_tokens": 1, **raw}  # count_tokens bodies have none
-        return {"input_tokens": openai.prompt_tokens(openai_body(raw))}
+        prepared = await openai.prepare(request, COUNT, count_only=True)
+        return {"input_tokens": len(prepared.ids)}
 
     return router
 

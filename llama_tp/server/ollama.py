@@ -17,8 +17,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .bodies import dotted, dotted_place, validate
+from .preparation import Api
 from .protocol import MAX_STOPS, RequestError
-from .translation import OpenAIRoutes, chunks, json_body, validate
+from .translation import OpenAIRoutes, chunks
 
 POLL = 0.5  # seconds between checks that a non-streaming client is still connected
 
@@ -88,7 +90,7 @@ class GenerateBody(_Request):
 def chat_body(body: Any, context: int) -> dict[str, Any] | None:
     """An /api/chat body -> the OpenAI chat body asking the same (`context`: the model's,
     for num_predict <= 0). An empty `messages` is Ollama's "load the model": None."""
-    b = validate(ChatBody, body)
+    b = validate(ChatBody, body, dotted())
     if not b.messages:
         return None
     messages: list[dict[str, Any]] = []
@@ -124,7 +126,7 @@ def chat_body(body: Any, context: int) -> dict[str, Any] | None:
 def generate_body(body: Any, context: int) -> tuple[dict[str, Any] | None, bool]:
     """An /api/generate body -> (the OpenAI body, whether it is a text completion: `raw`)
     (None for an empty prompt: Ollama's "load the model")."""
-    b = validate(GenerateBody, body)
+    b = validate(GenerateBody, body, dotted())
     for name in ("images", "suffix", "template", "context"):
         if getattr(b, name):
             raise RequestError(f"{name}: not supported by this server", name)
@@ -261,6 +263,27 @@ def tag(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
+# The OpenAI fields an Ollama body becomes, by their Ollama names (in errors).
+NAMES = {
+    **{n: f"options.{n}" for n in ("temperature", "top_p", "top_k", "min_p", "seed", "stop")},
+    **{n: f"options.{n}" for n in ("presence_penalty", "frequency_penalty")},
+    "repetition_penalty": "options.repeat_penalty",
+    "max_tokens": "options.num_predict",
+    "response_format": "format",
+    **{n: n for n in ("messages", "prompt", "tools")},
+    "continue_final_message": "messages",
+}
+CHAT = Api(lambda data, context: (chat_body(data, context), True), dotted_place, NAMES)
+
+
+def _generate(data: Any, context: int) -> tuple[dict | None, bool]:
+    body, text = generate_body(data, context)
+    return body, not text
+
+
+GENERATE = Api(_generate, dotted_place, NAMES)
+
+
 def routes(openai: OpenAIRoutes):
     """The router of Ollama's routes (mounted under /api)."""
     from fastapi import APIRouter
@@ -272,15 +295,16 @@ def routes(openai: OpenAIRoutes):
     router = APIRouter()
     started = now()
 
-    async def answer(request: HTTPRequest, body: dict | None, text: bool, chat: bool, stream):
+    async def answer(request: HTTPRequest, api: Api, chat: bool):
+        prepared = await openai.prepare(request, api)
         info = openai.model()
         reply = Reply(tag(info.name), chat)
-        if body is None:  # nothing to say: Ollama's answer to "load the model"
+        if prepared.req is None:  # nothing to say: Ollama's answer to "load the model"
             line = reply.whole()
             line["done_reason"] = "load"
             return line
-        response = await (openai.completion if text else openai.chat)(request, body)
-        if not stream:
+        response = await openai.answer(request, prepared)
+        if not prepared.data.get("stream", True):
             await until_done(request, read(response, reply))
             return reply.whole()
 
@@ -296,15 +320,11 @@ def routes(openai: OpenAIRoutes):
 
     @router.post("/chat")
     async def chat(request: HTTPRequest):
-        raw = json_body(await request.body())
-        body = chat_body(raw, openai.model().context)
-        return await answer(request, body, False, True, raw.get("stream", True))
+        return await answer(request, CHAT, True)
 
     @router.post("/generate")
     async def generate(request: HTTPRequest):
-        raw = json_body(await request.body())
-        body, text = generate_body(raw, openai.model().context)
-        return await answer(request, body, text, False, raw.get("stream", True))
+        return await answer(request, GENERATE, False)
 
     @router.get("/tags")
     async def tags():
@@ -337,8 +357,10 @@ async def read(response, reply: Reply) -> None:
     """Feed `reply` the whole OpenAI stream (RequestError on a mid-stream failure)."""
     async for c in chunks(response):
         lines = reply.feed(c)
-        if "error" in c:
-            raise RequestError(lines[0]["error"], None, 500, "unavailable", "server_error")
+        if "error" in c:  # its status: the request's own failure (4xx) or the server's
+            code = c["error"].get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 503
+            raise RequestError(lines[0]["error"], c["error"].get("param"), status, None)
 
 
 async def until_done(request, work) -> None:

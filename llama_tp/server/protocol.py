@@ -2,11 +2,12 @@
 
 Nothing here knows about HTTP or ranks. `ChatBody` and `CompletionBody` are the
 request bodies (strict: a string is not a number, a float not an integer);
-`chat_request` / `completion_request` turn one into a `Request` whose settings
-are the engine's validated `SamplingParams`; `prompt_tokens` and `fit` make its
-prompt tokens and bound its reply. A validation error becomes a `RequestError`
-naming OpenAI's `param` (`validation_error`). What is sent back is built in
-`responses.py`.
+`parse_chat` / `parse_completion` turn a decoded body (server/bodies.py) into a
+`Request` whose settings are the engine's validated `SamplingParams`, held to the
+model's `Limits` (server/limits.py); `prompt_tokens` and `fit` make its prompt tokens
+and bound its reply, `grammar_for` the grammar it asks for. A validation error becomes
+a `RequestError` naming OpenAI's `param` (`validation_error`). What is sent back is
+built in `responses.py`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..checkpoints.chat_template import ChatTemplateError
-from ..engine.grammar import GrammarError, check_grammar, json_object_grammar, json_schema_grammar
+from ..engine.grammar import GrammarError, json_object_grammar, json_schema_grammar
 from ..engine.settings import SamplingParams, SettingsError
 from . import tools as tool_calls
+from .bodies import openai_param, validate
 from .errors import RequestError, error_body  # noqa: F401 (routes import both from here)
+from .limits import Limits
 
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
@@ -208,30 +211,34 @@ def validation_error(errors: list[dict]) -> RequestError:
     return RequestError(message, param or None, code="invalid_type" if typed else "invalid_value")
 
 
-def parse_chat(body: Any, defaults: Defaults) -> Request:
-    """A decoded /v1/chat/completions body -> Request (RequestError naming the bad field)."""
-    return chat_request(_validate(ChatBody, body), defaults)
+def parse_chat(body: Any, defaults: Defaults, limits: Limits | None = None) -> Request:
+    """A decoded /v1/chat/completions body -> Request (RequestError naming the bad field),
+    held to `limits` when given."""
+    if limits is not None:
+        limits.precheck(body, openai_param)
+    req = chat_request(validate(ChatBody, body, validation_error), defaults, limits)
+    if limits is not None:
+        limits.check(req)
+    return req
 
 
-def parse_completion(body: Any, defaults: Defaults) -> Request:
-    """A decoded /v1/completions body -> Request (RequestError naming the bad field)."""
-    return completion_request(_validate(CompletionBody, body), defaults)
+def parse_completion(body: Any, defaults: Defaults, limits: Limits | None = None) -> Request:
+    """A decoded /v1/completions body -> Request (RequestError naming the bad field),
+    held to `limits` when given."""
+    req = completion_request(validate(CompletionBody, body, validation_error), defaults, limits)
+    if limits is not None:
+        limits.check(req)
+    return req
 
 
-def _validate(model: type[_Body], body: Any) -> _Body:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise validation_error(e.errors()) from None
-
-
-def chat_request(body: ChatBody, defaults: Defaults) -> Request:
+def chat_request(body: ChatBody, defaults: Defaults, limits: Limits | None = None) -> Request:
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     k = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    req = _request(body, defaults, True, max_tokens, k)
-    req.messages = [tool_calls.message(m, i) for i, m in enumerate(body.messages)]
+    req = _request(body, defaults, True, max_tokens, k, limits)
+    depth = limits.json_depth if limits is not None else Limits.json_depth
+    req.messages = [tool_calls.message(m, i, depth) for i, m in enumerate(body.messages)]
     tool_calls.choose(req, body.tools, body.tool_choice)
     _prefill(req, body)
     if defaults.system_prompt and not any(m["role"] == "system" for m in req.messages):
@@ -258,7 +265,9 @@ def _prefill(req: Request, body: ChatBody) -> None:
         )
 
 
-def completion_request(body: CompletionBody, defaults: Defaults) -> Request:
+def completion_request(
+    body: CompletionBody, defaults: Defaults, limits: Limits | None = None
+) -> Request:
     p = body.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
@@ -268,13 +277,18 @@ def completion_request(body: CompletionBody, defaults: Defaults) -> Request:
         p = p[0]  # a batch of one prompt
     if not p:
         raise RequestError("'prompt' is empty", "prompt")
-    req = _request(body, defaults, False, body.max_tokens, body.logprobs)
+    req = _request(body, defaults, False, body.max_tokens, body.logprobs, limits)
     req.prompt = p
     return req
 
 
-def _request(body: _Common, defaults: Defaults, chat: bool, max_tokens, logprobs) -> Request:
-    """The settings every route shares, as the engine's SamplingParams."""
+def _request(
+    body: _Common, defaults: Defaults, chat: bool, max_tokens, logprobs, limits: Limits | None
+) -> Request:
+    """The settings every route shares, as the engine's SamplingParams (held to the
+    model's `limits` first, when given)."""
+    if limits is not None:
+        limits.check_settings(body)
     drafts = body.num_draft_tokens
     bias = _bias(body.logit_bias)
     try:
@@ -296,19 +310,27 @@ def _request(body: _Common, defaults: Defaults, chat: bool, max_tokens, logprobs
             penalty_context=body.repetition_context_size or 20,
         )
     except SettingsError as e:
-        raise RequestError(e.named(f"'{e.field}'"), e.field) from None
+        name = _API_NAMES.get(e.field, e.field)
+        raise RequestError(e.named(f"'{name}'"), name) from None
     opts = body.stream_options
     req = Request(chat, params, bool(body.stream), bool(opts and opts.include_usage), body.seed)
     req.response_format = body.response_format
     return req
 
 
+# The engine's names of the settings whose API field is called otherwise.
+_API_NAMES = {"penalty_context": "repetition_context_size"}
+
+
 def _bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias ({"token id": bias}) as (id, bias) pairs."""
     out = []
     for key, value in (bias or {}).items():
-        if not key.isdigit():
-            raise RequestError(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        # ASCII digits only ("²".isdigit() is true, and int() refuses it), and few of them
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise RequestError(
+                f"'logit_bias' keys must be token ids, got {key!r}"[:200], "logit_bias"
+            )
         out.append((int(key), float(value)))
     return tuple(out)
 
@@ -317,11 +339,10 @@ def _given(value: float | None, default: float) -> float:
     return default if value is None else float(value)
 
 
-def prompt_tokens(req: Request, renderer, vocab_size: int) -> tuple[list[int], tuple[str, ...]]:
+def prompt_tokens(req: Request, renderer) -> tuple[list[int], tuple[str, ...]]:
     """The prompt's token ids, and the stop strings its rendering adds: chat messages
-    through the one prompt renderer (as `generate` and `Chat` render them)."""
-    if any(not 0 <= t < vocab_size for t, _ in req.params.logit_bias):
-        raise RequestError(f"'logit_bias' token ids must be in [0, {vocab_size})", "logit_bias")
+    through the one prompt renderer (as `generate` and `Chat` render them). Token ids
+    were checked against the vocabulary with the request (`Limits.check`)."""
     if req.chat:
         try:
             ids = renderer.encode(
@@ -335,31 +356,35 @@ def prompt_tokens(req: Request, renderer, vocab_size: int) -> tuple[list[int], t
             ) from None
     if isinstance(req.prompt, str):
         return list(renderer.tokenizer.encode(req.prompt)), ()
-    if any(not 0 <= t < vocab_size for t in req.prompt):
-        raise RequestError(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
     return list(req.prompt), ()
 
 
-def constrain(req: Request, renderer, vocab_size: int) -> None:
-    """Compile the grammar `response_format` (or a required tool call) asks for into the
-    request's settings: 400 naming the field when it does not compile."""
-    fmt, grammar, field_ = req.response_format, None, "response_format"
+def grammar_for(req: Request, tokenizer, limits: Limits | None = None) -> tuple[str, str] | None:
+    """(the llguidance grammar `response_format` or a required tool call asks for, the
+    field that asks), or None; 400 naming the field when its schema is too large or not
+    one a grammar can be made of. Compiling it is the caller's (`engine.grammar`)."""
+    fmt, field_ = req.response_format, "response_format"
     try:
         if fmt is not None and fmt.type == "json_object":
-            grammar = json_object_grammar()
-        elif fmt is not None and fmt.type == "json_schema":
+            return json_object_grammar(), field_
+        if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise GrammarError("'json_schema' is required with type 'json_schema'")
-            grammar = json_schema_grammar(fmt.json_schema.schema_)
-        if grammar is None and req.tools:
+            if limits is not None:
+                limits.check_schema(fmt.json_schema.schema_, field_)
+            return json_schema_grammar(fmt.json_schema.schema_), field_
+        if req.tools and req.tool_choice not in ("auto", "none"):
             field_ = "tools"  # a function's parameters: the schema of a forced call
-            grammar = tool_calls.forced_call_grammar(req.tools, req.tool_choice, renderer.tokenizer)
-        if grammar is not None:
-            check_grammar(grammar, renderer.tokenizer, vocab_size, renderer.eos)
+            fns = [t["function"] for t in req.tools]
+            if isinstance(req.tool_choice, dict):  # one named function
+                fns = [f for f in fns if f["name"] == req.tool_choice["function"]["name"]]
+            if limits is not None:
+                limits.check_schema([f.get("parameters") for f in fns], field_)
+            grammar = tool_calls.forced_call_grammar(req.tools, req.tool_choice, tokenizer)
+            return (grammar, field_) if grammar is not None else None
     except GrammarError as e:
         raise RequestError(f"'{field_}' cannot be compiled into a grammar: {e}", field_) from None
-    if grammar is not None:  # a grammar's matcher follows one token at a time: no drafts
-        req.params = req.params.but(grammar=grammar, num_draft_tokens=0)
+    return None
 
 
 def fit(req: Request, n_prompt: int, context: int) -> None:

@@ -20,18 +20,25 @@ import mlx.nn as nn
 from ..checkpoints.chat_template import renderer_for
 from ..cluster import watchdog
 from ..cluster.distributed import agree_ok, eprint0, world
+from ..cluster.listen import bind
 from ..engine.batch import BatchEngine
 from .app import ModelInfo, build_app
+from .guard import Hosts
+from .limits import Limits
 from .protocol import MAX_DRAFT_TOKENS, Defaults
 from .scheduler import Scheduler, run_steps
 
 
-def model_info(model: nn.Module, tokenizer, name: str, use_chat_template: bool = True) -> ModelInfo:
+def model_info(
+    model: nn.Module, tokenizer, name: str, use_chat_template: bool = True, max_body: int = 0
+) -> ModelInfo:
+    context, vocab = model.args.max_position_embeddings, model.args.vocab_size
     return ModelInfo(
         name=name,
-        context=model.args.max_position_embeddings,
-        vocab_size=model.args.vocab_size,
+        context=context,
+        vocab_size=vocab,
         renderer=renderer_for(tokenizer, use_chat_template),
+        limits=Limits.of(context, vocab, tokenizer, max_body),
     )
 
 
@@ -65,6 +72,8 @@ def create_app(
     defaults: Defaults | None = None,
     api_key: str | None = None,
     cors: list[str] | None = None,
+    hosts: Hosts | None = None,
+    max_body: int = 0,
 ):
     """A ready FastAPI app serving `model` in this process (one rank), e.g. for tests:
 
@@ -76,9 +85,9 @@ def create_app(
     """
     scheduler = Scheduler(max_batch, max_queue)
     engine = BatchEngine(model, tokenizer, prompt_cache_size=prompt_cache_size)
-    app = build_app(scheduler, defaults, api_key, cors)
+    app = build_app(scheduler, defaults, api_key, cors, hosts, max_body)
     use_template = (defaults or Defaults()).use_chat_template
-    app.state.model = model_info(model, tokenizer, model_name, use_template)
+    app.state.model = model_info(model, tokenizer, model_name, use_template, max_body)
     app.state.scheduler, app.state.engine = scheduler, engine
     app.state.monitor.ranks = world().size()
     app.state.monitor.batching = batching(model, scheduler, engine)
@@ -111,21 +120,6 @@ class HTTPThread:
         self.thread.join(timeout)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket (an error names the address, e.g. a port in use)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def defaults_from(args: argparse.Namespace) -> Defaults:
     return Defaults(
         max_tokens=args.max_tokens,
@@ -148,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
     watchdog.set_group_size(group.size())
     rank0 = group.rank() == 0
     replicas = args.dp or 1
-    scheduler = Scheduler(args.max_batch, args.max_queue, replicas) if rank0 else None
+    scheduler = Scheduler(args.max_batch, args.max_queue, replicas, group.size()) if rank0 else None
     http = sock = error = None
     if rank0:
         try:
@@ -158,7 +152,11 @@ def serve(args: argparse.Namespace) -> int:
     agree_ok(error, group)
     if rank0:
         # Listening before the model loads: the app answers 503 "loading" meanwhile.
-        app = build_app(scheduler, defaults_from(args), args.api_key, _origins(args.cors))
+        hosts = Hosts(args.host, _origins(args.allowed_hosts))
+        app = build_app(
+            scheduler, defaults_from(args), args.api_key, _origins(args.cors), hosts,
+            args.max_body_bytes,
+        )  # fmt: skip
         http = HTTPThread(app, sock)
         eprint0(f"serve: listening on http://{args.host}:{args.port}; loading the model ...")
     else:
@@ -170,7 +168,9 @@ def serve(args: argparse.Namespace) -> int:
     engine = BatchEngine(model, tokenizer, prompt_cache_size=args.prompt_cache_size)
     batched = batching(model, scheduler, engine)  # every rank: the engine's prompt cache
     if rank0:
-        info = model_info(model, tokenizer, name, not args.ignore_chat_template)
+        info = model_info(
+            model, tokenizer, name, not args.ignore_chat_template, args.max_body_bytes
+        )
         app.state.model = info
         app.state.monitor.ranks, app.state.monitor.mesh = group.size(), ckpt.mesh
         app.state.monitor.batching = batched
@@ -213,9 +213,10 @@ def _mesh_words(mesh) -> str:
     return f" ({mesh.dp} replicas of {shape}: ranks {ranks})"
 
 
-def _origins(cors: str | None) -> list[str] | None:
-    """--cors "https://a.example,https://b.example" (or "*") as a list of origins."""
-    return [o.strip() for o in cors.split(",") if o.strip()] if cors else None
+def _origins(names: str | None) -> list[str] | None:
+    """--cors "https://a.example,https://b.example" (or "*") as a list of origins (and
+    --allowed-hosts' names)."""
+    return [o.strip() for o in names.split(",") if o.strip()] if names else None
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -229,6 +230,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--num-draft-tokens must be from 0 to {MAX_DRAFT_TOKENS}, got {args.num_draft_tokens}"
         )
+    if args.max_body_bytes < 0:
+        raise UsageError(f"--max-body-bytes must be >= 0, got {args.max_body_bytes}")
     if args.prompt_cache_size < 0:
         raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if not 0 <= args.port < 65536:

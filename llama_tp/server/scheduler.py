@@ -29,6 +29,18 @@ About once a second rank 0 marks a decision (an idle one too) `report`: after th
 broadcast every rank sends rank 0 its memory and step time in one `all_gather_object`
 (server/status.py), all of them because all received the same decision.
 
+A request with a grammar joins only once every rank has compiled it, so that no rank
+compiles one in its step loop: rank 0 compiled it while preparing the request; on more
+ranks it waits (`preparing`) while its grammar goes out in one decision and the other
+ranks compile it on a thread of their own (`grammar.Prefetch`). The broadcast itself
+brings back what they have compiled: it is an all-gather in which rank 0 sends the
+decision and each other rank the requests it is ready for (`exchange`). Meanwhile rank
+0 ticks every PREPARE_TICK rather than IDLE_TICK.
+
+A request's own failure in the step loop (its logits processors, its text) ends that
+request with an error event (engine/sequence.py), never the loop; only a fault of the
+model or the cluster does.
+
 The HTTP side runs on another thread (uvicorn's event loop); it hands in jobs
 with `submit` / `cancel`, and gets its events back through the job's asyncio
 queue (`loop.call_soon_threadsafe`).
@@ -48,12 +60,14 @@ import mlx.core as mx
 from mlx_lm.generate import wired_limit
 
 from ..cluster import watchdog
-from ..cluster.distributed import all_gather_object, broadcast_object, first_line
+from ..cluster.distributed import all_gather_object, first_line
 from ..engine.batch import BatchEngine, Decision, Event, Join, SamplingParams
+from ..engine.grammar import Prefetch
 from .protocol import RequestError
 from .status import StepClock, gather_reports
 
 IDLE_TICK = 0.1  # seconds between idle decisions: the longest a new request waits
+PREPARE_TICK = 0.02  # the same while requests wait for the other ranks' grammars
 IDLE_MARGIN = 0.01  # the other ranks wake this much earlier than rank 0 sends
 REST_SHARE = 0.8  # of the others' last decode step, a replica with nothing to do sleeps
 
@@ -85,7 +99,7 @@ class Job:
 class Scheduler:
     """Rank 0's queue of requests and its per-step decisions (thread-safe)."""
 
-    def __init__(self, max_batch: int = 8, max_queue: int = 64, replicas: int = 1):
+    def __init__(self, max_batch: int = 8, max_queue: int = 64, replicas: int = 1, ranks: int = 1):
         self.max_batch, self.max_queue = max_batch, max_queue  # max_batch: per replica
         self.replicas = replicas
         self.served = [0] * replicas  # requests admitted by each replica (/health)
@@ -93,7 +107,10 @@ class Scheduler:
         self.ready = False  # every rank has loaded (the /health answer)
         self.closed: str | None = None  # why new requests are refused (stopping, failed)
         self._cond = threading.Condition()
+        self.ranks = ranks  # > 1: grammars are compiled by every rank before a request joins
         self._pending: deque[Job] = deque()
+        self._preparing: dict[int, Job] = {}  # waiting for the other ranks' grammars
+        self._announce: dict[int, str] = {}  # grammars not yet sent to the other ranks
         self._running: dict[int, Job] = {}
         self._cancels: set[int] = set()
         self._stop = False
@@ -117,9 +134,10 @@ class Scheduler:
             problem = self.unavailable()
             if problem is not None:
                 raise problem
-            if len(self._pending) >= self.max_queue:
+            waiting = len(self._pending) + len(self._preparing)
+            if waiting >= self.max_queue:
                 raise RequestError(
-                    f"the server is busy: {len(self._pending)} requests are waiting "
+                    f"the server is busy: {waiting} requests are waiting "
                     f"(--max-queue {self.max_queue}); retry later",
                     None,
                     429,
@@ -129,7 +147,11 @@ class Scheduler:
             # Rank 0 picks the seed of an unseeded request: every rank gets it in the decision.
             seed = self._rng.randrange(2**31) if seed is None else seed
             job = Job(next(self._uids), prompt, params.but(seed=seed), loop)
-            self._pending.append(job)
+            if params.grammar is not None and self.ranks > 1:
+                self._preparing[job.uid] = job
+                self._announce[job.uid] = params.grammar
+            else:
+                self._pending.append(job)
             if self.monitor is not None:
                 self.monitor.submitted(job.uid)
             self._cond.notify()
@@ -138,12 +160,17 @@ class Scheduler:
     def cancel(self, uid: int) -> None:
         """The client went away: drop the request (running ones at the next step)."""
         with self._cond:
+            waiting = self._preparing.pop(uid, None)
+            self._announce.pop(uid, None)
             for job in self._pending:
                 if job.uid == uid:
+                    waiting = job
                     self._pending.remove(job)
-                    if self.monitor is not None:
-                        self.monitor.forget([uid])
-                    return
+                    break
+            if waiting is not None:
+                if self.monitor is not None:
+                    self.monitor.forget([uid])
+                return
             if uid in self._running:
                 self._cancels.add(uid)
                 self._cond.notify()
@@ -154,6 +181,28 @@ class Scheduler:
             self._stop = True
             self.closed = self.closed or reason
             self._cond.notify()
+
+    def announce(self, decision: Decision) -> None:
+        """Put on `decision` (the first replica's: every rank reads it) the grammars the
+        other ranks are to compile and the requests still waiting for them."""
+        with self._cond:
+            decision.prepare, self._announce = self._announce, {}
+            decision.awaited = list(self._preparing)
+
+    def prepared(self, ready: list[list[int]]) -> None:
+        """The requests each other rank has compiled the grammar of: those all have are
+        queued to join."""
+        with self._cond:
+            done = set(self._preparing).intersection(*map(set, ready)) if ready else set()
+            for uid in sorted(done):
+                self._pending.append(self._preparing.pop(uid))
+            if done:
+                self._cond.notify()
+
+    def tick(self) -> float:
+        """How long rank 0 waits idle before its next decision."""
+        with self._cond:
+            return PREPARE_TICK if self._preparing else IDLE_TICK
 
     def next_decisions(self, active: list[int], wait: float = 0.25) -> list[Decision] | None:
         """Each replica's decision for the next step; None after `wait` seconds idle.
@@ -189,9 +238,9 @@ class Scheduler:
             return [Decision(joins=joins[d], cancels=cancels[d]) for d in range(len(active))]
 
     def queued(self) -> int:
-        """Requests waiting for a place in a batch."""
+        """Requests waiting for a place in a batch (or for the ranks' grammars)."""
         with self._cond:
-            return len(self._pending)
+            return len(self._pending) + len(self._preparing)
 
     def rows(self) -> list[int]:
         """Each replica's running sequences (its engine's rows after the last step)."""
@@ -220,11 +269,14 @@ class Scheduler:
         """Answer every open request with an error, and refuse new ones."""
         with self._cond:
             self.closed = self.closed or message
-            for job in [*self._pending, *self._running.values()]:
+            waiting = [*self._pending, *self._preparing.values()]
+            for job in [*waiting, *self._running.values()]:
                 job.post(Failure(message, status))
             if self.monitor is not None:
-                self.monitor.forget([*(j.uid for j in self._pending), *self._running])
+                self.monitor.forget([*(j.uid for j in waiting), *self._running])
             self._pending.clear()
+            self._preparing.clear()
+            self._announce.clear()
             self._running.clear()
             self._where.clear()
 
@@ -262,23 +314,35 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
     clock = StepClock()
     last_end = None  # when the last generation step ended (None: idle since)
     monitor = scheduler.monitor if rank0 else None
+    prefetch = None if rank0 else Prefetch(engine.tokenizer, engine.shard.size, engine.eos)
+    awaited: list[int] = []  # requests rank 0 waits for this rank's grammars of
     while True:
         decisions = None
         if rank0:
             active = [len(engine)] if dp == 1 else scheduler.rows()
-            decisions = scheduler.next_decisions(active, wait=IDLE_TICK)
+            tick = scheduler.tick()
+            decisions = scheduler.next_decisions(active, wait=tick)
             if decisions is None:
                 last_end = None  # idle: the next step starts a new chain
                 if group.size() == 1:
                     if monitor is not None and monitor.due():
                         monitor.update(gather_reports(group, mesh, clock))
                     continue
-                decisions = [Decision(idle=IDLE_TICK)]  # keeps the others sleeping
+                decisions = [Decision(idle=tick)]  # keeps the others sleeping
             decisions[0].report = monitor is not None and monitor.due()
+            if group.size() > 1:
+                scheduler.announce(decisions[0])
         if group.size() > 1:
             # The one exchange per step besides the model's own (unarmed: rank 0
             # may still be deciding).
-            decisions = broadcast_object(decisions, group)
+            decisions, ready = exchange(
+                decisions, prefetch.ready(awaited) if prefetch else [], group
+            )
+            if rank0:
+                scheduler.prepared(ready)
+            else:
+                prefetch.want(decisions[0].prepare)
+                awaited = decisions[0].awaited
         if decisions[0].report:  # every rank got the same decision: all of them gather
             reports = gather_reports(group, mesh, clock)
             if monitor is not None:
@@ -329,6 +393,15 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             if monitor is not None and batch:
                 monitor.stepped(batch)
             scheduler.dispatch(events)
+
+
+def exchange(
+    decisions: list[Decision] | None, ready: list[int], group: mx.distributed.Group
+) -> tuple[list[Decision], list[list[int]]]:
+    """Rank 0's decisions on every rank, and on rank 0 what each other rank has compiled
+    (`ready`: request ids); one all-gather, as a broadcast is."""
+    got = all_gather_object(decisions if group.rank() == 0 else ready, group)
+    return got[0], got[1:]
 
 
 def _failure_message(e: BaseException) -> str:

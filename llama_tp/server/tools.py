@@ -10,12 +10,12 @@ uses too): `ToolStream`, `tool_format`, `forced_call_grammar`.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.tool_calls import ToolStream, forced_call_grammar, tool_format  # noqa: F401
+from .bodies import loads, openai_param
 from .errors import RequestError
 
 
@@ -44,17 +44,15 @@ class NamedChoice(_Body):
     function: ChoiceName
 
 
-def message(m: Any, i: int) -> dict[str, Any]:
-    """A request message (protocol.Message) as the chat template takes it."""
+def message(m: Any, i: int, max_depth: int) -> dict[str, Any]:
+    """A request message (protocol.Message) as the chat template takes it (a call's
+    `arguments` decoded as the body is: at most `max_depth` deep)."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:
         calls = []
         for j, c in enumerate(m.tool_calls):
-            try:
-                args = json.loads(c.function.arguments or "{}")
-            except json.JSONDecodeError as e:
-                param = f"messages[{i}].tool_calls[{j}].function.arguments"
-                raise RequestError(f"'{param}' is not JSON: {e}", param) from None
+            where = ("messages", i, "tool_calls", j, "function", "arguments")
+            args = loads(c.function.arguments or "{}", max_depth, openai_param, where)
             fn = {"name": c.function.name, "arguments": args}
             calls.append({"id": c.id, "type": "function", "function": fn})
         out["tool_calls"] = calls
@@ -72,14 +70,16 @@ def choose(req: Any, tools: list[Tool] | None, choice: str | NamedChoice | None)
     if not tools:
         return
     names = [t.function.name for t in tools]
-    for k, name in enumerate(names):
-        if name in names[:k]:
+    seen: set[str] = set()
+    for k, name in enumerate(names):  # one pass: a set, not a scan of the earlier names
+        if name in seen:
             raise RequestError(f"'tools[{k}].function.name': {name!r} is defined twice", "tools")
+        seen.add(name)
     if isinstance(choice, NamedChoice):
         if choice.function.name not in names:
             raise RequestError(
                 f"'tool_choice' names the function {choice.function.name!r}, which is not "
-                f"in 'tools' ({', '.join(names)})",
+                f"in 'tools' ({', '.join(names[:10])}{', ...' if len(names) > 10 else ''})",
                 "tool_choice",
             )
         choice = {"type": "function", "function": {"name": choice.function.name}}
