@@ -130,7 +130,15 @@ def main() -> int:
     elif ckpt.format == "config":  # a GGUF mix planned from the config (--gguf-quant)
         for note in ckpt.notes:
             print(note)
+    print(f"Runs {path_line(ckpt)}")
     return 0
+
+
+def path_line(ckpt) -> str:
+    """'native: model_type 'llama' is implemented natively' (or a GGUF architecture)."""
+    from .generic.classes import path_line as line
+
+    return line(ckpt)
 
 
 def generic_route(args):
@@ -246,6 +254,7 @@ def print_mesh(args) -> int:
         print()
         for note in [*ckpt.notes, *split_notes(ckpt, mp.placement.plan)]:
             print(note)
+    print(f"Runs {path_line(ckpt)}")
     return 0
 
 

@@ -167,8 +167,10 @@ def load_model(
         # sequence-parallel wrappers: refuse rather than silently run without them
         raise ValueError("--dtype and --sequence-parallel cannot be combined yet: pick one")
     group = group or world()
-    route = agreed(lambda: checkpoint_route(path), group)
-    if route is not None and route.generic:  # no native implementation: mlx-lm's classes
+    # every rank takes the same branch, also one without the folder (it then fails there)
+    routes = all_gather_object(agreed(lambda: checkpoint_route(path), group), group)
+    route = next((r for r in routes if r is not None and r.generic), None)
+    if route is not None:  # no native implementation: mlx-lm's classes
         from .load_generic import load_generic_model
 
         return load_generic_model(
