@@ -8,11 +8,12 @@ too; `--hidden`, `--layers`, `--vocab` set its size, float32 by default: the CPU
 path with OpenBLAS):
 
 1. 2 ranks, `--pp 2`, with `--compare mlx-lm`: llama_tp's pipeline stages, then mlx-lm's
-   own pipeline (`pipeline_load`) on the same weights and ranks;
+   own pipeline (`pipeline_load`) on the same weights and ranks (bench's table);
 2. 1 rank, with `--compare mlx-lm`;
-3. llama_tp and mlx-lm loaded in one process, generating in turns for `--rounds` rounds
-   (as `bench/moe.py` does): the 1-rank target is the median of the paired ratios, so
-   that the machine's other load weighs on both alike.
+3. both engines loaded on the same 2 ranks (llama_tp's `--pp 2` and `pipeline_load`),
+   generating in turns for `--rounds` rounds, the order swapped every round; then the
+   same in one process (as `bench/moe.py` does). The targets are the medians of the
+   paired ratios: on a shared machine the load that comes and goes weighs on both alike.
 
 Rewrites the section "mlx-lm's classes" of docs/benchmarks.md and
 docs/benchmarks/generic.json. Targets (issue 39): 2 pipeline ranks >= 1.0x mlx-lm's
@@ -60,9 +61,22 @@ def write_folder(arch: str, hidden: int, layers: int, vocab: int, dtype: str) ->
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(out)
     index = {"metadata": {}, "weight_map": dict.fromkeys(weights, "model.safetensors")}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     return out
+
+
+def write_tokenizer(out: Path) -> None:
+    """A word-level tokenizer of two words: the prompt is token ids, but mlx-lm's loaders
+    (`pipeline_load` too) read a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def bench(path: Path, ranks: int, flags: list[str], args) -> dict:
@@ -90,6 +104,57 @@ def bench(path: Path, ranks: int, flags: list[str], args) -> dict:
     if out.returncode or not lines:
         raise RuntimeError(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def _paired(trials: dict[str, list[dict]], rounds: int) -> dict:
+    """Each engine's median tokens/s and the median of the paired ratios (llama_tp / mlx-lm)."""
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
+
+    out: dict = {"rounds": rounds, "trials": trials}
+    for key in ("prompt_tps", "generation_tps"):
+        a = [t[key] for t in trials["llama_tp"]]
+        b = [t[key] for t in trials["mlx-lm"]]
+        out[key] = {"llama_tp": median(a), "mlx-lm": median(b)}
+        out[f"{key}_ratio"] = median([x / y for x, y in zip(a, b, strict=True)])
+    return out
+
+
+def staged_interleaved(path: str, rounds: int, p: int, g: int) -> dict | None:
+    """On the 2 ranks of a launch: llama_tp's `--pp 2` model and mlx-lm's own pipeline
+    (`pipeline_load`) of the same folder, both loaded, generating in turns (the order
+    swapped every round); rank 0's result (None on the others)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step as mlx_lm_step
+    from mlx_lm.generate import generation_stream
+    from mlx_lm.utils import pipeline_load
+
+    from llama_tp.benchmarks.runner import timed
+    from llama_tp.cluster.distributed import barrier, world
+    from llama_tp.engine.generation import generate_step
+    from llama_tp.engine.loader import load_model
+    from llama_tp.engine.sampling import make_sampler
+
+    group = world()
+    ours, _ = load_model(path, group, pp=2)
+    theirs, _ = pipeline_load(path)
+    prompt = mx.random.randint(0, ours.args.vocab_size, (p,), key=mx.random.key(0)).tolist()
+
+    def run(engine: str) -> dict:
+        barrier(group)
+        if engine == "llama_tp":
+            return timed(generate_step(ours, prompt, make_sampler(0.0), g), p)[0]
+        steps = mlx_lm_step(mx.array(prompt), theirs, max_tokens=g, sampler=lambda x: x.argmax(-1))
+        return timed(steps, p, generation_stream)[0]
+
+    run("llama_tp"), run("mlx-lm")  # warm-up
+    trials: dict[str, list[dict]] = {"llama_tp": [], "mlx-lm": []}
+    for r in range(rounds):
+        for engine in ("llama_tp", "mlx-lm")[:: 1 if r % 2 == 0 else -1]:
+            trials[engine].append(run(engine))
+    return _paired(trials, rounds) if group.rank() == 0 else None
 
 
 def interleaved(path: str, rounds: int, p: int, g: int) -> dict:
@@ -121,18 +186,25 @@ def interleaved(path: str, rounds: int, p: int, g: int) -> dict:
     for r in range(rounds):
         for engine in ("llama_tp", "mlx-lm")[:: 1 if r % 2 == 0 else -1]:
             trials[engine].append(run(engine))
+    return _paired(trials, rounds)
 
-    def median(xs: list[float]) -> float:
-        xs = sorted(xs)
-        return (xs[len(xs) // 2] + xs[(len(xs) - 1) // 2]) / 2
 
-    out: dict = {"rounds": rounds, "trials": trials}
-    for key in ("prompt_tps", "generation_tps"):
-        a = [t[key] for t in trials["llama_tp"]]
-        b = [t[key] for t in trials["mlx-lm"]]
-        out[key] = {"llama_tp": median(a), "mlx-lm": median(b)}
-        out[f"{key}_ratio"] = median([x / y for x, y in zip(a, b, strict=True)])
-    return out
+def two_ranks(path: Path, args) -> dict:
+    """`staged_interleaved` on 2 ranks through llama_tp.launch (one BLAS thread each)."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--two-ranks", str(path), "--rounds", str(args.rounds)]
+    cmd += ["-p", str(args.p), "-g", str(args.g)]
+    port = ["--starting-port", str(args.port)] if args.port else []
+    cmd = [sys.executable, "-m", "llama_tp.launch", "-n", "2", *port, "--", *cmd]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    print(" ".join(cmd[1:]), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def one_process(path: Path, args) -> dict:
@@ -176,11 +248,15 @@ def section(res: dict) -> str:
             md.append(
                 f"| {label}, {name} | {x['prompt_tps']:.1f} | {x['generation_tps']:.2f} | {peak} |"
             )
+    two = runs["2 ranks, --pp 2, interleaved"]["generation_tps"]
     g = runs["1 process, interleaved"]["generation_tps"]
     md += [
         "",
-        f"One process, {res['rounds']} interleaved rounds: llama_tp {g['llama_tp']:.2f}, "
-        f"mlx-lm {g['mlx-lm']:.2f} generated tok/s (medians).",
+        f"Both engines loaded on the same 2 ranks, {res['rounds']} interleaved rounds: "
+        f"llama_tp {two['llama_tp']:.2f}, mlx-lm's pipeline {two['mlx-lm']:.2f} generated "
+        "tok/s (medians). One process, the same way: llama_tp "
+        f"{g['llama_tp']:.2f}, mlx-lm {g['mlx-lm']:.2f} generated tok/s. Targets are the "
+        "medians of the paired ratios (llama_tp / mlx-lm):",
         "",
         *(f"- {k}: {v:.3f}" for k, v in targets.items()),
         "",
@@ -203,24 +279,35 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--port", type=int, help="the ranks' starting port (default: the launcher's)")
     p.add_argument("--out", default=str(sections.PAGE), help="the page whose section to rewrite")
-    p.add_argument("--one-process", help=argparse.SUPPRESS)  # the interleaved run's child
+    p.add_argument("--one-process", help=argparse.SUPPRESS)  # the interleaved runs' children
+    p.add_argument("--two-ranks", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one_process:
         print(json.dumps(interleaved(args.one_process, args.rounds, args.p, args.g)))
         return 0
+    if args.two_ranks:
+        res = staged_interleaved(args.two_ranks, args.rounds, args.p, args.g)
+        if res is not None:
+            print(json.dumps(res), flush=True)
+        return 0
     path = write_folder(args.arch, args.hidden, args.layers, args.vocab, args.dtype)
     res = sections.run_facts("bench/generic.py")
     compare = ["--compare", "mlx-lm", "--collective-steps", "0"]
-    runs = {
-        "2 ranks, --pp 2": bench(path, 2, [*compare, "--pp", "2"], args),
-        "1 rank": bench(path, 1, compare, args),
-    }
+    runs: dict = {}
+    partial = Path(f"/tmp/llama_tp-bench-{NAME}.json")  # what a failure would lose
+    for name, ranks, flags in (("2 ranks, --pp 2", 2, ["--pp", "2"]), ("1 rank", 1, [])):
+        runs[name] = bench(path, ranks, [*compare, *flags], args)
+        if not runs[name]["mlx_lm"].get("supported"):
+            raise RuntimeError(f"{name}: mlx-lm: {runs[name]['mlx_lm'].get('reason')}")
+        partial.write_text(json.dumps(runs))
+    runs["2 ranks, --pp 2, interleaved"] = staged = two_ranks(path, args)
+    partial.write_text(json.dumps(runs))
     runs["1 process, interleaved"] = side = one_process(path, args)
-    two = runs["2 ranks, --pp 2"]
     targets = {
-        "generation_2_pipeline_ranks_vs_mlx_lm_pipeline": two["llama_tp"]["generation_tps"]
-        / two["mlx_lm"]["generation_tps"],
+        "generation_2_pipeline_ranks_vs_mlx_lm_pipeline": staged["generation_tps_ratio"],
+        "prompt_2_pipeline_ranks_vs_mlx_lm_pipeline": staged["prompt_tps_ratio"],
         "generation_1_process_vs_mlx_lm": side["generation_tps_ratio"],
+        "prompt_1_process_vs_mlx_lm": side["prompt_tps_ratio"],
     }
     size = f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, {args.dtype}"
     res.update(arch=args.arch, size=size, rounds=args.rounds, runs=runs, targets=targets)
