@@ -22,6 +22,8 @@ __version__ = "0.1.0"
 _API = {
     "load": "llama_tp.engine.loader",
     "load_model": "llama_tp.engine.loader",
+    "LoadOptions": "llama_tp.engine.loader",
+    "SamplingParams": "llama_tp.engine.settings",
     "default_model": "llama_tp.engine.loader",
     "Chat": "llama_tp.engine.conversation",
     "stream_generate": "llama_tp.engine.generation",

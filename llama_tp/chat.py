@@ -60,6 +60,7 @@ def main() -> int:
         check_model_args,
         load_checked,
         load_draft_checked,
+        sampling_params,
         start_watchdog,
     )
     from .console.terminal import Console
@@ -92,18 +93,12 @@ def main() -> int:
         model,
         tokenizer,
         args.system_prompt,
-        max_tokens=args.max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        top_k=args.top_k,
+        params=sampling_params(args).but(stop=tuple(args.stop)),
         seed=args.seed,
-        stop=args.stop,
         max_context=args.max_context,
         overflow="drop_oldest" if args.drop_oldest else "error",
         group=group,
         draft=draft,
-        num_draft_tokens=args.num_draft_tokens,
     )
     with Console(group) as console:
         # A watchdog exit skips the `with`: give the terminal back first.

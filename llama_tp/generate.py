@@ -100,6 +100,7 @@ def main() -> int:
         check_model_args,
         load_checked,
         load_draft_checked,
+        sampling_params,
         start_watchdog,
     )
 
@@ -116,25 +117,13 @@ def main() -> int:
     draft = load_draft_checked(args, model, tokenizer, group, weights)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     max_tokens = fit_context(len(ids), args.max_tokens, model.args.max_position_embeddings, group)
+    params = sampling_params(args).but(max_tokens=max_tokens, seed=args.seed)  # None: agreed
     if args.verbose:
         from .engine import expert_load
 
         expert_load.start(model)  # routes per rank, for a mixture-of-experts model
     r = None
-    for r in stream_generate(
-        model,
-        tokenizer,
-        ids,
-        max_tokens=max_tokens,
-        temp=args.temp,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        group=group,
-        draft=draft,
-        num_draft_tokens=args.num_draft_tokens,
-    ):
+    for r in stream_generate(model, tokenizer, ids, params, group=group, draft=draft):
         print0(r.text, end="")
     print0()
     if args.verbose and r is not None:

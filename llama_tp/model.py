@@ -5,6 +5,13 @@ Names follow Meta's reference implementation (and the MLX Llama example):
 `layers.{i}.feed_forward.{w1,w2,w3}`, `attention_norm`, `ffn_norm`, `norm`,
 `output`. Checkpoint readers map their own names onto these.
 
+Every mixer is a kind (the core attention and feed-forward here, the others in
+`llama_tp/models/`): it declares its split table (`split_table(args)`, how its tensors
+split: `parallel/splits.py`) and its cache (`cache_spec(args, layer)`: KV, rotating,
+fixed-size arrays, or none). A layer is one mixer (`MixerBlock`) or attention then
+feed-forward (`TransformerBlock`); each carries its `LayerSpec`, from which the model
+makes its caches and masks (`layer_caches`, `layer_masks`).
+
 Apart from the two `shard` methods, nothing here knows about ranks.
 """
 
@@ -16,15 +23,22 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels import scaled_dot_product_attention  # mlx-lm's, native on the CPU
 from .model_args import ModelArgs
-from .parallel.llama_plan import attention_styles, feed_forward_styles
+from .parallel.llama_plan import table_styles
 from .parallel.parallelize import parallelize
 from .parallel.partition import RankPart
+from .parallel.splits import (
+    CacheSpec,
+    LayerSpec,
+    SplitTable,
+    llama_attention,
+    llama_feed_forward,
+)
 from .parallel.styles import LossParallel, PlanError, VocabParallel
 
 # Chunked attention evaluates each query block before building the next (see
@@ -45,6 +59,34 @@ def lazy_query_blocks() -> Iterator[None]:
 
 
 class Attention(nn.Module):
+    """x (B, L, dim) -> (B, L, dim): grouped-query attention with RoPE over a KV cache.
+
+    The attention kind: split by whole heads (`splits.llama_attention`), a KVCache of
+    its KV heads' keys and values. `hf_names` / `gguf_names`: its tensors in Hugging Face
+    and GGUF checkpoints (checkpoint module path under the layer -> the model's), which
+    the readers map (`checkpoints/hf.py`, `checkpoints/gguf.py`)."""
+
+    hf_names = (
+        ("self_attn.q_proj", "attention.wq"),
+        ("self_attn.k_proj", "attention.wk"),
+        ("self_attn.v_proj", "attention.wv"),
+        ("self_attn.o_proj", "attention.wo"),
+    )
+    gguf_names = (
+        ("attn_q", "attention.wq"),
+        ("attn_k", "attention.wk"),
+        ("attn_v", "attention.wv"),
+        ("attn_output", "attention.wo"),
+    )
+
+    @classmethod
+    def split_table(cls, args: ModelArgs) -> SplitTable:
+        return llama_attention(args.head_dim)
+
+    @classmethod
+    def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
+        return CacheSpec("kv", (("kv_heads", 2 * args.head_dim),))
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads = args.n_heads
@@ -131,17 +173,39 @@ class Attention(nn.Module):
 
         With `part=None` every rank takes an equal block (mlx's `shard_linear`);
         otherwise it takes the explicit head ranges of its `part` of the plan.
-        Expressed through the parallel styles (`llama_plan.attention_styles`).
+        Expressed through the parallel styles its split table gives (`table_styles`).
         """
         if part is None and self.n_kv_heads % group.size():
             raise PlanError(
                 f"cannot split {self.n_kv_heads} KV heads evenly over {group.size()} ranks"
             )
         parts = None if part is None else {group.rank(): part}
-        parallelize(self, attention_styles(self.head_dim, parts), group)
+        parallelize(self, table_styles(llama_attention(self.head_dim), parts), group)
 
 
 class FeedForward(nn.Module):
+    """x (B, L, dim) -> (B, L, dim): the SwiGLU feed-forward, split by its intermediate
+    columns (`splits.llama_feed_forward`); it caches nothing."""
+
+    hf_names = (
+        ("mlp.gate_proj", "feed_forward.w1"),
+        ("mlp.down_proj", "feed_forward.w2"),
+        ("mlp.up_proj", "feed_forward.w3"),
+    )
+    gguf_names = (
+        ("ffn_gate", "feed_forward.w1"),
+        ("ffn_down", "feed_forward.w2"),
+        ("ffn_up", "feed_forward.w3"),
+    )
+
+    @classmethod
+    def split_table(cls, args: ModelArgs) -> SplitTable:
+        return llama_feed_forward()
+
+    @classmethod
+    def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
+        return None
+
     def __init__(self, args: ModelArgs, hidden_dim: int | None = None):
         """SwiGLU of `hidden_dim` columns (default `args.hidden_dim`)."""
         super().__init__()
@@ -155,53 +219,116 @@ class FeedForward(nn.Module):
 
     def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
         """Split the intermediate columns over `group`: w1/w3 by rows, w2 by columns
-        (N equal blocks, or `part.ffn`), through `llama_plan.feed_forward_styles`."""
+        (N equal blocks, or `part.ffn`), through the styles its split table gives."""
         parts = None if part is None else {group.rank(): part}
-        parallelize(self, feed_forward_styles(parts), group)
+        parallelize(self, table_styles(llama_feed_forward(), parts), group)
 
 
 class TransformerBlock(nn.Module):
+    # the layer's own tensors, its norms, in checkpoints (GLM-4.5's and gpt-oss's GGUF
+    # files name the feed-forward's norm post_attention_norm)
+    hf_names = (
+        ("input_layernorm", "attention_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+    )
+    gguf_names = (
+        ("attn_norm", "attention_norm"),
+        ("ffn_norm", "ffn_norm"),
+        ("post_attention_norm", "ffn_norm"),
+    )
+
     def __init__(
         self,
         args: ModelArgs,
         attention: nn.Module | None = None,
         feed_forward: nn.Module | None = None,
+        layer: int = 0,
     ):
-        """A pre-norm block; `attention` and `feed_forward` default to the Llama core's
-        (the other families pass their own: `llama_tp/models/`)."""
+        """A pre-norm block, attention then feed-forward; `attention` and `feed_forward`
+        default to the Llama core's (the other families pass their own kinds:
+        `llama_tp/models/`). `layer`: its index, for its kinds' cache (a window)."""
         super().__init__()
         self.attention = attention or Attention(args)
         self.feed_forward = feed_forward or FeedForward(args)
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        object.__setattr__(self, "spec", LayerSpec.of(self.mixers(), args, layer))
+
+    def mixers(self) -> dict[str, nn.Module]:
+        """The block's mixers by path: each a kind with its split table and cache."""
+        return {"attention": self.attention, "feed_forward": self.feed_forward}
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         h = x + self.attention(self.attention_norm(x), mask, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class MixerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, mixer: nn.Module, layer: int = 0):
+        """A pre-norm block of one mixer (x + mixer(norm(x))): the layers of hybrid
+        families whose every layer is one of attention, a recurrent mixer, a
+        feed-forward or experts (Nemotron-H). `mixer` takes (x, mask, cache) when its
+        kind caches, else x."""
+        super().__init__()
+        self.mixer = mixer
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        object.__setattr__(self, "spec", LayerSpec.of(self.mixers(), args, layer))
+
+    def mixers(self) -> dict[str, nn.Module]:
+        return {"mixer": self.mixer}
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if self.spec.cache is None:
+            return x + self.mixer(self.norm(x))
+        return x + self.mixer(self.norm(x), mask, cache)
+
+
+def _mask(spec: CacheSpec | None, h: mx.array, cache: Any) -> Any:
+    """The mask of a layer whose kind declares `spec`, for hidden states h (B, L, dim)."""
+    if spec is None or spec.mask == "causal":
+        return create_attention_mask(h, cache)
+    if spec.mask == "window":
+        return create_attention_mask(h, cache, window_size=spec.window)
+    if spec.mask == "ssm":
+        return create_ssm_mask(h, cache)
+    raise ValueError(f"unknown mask kind {spec.mask!r}")
+
+
 def layer_masks(h: mx.array, layers: list[nn.Module], cache: list[Any]) -> list[Any]:
-    """Each layer's attention mask for hidden states h (B, L, dim): causal, and windowed
-    for the sliding-window layers (an attention's `window`), each made once from the first
-    cache of its kind, as mlx-lm's gpt_oss does."""
-    made: dict[int | None, Any] = {}
+    """Each layer's mask for hidden states h (B, L, dim), as its kind's cache declares
+    (`CacheSpec.mask`: causal, windowed for sliding-window attention, padding only for a
+    recurrent layer), each made once from the first cache of its kind, as mlx-lm's
+    hybrid models do."""
+    made: dict[tuple[str, int | None], Any] = {}
     out = []
     for layer, c in zip(layers, cache, strict=True):
-        w = getattr(layer.attention, "window", None)
-        if w not in made:
-            made[w] = create_attention_mask(h, c, window_size=w)
-        out.append(made[w])
+        spec = layer.spec.cache
+        key = (spec.mask, spec.window) if spec is not None else ("causal", None)
+        if key not in made:
+            made[key] = _mask(spec, h, c)
+        out.append(made[key])
     return out
+
+
+def make_layer_cache(spec: CacheSpec | None) -> Any:
+    """mlx-lm's cache of the kind `spec` declares: a KVCache, a RotatingKVCache of the
+    window (it never holds more than the window), an ArraysCache of fixed-size arrays,
+    or a CacheList; a layer that caches nothing still gets a KVCache (unused), as
+    mlx-lm's models give every layer one."""
+    if spec is None or spec.kind == "kv":
+        return KVCache()
+    if spec.kind == "rotating":
+        return RotatingKVCache(max_size=spec.window)
+    if spec.kind == "arrays":
+        return ArraysCache(size=spec.size)
+    if spec.kind == "list":
+        return CacheList(*[make_layer_cache(p) for p in spec.parts])
+    raise ValueError(f"unknown cache kind {spec.kind!r}")
 
 
 def layer_caches(layers: list[nn.Module]) -> list[Any]:
-    """mlx-lm's caches for `layers`: a RotatingKVCache of the window for sliding-window
-    attention (it never holds more than the window), a KVCache otherwise."""
-    out: list[Any] = []
-    for layer in layers:
-        w = getattr(layer.attention, "window", None)
-        out.append(RotatingKVCache(max_size=w) if w else KVCache())
-    return out
+    """mlx-lm's caches for `layers`, one per layer, as each layer's kinds declare."""
+    return [make_layer_cache(layer.spec.cache) for layer in layers]
 
 
 class Transformer(nn.Module):
@@ -211,7 +338,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = layers or [TransformerBlock(args) for _ in range(args.n_layers)]
+        self.layers = layers or [TransformerBlock(args, layer=i) for i in range(args.n_layers)]
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         if not args.tie_word_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)

@@ -8,7 +8,7 @@ Nothing here imports the package: the checkpoint readers, the model and its fami
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -71,6 +71,16 @@ class ModelArgs:
     expert_bias: bool = False
     activation: str = "silu"
     swiglu_limit: float = 7.0
+    # The fields a mixer kind declares for itself (`llama_tp/models/`: its registry row's
+    # config reader fills them), read as attributes (`args.linear_num_key_heads`), so that
+    # a new kind adds none here.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        extra = self.__dict__.get("extra") or {}
+        if name in extra:
+            return extra[name]
+        raise AttributeError(f"{type(self).__name__} has no field {name!r}")
 
     def __post_init__(self) -> None:
         if self.kv_lora_rank:

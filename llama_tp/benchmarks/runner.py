@@ -6,6 +6,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,7 @@ def bench_llama_tp(
     from ..cluster.memory import max_rss
     from ..console.cli import UsageError
     from ..engine.generation import decode_step, generate_step
-    from ..engine.loader import load_model
+    from ..engine.loader import LoadOptions, load_model
     from ..engine.sampling import make_sampler, vocab_shard
     from ..model import lazy_query_blocks
     from ..parallel.mesh import MeshError
@@ -89,20 +90,10 @@ def bench_llama_tp(
 
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    sp = getattr(args, "sequence_parallel", False)
-    mesh_flags = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split")}
+    options = LoadOptions.from_args(args)
     try:
-        model, ckpt = load_model(
-            path,
-            group,
-            not args.no_vocab_parallel,
-            args.dtype,
-            sequence_parallel=sp,
-            moe_split=args.moe_split,
-            split=args.split,
-            weights_cache=getattr(args, "weights_cache", None),
-            **mesh_flags,
-        )
+        # (bench runs one copy of the model: a --dp of its own is not a flag of it)
+        model, ckpt = load_model(path, group, options=replace(options, dp=None))
     except (MeshError, SplitError) as e:  # the same on every rank
         raise UsageError(str(e)) from None
     mesh = getattr(model, "mesh", None)  # a tp x pp mesh: this rank's pipeline stage

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..model_args import ModelArgs
-from ..models.registry import GGUF_ARCHITECTURES, unsupported
+from ..models.registry import GGUF_ARCHITECTURES, GGUF_FAMILIES, checkpoint_names, unsupported
 from . import gguf_gpt_oss as gpt_oss
 from . import gguf_quants as gq
 from . import gguf_routed as routed
@@ -33,45 +33,28 @@ from .gguf_reader import _MX, GGUFFile
 from .latent import split_kv_b
 
 # llama.cpp rotates the halves of each head (NEOX) in these: their q/k rows are not
-# permuted for interleaved pairs as the llama converter does
-_NEOX = ("qwen2", "qwen3", "qwen2moe", "qwen3moe", "glm4moe", "gpt-oss")
+# permuted for interleaved pairs as the llama converter does (registry rows)
+_NEOX = tuple(arch for arch, row in GGUF_FAMILIES.items() if row.neox)
 # GGUF architecture -> the family's model_type (llama with experts: Mixtral)
-_MODEL_TYPES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen2moe": "qwen2_moe",
-    "qwen3moe": "qwen3_moe",
-    **routed.ARCHITECTURES,
-    **gpt_oss.ARCHITECTURES,
-}
+_MODEL_TYPES = {arch: row.model_type for arch, row in GGUF_FAMILIES.items()}
 
-_RENAMES = [
+# llama.cpp's tensor names -> the model's: the model's own, then every kind's
+# (`models.registry.checkpoint_names`: each mixer kind declares its names)
+_MODEL_NAMES = [
     (r"^token_embd\.", "tok_embeddings."),
     (r"^output_norm\.", "norm."),
     (r"^output\.", "output."),
-    (r"^blk\.(\d+)\.attn_q\.", r"layers.\1.attention.wq."),
-    (r"^blk\.(\d+)\.attn_k\.", r"layers.\1.attention.wk."),
-    (r"^blk\.(\d+)\.attn_v\.", r"layers.\1.attention.wv."),
-    (r"^blk\.(\d+)\.attn_output\.", r"layers.\1.attention.wo."),
-    (r"^blk\.(\d+)\.ffn_gate\.", r"layers.\1.feed_forward.w1."),
-    (r"^blk\.(\d+)\.ffn_down\.", r"layers.\1.feed_forward.w2."),
-    (r"^blk\.(\d+)\.ffn_up\.", r"layers.\1.feed_forward.w3."),
-    (r"^blk\.(\d+)\.attn_norm\.", r"layers.\1.attention_norm."),
-    (r"^blk\.(\d+)\.ffn_norm\.", r"layers.\1.ffn_norm."),
-    (r"^blk\.(\d+)\.attn_q_norm\.", r"layers.\1.attention.q_norm."),
-    (r"^blk\.(\d+)\.attn_k_norm\.", r"layers.\1.attention.k_norm."),
-    (r"^blk\.(\d+)\.ffn_gate_inp\.", r"layers.\1.feed_forward.router."),
-    (r"^blk\.(\d+)\.ffn_gate_exps\.", r"layers.\1.feed_forward.switch_mlp.gate_proj."),
-    (r"^blk\.(\d+)\.ffn_up_exps\.", r"layers.\1.feed_forward.switch_mlp.up_proj."),
-    (r"^blk\.(\d+)\.ffn_down_exps\.", r"layers.\1.feed_forward.switch_mlp.down_proj."),
-    (r"^blk\.(\d+)\.ffn_gate_shexp\.", r"layers.\1.feed_forward.shared_expert.w1."),
-    (r"^blk\.(\d+)\.ffn_up_shexp\.", r"layers.\1.feed_forward.shared_expert.w3."),
-    (r"^blk\.(\d+)\.ffn_down_shexp\.", r"layers.\1.feed_forward.shared_expert.w2."),
-    (r"^blk\.(\d+)\.ffn_gate_inp_shexp\.", r"layers.\1.feed_forward.shared_expert_gate."),
-    *routed.RENAMES,  # DeepSeek-V3's latent attention, the routing bias, GLM's norm
-    *gpt_oss.RENAMES,  # gpt-oss's attention sinks
 ]
+
+
+def _layer_rename(src: str, dst: str) -> tuple[str, str]:
+    """A kind's (GGUF name under `blk.N.`, model path) as a regex and replacement."""
+    if src.endswith("$"):
+        return rf"^blk\.(\d+)\.{re.escape(src[:-1])}$", rf"layers.\1.{dst}"
+    return rf"^blk\.(\d+)\.{re.escape(src)}\.", rf"layers.\1.{dst}."
+
+
+_RENAMES = _MODEL_NAMES + [_layer_rename(a, b) for a, b in checkpoint_names("gguf")]
 _RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
 
 
@@ -138,6 +121,11 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
         experts |= routed.fields(arch, get, path)
     elif arch in gpt_oss.ARCHITECTURES:
         experts |= gpt_oss.fields(arch, get, path)
+    elif GGUF_FAMILIES[arch].fields is not None:  # a family whose kinds read their own
+        try:
+            experts |= GGUF_FAMILIES[arch].fields(get)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     scaling = experts.pop("rope_scaling", scaling)
     try:
         return ModelArgs(

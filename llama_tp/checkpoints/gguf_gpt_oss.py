@@ -3,7 +3,7 @@ llama.cpp's converter writes them from the Hugging Face release.
 
     blk.N.attn_sinks.weight                  (heads,)        -> layers.N.attention.sinks
     blk.N.attn_{q,k,v,output}.{weight,bias}  with biases     (the core attention's names)
-    blk.N.post_attention_norm.weight         the feed-forward's norm (`gguf_routed.RENAMES`)
+    blk.N.post_attention_norm.weight         the feed-forward's norm (`TransformerBlock.gguf_names`)
     blk.N.ffn_gate_inp.{weight,bias}         the biased router
     blk.N.ffn_{gate,up,down}_exps.{weight,bias}  stacked experts, MXFP4 weights
 
@@ -31,7 +31,6 @@ from typing import Any
 from .base import CheckpointError
 
 ARCHITECTURES = {"gpt-oss": "gpt_oss"}
-RENAMES = [(r"^blk\.(\d+)\.attn_sinks\.weight$", r"layers.\1.attention.sinks")]
 _SWIGLU_LIMIT = 7.0  # llama.cpp's build_moe_ffn for LLM_FFN_SWIGLU_OAI_MOE
 # YaRN keys llama.cpp would apply that mlx-lm's YarnRoPE has no place for: their neutral value
 _YARN_NEUTRAL = {"yarn_attn_factor": 1.0, "yarn_ext_factor": 1.0, "yarn_log_multiplier": 0.0}

@@ -30,19 +30,6 @@ from .base import CheckpointError
 ARCHITECTURES = {"deepseek2": "deepseek_v3", "glm4moe": "glm4_moe"}
 _SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax, DeepSeek-V2)
 
-RENAMES = [
-    (r"^blk\.(\d+)\.attn_q_a_norm\.", r"layers.\1.attention.q_a_layernorm."),
-    (r"^blk\.(\d+)\.attn_q_a\.", r"layers.\1.attention.q_a_proj."),
-    (r"^blk\.(\d+)\.attn_q_b\.", r"layers.\1.attention.q_b_proj."),
-    (r"^blk\.(\d+)\.attn_kv_a_norm\.", r"layers.\1.attention.kv_a_layernorm."),
-    (r"^blk\.(\d+)\.attn_kv_a_mqa\.", r"layers.\1.attention.kv_a_proj_with_mqa."),
-    (r"^blk\.(\d+)\.attn_kv_b\.", r"layers.\1.attention.kv_b_proj."),
-    (r"^blk\.(\d+)\.attn_k_b\.", r"layers.\1.attention.embed_q."),
-    (r"^blk\.(\d+)\.attn_v_b\.", r"layers.\1.attention.unembed_out."),
-    (r"^blk\.(\d+)\.exp_probs_b\.bias$", r"layers.\1.feed_forward.router.e_score_correction_bias"),
-    (r"^blk\.(\d+)\.post_attention_norm\.", r"layers.\1.ffn_norm."),
-]
-
 
 def main_layers(arch: str, get: Callable[..., Any]) -> int:
     """The model's layers: `block_count` less the multi-token prediction layers."""

@@ -14,74 +14,30 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..model_args import ModelArgs
-from ..models.registry import MODEL_TYPES, unsupported
+from ..models.registry import FAMILIES, MODEL_TYPES, checkpoint_names, unsupported
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts
 from .latent import split_kv_b
 from .mxfp4 import mxfp4_experts, stored_part
 from .safetensors import SafetensorsFile
 
-# Hugging Face parameter names -> the model's names.
-_RENAMES = [
+# Hugging Face parameter names -> the model's names: the model's own, then every kind's
+# (`models.registry.checkpoint_names`: each mixer kind declares its names).
+_MODEL_NAMES = [
     (r"^model\.embed_tokens\.", "tok_embeddings."),
     (r"^model\.norm\.", "norm."),
     (r"^lm_head\.", "output."),
-    (r"^model\.layers\.(\d+)\.self_attn\.q_proj\.", r"layers.\1.attention.wq."),
-    (r"^model\.layers\.(\d+)\.self_attn\.k_proj\.", r"layers.\1.attention.wk."),
-    (r"^model\.layers\.(\d+)\.self_attn\.v_proj\.", r"layers.\1.attention.wv."),
-    (r"^model\.layers\.(\d+)\.self_attn\.o_proj\.", r"layers.\1.attention.wo."),
-    (r"^model\.layers\.(\d+)\.mlp\.gate_proj\.", r"layers.\1.feed_forward.w1."),
-    (r"^model\.layers\.(\d+)\.mlp\.down_proj\.", r"layers.\1.feed_forward.w2."),
-    (r"^model\.layers\.(\d+)\.mlp\.up_proj\.", r"layers.\1.feed_forward.w3."),
-    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.attention_norm."),
-    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.ffn_norm."),
-    # Qwen3's per-head norms
-    (r"^model\.layers\.(\d+)\.self_attn\.q_norm\.", r"layers.\1.attention.q_norm."),
-    (r"^model\.layers\.(\d+)\.self_attn\.k_norm\.", r"layers.\1.attention.k_norm."),
-    # Mixtures of experts (experts stacked as mlx-lm stores them; Mixtral's block after Qwen's)
-    (r"^model\.layers\.(\d+)\.mlp\.gate\.", r"layers.\1.feed_forward.router."),
-    (r"^model\.layers\.(\d+)\.mlp\.switch_mlp\.", r"layers.\1.feed_forward.switch_mlp."),
-    (
-        r"^model\.layers\.(\d+)\.mlp\.shared_expert\.gate_proj\.",
-        r"layers.\1.feed_forward.shared_expert.w1.",
-    ),
-    (
-        r"^model\.layers\.(\d+)\.mlp\.shared_expert\.down_proj\.",
-        r"layers.\1.feed_forward.shared_expert.w2.",
-    ),
-    (
-        r"^model\.layers\.(\d+)\.mlp\.shared_expert\.up_proj\.",
-        r"layers.\1.feed_forward.shared_expert.w3.",
-    ),
-    (
-        r"^model\.layers\.(\d+)\.mlp\.shared_expert_gate\.",
-        r"layers.\1.feed_forward.shared_expert_gate.",
-    ),
-    # DeepSeek-V3's shared experts (one FeedForward of n_shared_experts experts' width)
-    (
-        r"^model\.layers\.(\d+)\.mlp\.shared_experts\.gate_proj\.",
-        r"layers.\1.feed_forward.shared_expert.w1.",
-    ),
-    (
-        r"^model\.layers\.(\d+)\.mlp\.shared_experts\.down_proj\.",
-        r"layers.\1.feed_forward.shared_expert.w2.",
-    ),
-    (
-        r"^model\.layers\.(\d+)\.mlp\.shared_experts\.up_proj\.",
-        r"layers.\1.feed_forward.shared_expert.w3.",
-    ),
-    (r"^model\.layers\.(\d+)\.block_sparse_moe\.gate\.", r"layers.\1.feed_forward.router."),
-    (
-        r"^model\.layers\.(\d+)\.block_sparse_moe\.switch_mlp\.",
-        r"layers.\1.feed_forward.switch_mlp.",
-    ),
-    # gpt-oss (mlx-lm's names): the router and the stacked experts
-    (r"^model\.layers\.(\d+)\.mlp\.router\.", r"layers.\1.feed_forward.router."),
-    (r"^model\.layers\.(\d+)\.mlp\.experts\.", r"layers.\1.feed_forward.switch_mlp."),
-    # multi-head latent attention's own projections and norms, under their own names (last:
-    # the projections every attention has are named above)
-    (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attention."),
 ]
+
+
+def _layer_rename(src: str, dst: str) -> tuple[str, str]:
+    """A kind's (checkpoint path, model path) under a layer as a regex and replacement."""
+    if src.endswith("$"):
+        return rf"^model\.layers\.(\d+)\.{re.escape(src[:-1])}$", rf"layers.\1.{dst}"
+    return rf"^model\.layers\.(\d+)\.{re.escape(src)}\.", rf"layers.\1.{dst}."
+
+
+_RENAMES = _MODEL_NAMES + [_layer_rename(a, b) for a, b in checkpoint_names("hf")]
 # MLX quantization modes read (and split): affine, and the MXFP4 of gpt-oss's experts
 QUANT_MODES = ("affine", "mxfp4")
 # The families whose mixture-of-experts block mlx-lm names `block_sparse_moe` (not `mlp`)
@@ -118,127 +74,11 @@ def read_config(path: Path) -> dict:
 
 
 def moe_fields(config: dict, model_type: str) -> dict:
-    """The mixture-of-experts and qk-norm fields of ModelArgs for `model_type`'s config."""
-    out: dict = {"model_type": model_type, "qk_norm": model_type in ("qwen3", "qwen3_moe")}
-    if model_type == "mixtral":
-        out |= {
-            "n_experts": config.get("num_local_experts", 8),
-            "n_experts_per_tok": config.get("num_experts_per_tok", 2),
-            "moe_hidden_dim": config["intermediate_size"],
-            "router": "topk_softmax",
-        }
-    elif model_type in ("qwen2_moe", "qwen3_moe"):
-        n_layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step", 1) or 1
-        dense = set(config.get("mlp_only_layers") or [])
-        sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
-        out |= {
-            "n_experts": config.get("num_experts", 0),
-            "n_experts_per_tok": config.get("num_experts_per_tok", 0),
-            "moe_hidden_dim": config.get("moe_intermediate_size", 0),
-            # Qwen3-MoE has no shared expert: a config that carries the key anyway loads, as
-            # in mlx-lm and transformers, which ignore it
-            "shared_expert_dim": config.get("shared_expert_intermediate_size", 0)
-            if model_type == "qwen2_moe"
-            else 0,
-            "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-            "sparse_layers": None if len(sparse) == n_layers else sparse,
-        }
-    elif model_type in DEEPSEEK_V3:
-        out |= deepseek_v3_fields(config)
-    elif model_type == "gpt_oss":
-        out |= gpt_oss_fields(config)
-    elif model_type == "glm4_moe":
-        out |= glm4_moe_fields(config)
-    return out
-
-
-def gpt_oss_fields(config: dict) -> dict:
-    """gpt-oss's experts, sinks and sliding-window layers (mlx-lm's defaults: layers
-    alternating sliding and full attention, a window of 128)."""
-    n_layers = config["num_hidden_layers"]
-    types = config.get("layer_types") or ["sliding_attention", "full_attention"] * (n_layers // 2)
-    return {
-        "n_experts": config.get("num_local_experts", 128),
-        "n_experts_per_tok": config.get("num_experts_per_tok", 4),
-        "moe_hidden_dim": config["intermediate_size"],
-        "router": "topk_softmax",
-        "expert_bias": True,
-        "activation": "swiglu_oai",
-        "swiglu_limit": float(config.get("swiglu_limit", 7.0)),
-        "attention_sinks": True,
-        "sliding_window": config.get("sliding_window", 128),
-        "layer_types": list(types),
-    }
-
-
-def _check_routing(topk_method: str, scoring_func: str) -> None:
-    if topk_method != "noaux_tc" or scoring_func != "sigmoid":
-        raise ValueError(
-            f"model config: routing {topk_method!r} with {scoring_func!r} scores is not "
-            "supported (DeepSeek-V3's is 'noaux_tc' with 'sigmoid')"
-        )
-
-
-def glm4_moe_fields(config: dict) -> dict:
-    """GLM-4.5's fields: partial rotary, optional q/k norms, DeepSeek-V3's routing and
-    shared experts, the first `first_k_dense_replace` layers dense (Hugging Face's
-    defaults for the keys a config leaves out)."""
-    _check_routing(config.get("topk_method", "noaux_tc"), config.get("scoring_func", "sigmoid"))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    factor = config.get("partial_rotary_factor", 0.5)
-    routed = config["n_routed_experts"] or 0
-    first = config.get("first_k_dense_replace", 1)
-    n_layers = config["num_hidden_layers"]
-    sparse = [i for i in range(n_layers) if routed and i >= first]
-    return {
-        "qk_norm": bool(config.get("use_qk_norm", False)),
-        "rope_dims": int(head_dim * factor),
-        "n_experts": routed,
-        "n_experts_per_tok": config["num_experts_per_tok"] if routed else 0,
-        "moe_hidden_dim": config["moe_intermediate_size"],
-        "shared_expert_dim": (config.get("n_shared_experts", 1) or 0)
-        * config["moe_intermediate_size"],
-        "shared_expert_gated": False,
-        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
-        "router": "sigmoid_group",
-        "n_group": config.get("n_group", 1) or 1,
-        "topk_group": config.get("topk_group", 1) or 1,
-        "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
-        "sparse_layers": None if len(sparse) == n_layers else sparse,
-    }
-
-
-def deepseek_v3_fields(config: dict) -> dict:
-    """Latent attention and routing fields of a DeepSeek-V3 config (mlx-lm's defaults)."""
-    from mlx_lm.models.deepseek_v3 import ModelArgs as DeepseekV3Args
-
-    d = DeepseekV3Args.from_dict(config)
-    _check_routing(d.topk_method, d.scoring_func)
-    routed = d.n_routed_experts or 0
-    freq = d.moe_layer_freq or 1
-    sparse = [
-        i
-        for i in range(d.num_hidden_layers)
-        if routed and i >= d.first_k_dense_replace and i % freq == 0
-    ]
-    return {
-        "n_experts": routed,
-        "n_experts_per_tok": d.num_experts_per_tok if routed else 0,
-        "moe_hidden_dim": d.moe_intermediate_size,
-        "shared_expert_dim": (d.n_shared_experts or 0) * d.moe_intermediate_size,
-        "shared_expert_gated": False,
-        "norm_topk_prob": bool(d.norm_topk_prob),
-        "router": "sigmoid_group",
-        "n_group": d.n_group,
-        "topk_group": d.topk_group,
-        "routed_scaling_factor": float(d.routed_scaling_factor),
-        "sparse_layers": None if len(sparse) == d.num_hidden_layers else sparse,
-        "kv_lora_rank": d.kv_lora_rank,
-        "q_lora_rank": d.q_lora_rank or 0,
-        "qk_nope_head_dim": d.qk_nope_head_dim,
-        "qk_rope_head_dim": d.qk_rope_head_dim,
-        "v_head_dim": d.v_head_dim,
-    }
+    """The family's own fields of ModelArgs (experts, routing, latent attention, sinks,
+    qk-norm) for `model_type`'s config: its registry row's readers (`models/registry.py`)."""
+    family = FAMILIES[model_type]
+    out: dict = {"model_type": model_type, "qk_norm": family.qk_norm}
+    return out | (family.fields(config) if family.fields else {})
 
 
 def args_from_config(config: dict, path: Path) -> ModelArgs:

@@ -15,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.mla import QuantizedMultiLinear
 
+from ..models.registry import FAMILIES
 from .base import Checkpoint, CheckpointError
 from .hf import _RENAMES, BLOCK_SPARSE_MOE, DEEPSEEK_V3, SIGMOID_GROUP, to_model_name
 
@@ -95,18 +96,7 @@ def quantization(model: nn.Module) -> dict[str, Any] | None:
     return block
 
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "kimi_k2": "DeepseekV3ForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-}
+_ARCHITECTURES = {t: f.architecture for t, f in FAMILIES.items() if f.architecture}
 
 
 def _first_dense(a: Any) -> tuple[int, int]:
@@ -193,6 +183,12 @@ def _experts_config(a: Any) -> dict[str, Any]:
     return out
 
 
+def _family_config(a: Any) -> dict[str, Any]:
+    """The family's own keys: its registry row's writer, or the experts' keys above."""
+    keys = FAMILIES[a.model_type].config_keys
+    return keys(a) if keys is not None else _experts_config(a)
+
+
 def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
     """`config.json` for mlx-lm's model of the family (and llama_tp's HF reader)."""
     a = ckpt.args
@@ -218,7 +214,7 @@ def hf_config(ckpt: Checkpoint, model: nn.Module) -> dict[str, Any]:
         "tie_word_embeddings": a.tie_word_embeddings,
         "attention_bias": a.o_bias if qwen2 else a.qkv_bias,
         "mlp_bias": a.mlp_bias,
-        **_experts_config(a),
+        **_family_config(a),
     }
     if a.rope_scaling:
         config["rope_scaling"] = a.rope_scaling

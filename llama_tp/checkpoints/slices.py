@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 
 import mlx.core as mx
 
-from ..parallel.placement import ModelShape, Slice
+from ..models.registry import layer_specs
+from ..parallel.placement import ModelShape, Segmented, Slice
 from .base import Checkpoint, CheckpointError
 
 
@@ -30,9 +31,11 @@ def model_shape(ckpt: Checkpoint) -> ModelShape:
 
         params = tree_flatten(empty_split_model(ckpt).parameters())  # lazy, never evaluated
         tensors = {k: (tuple(v.shape), v.nbytes) for k, v in params}
-        return ModelShape(ckpt.args, tensors, ckpt.metadata.get("ffn_block"))
+        return ModelShape(
+            ckpt.args, tensors, ckpt.metadata.get("ffn_block"), layer_specs(ckpt.args)
+        )
     tensors = {k: (_stored(ckpt, k, v), v.nbytes) for k, v in ckpt.weights.items()}
-    return ModelShape(ckpt.args, tensors, ckpt.ffn_block)
+    return ModelShape(ckpt.args, tensors, ckpt.ffn_block, layer_specs(ckpt.args))
 
 
 def _stored(ckpt: Checkpoint, name: str, v: mx.array) -> tuple[int, ...]:
@@ -48,9 +51,12 @@ def _stored(ckpt: Checkpoint, name: str, v: mx.array) -> tuple[int, ...]:
     return (v.shape[0], v.shape[1] // size * per)
 
 
-def read_tensor(ckpt: Checkpoint, name: str, s: Slice | None = None) -> mx.array:
-    """Tensor `name` of the checkpoint, whole (`s` None) or its (axis, start, stop) slice:
-    only those bytes read where the file allows it."""
+def read_tensor(ckpt: Checkpoint, name: str, s: Slice | Segmented | None = None) -> mx.array:
+    """Tensor `name` of the checkpoint, whole (`s` None) or its (axis, start, stop) slice
+    (a fused tensor's segments: each read, concatenated): only those bytes read where
+    the file allows it."""
+    if s is not None and isinstance(s[0], tuple):
+        return mx.concatenate([read_tensor(ckpt, name, one) for one in s], axis=s[0][0])
     if name in ckpt.sources:
         file, stored = ckpt.sources[name]
         return file.read(stored) if s is None else file.read(stored, *s)
@@ -59,10 +65,12 @@ def read_tensor(ckpt: Checkpoint, name: str, s: Slice | None = None) -> mx.array
     return sliced(ckpt.weights[name], s)
 
 
-def sliced(v: mx.array, s: Slice | None) -> mx.array:
+def sliced(v: mx.array, s: Slice | Segmented | None) -> mx.array:
     """`v`, or its (axis, start, stop) slice as its own (lazy) buffer."""
     if s is None:
         return v
+    if isinstance(s[0], tuple):
+        return mx.concatenate([sliced(v, one) for one in s], axis=s[0][0])
     axis, start, stop = s
     index = [slice(None)] * v.ndim
     index[axis] = slice(start, stop)
@@ -71,7 +79,7 @@ def sliced(v: mx.array, s: Slice | None) -> mx.array:
 
 def read_slices(
     ckpt: Checkpoint,
-    slices: Mapping[str, Slice | None],
+    slices: Mapping[str, Slice | Segmented | None],
     done: Callable[[int], None] | None = None,
 ) -> list[tuple[str, mx.array]]:
     """Every tensor of `slices` (a rank's placement), read and evaluated one at a time

@@ -275,7 +275,8 @@ SAMPLING_FLAGS = {
 
 def sampling_params(args: argparse.Namespace):
     """The command's sampling flags as the engine's validated `SamplingParams` (the seed
-    left out: it is agreed at generation); UsageError naming the flag."""
+    left out: the command says it, or it is agreed at generation); UsageError naming the
+    flag."""
     from ..engine.settings import SamplingParams, SettingsError
 
     try:
@@ -369,26 +370,15 @@ def load_checked(args, group: mx.distributed.Group):
     agreement (llama_tp.agreement); any rank's failure makes every rank raise."""
     from ..checkpoints.tokenizer import load_tokenizer
     from ..engine.agreement import check_agreement
-    from ..engine.loader import default_model, load_model
+    from ..engine.loader import LoadOptions, default_model, load_model
 
     path = args.model or model_on_some_rank(default_model, group)
     from ..parallel.mesh import MeshError
     from ..parallel.shares import SplitError
 
-    mesh = {k: getattr(args, k, None) for k in ("tp", "pp", "pp_split", "dp")}
     with watchdog.stage("loading the model", "load"):
         try:
-            model, ckpt = load_model(
-                path,
-                group,
-                not args.no_vocab_parallel,
-                args.dtype,
-                sequence_parallel=getattr(args, "sequence_parallel", False),
-                moe_split=args.moe_split,
-                split=args.split,
-                weights_cache=getattr(args, "weights_cache", None),
-                **mesh,
-            )
+            model, ckpt = load_model(path, group, options=LoadOptions.from_args(args))
         except (MeshError, SplitError) as e:  # the same on every rank
             raise UsageError(str(e)) from None
     with watchdog.stage("start-up checks", "load"):

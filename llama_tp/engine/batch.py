@@ -24,18 +24,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
-from mlx_lm.models.cache import (
-    LRUPromptCache,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..checkpoints.chat_template import renderer_for
 from ..cluster.distributed import first_line, world
+from . import caches
 from .batch_messages import Decision, Event, Join, SamplingParams
-from .cache_abilities import cache_abilities
 from .decoder import Decoder
 from .drafters import NgramDrafter
 from .logits_processors import processors_for
@@ -115,26 +110,25 @@ class BatchEngine(Decoder):
         if self.prompt_cache is not None:
             cache, rest = self.prompt_cache.fetch_nearest_cache(_MODEL_KEY, join.prompt)
             if cache is not None and not rest:  # an exact hit: the last token is fed again
-                if can_trim_prompt_cache(cache):
-                    trim_prompt_cache(cache, 1)
+                if caches.can_rewind(cache, 1):
+                    caches.rewind(cache, 1)
                     rest = join.prompt[-1:]
                 else:  # a sliding window past its size (gpt-oss) cannot step back
                     cache, rest = None, join.prompt
             cached = len(join.prompt) - len(rest) if cache is not None else 0
-        cache = cache if cache is not None else make_prompt_cache(self.model)
+        cache = cache if cache is not None else caches.new(self.model)
         seq.cached = seq.fed = cached
         ahead = self.prefill(seq, cache)  # alone (B = 1): as a single-sequence run does
         self.prefilled_tokens += len(join.prompt) - cached
         # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into
         # a BatchRotatingKVCache); caches that cannot merge run alone, as they are (the
-        # server then admits one sequence at a time: `cache_abilities`)
-        self.batched = cache_abilities(cache).merges
-        merged = [c.merge([c]) for c in cache] if self.batched else cache
+        # server then admits one sequence at a time: `caches.why_not_merge`)
+        self.batched = caches.why_not_merge(cache) is None
+        merged = caches.merge(cache) if self.batched else cache
         if self.cache is None:
             self.cache, self.ahead = merged, ahead
         else:
-            for mine, new in zip(self.cache, merged, strict=True):
-                mine.extend(new)
+            caches.extend(self.cache, merged)
             self.ahead = self.ahead.extend(ahead)
         self.rows.append(seq)
         return None
@@ -145,18 +139,16 @@ class BatchEngine(Decoder):
         if remember and self.prompt_cache is not None:
             for i in sorted(set(range(len(self.rows))) - set(keep)):
                 r = self.rows[i]
-                cache = [c.extract(i) for c in self.cache] if self.batched else self.cache
+                cache = caches.extract(self.cache, i) if self.batched else self.cache
                 held = len(r.tokens) - 1  # all but the last token (see Decoder._release)
-                if r.fed > held and not can_trim_prompt_cache(cache):
+                if not caches.can_rewind(cache, r.fed - held):
                     continue  # a sliding window past its size cannot step back: not kept
-                if r.fed > held:
-                    trim_prompt_cache(cache, r.fed - held)
+                caches.rewind(cache, r.fed - held)
                 self.prompt_cache.insert_cache(_MODEL_KEY, r.tokens[:held], cache)
         if not keep:
             self.cache = None
         elif len(keep) < len(self.rows):
-            for c in self.cache:
-                c.filter(mx.array(keep, dtype=mx.int32))
+            caches.filter_rows(self.cache, keep)
         super()._release(keep)
 
 

@@ -21,16 +21,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..checkpoints.chat_template import FALLBACK_STOP, ChatTemplateError, renderer_for
-from ..cluster.distributed import world
-from .cache_abilities import cache_abilities
+from ..cluster.distributed import all_gather_object, world
+from . import caches
 from .chat_tools import ChatTools
 from .drafters import make_drafter
 from .generation import stream_generate
 from .grammar import json_schema_grammar
-from .settings import SamplingParams, SettingsError
+from .settings import SamplingParams, SettingsError, request_params
 from .speculative import SpecStats
 
 __all__ = ["FALLBACK_STOP", "Chat", "ChatTemplateError", "ContextOverflowError", "TurnStats"]
@@ -66,7 +65,9 @@ class TurnStats:
 class Chat(ChatTools):
     """A conversation with a (possibly sharded) model, reusing its KV cache between turns.
 
-    `system`: the system message; `stop`: strings that end a reply (never
+    `params`: the sampling settings (`SamplingParams`: max_tokens, temperature, top-p,
+    min-p, top-k, stop strings, draft tokens), or the keywords of the same names (mlx-lm's:
+    `temp`; not both). `system`: the system message; `stop`: strings that end a reply (never
     shown, not kept in the history); `max_context`: the context limit in tokens
     (default: the model's `max_position_embeddings`); `overflow`: what to do when
     a turn (its prompt plus `max_tokens`) would not fit: "error" raises
@@ -89,11 +90,12 @@ class Chat(ChatTools):
         tokenizer: Any,
         system: str | None = None,
         *,
-        max_tokens: int = 256,
-        temp: float = 0.0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        top_k: int = 0,
+        params: SamplingParams | None = None,
+        max_tokens: int | None = None,
+        temp: float | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        top_k: int | None = None,
         seed: int | None = None,
         stop: list[str] | tuple[str, ...] | str | None = None,
         max_context: int | None = None,
@@ -101,17 +103,18 @@ class Chat(ChatTools):
         should_stop: Callable[[], bool] | None = None,
         group: mx.distributed.Group | None = None,
         draft: Any = None,
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int | None = None,
         tools: list[dict] | None = None,
     ):
-        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        given = dict(
+            max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k,
+            stop=stop, num_draft_tokens=num_draft_tokens,
+        )  # fmt: skip
         try:  # the same checks as every other driver's (the names are this class's)
-            self.params = SamplingParams(
-                max_tokens, temp, top_p, min_p, top_k, stop=tuple(stop),
-                num_draft_tokens=num_draft_tokens if draft is not None else 0,
-            )  # fmt: skip
+            params = request_params("Chat", params, draft is not None, **given)
         except SettingsError as e:
             raise ValueError(e.named("temp" if e.field == "temperature" else e.field)) from None
+        self.params = params
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         if max_context is None:
@@ -120,20 +123,29 @@ class Chat(ChatTools):
             raise ValueError(f"max_context must be positive, got {max_context}")
         self.model, self.tokenizer = model, tokenizer
         self.group = group or world()
-        self.max_tokens, self.temp, self.top_p, self.seed = max_tokens, temp, top_p, seed
-        self.min_p, self.top_k = min_p, top_k
-        self.stop, self.max_context, self.overflow = stop, max_context, overflow
+        self.seed = seed
+        self.stop, self.max_context, self.overflow = list(params.stop), max_context, overflow
         self.should_stop = should_stop
-        self.drafter, self.num_draft_tokens = make_drafter(draft, model), num_draft_tokens
+        self.drafter = make_drafter(draft, model)
         self.history: list[dict[str, Any]] = []
         self.last_stats: TurnStats | None = None
         self.tools, self.last_tool_calls = tools, []
         self._renderer = renderer_for(tokenizer)
-        self._cache = make_prompt_cache(model)
+        self._cache = caches.new(model)
         self._held: list[int] = []  # the tokens in the cache, exactly
         self._tokens_of: dict[int, tuple[dict, str, list[int]]] = {}  # id(reply) -> its tokens
         self._turn = 0
         self.system = system
+
+    # -- settings: `params` (and `stop`) change between turns -------------------
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, value: int) -> None:
+        self.params = self.params.but(max_tokens=value)
 
     # -- conversation state -------------------------------------------------
 
@@ -219,6 +231,7 @@ class Chat(ChatTools):
         new = tokens[reused:]
         seed = None if self.seed is None else self.seed + self._turn
         self._turn += 1
+        params = self.params.but(seed=seed, stop=(*self.stop, *self._renderer.stops))
         self.history[:] = messages
         live = {id(m) for m in messages}
         self._tokens_of = {k: v for k, v in self._tokens_of.items() if k in live}
@@ -226,19 +239,12 @@ class Chat(ChatTools):
             self.model,
             self.tokenizer,
             new,
-            max_tokens=self.max_tokens,
-            temp=self.temp,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            top_k=self.top_k,
-            seed=seed,
-            stop=(*self.stop, *self._renderer.stops),
+            params,
             cache=self._cache,
             history=self._held[:reused],
             should_stop=should_stop or self.should_stop,
             group=self.group,
             draft=None if processors else self.drafter,  # a grammar follows one token
-            num_draft_tokens=self.num_draft_tokens,
             logits_processors=processors,
         )
         generated: list[int] = []
@@ -269,7 +275,7 @@ class Chat(ChatTools):
             steps.close()
             if state == "failed":  # an error mid-turn: the cache may be half-written
                 self.history[:] = before
-                self._cache = make_prompt_cache(self.model)
+                self._cache = caches.new(self.model)
                 self._held = []
             else:
                 reply = "".join(shown)
@@ -305,22 +311,28 @@ class Chat(ChatTools):
             raise ValueError("the chat template rendered an empty prompt")
         common = min(common, len(tokens) - 1)
         extra = len(self._held) - common
-        if extra > 0:
-            if can_trim_prompt_cache(self._cache):
-                trim_prompt_cache(self._cache, extra)
-            else:
-                self._cache, common = make_prompt_cache(self.model), 0
+        if caches.can_rewind(self._cache, extra):
+            caches.rewind(self._cache, extra)
+        else:  # a layer kind that cannot step back (a wrapped window): start afresh
+            self._cache, common = caches.new(self.model), 0
         self._held = self._held[:common]
         return common
 
     def _end_turn(self, reused, new, generated, reply, finish, eos, stop_hit, state) -> None:
-        # Generation may have fed one token fewer than it sampled (at max_tokens),
-        # so the cache's own offset says which tokens it holds. Caches that do not count
-        # them (recurrent states only) start over: the next turn prefills it all again.
-        offset = cache_abilities(self._cache).held if self._cache else 0
-        if offset is None:
-            self._cache, offset = make_prompt_cache(self.model), 0
-        self._held = (self._held[:reused] + new + generated)[:offset]
+        # Generation may have fed one token fewer than it sampled (at max_tokens), or one
+        # more (a last token a layer kind could not step back over): the cache says. Caches
+        # that do not count them (recurrent states only: a pipeline stage of linear-
+        # attention layers) start over, on every rank alike: the next turn prefills it all.
+        try:
+            held: int | None = caches.held(self._cache) if self._cache else 0
+        except caches.CacheError:
+            held = None
+        if self.group.size() > 1:
+            seen = all_gather_object(held, self.group)
+            held = None if None in seen else min(seen)
+        if held is None:
+            self._cache, held = caches.new(self.model), 0
+        self._held = (self._held[:reused] + new + generated)[:held]
         message = {"role": "assistant", "content": reply}
         self.history.append(message)
         tokens = generated

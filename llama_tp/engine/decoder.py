@@ -17,7 +17,8 @@ runs the same three pieces:
   the drafter proposes k tokens, one forward checks them, and a draft is kept
   while it equals the token the sampler draws at its position with that
   position's key. The tokens are therefore the plain step's, greedy or
-  sampled, whatever the drafter proposes; the cache is trimmed to the kept ones.
+  sampled, whatever the drafter proposes; the cache steps back to the kept ones
+  (`caches.rewind`: a layer kind that cannot, a recurrent state, is refused in one line).
 
 Between steps each row has one token already sampled and not yet reported or
 fed to the cache (`Ahead`): a step feeds it, reports it and samples the next.
@@ -34,9 +35,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from ..cluster.collectives import collectives
+from . import caches
 from .pipeline import verify_logits
 from .prefill import prefill
 from .sampling import Draw, sample, token_logprobs
@@ -256,14 +257,12 @@ class Decoder:
         return draw
 
     def _trim(self, r: Sequence, n: int) -> None:
-        if n > 0 and not can_trim_prompt_cache(self.cache):
-            raise ValueError(
-                "speculative decoding: a sliding-window layer's cache cannot step back once "
-                "it holds its whole window (gpt-oss); run without a draft"
-            )
-        if n > 0:
-            trim_prompt_cache(self.cache, n)
-            r.fed -= n
+        """Step the cache back over the row's last `n` fed tokens (rejected drafts)."""
+        if n > 0 and not caches.can_rewind(self.cache, n):
+            reason = caches.why_not_rewind(self.cache)
+            raise caches.CacheError(f"speculative decoding: {reason}; run without a draft")
+        caches.rewind(self.cache, n)
+        r.fed -= max(n, 0)
 
     # -- sampling -------------------------------------------------------------
 
@@ -301,8 +300,12 @@ class Decoder:
     def _release(self, keep: list[int]) -> None:
         """The rows at `keep` stay, the others have finished (the batch engine frees their
         cache rows, and may remember them). A finished sequence's cache holds its tokens
-        but the last, whichever step ended it: a plain step may have fed the last one."""
+        but the last, whichever step ended it: a plain step may have fed the last one,
+        which is stepped back over where the layers' kinds can (`caches.held` says what a
+        cache that cannot holds)."""
         if not keep and len(self.rows) == 1 and self.cache is not None:
             r = self.rows[0]
-            self._trim(r, r.fed - (len(r.tokens) - 1))
+            extra = r.fed - (len(r.tokens) - 1)
+            if caches.can_rewind(self.cache, extra):
+                self._trim(r, extra)
         self.rows = [self.rows[i] for i in keep]

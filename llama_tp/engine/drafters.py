@@ -21,8 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from . import caches
 from .prefill import prefill
 from .shards import VocabShard, vocab_shard
 
@@ -76,7 +76,7 @@ class ModelDrafter(Drafter):
     def __init__(self, model: nn.Module):
         self.model = model
         self.shard = vocab_shard(model)
-        self.cache = make_prompt_cache(model)
+        self.cache = caches.new(model)
         self.fed: list[int] = []  # the tokens the draft cache holds, exactly
 
     def prefill(self, tokens: list[int], step: int = 512) -> None:
@@ -89,10 +89,10 @@ class ModelDrafter(Drafter):
             ):
                 common += 1
         if common < len(self.fed):
-            if can_trim_prompt_cache(self.cache):
-                trim_prompt_cache(self.cache, len(self.fed) - common)
-            else:
-                self.cache, common = make_prompt_cache(self.model), 0
+            if caches.can_rewind(self.cache, len(self.fed) - common):
+                caches.rewind(self.cache, len(self.fed) - common)
+            else:  # a layer kind that cannot step back: the draft's cache afresh
+                self.cache, common = caches.new(self.model), 0
             self.fed = self.fed[:common]
         prefill(self.model, tokens[common:-1], self.cache, step)
         self.fed = list(tokens[:-1])

@@ -19,18 +19,18 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..checkpoints.chat_template import renderer_for
 from ..cluster import watchdog
 from ..cluster.distributed import broadcast_object, world
+from . import caches
 from .agreement import TokenCheck
 from .decoder import Decoder, decode_step
 from .drafters import make_drafter
 from .prefill import prefill
 from .sequence import LogitsProcessor, Sequence
-from .settings import SamplingParams, SettingsError
+from .settings import SamplingParams, request_params
 from .speculative import SpecStats
 
 
@@ -59,7 +59,7 @@ def generate_step(
     with a vocabulary-parallel head the logits are this rank's (1, V_local). Each
     step builds the next token's graph before waiting for the current one.
     """
-    cache = cache if cache is not None else make_prompt_cache(model)
+    cache = cache if cache is not None else caches.new(model)
     prefill(model, prompt[:-1], cache, prefill_step_size)
     y, logits, rows = decode_step(model, sampler, cache, mx.array(prompt[-1:], dtype=mx.int32))
     mx.async_eval(y)
@@ -92,14 +92,15 @@ def stream_generate(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
     prompt: list[int],
+    params: SamplingParams | None = None,
     *,
-    max_tokens: int = 256,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    top_k: int = 0,
+    max_tokens: int | None = None,
+    temp: float | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    top_k: int | None = None,
     seed: int | None = None,
-    stop: tuple[str, ...] | list[str] = (),
+    stop: tuple[str, ...] | list[str] | None = None,
     cache: list[Any] | None = None,
     history: list[int] | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -107,15 +108,21 @@ def stream_generate(
     eos_token_ids: set[int] | None = None,
     group: mx.distributed.Group | None = None,
     draft: Any = None,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     prefill_step_size: int = 512,
 ) -> Iterator[Response]:
     """Generate from token ids `prompt`, yielding text pieces as they are decoded.
 
-    `cache` (from `make_prompt_cache`) already holding earlier tokens continues
-    from them: `prompt` is then only the new tokens, and `history` the tokens the
-    cache holds (for drafters and logits processors). `stop` strings end the reply
+    `params`: the sampling settings (`SamplingParams`: max_tokens, temperature, top-p,
+    min-p, top-k, seed, stop strings, log-probabilities, draft tokens), used as given,
+    its seed included. Without it, the keywords of the same names say them (mlx-lm's:
+    `temp` is the temperature; defaults: 256 tokens, greedy, and `seed` None: rank 0's
+    random choice, agreed by every rank); giving both is a TypeError.
+
+    `cache` (from `caches.new`, or mlx-lm's `make_prompt_cache`) already holding earlier
+    tokens continues from them: `prompt` is then only the new tokens, and `history` the
+    tokens the cache holds (for drafters and logits processors). `stop` strings end the reply
     (not shown; text that may start one is held back). `should_stop` is asked on
     every rank after every step; when any rank answers True, all ranks stop at the
     same token (finish_reason "interrupted"), so their caches stay alike.
@@ -133,18 +140,17 @@ def stream_generate(
     """
     if not prompt:
         raise ValueError("the prompt is empty")
-    drafts = num_draft_tokens if draft is not None else 0
-    if draft is not None and drafts == 0:
-        raise SettingsError("num_draft_tokens", "must be at least 1 with a drafter", 0)
-    params = SamplingParams(
-        max_tokens, temp, top_p, min_p, top_k, stop=tuple(stop), logprobs=logprobs,
-        num_draft_tokens=drafts,
+    given = dict(
+        max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k,
+        seed=seed, stop=stop, logprobs=logprobs, num_draft_tokens=num_draft_tokens,
     )  # fmt: skip
+    params = request_params("stream_generate", params, draft is not None, **given)
     group = group or world()
     # Armed only under the commands (llama_tp.watchdog.install): a peer that stops
     # would otherwise leave this rank waiting in a collective forever.
     with watchdog.stage(f"prompt processing ({len(prompt)} tokens)", "load"), wired_limit(model):
-        params = params.but(seed=agree_seed(seed, group))
+        if params.seed is None:
+            params = params.but(seed=agree_seed(None, group))
         eos = renderer_for(tokenizer).eos if eos_token_ids is None else frozenset(eos_token_ids)
         seq = Sequence(0, prompt, params, tokenizer.detokenizer, eos)
         seq.context = list(history or [])
@@ -153,7 +159,7 @@ def stream_generate(
             model, drafter=make_drafter(draft, model), prefill_step_size=prefill_step_size
         )
         tic = time.perf_counter()
-        decoder.start(seq, cache if cache is not None else make_prompt_cache(model))
+        decoder.start(seq, cache if cache is not None else caches.new(model))
         if decoder.drafter is not None:
             decoder.drafter.prefill(seq.history, prefill_step_size)
         yield from _responses(decoder, seq, TokenCheck(prompt, group, eos), should_stop, tic)

@@ -50,12 +50,13 @@ def stage_logits_diff(group: mx.distributed.Group) -> tuple[float, str]:
 
     from ..generic.loader import checkpoint_route
     from .load_generic import load_generic_model
+    from .loader import LoadOptions
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny(Path(tmp))
         route = checkpoint_route(path)
         pp = group.size() if group.size() > 1 else None
-        model, _ = load_generic_model(path, group, route, pp=pp)
+        model, _ = load_generic_model(path, group, route, LoadOptions(pp=pp))
         whole, _ = load_model(path)
         tokens = mx.array(TOKENS, dtype=mx.int32)
         diff = mx.max(mx.abs(model(tokens) - whole(tokens))).item()

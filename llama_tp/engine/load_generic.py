@@ -68,27 +68,16 @@ def stage_weights(
     return tuple(float(a) for a in available)
 
 
-def load_generic_model(
-    path: str | Path,
-    group: mx.distributed.Group,
-    route: Any,
-    *,
-    dtype: str | None = None,
-    plan: Any = None,
-    sequence_parallel: bool = False,
-    tp: int | None = None,
-    pp: int | None = None,
-    pp_split: str | None = None,
-    dp: int | None = None,
-    moe_split: str = "tensor",
-    split: Any = None,
-):
-    """`load_model` for an mlx-lm architecture (see the module docstring): (model, ckpt),
-    every rank returning once all have loaded; if one fails, all raise."""
+def load_generic_model(path: str | Path, group: mx.distributed.Group, route: Any, options: Any):
+    """`load_model` for an mlx-lm architecture (see the module docstring), with its
+    `LoadOptions` (`vocab_parallel` and `weights_cache` are the native loader's): (model,
+    ckpt), every rank returning once all have loaded; if one fails, all raise."""
     from ..generic.convert import is_stage_split, rank_folder
     from ..generic.loader import load_generic, local_path
 
-    refuse_native_only(dtype, plan, sequence_parallel, moe_split, route)
+    o = options
+    tp, pp, pp_split, dp, split = o.tp, o.pp, o.pp_split, o.dp, o.split
+    refuse_native_only(o.dtype, o.plan, o.sequence_parallel, o.moe_split, route)
     check_mesh_flags(tp, pp, pp_split, group, dp, split)
     whole_mesh = mesh = None
     model_group = group

@@ -12,6 +12,7 @@ tensor it does not keep, and `python -m llama_tp.plan` prints the same placement
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..cluster.progress import progress
 from ..generic.loader import checkpoint_route
 from ..kernels.layers import use_native
 from ..model import Transformer
+from ..models.registry import layer_specs
 from ..parallel.cast import cast_model, float32_experts
 from ..parallel.mesh import Mesh
 from ..parallel.parallelize import Plan as StylePlan
@@ -74,10 +76,13 @@ def _build(
 ) -> nn.Module:
     """The (lazy) model this rank runs, sharded as `placement` says: the whole model over
     `group`, or its stage of `mesh` over the stage's tensor group."""
-    a = ckpt.args
-    if sequence_parallel and any(a.window(i) for i in range(a.n_layers)):
+    masks = {s.cache.mask for s in layer_specs(ckpt.args) if s.cache is not None}
+    if sequence_parallel and "window" in masks:
         # the chunks' masks would be causal, not windowed
         raise ValueError("--sequence-parallel does not take sliding-window layers (gpt-oss)")
+    if sequence_parallel and masks - {"causal", "window"}:
+        # a recurrent state runs over the whole sequence in order: no chunks of it
+        raise ValueError("--sequence-parallel does not take recurrent layers (linear attention)")
     model = skeleton(ckpt)
     if mesh is None:
         if group.size() > 1:
@@ -116,6 +121,49 @@ def _open(
     return agreed(lambda: open_shared(path, group, model, blocks, weights_cache), group)
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """How `load_model` loads and splits a model (its keywords, as one value): the
+    commands build it once from their flags (`LoadOptions.from_args`).
+
+    `vocab_parallel`: the embedding and head split by vocabulary rows; `dtype`: cast
+    every weight at load; `plan`: a user's style plan instead of the built-in one;
+    `sequence_parallel`: prefill split along the sequence; `tp`, `pp`, `pp_split`, `dp`:
+    the mesh; `moe_split`: experts by tensor or by expert; `split`: uneven shares
+    ("3:1", (3, 1) or "memory"); `weights_cache`: where a rank that cannot read the
+    model keeps the slices it receives (None: the default folder; False: none)."""
+
+    vocab_parallel: bool = True
+    dtype: str | None = None
+    plan: StylePlan | None = None
+    sequence_parallel: bool = False
+    tp: int | None = None
+    pp: int | None = None
+    pp_split: str | None = None
+    dp: int | None = None
+    moe_split: str = DEFAULT_MOE_SPLIT
+    split: SplitSpec = None
+    weights_cache: str | Path | bool | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> LoadOptions:
+        """From a command's parsed flags (`--no-vocab-parallel`, `--dtype`,
+        `--sequence-parallel`, `--tp/--pp/--pp-split/--dp`, `--moe-split`, `--split`,
+        `--weights-cache`; a command without some of them takes their defaults)."""
+        return cls(
+            vocab_parallel=not getattr(args, "no_vocab_parallel", False),
+            dtype=getattr(args, "dtype", None),
+            sequence_parallel=getattr(args, "sequence_parallel", False),
+            tp=getattr(args, "tp", None),
+            pp=getattr(args, "pp", None),
+            pp_split=getattr(args, "pp_split", None),
+            dp=getattr(args, "dp", None),
+            moe_split=getattr(args, "moe_split", DEFAULT_MOE_SPLIT),
+            split=getattr(args, "split", None),
+            weights_cache=getattr(args, "weights_cache", None),
+        )
+
+
 def load_model(
     path: str | Path,
     group: mx.distributed.Group | None = None,
@@ -131,8 +179,12 @@ def load_model(
     moe_split: str = DEFAULT_MOE_SPLIT,
     split: SplitSpec = None,
     weights_cache: str | Path | bool | None = None,
+    options: LoadOptions | None = None,
 ) -> tuple[Transformer, Checkpoint]:
     """Load the model at `path`, sharded over `group` (default: the world) when it has >1 rank.
+
+    `options` (a `LoadOptions`) gives every keyword below as one value (a command's
+    flags); then the keywords themselves stay at their defaults.
 
     With `vocab_parallel` (the default) the embedding and output head are split
     by vocabulary rows too, and the model returns each rank's slice of the logits.
@@ -162,6 +214,24 @@ def load_model(
     memory, seconds). Every rank returns only after all ranks have loaded; if one
     fails, all raise.
     """
+    given = LoadOptions(
+        vocab_parallel, dtype, plan, sequence_parallel, tp, pp, pp_split, dp, moe_split, split,
+        weights_cache,
+    )  # fmt: skip
+    if options is not None and given != LoadOptions():
+        named = [f.name for f in fields(given) if getattr(given, f.name) != f.default]
+        raise TypeError(
+            f"load_model takes options or their keywords, not both ({', '.join(named)})"
+        )
+    o = options or given
+    vocab_parallel, dtype, plan, sequence_parallel = (
+        o.vocab_parallel,
+        o.dtype,
+        o.plan,
+        o.sequence_parallel,
+    )
+    tp, pp, pp_split, dp, moe_split, split = o.tp, o.pp, o.pp_split, o.dp, o.moe_split, o.split
+    weights_cache = o.weights_cache
     if dtype is not None and sequence_parallel:
         # cast_model swaps layers for plain float twins, which would drop the
         # sequence-parallel wrappers: refuse rather than silently run without them
@@ -173,10 +243,7 @@ def load_model(
     if route is not None:  # no native implementation: mlx-lm's classes
         from .load_generic import load_generic_model
 
-        return load_generic_model(
-            path, group, route, dtype=dtype, plan=plan, sequence_parallel=sequence_parallel,
-            tp=tp, pp=pp, pp_split=pp_split, dp=dp, moe_split=moe_split, split=split,
-        )  # fmt: skip
+        return load_generic_model(path, group, route, o)
     mesh = whole_mesh = None
     model_group = group  # the ranks that hold one copy of the model: a replica's with dp
     # making a mesh is collective: agree first
@@ -300,7 +367,7 @@ def load(
 ):
     """(model, tokenizer) for the checkpoint at `path` (default: the built-in model);
     `options` are `load_model`'s keywords (plan, sequence_parallel, tp, pp, pp_split, dp,
-    moe_split, split, weights_cache)."""
+    moe_split, split, weights_cache, or options=LoadOptions(...))."""
     from ..checkpoints.tokenizer import load_tokenizer
 
     path = path if path is not None else default_model()

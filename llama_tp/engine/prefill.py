@@ -7,6 +7,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .caches import arrays
+
 
 def prefill(model: nn.Module, tokens: list[int], cache: list[Any], step: int = 512) -> None:
     """Run `tokens` into `cache` in chunks of `step` positions. Only the caches are
@@ -15,5 +17,5 @@ def prefill(model: nn.Module, tokens: list[int], cache: list[Any], step: int = 5
     while x.size:
         n = min(step, x.size)
         model(x[None, :n], cache=cache)
-        mx.eval([c.state for c in cache])
+        mx.eval(arrays(cache))
         x = x[n:]

@@ -32,14 +32,16 @@ class SettingsError(ValueError):
 @dataclass
 class SamplingParams:
     """One sequence's settings. `seed` with the token's index picks every random draw
-    (`sampling.token_key`): the same settings and prompt give the same tokens."""
+    (`sampling.token_key`): the same settings and prompt give the same tokens. `seed`
+    None: rank 0 chooses one at generation and every rank takes it (`stream_generate`,
+    `Chat`; a batch's rows always say theirs)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     min_p: float = 0.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = 0
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: no log-probabilities; k: the token's and the k best
     num_draft_tokens: int = 0  # prompt-lookup / draft-model tokens verified per step
@@ -58,7 +60,8 @@ class SamplingParams:
         _number("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1]", open_low=True)
         _number("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
         _integer("top_k", self.top_k, 0)
-        _integer("seed", self.seed, -(2**63), 2**64 - 1)
+        if self.seed is not None:
+            _integer("seed", self.seed, -(2**63), 2**64 - 1)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SettingsError("stop", "must hold non-empty strings", self.stop)
         if self.logprobs is not None:
@@ -96,6 +99,54 @@ class SamplingParams:
     def but(self, **changes) -> SamplingParams:
         """A copy with `changes`, validated again."""
         return replace(self, **changes)
+
+
+def keyword_params(
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: tuple[str, ...] | list[str] | str | None = None,
+    logprobs: int | None = None,
+    num_draft_tokens: int | None = None,
+    drafting: bool = False,
+) -> SamplingParams:
+    """The settings the drivers' keywords give (None: the default; the seed None: agreed
+    at generation). `num_draft_tokens` counts only with a drafter (default 4)."""
+    drafts = (4 if num_draft_tokens is None else num_draft_tokens) if drafting else 0
+    return SamplingParams(
+        256 if max_tokens is None else max_tokens,
+        0.0 if temperature is None else temperature,
+        1.0 if top_p is None else top_p,
+        0.0 if min_p is None else min_p,
+        0 if top_k is None else top_k,
+        seed,
+        stop=tuple([stop] if isinstance(stop, str) else stop or ()),
+        logprobs=logprobs,
+        num_draft_tokens=drafts,
+    )
+
+
+def request_params(
+    who: str, params: SamplingParams | None, drafting: bool, **given: object
+) -> SamplingParams:
+    """A driver's settings (`stream_generate`, `Chat`): `params` as given, or what its
+    keywords `given` say (`keyword_params`); both at once: TypeError naming `who` and the
+    keywords. Without a drafter no draft tokens; with one at least 1 (`SettingsError`)."""
+    named = [k for k, v in given.items() if v is not None]
+    if params is not None and named:
+        raise TypeError(
+            f"{who} takes params or the sampling keywords, not both ({', '.join(named)})"
+        )
+    if params is None:
+        params = keyword_params(**given, drafting=drafting)
+    elif not drafting:
+        params = params.but(num_draft_tokens=0)
+    if drafting and params.num_draft_tokens == 0:
+        raise SettingsError("num_draft_tokens", "must be at least 1 with a drafter", 0)
+    return params
 
 
 def _integer(field: str, v: object, lo: int, hi: int | None = None) -> None:

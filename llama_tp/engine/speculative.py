@@ -14,8 +14,8 @@ token for token the plain output, greedy or sampled (with top-p, min-p, top-k
 too), on any rank count, and the acceptance of a point-mass draft (prompt
 lookup) is p(d), as in the classic rejection rule. A draft model samples its
 drafts with the same keys, so it proposes the target's draw whenever the two
-models agree on it. Both caches are trimmed to the kept tokens with mlx-lm's
-`trim_prompt_cache`.
+models agree on it. Both caches step back to the kept tokens (`caches.rewind`; a layer
+kind that cannot, a recurrent state, is refused in one line naming it).
 """
 
 from __future__ import annotations

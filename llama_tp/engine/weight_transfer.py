@@ -33,6 +33,7 @@ from ..cluster.distributed import all_gather_object, first_line
 from ..cluster.progress import progress
 from ..cluster.watchdog import rank_label
 from ..parallel.placement import RankPlacement, Slice
+from ..parallel.splits import held_bytes
 from .model_sources import Shared, raise_first
 
 Weights = list[tuple[str, mx.array]]
@@ -45,7 +46,7 @@ def _estimate(ckpt: Checkpoint, mine: RankPlacement) -> dict[str, int]:
     out = {}
     for name, s in mine.slices.items():
         shape, nbytes = tensors[name]
-        out[name] = nbytes if s is None else nbytes * (s[2] - s[1]) // max(1, shape[s[0]])
+        out[name] = held_bytes(shape, nbytes, s)  # (one slice, or a fused tensor's segments)
     return out
 
 

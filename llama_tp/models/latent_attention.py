@@ -10,9 +10,10 @@ so that decoding attends in the latent space (the query absorbs `embed_q`) and p
 expands the keys and values. The cache holds c and k_pe only: kv_lora_rank +
 qk_rope_head_dim values per token and layer (DeepSeek-V3: 512 + 64), whatever the heads.
 
-Split by heads (`parallel/llama_plan.latent_attention_styles`): the rows of q_b_proj (or
-wq) and the heads of embed_q / unembed_out, wo by columns; the latent projections and
-norms are replicated, so every rank computes and caches the same latent as one process.
+Split by heads (its split table, `LatentAttention.split_table`): the rows of q_b_proj
+(or wq) and the heads of embed_q / unembed_out, wo by columns; the latent projections and
+norms are replicated, so every rank computes and caches the same latent as one process
+(its cache spec: kv_lora_rank + qk_rope_head_dim values per token, whole).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 from mlx_lm.models.deepseek_v3 import ModelArgs as DeepseekV3Args
 
 from ..model_args import ModelArgs
-from ..parallel.llama_plan import latent_attention_styles
+from ..parallel.llama_plan import table_styles
 from ..parallel.parallelize import parallelize
 from ..parallel.partition import RankPart
+from ..parallel.splits import COLUMNS, HEADS, ROWS, CacheSpec, SplitTable, TensorSplit
 
 
 def deepseek_v3_args(args: ModelArgs) -> DeepseekV3Args:
@@ -57,8 +59,45 @@ class LatentAttention(DeepseekV3Attention):
     """x (B, L, dim) -> (B, L, dim): mlx-lm's multi-head latent attention, its output
     projection named `wo` (and a direct query projection `wq`), with `n_heads` local."""
 
+    # its own projections and norms under their own names (last among the kinds: the
+    # projections every attention has are named by `Attention`)
+    hf_names = (("self_attn", "attention"),)
+    gguf_names = (
+        ("attn_q_a_norm", "attention.q_a_layernorm"),
+        ("attn_q_a", "attention.q_a_proj"),
+        ("attn_q_b", "attention.q_b_proj"),
+        ("attn_kv_a_norm", "attention.kv_a_layernorm"),
+        ("attn_kv_a_mqa", "attention.kv_a_proj_with_mqa"),
+        ("attn_kv_b", "attention.kv_b_proj"),
+        ("attn_k_b", "attention.embed_q"),
+        ("attn_v_b", "attention.unembed_out"),
+    )
+
+    @classmethod
+    def split_table(cls, args: ModelArgs) -> SplitTable:
+        """Query heads, any count per rank: their rows of q_b_proj (or wq), their (H, out,
+        in) stacks of embed_q / unembed_out, wo's columns; the latent whole."""
+        q_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
+        return SplitTable(
+            "latent attention",
+            {
+                "q_b_proj" if args.q_lora_rank else "wq": TensorSplit("q_heads", ROWS, q_head_dim),
+                "embed_q": TensorSplit("q_heads", HEADS),
+                "unembed_out": TensorSplit("q_heads", HEADS),
+                "wo": TensorSplit("q_heads", COLUMNS, args.v_head_dim),
+            },
+            module="heads",
+            plain_when_even=False,
+        )
+
+    @classmethod
+    def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
+        """The latent and the RoPE key, whole on every rank."""
+        return CacheSpec("kv", (("", args.kv_lora_rank + args.qk_rope_head_dim),))
+
     def __init__(self, args: ModelArgs):
         super().__init__(deepseek_v3_args(args))
+        object.__setattr__(self, "args", args)
         self.wo = self.pop("o_proj")  # the names every attention of the model uses
         if "q_proj" in self:
             self.wq = self.pop("q_proj")
@@ -98,7 +137,44 @@ class LatentAttention(DeepseekV3Attention):
 
     def shard(self, group: mx.distributed.Group, part: RankPart) -> None:
         """Keep the heads `part.q_heads` (any count per rank), the latent replicated."""
-        styles = latent_attention_styles(
-            self.q_head_dim, self.v_head_dim, "wq" in self, {group.rank(): part}
-        )
+        styles = table_styles(self.split_table(self.args), {group.rank(): part})
         parallelize(self, styles, group)
+
+
+def deepseek_v3_fields(config: dict) -> dict:
+    """Latent attention and routing fields of a DeepSeek-V3 config (mlx-lm's defaults)."""
+    d = DeepseekV3Args.from_dict(config)
+    check_routing(d.topk_method, d.scoring_func)
+    routed = d.n_routed_experts or 0
+    freq = d.moe_layer_freq or 1
+    sparse = [
+        i
+        for i in range(d.num_hidden_layers)
+        if routed and i >= d.first_k_dense_replace and i % freq == 0
+    ]
+    return {
+        "n_experts": routed,
+        "n_experts_per_tok": d.num_experts_per_tok if routed else 0,
+        "moe_hidden_dim": d.moe_intermediate_size,
+        "shared_expert_dim": (d.n_shared_experts or 0) * d.moe_intermediate_size,
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(d.norm_topk_prob),
+        "router": "sigmoid_group",
+        "n_group": d.n_group,
+        "topk_group": d.topk_group,
+        "routed_scaling_factor": float(d.routed_scaling_factor),
+        "sparse_layers": None if len(sparse) == d.num_hidden_layers else sparse,
+        "kv_lora_rank": d.kv_lora_rank,
+        "q_lora_rank": d.q_lora_rank or 0,
+        "qk_nope_head_dim": d.qk_nope_head_dim,
+        "qk_rope_head_dim": d.qk_rope_head_dim,
+        "v_head_dim": d.v_head_dim,
+    }
+
+
+def check_routing(topk_method: str, scoring_func: str) -> None:
+    if topk_method != "noaux_tc" or scoring_func != "sigmoid":
+        raise ValueError(
+            f"model config: routing {topk_method!r} with {scoring_func!r} scores is not "
+            "supported (DeepSeek-V3's is 'noaux_tc' with 'sigmoid')"
+        )

@@ -15,8 +15,10 @@ when there are many (prefill, batches), as mlx-lm does. Three routers:
                  renormalised with norm_topk_prob, times routed_scaling_factor
                  (mlx-lm's `MoEGate`: the router's `weight` and `e_score_correction_bias`)
 
-Apart from `shard`, nothing here knows about ranks: how the experts split (by tensor
-or by expert) is `parallel/experts.py`'s.
+Its split table (`MoEFeedForward.split_table`): every expert's gate/up rows and down
+columns by "expert_ffn" (or whole experts, when the plan splits by expert), the shared
+expert's by "shared_ffn", all kept in place and summed once (`parallel/experts.py`'s
+styles); the router whole. Apart from `shard`, nothing here knows about ranks.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..model import FeedForward
 from ..model_args import ModelArgs
-from ..parallel.experts import moe_styles
+from ..parallel.llama_plan import table_styles
 from ..parallel.parallelize import parallelize
 from ..parallel.partition import RankPart
-from .latent_attention import deepseek_v3_args
+from ..parallel.splits import COLUMNS, ROWS, CacheSpec, SplitTable, TensorSplit
+from .latent_attention import check_routing, deepseek_v3_args
 
 
 class MoEFeedForward(nn.Module):
@@ -40,8 +43,59 @@ class MoEFeedForward(nn.Module):
     `switch_mlp` (the E experts), and with `shared_expert_dim` a `shared_expert`
     FeedForward and, if `shared_expert_gated`, its `shared_expert_gate` (dim -> 1)."""
 
+    # Experts stacked as mlx-lm stores them (Mixtral's block after Qwen's; DeepSeek-V3's
+    # shared experts one FeedForward of n_shared_experts experts' width; gpt-oss's router
+    # and experts as mlx-lm names them)
+    hf_names = (
+        ("mlp.gate", "feed_forward.router"),
+        ("mlp.switch_mlp", "feed_forward.switch_mlp"),
+        ("mlp.shared_expert.gate_proj", "feed_forward.shared_expert.w1"),
+        ("mlp.shared_expert.down_proj", "feed_forward.shared_expert.w2"),
+        ("mlp.shared_expert.up_proj", "feed_forward.shared_expert.w3"),
+        ("mlp.shared_expert_gate", "feed_forward.shared_expert_gate"),
+        ("mlp.shared_experts.gate_proj", "feed_forward.shared_expert.w1"),
+        ("mlp.shared_experts.down_proj", "feed_forward.shared_expert.w2"),
+        ("mlp.shared_experts.up_proj", "feed_forward.shared_expert.w3"),
+        ("block_sparse_moe.gate", "feed_forward.router"),
+        ("block_sparse_moe.switch_mlp", "feed_forward.switch_mlp"),
+        ("mlp.router", "feed_forward.router"),
+        ("mlp.experts", "feed_forward.switch_mlp"),
+    )
+    gguf_names = (
+        ("ffn_gate_inp", "feed_forward.router"),
+        ("ffn_gate_exps", "feed_forward.switch_mlp.gate_proj"),
+        ("ffn_up_exps", "feed_forward.switch_mlp.up_proj"),
+        ("ffn_down_exps", "feed_forward.switch_mlp.down_proj"),
+        ("ffn_gate_shexp", "feed_forward.shared_expert.w1"),
+        ("ffn_up_shexp", "feed_forward.shared_expert.w3"),
+        ("ffn_down_shexp", "feed_forward.shared_expert.w2"),
+        ("ffn_gate_inp_shexp", "feed_forward.shared_expert_gate"),
+        # DeepSeek-V3's routing bias: the name exactly
+        ("exp_probs_b.bias$", "feed_forward.router.e_score_correction_bias"),
+    )
+
+    @classmethod
+    def split_table(cls, args: ModelArgs) -> SplitTable:
+        experts = {
+            "switch_mlp.gate_proj": TensorSplit("expert_ffn", ROWS, stacked=True, in_place=True),
+            "switch_mlp.up_proj": TensorSplit("expert_ffn", ROWS, stacked=True, in_place=True),
+            "switch_mlp.down_proj": TensorSplit("expert_ffn", COLUMNS, stacked=True, in_place=True),
+        }
+        if args.shared_expert_dim:
+            experts |= {
+                "shared_expert.w1": TensorSplit("shared_ffn", ROWS, in_place=True),
+                "shared_expert.w3": TensorSplit("shared_ffn", ROWS, in_place=True),
+                "shared_expert.w2": TensorSplit("shared_ffn", COLUMNS, in_place=True),
+            }
+        return SplitTable("experts", experts, module="summed", plain_when_even=False)
+
+    @classmethod
+    def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
+        return None
+
     def __init__(self, args: ModelArgs):
         super().__init__()
+        object.__setattr__(self, "args", args)
         self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
         self.softmax_first = args.router == "softmax_topk"
         self.norm_topk_prob = args.norm_topk_prob
@@ -95,8 +149,8 @@ class MoEFeedForward(nn.Module):
         """Split the experts over `group` as `part` of the partition says ("tensor": every
         expert's columns `part.expert_ffn`; "expert": the experts `part.experts`), the
         shared expert by its columns `part.shared_ffn`, the router replicated; the
-        partial outputs are summed once (`parallel.experts.moe_styles`)."""
-        styles = moe_styles({group.rank(): part}, split, "shared_expert" in self)
+        partial outputs are summed once (the styles its split table gives)."""
+        styles = table_styles(self.split_table(self.args), {group.rank(): part}, moe_split=split)
         parallelize(self, styles, group)
 
 
@@ -115,3 +169,65 @@ def expert_load(model: nn.Module) -> list[list[int]]:
     layers = [c for c in layers if c is not None]
     mx.eval(layers)
     return [c.tolist() for c in layers]
+
+
+# -- config fields (the families' registry rows read them) -------------------------
+
+
+def mixtral_fields(config: dict) -> dict:
+    """Mixtral's experts from its config.json (top-k of the router's logits, softmax)."""
+    return {
+        "n_experts": config.get("num_local_experts", 8),
+        "n_experts_per_tok": config.get("num_experts_per_tok", 2),
+        "moe_hidden_dim": config["intermediate_size"],
+        "router": "topk_softmax",
+    }
+
+
+def qwen_moe_fields(config: dict) -> dict:
+    """Qwen2-MoE's and Qwen3-MoE's experts (every `decoder_sparse_step`-th layer but the
+    `mlp_only_layers`), shared expert and routing from their config.json."""
+    n_layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step", 1) or 1
+    dense = set(config.get("mlp_only_layers") or [])
+    sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
+    return {
+        "n_experts": config.get("num_experts", 0),
+        "n_experts_per_tok": config.get("num_experts_per_tok", 0),
+        "moe_hidden_dim": config.get("moe_intermediate_size", 0),
+        # Qwen3-MoE has no shared expert: a config that carries the key anyway loads, as
+        # in mlx-lm and transformers, which ignore it
+        "shared_expert_dim": 0
+        if config.get("model_type") == "qwen3_moe"
+        else config.get("shared_expert_intermediate_size", 0),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "sparse_layers": None if len(sparse) == n_layers else sparse,
+    }
+
+
+def glm4_moe_fields(config: dict) -> dict:
+    """GLM-4.5's fields: partial rotary, optional q/k norms, DeepSeek-V3's routing and
+    shared experts, the first `first_k_dense_replace` layers dense (Hugging Face's
+    defaults for the keys a config leaves out)."""
+    check_routing(config.get("topk_method", "noaux_tc"), config.get("scoring_func", "sigmoid"))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    factor = config.get("partial_rotary_factor", 0.5)
+    routed = config["n_routed_experts"] or 0
+    first = config.get("first_k_dense_replace", 1)
+    n_layers = config["num_hidden_layers"]
+    sparse = [i for i in range(n_layers) if routed and i >= first]
+    return {
+        "qk_norm": bool(config.get("use_qk_norm", False)),
+        "rope_dims": int(head_dim * factor),
+        "n_experts": routed,
+        "n_experts_per_tok": config["num_experts_per_tok"] if routed else 0,
+        "moe_hidden_dim": config["moe_intermediate_size"],
+        "shared_expert_dim": (config.get("n_shared_experts", 1) or 0)
+        * config["moe_intermediate_size"],
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+        "router": "sigmoid_group",
+        "n_group": config.get("n_group", 1) or 1,
+        "topk_group": config.get("topk_group", 1) or 1,
+        "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+        "sparse_layers": None if len(sparse) == n_layers else sparse,
+    }

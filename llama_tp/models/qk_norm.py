@@ -15,7 +15,17 @@ from ..model_args import ModelArgs
 
 
 class QKNormAttention(Attention):
-    """x (B, L, dim) -> (B, L, dim), as `Attention`, with q/k RMS-normalised per head."""
+    """x (B, L, dim) -> (B, L, dim), as `Attention`, with q/k RMS-normalised per head
+    (its split table and cache: the core attention's; the norms whole)."""
+
+    hf_names = (
+        ("self_attn.q_norm", "attention.q_norm"),
+        ("self_attn.k_norm", "attention.k_norm"),
+    )
+    gguf_names = (
+        ("attn_q_norm", "attention.q_norm"),
+        ("attn_k_norm", "attention.k_norm"),
+    )
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)

@@ -21,37 +21,104 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             partial RoPE,
                                                             qk-norm if set
 
-The readers (`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into
-`ModelArgs`; `build` makes the model.
+A family is a registry row (`FAMILIES`, `GGUF_FAMILIES`); a mixer kind is one class
+in its own module that declares its split table, its cache, its checkpoint names
+(`KINDS`, `checkpoint_names`) and reads its config fields. The readers
+(`checkpoints/hf.py`, `checkpoints/gguf.py`) turn a config into `ModelArgs`;
+`layer_kinds` says each layer's mixer kinds, from which `build` makes the
+model and `layer_specs` the placement's view of it (each kind's split table and cache,
+`parallel/splits.py`) without building anything.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.nn as nn
 
 from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
-from .gpt_oss import SinkAttention
-from .latent_attention import LatentAttention
-from .moe import MoEFeedForward
+from ..parallel.splits import LayerSpec
+from .gpt_oss import SinkAttention, gpt_oss_fields
+from .latent_attention import LatentAttention, deepseek_v3_fields
+from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .qk_norm import QKNormAttention
 
-MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v3",
-    "kimi_k2",
-    "gpt_oss",
-    "glm4_moe",
+
+@dataclass(frozen=True)
+class Family:
+    """A registry row: one Hugging Face `model_type`. `architecture`: the class `convert`
+    names in the config.json it writes (None: not written); `fields`: the family's
+    ModelArgs fields from its config.json beyond the common ones (its kinds' readers;
+    a ValueError names a bad value); `qk_norm`: its attention normalises q and k per
+    head; `config_keys`: the config.json keys `convert` writes for the family beyond
+    the common ones (None: `checkpoints/hf_config.py`'s for the families before)."""
+
+    architecture: str | None = None
+    fields: Callable[[dict], dict] | None = None
+    qk_norm: bool = False
+    config_keys: Callable[[ModelArgs], dict] | None = None
+
+
+@dataclass(frozen=True)
+class GgufFamily:
+    """A registry row for a GGUF `general.architecture`: the family's `model_type`;
+    `neox`: RoPE on the halves of each head (llama.cpp's NEOX: q/k rows not permuted for
+    interleaved pairs); `fields`: the family's ModelArgs fields from the metadata beyond
+    the common ones, given `get(key, default)` of `{arch}.*` (None: `checkpoints/gguf.py`'s
+    for the families before; a ValueError names a bad value)."""
+
+    model_type: str
+    neox: bool = False
+    fields: Callable[[Callable[..., Any]], dict] | None = None
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM"),
+    "qwen2": Family("Qwen2ForCausalLM"),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
+    "mixtral": Family("MixtralForCausalLM", mixtral_fields),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", qwen_moe_fields),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qwen_moe_fields, qk_norm=True),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
+    "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
+    "gpt_oss": Family(None, gpt_oss_fields),
+    "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
+}
+MODEL_TYPES = tuple(FAMILIES)
+# GGUF `general.architecture` -> its row (llama with experts is Mixtral: `checkpoints/gguf.py`)
+GGUF_FAMILIES = {
+    "llama": GgufFamily("llama"),
+    "qwen2": GgufFamily("qwen2", neox=True),
+    "qwen3": GgufFamily("qwen3", neox=True),
+    "qwen2moe": GgufFamily("qwen2_moe", neox=True),
+    "qwen3moe": GgufFamily("qwen3_moe", neox=True),
+    "deepseek2": GgufFamily("deepseek_v3"),
+    "glm4moe": GgufFamily("glm4_moe", neox=True),
+    "gpt-oss": GgufFamily("gpt_oss", neox=True),
+}
+GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
+# Every mixer kind (and the layer's own norms), in the order their checkpoint names are
+# tried: a kind's later, broader names (latent attention's) after the others'.
+KINDS: tuple[type[nn.Module], ...] = (
+    Attention,
+    FeedForward,
+    TransformerBlock,
+    QKNormAttention,
+    SinkAttention,
+    MoEFeedForward,
+    LatentAttention,
 )
-GGUF_ARCHITECTURES = (
-    "llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "deepseek2", "glm4moe", "gpt-oss",
-)  # fmt: skip
+
+
+def checkpoint_names(fmt: str) -> list[tuple[str, str]]:
+    """Every kind's tensor names in `fmt` ("hf" or "gguf") checkpoints: (checkpoint path
+    under a layer, the model's path under the layer), in `KINDS` order. A path ending in
+    "$" is a whole tensor's name; the others are module prefixes."""
+    return [pair for kind in KINDS for pair in vars(kind).get(f"{fmt}_names", ())]
 
 
 def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
@@ -59,16 +126,29 @@ def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
     return f"unsupported {kind} {name!r} (supported: {', '.join(supported)})"
 
 
+def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
+    """The mixer kinds of layer `i` of the family `args` describe, by path in the layer."""
+    if args.kv_lora_rank:
+        attention: type[nn.Module] = LatentAttention
+    elif args.attention_sinks:
+        attention = SinkAttention
+    else:
+        attention = QKNormAttention if args.qk_norm else Attention
+    feed_forward = MoEFeedForward if args.is_sparse(i) else FeedForward
+    return {"attention": attention, "feed_forward": feed_forward}
+
+
 def block(args: ModelArgs, i: int) -> TransformerBlock:
     """Layer `i` of the family `args` describe."""
-    if args.kv_lora_rank:
-        attention: nn.Module = LatentAttention(args)
-    elif args.attention_sinks:
-        attention = SinkAttention(args, args.window(i))
-    else:
-        attention = QKNormAttention(args) if args.qk_norm else Attention(args)
-    feed_forward: nn.Module = MoEFeedForward(args) if args.is_sparse(i) else FeedForward(args)
-    return TransformerBlock(args, attention, feed_forward)
+    kinds = layer_kinds(args, i)
+    attention = kinds["attention"]
+    mixer = attention(args, args.window(i)) if attention is SinkAttention else attention(args)
+    return TransformerBlock(args, mixer, kinds["feed_forward"](args), layer=i)
+
+
+def layer_specs(args: ModelArgs) -> tuple[LayerSpec, ...]:
+    """Every layer's split tables and cache, from its kinds (nothing built)."""
+    return tuple(LayerSpec.of(layer_kinds(args, i), args, i) for i in range(args.n_layers))
 
 
 def build(args: ModelArgs) -> Transformer:

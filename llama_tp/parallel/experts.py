@@ -2,7 +2,8 @@
 
 A mixture-of-experts module (`models/moe.py`: a `router`, the experts stacked in
 mlx-lm's `SwitchGLU` as `switch_mlp`, maybe a `shared_expert` FeedForward) is split
-with three styles, applied by `moe_styles`:
+with three styles (which `llama_plan.table_styles` derives from the kind's split table,
+`models/moe.py`):
 
 - `ShardInPlace` keeps a range of a layer's weight in place (mlx's `shard_inplace`,
   with any ranges): rows or columns of every expert's (E, out, in) projection, whole
@@ -35,7 +36,7 @@ import mlx.nn as nn
 from .sequence import _rewrap, gather_input, scatter_output
 from .styles import Layout, PlanError, Ranges, Split, Style, _check_layout, _ranges
 
-Dim = Literal["rows", "columns", "experts", "heads"]
+Dim = Literal["rows", "columns", "experts", "heads", "channels"]
 
 
 def _quantized(module: nn.Module) -> bool:
@@ -59,9 +60,12 @@ def _check_mode(module: nn.Module, path: str) -> None:
 class ShardInPlace(Style):
     """Keep units `ranges[r]` of a linear or stacked-experts layer's weight along `dim`
     ("rows": outputs; "columns": inputs, on quantization groups; "experts": axis 0 of an
-    (E, out, in) weight; "heads": axis 0 of mlx-lm's per-head (H, out, in) MultiLinear),
-    in place. x -> this rank's rows (rows), a partial sum
-    (columns: the enclosing module's `MoEParallel` sums it), or the outputs of its
+    (E, out, in) weight; "heads": axis 0 of mlx-lm's per-head (H, out, in) MultiLinear;
+    "channels": axis 0 of any weight and its bias, e.g. a depthwise conv's (C, K, 1)),
+    in place. A rank's range may be several (start, stop) pairs, the segments of a fused
+    tensor (q | k | v rows): their slices are kept, concatenated in order. x -> this
+    rank's rows (rows), a partial sum (columns: the enclosing module's `MoEParallel`
+    sums it), or the outputs of its
     experts (experts). A column split of stacked experts (gpt-oss's down projections)
     keeps their bias on the rank holding the first columns only, so that the sum adds it
     once; of a plain linear layer it refuses a bias."""
@@ -71,7 +75,8 @@ class ShardInPlace(Style):
 
     def _axis(self, module: nn.Module) -> int:
         ndim = module["weight"].ndim
-        return {"rows": ndim - 2, "columns": ndim - 1, "experts": 0, "heads": 0}[self.dim]
+        axes = {"rows": ndim - 2, "columns": ndim - 1, "experts": 0, "heads": 0, "channels": 0}
+        return axes[self.dim]
 
     def split(self, module: nn.Module, path: str, n: int) -> Split:
         if "weight" not in module or module["weight"].ndim not in (2, 3):
@@ -92,6 +97,10 @@ class ShardInPlace(Style):
             total = total * 32 // module.bits
             unit = module.group_size
         what = {"rows": "output rows", "columns": "input columns"}.get(self.dim, self.dim)
+        if _segmented(self.ranges):
+            for i in range(len(next(iter(_items(self.ranges)))[1])):
+                _ranges({r: p[i] for r, p in _items(self.ranges)}, total, n, path, what, unit)
+            return Split(axis, total, self.ranges, self.dim)
         ranges = _ranges(self.ranges, total, n, path, what, unit)
         return Split(axis, total, ranges, "cols" if self.dim == "columns" else self.dim)
 
@@ -99,26 +108,29 @@ class ShardInPlace(Style):
         return "whole"
 
     def apply(self, module, group, ctx, split):
-        a, b = split.ranges[group.rank()]
+        mine = split.ranges[group.rank()]
+        pairs = mine if isinstance(mine[0], tuple) else (mine,)
         axis = split.axis
         for key in ("weight", "scales", "biases", "bias"):
             if key not in module:
                 continue
             v = module[key]
             if key == "bias" and self.dim == "columns":
-                if a > 0:  # added once, by the rank holding column 0 (see the docstring)
+                if pairs[0][0] > 0:  # added once, by the rank holding column 0 (docstring)
                     module.pop("bias")
                 continue
             if key == "bias":
-                ax = axis if self.dim in ("experts", "heads") else v.ndim - 1
+                ax = axis if self.dim in ("experts", "heads", "channels") else v.ndim - 1
             else:
                 ax = axis
             size = v.shape[ax]
-            lo, hi = size * a // split.total, size * b // split.total
-            index = [slice(None)] * v.ndim
-            index[ax] = slice(lo, hi)
+            kept = []
+            for a, b in pairs:
+                index = [slice(None)] * v.ndim
+                index[ax] = slice(size * a // split.total, size * b // split.total)
+                kept.append(v[tuple(index)])
             # contiguous: a plain slice would keep the whole tensor alive once evaluated
-            module[key] = mx.contiguous(v[tuple(index)])
+            module[key] = mx.contiguous(kept[0] if len(kept) == 1 else mx.concatenate(kept, ax))
         return module
 
 
@@ -200,31 +212,11 @@ class MoEParallel(Style):
         return module
 
 
-def _by_rank(parts: Any, field: str) -> dict[int, tuple[int, int]]:
-    items = parts.items() if isinstance(parts, Mapping) else ((p.rank, p) for p in parts)
-    return {r: (getattr(p, field).start, getattr(p, field).stop) for r, p in items}
+def _items(ranges: Any):
+    return ranges.items() if isinstance(ranges, Mapping) else enumerate(ranges)
 
 
-def moe_styles(parts: Any, split: str, shared: bool, sequence: bool = False) -> dict[str, Style]:
-    """Styles of one mixture-of-experts module by path relative to it ("" is the module),
-    from the partition's `parts` (a sequence or a rank -> part mapping) and the split."""
-    layout: Layout = "sequence" if sequence else "replicate"
-    styles: dict[str, Style] = {"": MoEParallel(layout, layout)}
-    if split == "expert":
-        experts = _by_rank(parts, "experts")
-        styles["switch_mlp"] = ExpertRouting(experts)
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            styles[f"switch_mlp.{proj}"] = ShardInPlace("experts", experts)
-    else:
-        width = _by_rank(parts, "expert_ffn")
-        styles["switch_mlp.gate_proj"] = ShardInPlace("rows", width)
-        styles["switch_mlp.up_proj"] = ShardInPlace("rows", width)
-        styles["switch_mlp.down_proj"] = ShardInPlace("columns", width)
-    if shared:
-        cols = _by_rank(parts, "shared_ffn")
-        styles |= {
-            "shared_expert.w1": ShardInPlace("rows", cols),
-            "shared_expert.w3": ShardInPlace("rows", cols),
-            "shared_expert.w2": ShardInPlace("columns", cols),
-        }
-    return styles
+def _segmented(ranges: Any) -> bool:
+    """Whether each rank's range is several (start, stop) pairs (a fused tensor's)."""
+    first = next(iter(_items(ranges)), (None, None))[1]
+    return first is not None and len(first) > 0 and isinstance(first[0], tuple | list)

@@ -1,10 +1,12 @@
-"""The built-in Llama plan: one table from module paths to parallel styles.
+"""The built-in plan: one table from module paths to parallel styles.
 
-Made from the partition plan (`partition.make_plan`): where N divides the heads or
-columns the styles take no ranges (mlx's `shard_linear`, the design's even split),
-elsewhere each rank's explicit range. Works on the model by its attribute names,
-so this package never imports `llama_tp.model`. For SmolLM2 (9 query / 3 KV heads,
-untied) on 2 ranks, `llama_plan(model, 2)` is:
+Made from the partition plan (`partition.make_plan`) and each layer's split tables
+(`splits.py`, the kinds' declarations: `table_styles` turns a table into styles):
+where N divides the heads or columns the styles take no ranges (mlx's `shard_linear`,
+the design's even split), elsewhere each rank's explicit range. Works on the model by
+its attribute names and its layers' `spec`, so this package never imports
+`llama_tp.model`. For SmolLM2 (9 query / 3 KV heads, untied) on 2 ranks,
+`llama_plan(model, 2)` is:
 
     layers.*.attention            AttentionHeads(parts)
     layers.*.attention.wq|wk|wv   ColwiseParallel(ranges)   rows of heads 0-5 | 6-8
@@ -29,10 +31,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .experts import ShardInPlace, moe_styles
+from .experts import ExpertRouting, MoEParallel, ShardInPlace
 from .partition import Plan, RankPart
 from .placement import ModelShape, partition
 from .sequence import gather_input
+from .splits import CHANNELS, COLUMNS, HEADS, ROWS, VECTOR, SplitTable
 from .styles import (
     ColwiseParallel,
     Layout,
@@ -54,7 +57,8 @@ def model_shape_of(model: nn.Module) -> ModelShape:
     """The placement's view of a built (lazy) model: its args and parameter shapes, as the
     checkpoint it was built from stores them (`checkpoints.slices.model_shape`)."""
     tensors = {k: (tuple(v.shape), v.nbytes) for k, v in tree_flatten(model.parameters())}
-    return ModelShape(model.args, tensors, getattr(model, "ffn_block", None))
+    specs = tuple(layer.spec for layer in model.layers)
+    return ModelShape(model.args, tensors, getattr(model, "ffn_block", None), specs)
 
 
 def plan_for(model: nn.Module, n: int, moe_split: str = "tensor") -> Plan:
@@ -115,61 +119,138 @@ class AttentionHeads(Style):
         return module
 
 
-def attention_styles(
-    head_dim: int, parts: Parts | None = None, sequence: bool = False
+@dataclass(frozen=True)
+class LocalUnits(Style):
+    """A mixer of a kind with its own units (`SplitTable.module == "units"`): on each
+    rank, its attributes `local` (attribute, ((unit, width), ...)) become the sum of this
+    rank's count of each unit times its width (e.g. `num_k_heads`, `key_dim`, a conv's
+    `conv1d.groups` = 2 key dims + the value dim), and its 1-D parameters `vectors`
+    (parameter, unit, width) keep this rank's values (e.g. `A_log`, `dt_bias` per value
+    head). `parts` None: N equal blocks. `input_layout="sequence"` gathers the sequence
+    chunks first."""
+
+    local: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+    vectors: tuple[tuple[str, str, int], ...] = ()
+    parts: Parts | None = None
+    input_layout: Layout = "replicate"
+
+    def split(self, module: nn.Module, path: str, n: int) -> None:
+        for attr, _ in self.local:
+            target = _owner(module, attr)
+            if target is None:
+                raise PlanError(f"{path}: {type(module).__name__} has no attribute {attr!r}")
+            if self.parts is None and getattr(target, attr.rpartition(".")[2]) % n:
+                raise PlanError(f"{path}: cannot split {attr} evenly over {n} ranks")
+        for name, _, _ in self.vectors:
+            if name not in module:
+                raise PlanError(f"{path}: {type(module).__name__} has no parameter {name!r}")
+        return None
+
+    def _count(self, terms, total: int, group: mx.distributed.Group) -> int:
+        if self.parts is None:
+            return total // group.size()
+        part = _by_rank(self.parts)[group.rank()]
+        return sum(len(part.unit(u)) * w for u, w in terms)
+
+    def apply(self, module, group, ctx, split):
+        for attr, terms in self.local:
+            target, name = _owner(module, attr), attr.rpartition(".")[2]
+            setattr(target, name, self._count(terms, getattr(target, name), group))
+        for name, unit, width in self.vectors:
+            v = module[name]
+            if self.parts is None:
+                b = v.shape[0] // group.size()
+                a, b = group.rank() * b, (group.rank() + 1) * b
+            else:
+                r = _by_rank(self.parts)[group.rank()].unit(unit)
+                a, b = r.start * width, r.stop * width
+            module[name] = mx.contiguous(v[a:b])
+        if self.input_layout == "sequence":
+            gather_input(module, ctx)
+        return module
+
+
+def _owner(module: nn.Module, attr: str) -> object | None:
+    """The object holding attribute `attr` ('conv1d.groups': the module's conv1d)."""
+    *path, name = attr.split(".")
+    target: object = module
+    for p in path:
+        target = target.get(p) if isinstance(target, dict) else getattr(target, p, None)
+    return target if target is not None and hasattr(target, name) else None
+
+
+def _unit_ranges(by: Mapping[int, RankPart] | None, unit: str, width: int, offset: int = 0):
+    if by is None:
+        return None
+    out = {}
+    for r, p in by.items():
+        u = p.unit(unit)
+        out[r] = (offset + u.start * width, offset + u.stop * width)
+    return out
+
+
+def _segment_ranges(by: Mapping[int, RankPart], e, totals: Mapping[str, int]):
+    """Each rank's (start, stop) in every segment of a fused tensor, in logical units."""
+    out: dict[int, tuple[tuple[int, int], ...]] = {r: () for r in by}
+    offset = 0
+    for s in e.sections():
+        for r, rng in _unit_ranges(by, s.unit, s.width, offset).items():
+            out[r] += (rng,)
+        offset += totals[s.unit] * s.width
+    return out
+
+
+def table_styles(
+    table: SplitTable,
+    parts: Parts | None = None,
+    sequence: bool = False,
+    moe_split: str = "tensor",
+    totals: Mapping[str, int] | None = None,
 ) -> dict[str, Style]:
-    """Styles of one attention module, by path relative to it ("" is the module)."""
-    q = kv = None
-    if parts is not None:
-        hd, by = head_dim, _by_rank(parts)
-        q = {r: (p.q_heads.start * hd, p.q_heads.stop * hd) for r, p in by.items()}
-        kv = {r: (p.kv_heads.start * hd, p.kv_heads.stop * hd) for r, p in by.items()}
+    """The styles of one mixer, by path relative to it ("" is the mixer), from its kind's
+    split table and the partition's `parts` (None: N equal blocks, mlx's `shard_linear`):
+
+        rows (not in place)       ColwiseParallel    this rank's rows, no communication
+        columns (not in place)    RowwiseParallel    its columns, one all-reduce
+        in place, heads, segments ShardInPlace       kept in place: the mixer sums once
+        stacked, split by expert  ShardInPlace("experts") + ExpertRouting on the stack
+        the mixer                 AttentionHeads ("heads"), MoEParallel ("summed"),
+                                  LocalUnits ("units"), PrepareModuleInput (sequence)
+
+    `totals`: each unit's total (the plan's), for fused tensors' segment offsets."""
     layout: Layout = "sequence" if sequence else "replicate"
-    return {
-        "": AttentionHeads(parts, input_layout=layout),
-        "wq": ColwiseParallel(q),
-        "wk": ColwiseParallel(kv),
-        "wv": ColwiseParallel(kv),
-        "wo": RowwiseParallel(q, output_layout=layout),
-    }
-
-
-def latent_attention_styles(
-    q_head_dim: int, v_head_dim: int, direct_q: bool, parts: Parts, sequence: bool = False
-) -> dict[str, Style]:
-    """Styles of one multi-head latent attention module (`models/latent_attention.py`) by
-    path relative to it: each rank's query heads, any count (the rows of q_b_proj, or of
-    wq when queries are projected directly, and those heads of embed_q / unembed_out,
-    axis 0), wo by the same heads' columns; the latent projections stay whole."""
-    by = _by_rank(parts)
-    heads = {r: (p.q_heads.start, p.q_heads.stop) for r, p in by.items()}
-    layout: Layout = "sequence" if sequence else "replicate"
-    return {
-        "": AttentionHeads(parts, input_layout=layout),
-        "wq" if direct_q else "q_b_proj": ColwiseParallel(
-            {r: (a * q_head_dim, b * q_head_dim) for r, (a, b) in heads.items()}
-        ),
-        "embed_q": ShardInPlace("heads", heads),
-        "unembed_out": ShardInPlace("heads", heads),
-        "wo": RowwiseParallel(
-            {r: (a * v_head_dim, b * v_head_dim) for r, (a, b) in heads.items()},
-            output_layout=layout,
-        ),
-    }
-
-
-def feed_forward_styles(parts: Parts | None = None, sequence: bool = False) -> dict[str, Style]:
-    """Styles of one feed-forward module, by path relative to it ("" is the module)."""
-    f = None
-    if parts is not None:
-        f = {r: (p.ffn.start, p.ffn.stop) for r, p in _by_rank(parts).items()}
-    styles: dict[str, Style] = {"": PrepareModuleInput()} if sequence else {}
-    layout: Layout = "sequence" if sequence else "replicate"
-    styles |= {
-        "w1": ColwiseParallel(f),
-        "w2": RowwiseParallel(f, output_layout=layout),
-        "w3": ColwiseParallel(f),
-    }
+    by = None if parts is None else _by_rank(parts)
+    styles: dict[str, Style] = {}
+    if table.module == "heads":
+        styles[""] = AttentionHeads(parts, input_layout=layout)
+    elif table.module == "summed":
+        styles[""] = MoEParallel(layout, layout)
+    elif table.module == "units":
+        vectors = tuple((k, e.unit, e.width) for k, e in table.tensors.items() if e.dim == VECTOR)
+        local = tuple((k, tuple(terms)) for k, terms in table.local.items())
+        styles[""] = LocalUnits(local, vectors, parts, input_layout=layout)
+    elif sequence:
+        styles[""] = PrepareModuleInput()
+    for path, e in table.tensors.items():
+        if e.dim == VECTOR:
+            continue  # sliced by the mixer's own style
+        if by is None and (e.in_place or e.dim == HEADS or e.segments):
+            raise PlanError(f"{table.kind}: {path} splits in place: the styles need the parts")
+        if e.stacked and moe_split == "expert":
+            experts = _unit_ranges(by, "experts", 1)
+            styles.setdefault(path.rpartition(".")[0], ExpertRouting(experts))
+            styles[path] = ShardInPlace("experts", experts)
+        elif e.segments:
+            dim = "channels" if e.dim in (ROWS, CHANNELS) else e.dim
+            styles[path] = ShardInPlace(dim, _segment_ranges(by, e, totals or {}))
+        elif e.dim == HEADS:
+            styles[path] = ShardInPlace("heads", _unit_ranges(by, e.unit, 1))
+        elif e.in_place or e.dim == CHANNELS:
+            styles[path] = ShardInPlace(e.dim, _unit_ranges(by, e.unit, e.width))
+        elif e.dim == ROWS:
+            styles[path] = ColwiseParallel(_unit_ranges(by, e.unit, e.width))
+        elif e.dim == COLUMNS:
+            styles[path] = RowwiseParallel(_unit_ranges(by, e.unit, e.width), output_layout=layout)
     return styles
 
 
@@ -177,25 +258,44 @@ def _under(prefix: str, styles: dict[str, Style]) -> dict[str, Style]:
     return {f"{prefix}.{k}" if k else prefix: v for k, v in styles.items()}
 
 
-def _feed_forward_table(model: nn.Module, p: Plan, sequence: bool) -> dict[str, Style]:
-    """The feed-forward entries: dense layers by columns, mixture-of-experts layers by
-    tensor or by expert (`experts.moe_styles`). A model mixing the two names each layer's
-    module entry by its index (a wildcard would match both kinds)."""
-    kinds = ["switch_mlp" in layer.feed_forward for layer in model.layers]
+def _even(p: Plan, unit: str) -> bool:
+    """Whether the plan splits `unit` in N equal blocks mlx's `shard_linear` makes."""
+    return {"q_heads": p.even_attention, "kv_heads": p.even_attention, "ffn": p.even_ffn}.get(
+        unit, False
+    )
+
+
+def _mixer_table(model: nn.Module, p: Plan, sequence: bool) -> dict[str, Style]:
+    """The mixers' entries: each layer's kinds by their split tables. A mixer path
+    whose layers differ in kind (dense and expert feed-forwards; attention and a
+    recurrent mixer) names each layer's module entry by its index (a wildcard would
+    match both kinds); tensor entries keep the wildcard (the kinds' names differ)."""
+    moe_split = p.experts.split if p.experts else "tensor"
+    totals = {u: p.total(u) for u in _units_of(model)}
+    slots: dict[str, list[tuple[SplitTable, list[int]]]] = {}
+    for i, layer in enumerate(model.layers):
+        for slot, t in layer.spec.tables.items():
+            kinds = slots.setdefault(slot, [])
+            known = next((k for k in kinds if k[0] == t), None)
+            if known is None:
+                kinds.append((t, [i]))
+            else:
+                known[1].append(i)
     table: dict[str, Style] = {}
-    for sparse in sorted(set(kinds)):
-        if sparse:
-            shared = any("shared_expert" in layer.feed_forward for layer in model.layers)
-            styles = moe_styles(p.parts, p.experts.split, shared, sequence)
-        else:
-            styles = feed_forward_styles(None if p.even_ffn else p.parts, sequence)
-        module = styles.pop("", None)
-        table |= _under("layers.*.feed_forward", styles)
-        if module is not None:
-            mixed = len(set(kinds)) > 1
-            for i in [i for i, k in enumerate(kinds) if k == sparse] if mixed else ["*"]:
-                table[f"layers.{i}.feed_forward"] = module
+    for slot, kinds in slots.items():
+        for t, layers in kinds:
+            even = t.plain_when_even and all(_even(p, u) for u in t.unit_names())
+            styles = table_styles(t, None if even else p.parts, sequence, moe_split, totals)
+            module = styles.pop("", None)
+            if module is not None:
+                for i in layers if len(kinds) > 1 else ["*"]:
+                    table[f"layers.{i}.{slot}"] = module
+            table |= _under(f"layers.*.{slot}", styles)
     return table
+
+
+def _units_of(model: nn.Module) -> set[str]:
+    return {u for layer in model.layers for t in layer.spec.tables.values() for u in t.unit_names()}
 
 
 def llama_plan(
@@ -211,18 +311,10 @@ def llama_plan(
     each rank's vocabulary rows (default: as even as possible)."""
     p = plan or plan_for(model, n)
     sp = sequence_parallel
-    a = model.args
-    if getattr(a, "kv_lora_rank", 0):
-        q_head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
-        attention = latent_attention_styles(
-            q_head_dim, a.v_head_dim, not a.q_lora_rank, p.parts, sp
-        )
-    else:
-        attention = attention_styles(p.head_dim, None if p.even_attention else p.parts, sp)
-    table = _under("layers.*.attention", attention)
-    table |= _feed_forward_table(model, p, sp)
+    table = _mixer_table(model, p, sp)
     norm: Style = SequenceParallel() if sp else Replicate()
-    table |= {"layers.*.attention_norm": norm, "layers.*.ffn_norm": norm, "norm": norm}
+    norms = {k for layer in model.layers for k, m in layer.items() if isinstance(m, nn.RMSNorm)}
+    table |= {f"layers.*.{k}": norm for k in sorted(norms)} | {"norm": norm}
     seq: Layout = "sequence" if sp else "replicate"
     tied = model.args.tie_word_embeddings
     if vocab_parallel:

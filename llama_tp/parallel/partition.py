@@ -2,17 +2,33 @@
 
 Pure Python (no mlx import) so that the plan can be printed and tested
 without the runtime. See `make_plan` for the rules, `tensor_slice` for what that
-means for each stored tensor, and `placement.py` for a whole mesh's placement.
+means for each stored tensor (derived from the layers' split tables, `splits.py`),
+and `placement.py` for a whole mesh's placement.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .shares import SplitError, split_units, weighted_units, weights_text
 from .shares import shares as fractions
+from .splits import (
+    NOT_HELD,
+    LayerSpec,
+    Segmented,
+    Slice,
+    Unit,
+    Units,
+    held_bytes,
+    llama_layer,
+    slices_of,
+    split_extra_units,
+)
+
+__all__ = ["NOT_HELD", "Experts", "Plan", "RankPart", "held_bytes", "make_plan", "tensor_slice"]
+__all__ += ["vocab_ranges", "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,20 @@ class RankPart:
     experts: range | None = None
     expert_ffn: range | None = None
     shared_ffn: range | None = None
+    # The ranges of the units the layers' kinds declare beyond these (`splits.Unit`:
+    # e.g. linear-attention key and value heads), by name.
+    extra: tuple[tuple[str, range], ...] = ()
+
+    def unit(self, name: str) -> range | None:
+        """This rank's range of unit `name` (a field above, or a kind's own); None when
+        the plan does not split it."""
+        if name in _CORE_UNITS:
+            return getattr(self, name)
+        return dict(self.extra).get(name)
+
+
+# The units `make_plan` splits itself (the Llama layer's); a kind's others are `extra`.
+_CORE_UNITS = ("q_heads", "kv_heads", "ffn", "experts", "expert_ffn", "shared_ffn")
 
 
 MOE_SPLITS = ("tensor", "expert")
@@ -67,6 +97,31 @@ class Plan:
     even_ffn: bool  # n divides hidden_dim (into whole quantization groups if quantized)
     experts: Experts | None = None  # the mixture-of-experts layers' shape, if any
     weights: tuple[float, ...] | None = None  # --split: each rank's weight (None: balanced)
+    # Each layer's split tables and cache (`splits.LayerSpec`, from the model's kinds);
+    # None: every layer is the Llama layer (`splits.llama_layer`).
+    layers: tuple[LayerSpec, ...] | None = field(default=None, repr=False)
+    units: tuple[Unit, ...] = ()  # the kinds' own units (`RankPart.extra`)
+
+    def spec(self, layer: int) -> LayerSpec:
+        """Layer `layer`'s split tables and cache."""
+        if self.layers is None:
+            return llama_layer(self.head_dim)
+        return self.layers[layer]
+
+    def total(self, unit: str) -> int:
+        """How many of `unit` a layer has (the whole range the ranks split)."""
+        e = self.experts
+        core = {
+            "q_heads": self.n_heads,
+            "kv_heads": self.n_kv_heads,
+            "ffn": self.hidden_dim,
+            "shared_ffn": e.shared_dim if e else 0,
+            "expert_ffn": e.hidden_dim if e else 0,
+            "experts": e.n_experts if e else 0,
+        }
+        if unit in core:
+            return core[unit]
+        return next(u.total for u in self.units if u.name == unit)
 
     def replicated_kv_heads(self) -> dict[int, list[int]]:
         """Global KV head -> ranks holding it, for the heads held by more than one rank."""
@@ -117,6 +172,8 @@ def make_plan(
     group_size: int | None = None,
     experts: Experts | None = None,
     weights: Sequence[float] | None = None,
+    layers: Sequence[LayerSpec] | None = None,
+    units: Sequence[Unit] = (),
 ) -> Plan:
     """Split the attention heads and feed-forward columns of a Llama layer over n ranks.
 
@@ -136,6 +193,9 @@ def make_plan(
       groups while every rank's share is at least one group, else query heads with
       the KV heads they need replicated; a rank whose share of some count is under
       half a unit is refused (SplitError, with the numbers).
+    - `layers`: each layer's split tables (`splits.LayerSpec`; default: all Llama
+      layers); `units`: the units their kinds declare beyond the ones above, each
+      balanced or weighted in its steps (`splits.split_extra_units`).
 
     Raises ValueError only where no split exists.
     """
@@ -183,8 +243,17 @@ def make_plan(
         else [range(0)] * n
     )
     moe = _expert_parts(experts, n, weights) if experts else [{}] * n
+    extra = split_extra_units(units, n, weights)
     parts = tuple(
-        RankPart(rank=i, q_heads=q, kv_heads=kv, kv_map=_kv_map(q, kv, g), ffn=f, **m)
+        RankPart(
+            rank=i,
+            q_heads=q,
+            kv_heads=kv,
+            kv_map=_kv_map(q, kv, g),
+            ffn=f,
+            extra=tuple(extra[i].items()),
+            **m,
+        )  # fmt: skip
         for i, (q, kv, f, m) in enumerate(zip(q_parts, kv_parts, ffn_parts, moe, strict=True))
     )
     even_ffn = hidden_dim % n == 0 and (group_size is None or (hidden_dim // n) % group_size == 0)
@@ -203,6 +272,8 @@ def make_plan(
         even_ffn=even_ffn,
         experts=experts,
         weights=None if weights is None else tuple(float(w) for w in weights),
+        layers=None if layers is None else tuple(layers),
+        units=tuple(units),
     )
 
 
@@ -256,109 +327,44 @@ def _expert_parts(
     ]
 
 
-# layers.{i}.{attention|feed_forward}[.{switch_mlp|shared_expert}].{proj}.{weight|bias|...}
-_LAYER_TENSOR = re.compile(
-    r"^layers\.\d+\.(attention|feed_forward)\.(?:(switch_mlp|shared_expert)\.)?(\w+)"
-    r"\.(?:weight|bias|scales|biases)$"
-)
-ROWS, COLUMNS, EXPERTS = "rows", "columns", "experts"
-# (block, sub-module, projection) -> (the part's range it splits by, along which dimension);
-# a stacked expert tensor (E, out, in) splits by "expert_ffn" or by "experts" (see _split).
-_RULES = {
-    ("attention", None, "wq"): ("q_heads", ROWS),
-    ("attention", None, "wk"): ("kv_heads", ROWS),
-    ("attention", None, "wv"): ("kv_heads", ROWS),
-    ("attention", None, "wo"): ("q_heads", COLUMNS),
-    # multi-head latent attention: the query heads' rows, and (H, out, in) per-head weights
-    ("attention", None, "q_b_proj"): ("q_heads", ROWS),
-    ("attention", None, "embed_q"): ("q_heads", ROWS),
-    ("attention", None, "unembed_out"): ("q_heads", ROWS),
-    ("feed_forward", None, "w1"): ("ffn", ROWS),
-    ("feed_forward", None, "w3"): ("ffn", ROWS),
-    ("feed_forward", None, "w2"): ("ffn", COLUMNS),
-    ("feed_forward", "shared_expert", "w1"): ("shared_ffn", ROWS),
-    ("feed_forward", "shared_expert", "w3"): ("shared_ffn", ROWS),
-    ("feed_forward", "shared_expert", "w2"): ("shared_ffn", COLUMNS),
-    ("feed_forward", "switch_mlp", "gate_proj"): ("expert_ffn", ROWS),
-    ("feed_forward", "switch_mlp", "up_proj"): ("expert_ffn", ROWS),
-    ("feed_forward", "switch_mlp", "down_proj"): ("expert_ffn", COLUMNS),
-}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
-def _total(plan: Plan, field: str) -> int:
-    e = plan.experts
-    return {
-        "q_heads": plan.n_heads,
-        "kv_heads": plan.n_kv_heads,
-        "ffn": plan.hidden_dim,
-        "shared_ffn": e.shared_dim if e else 0,
-        "expert_ffn": e.hidden_dim if e else 0,
-        "experts": e.n_experts if e else 0,
-    }[field]
+def part_units(plan: Plan, part: RankPart) -> Units:
+    """What the split tables' derivations ask of a rank's part: unit -> (its range, the
+    total); None where the part does not split that unit (a dense model's experts)."""
 
+    def get(name: str) -> tuple[range, int] | None:
+        r = part.unit(name)
+        return None if r is None else (r, plan.total(name))
 
-def _split(plan: Plan, part: RankPart, name: str) -> tuple[int, range, int] | None:
-    """(axis, this rank's units, total units) of a layer tensor; None: held whole.
-    The axis is that of the module's weight, (out, in) or stacked experts' (E, out, in);
-    a tensor with fewer axes (the bias of a column split) is whole."""
-    m = _LAYER_TENSOR.match(name)
-    rule = m and _RULES.get(m.groups())
-    if not rule:
-        return None  # embeddings, norms, routers, output: whole unless vocabulary-parallel
-    field, dim = rule
-    stacked = m.group(2) == "switch_mlp"
-    if stacked and plan.experts is not None and plan.experts.split == "expert":
-        field, axis = "experts", 0
-    else:
-        axis = (0 if dim == ROWS else 1) + stacked
-    units = getattr(part, field)
-    return None if units is None else (axis, units, _total(plan, field))
-
-
-_SINKS = re.compile(r"^layers\.\d+\.attention\.sinks$")
-# the bias of stacked experts' down projections split by their columns: held (and added)
-# by the rank holding the first columns only (`experts.ShardInPlace`)
-_ONCE = re.compile(r"^layers\.\d+\.feed_forward\.switch_mlp\.down_proj\.bias$")
-NOT_HELD = (0, 0, 0)  # the slice of a tensor a rank does not hold at all
+    return get
 
 
 def tensor_slice(
     plan: Plan, part: RankPart, name: str, shape: tuple[int, ...], vocab: range | None = None
-) -> tuple[int, int, int] | None:
+) -> Slice | Segmented | None:
     """The part of checkpoint tensor `name` (stored `shape`) that rank `part` holds:
-    (axis, start, stop) in stored units, or None when it holds the whole tensor.
+    (axis, start, stop) in stored units, one such per segment of a fused tensor, or
+    None when it holds the whole tensor (`NOT_HELD`: none of it).
 
-    Rows of wq/wk/wv/w1/w3 and columns of wo/w2, packed or not (every split axis
-    is proportional to the count of heads or columns; quantized splits fall on
-    group boundaries); stacked experts' tensors by columns of each expert or by
-    whole experts; the rows `vocab` of the embedding and output head when
-    they are vocabulary-parallel; attention sinks by query heads; the bias of stacked
-    down projections split by columns on the first rank only (`NOT_HELD` elsewhere);
-    everything else (norms, routers, wo/w2 bias) whole.
+    A layer tensor splits as its mixer's split table says (`splits.slices_of`: the rows
+    of wq/wk/wv/w1/w3 and the columns of wo/w2, packed or not, on quantization groups;
+    stacked experts by columns of each expert or by whole experts; attention sinks by
+    query heads; the bias of stacked down projections split by columns on the first
+    rank only); the embedding and output head by the rows `vocab` when they are
+    vocabulary-parallel; everything else (norms, routers, wo/w2 bias) whole.
     """
     if name.startswith(("tok_embeddings.", "output.")):
         return None if vocab is None else (0, vocab.start, vocab.stop)
-    if _SINKS.match(name):  # gpt-oss: one sink logit per query head
-        r = part.q_heads
-        return None if (r.start, r.stop) == (0, plan.n_heads) else (0, r.start, r.stop)
-    if _ONCE.match(name) and plan.experts is not None and plan.experts.split == "tensor":
-        return None if part.expert_ffn.start == 0 else NOT_HELD
-    split = _split(plan, part, name)
-    if split is None or len(shape) <= split[0]:
-        return None
-    axis, r, total = split
-    if (r.start, r.stop) == (0, total):
-        return None
-    return axis, shape[axis] * r.start // total, shape[axis] * r.stop // total
-
-
-def held_bytes(shape: tuple[int, ...], nbytes: int, s: tuple[int, int, int] | None) -> int:
-    """Bytes of a tensor (stored `shape`, `nbytes`) that slice `s` keeps (None: all)."""
-    if s is None:
-        return nbytes
-    axis, start, stop = s
-    # The difference of the boundaries, so that a partition sums exactly.
-    return nbytes * stop // shape[axis] - nbytes * start // shape[axis]
+    m = _LAYER.match(name)
+    found = m and plan.spec(int(m.group(1))).find(m.group(2))
+    hit = found and found[0].entry(found[1])
+    if not hit:
+        return None  # embeddings, norms, routers, output: whole unless vocabulary-parallel
+    e, param = hit
+    by_expert = plan.experts is not None and plan.experts.split == "expert"
+    return slices_of(e, param, shape, part_units(plan, part), by_expert)
 
 
 def weight_bytes(plan: Plan, tensors: dict[str, tuple[tuple[int, ...], int]]) -> list[int]:

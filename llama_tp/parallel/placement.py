@@ -38,8 +38,10 @@ from .partition import (
 )
 from .shares import Weights
 from .shares import parse_split as parse_weights
+from .splits import LayerSpec, Segmented, Slice, Unit, cache_values, llama_layer
 
-Slice = tuple[int, int, int]  # (axis, start, stop) of a stored tensor
+__all__ = ["ModelShape", "Placement", "RankPlacement", "Segmented", "Slice", "place"]
+__all__ += ["kv_cache_bytes", "partition", "stage_layers"]
 DEFAULT_MOE_SPLIT = "tensor"  # measured faster on 2 ranks: docs/mixture-of-experts.md
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -48,12 +50,28 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 class ModelShape:
     """What a placement needs to know of a checkpoint: its `args` (a `ModelArgs`, read
     by attribute), every stored tensor as name -> (shape, nbytes) by the model's names
-    (quantized: packed weight, scales, biases) and the file's quantization block along
-    the feed-forward split axis (`ffn_block`, GGUF K-quants: 256)."""
+    (quantized: packed weight, scales, biases), the file's quantization block along
+    the feed-forward split axis (`ffn_block`, GGUF K-quants: 256) and each layer's kinds
+    (`layers`: their split tables and cache, `splits.LayerSpec`, from the model's
+    registry; None: Llama layers)."""
 
     args: Any
     tensors: Mapping[str, tuple[tuple[int, ...], int]]
     ffn_block: int | None = None
+    layers: tuple[LayerSpec, ...] | None = field(default=None, repr=False)
+
+    def spec(self, layer: int) -> LayerSpec:
+        """Layer `layer`'s kinds: split tables and cache."""
+        return llama_layer(self.args.head_dim) if self.layers is None else self.layers[layer]
+
+    def units(self) -> tuple[Unit, ...]:
+        """The units the layers' kinds declare beyond the core ones, once each."""
+        found: dict[str, Unit] = {}
+        for spec in self.layers or ():
+            for table in spec.tables.values():
+                for u in table.units:
+                    found.setdefault(u.name, u)
+        return tuple(found.values())
 
     def group_size(self, suffix: str, in_dims: int) -> int | None:
         """The quantization group of the modules `layers.*.{suffix}` (the lcm over layers,
@@ -88,7 +106,7 @@ class RankPlacement:
     layers: range
     part: RankPart | None
     vocab: range | None
-    slices: dict[str, Slice | None] = field(repr=False)
+    slices: dict[str, Slice | Segmented | None] = field(repr=False)
     nbytes: int
 
 
@@ -124,20 +142,25 @@ def _itemsize(shape: ModelShape) -> int:
 
 
 def kv_cache_bytes(shape: ModelShape, mine: RankPlacement, tokens: int = 1000) -> int:
-    """What rank `mine`'s KV cache holds for `tokens` tokens: per layer it holds, the keys
-    and values of its KV heads; with multi-head latent attention, the whole latent and
-    RoPE key (kv_lora_rank + qk_rope_head_dim values per token), as one process does. A
-    sliding-window layer (gpt-oss) holds the last `sliding_window` tokens at most (its
-    RotatingKVCache, between steps)."""
-    a = shape.args
-    if getattr(a, "kv_lora_rank", 0):
-        per_layer = a.kv_lora_rank + a.qk_rope_head_dim
-    else:
-        kv = len(mine.part.kv_heads) if mine.part is not None else a.n_kv_heads
-        per_layer = 2 * kv * a.head_dim
-    windows = [a.window(i) if hasattr(a, "window") else None for i in mine.layers]
-    held = sum(tokens if w is None else min(tokens, w) for w in windows)
-    return held * per_layer * _itemsize(shape)
+    """What rank `mine`'s caches hold for `tokens` tokens: per layer it holds, what its
+    kind's cache declares (`splits.CacheSpec`): the keys and values of its KV heads; with
+    multi-head latent attention, the whole latent and RoPE key (kv_lora_rank +
+    qk_rope_head_dim values per token), as one process does; a sliding-window layer
+    (gpt-oss) the last `sliding_window` tokens at most (its RotatingKVCache, between
+    steps); a recurrent layer its fixed state, whatever the length."""
+    # a user's style plan (no part): the caches of one process, every unit whole
+    part = mine.part if mine.part is not None else partition(shape, 1).parts[0]
+
+    def units(name: str) -> tuple[range, int] | None:
+        r = part.unit(name)
+        return None if r is None else (r, 0)  # (the counts are all a cache needs)
+
+    held = 0
+    for i in mine.layers:
+        spec = shape.spec(i).cache
+        if spec is not None:
+            held += cache_values(spec, units, tokens)
+    return held * _itemsize(shape)
 
 
 def _unit(
@@ -187,6 +210,8 @@ def partition(
         group_size=_unit(shape, "feed_forward.w2", a.hidden_dim, n, weights) if dense else None,
         experts=experts,
         weights=weights,
+        layers=shape.layers,
+        units=shape.units(),
     )
     if n > 1:
         _check_quantized_heads(shape, plan)

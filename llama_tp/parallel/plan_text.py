@@ -120,14 +120,16 @@ def format_plan(
     latent: tuple[int, int] | None = None,
     sliding: tuple[int, int, int] | None = None,
 ) -> str:
-    """Human-readable table of the plan, one row per rank (with each rank's vocabulary
+    """Human-readable table of the plan, one row per rank (each kind's units: heads,
+    columns, experts, a kind's own; with each rank's vocabulary
     rows when `vocab` says them), then the imbalance, or the shares of a weighted split,
     and each rank's KV cache. `latent`: (kv_lora_rank, qk_rope_head_dim) of multi-head
     latent attention, whose heads share one cached latent (no KV heads); `sliding`:
     (sliding-window layers, layers, window) (`cache_line`)."""
     replicated = plan.replicated_kv_heads()
     kv_header = [] if latent else ["kv heads"]
-    header = ["rank", "q heads", *kv_header, "ffn columns", *expert_header(plan)]
+    kinds = [u.what for u in plan.units]  # the kinds' own units (linear-attention heads...)
+    header = ["rank", "q heads", *kv_header, "ffn columns", *expert_header(plan), *kinds]
     vocab = vocab if vocab and all(v is not None for v in vocab) else None
     if vocab is not None:
         header.append("vocabulary rows")
@@ -143,6 +145,7 @@ def format_plan(
             *kv,
             _span(p.ffn),
             *expert_cells(plan, p),
+            *(_span(p.unit(u.name)) for u in plan.units),
         ]
         if vocab is not None:
             row.append(_span(vocab[p.rank]))

@@ -44,21 +44,30 @@ class Split:
     ranges: Ranges
     what: str | None = None  # its units in the plan table (default: rows, or cols off axis 0)
 
-    def tensor_slice(self, shape: tuple[int, ...], rank: int) -> tuple[int, int, int] | None:
-        """(axis, start, stop) of a stored tensor (packed or not); None: held whole."""
+    def tensor_slice(self, shape: tuple[int, ...], rank: int):
+        """(axis, start, stop) of a stored tensor (packed or not), one per segment of a
+        fused tensor's (several (start, stop) pairs a rank); None: held whole."""
         if len(shape) <= self.axis:
             return None  # a bias of a sharded-to-all layer: added once, whole
-        a, b = self.ranges[rank]
         size = shape[self.axis]
-        return self.axis, size * a // self.total, size * b // self.total
+        out = tuple(
+            (self.axis, size * a // self.total, size * b // self.total)
+            for a, b in self._pairs(rank)
+        )
+        return out[0] if len(out) == 1 else out
+
+    def _pairs(self, rank: int) -> tuple[tuple[int, int], ...]:
+        got = self.ranges[rank]
+        return tuple(got) if isinstance(got[0], tuple | list) else (tuple(got),)
 
     def describe(self, rank: int) -> str:
         try:
-            a, b = self.ranges[rank]
+            pairs = self._pairs(rank)
         except (KeyError, IndexError):
             return "-"
         what = self.what or ("rows" if self.axis == 0 else "cols")
-        return f"{what} {a}-{b - 1} [{b - a}]"
+        spans = " + ".join(f"{a}-{b - 1}" for a, b in pairs)
+        return f"{what} {spans} [{sum(b - a for a, b in pairs)}]"
 
 
 def _check_layout(layout: str, path: str, style: Style) -> None:

@@ -44,14 +44,12 @@ def model_info(
 
 def batching(model: nn.Module, scheduler: Scheduler | None, engine: BatchEngine) -> str:
     """'continuous', or one sequence at a time (the scheduler's batch lowered to 1, said on
-    stderr) when some cache of the model cannot merge into a batch (`cache_abilities`).
+    stderr) when some cache of the model cannot merge into a batch (`caches.why_not_merge`).
     Such caches (Llama 4's chunked one) do not keep finished prompts either: the prompt
     cache steps them back, which a chunked cache past its first chunk cannot do."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from ..engine import caches
 
-    from ..engine.cache_abilities import cache_abilities
-
-    why = cache_abilities(make_prompt_cache(model)).why_not_merged
+    why = caches.why_not_merge(caches.new(model))
     if why is None:
         return "continuous"
     engine.prompt_cache = None
