@@ -260,7 +260,8 @@ def render_models_md() -> str:
     lines = [
         f"mlx-lm {mlx_lm.__version__} has {len(every)} text architectures; {len(stages)} of them "
         f"({100 * len(stages) // len(every)}%) split into pipeline stages here, each giving "
-        "mlx-lm's greedy tokens on 1, 2 and 3 ranks (tests/test_generic.py).",
+        "mlx-lm's greedy tokens on one process and on 2 and 3 pipeline stages "
+        "(tests/test_generic.py).",
         "",
         "| architecture | runs on | pipeline stages (`--pp N`) | tensor split (`-n N`) |",
         "| --- | --- | --- | --- |",

@@ -1,59 +1,101 @@
 """Every architecture of the installed mlx-lm through llama_tp (generic/, and the native
 path for the ones llama_tp implements), against mlx-lm's own greedy tokens.
 
-One process writes every tiny folder with mlx-lm's own class and runs both mlx-lm and
-llama_tp on it; one launch of 2 ranks and one of 3 load every folder in turn split into
-pipeline stages; one launch of 2 ranks splits the ones with a tensor split by tensor
-(tests/mp_generic.py). The table (`tests/generic_models.py`) says what must hold, and
-docs/models.md is rendered from it.
+Two processes write every tiny folder with mlx-lm's own class and run mlx-lm and llama_tp
+on it, and for an architecture on mlx-lm's classes its 2 and 3 pipeline stages in that
+process, as each rank loads its stage (tests/generic_local.py: only the transport is
+local). Launches of 2, 3 and 4 ranks then run a handful of representative architectures
+(and every native one) split by stages, by tensor and both (tests/mp_generic.py). The
+table (`tests/generic_models.py`) says what must hold, and docs/models.md is rendered
+from it.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, launch, run_python
+from conftest import ROOT, launch
 from generic_models import (
     NO_PIPELINE,
     STYLE_TABLE,
     architectures,
+    native,
     render_models_md,
     runnable,
     tensor_split,
 )
 
 MP = str(ROOT / "tests" / "mp_generic.py")
+# Launched on 2 and 3 ranks by stages beside every native architecture: the generic stage
+# wrapper (sliding windows; a Mamba hybrid) and mlx-lm's own pipeline() (gated delta
+# states). Every other one's stages run in one process (`written`).
+STAGED = ["gemma3_text", "nemotron_h", "qwen3_next"]
+# Launched on 2 ranks by tensor: mlx-lm's shard() (a Llama-like and a gated delta hybrid)
+# and the style table. A refused split (one line on every rank) is tests/test_generic_drivers.py's.
+BY_TENSOR = ["ministral3", "qwen3_5", "gemma3_text"]
 
 
-def _rows(out: str) -> dict[str, dict]:
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return {r["name"]: r for r in rows}
+def _rows(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> tuple[Path, dict]:
-    """Every runnable architecture's folder, mlx-lm's greedy tokens and llama_tp's (1 process)."""
+    """Every runnable architecture's folder, mlx-lm's greedy tokens, llama_tp's on one
+    process and on 2 and 3 local stages (two processes, half of the table each)."""
     from fixtures import train_sentencepiece
 
     base = tmp_path_factory.mktemp("generic")
     train_sentencepiece(base / "tokenizer", 389)
-    p = run_python([MP, "write", str(base / "models"), str(base / "tokenizer")], timeout=900)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return base / "models", _rows(p.stdout)
-
-
-def _run(root: Path, n: int, flag: str, names: list[str] | None = None) -> dict:
-    p = launch(n, [MP, "run", str(root), flag, str(n), *(names or [])], timeout=1500)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return _rows(p.stdout)
+    args = [sys.executable, MP, "write", str(base / "models"), str(base / "tokenizer")]
+    procs = [
+        subprocess.Popen(
+            [*args, f"{i}/2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    rows = {}
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-2000:]
+        rows |= {r["name"]: r for r in _rows(out)}
+    return base / "models", rows
 
 
 @pytest.fixture(scope="module")
-def pipelines(written) -> dict[int, dict]:
+def launched(written) -> dict:
+    """(flag, n) -> name -> rank 0's row."""
     root, _ = written
-    return {n: _run(root, n, "--pp") for n in (2, 3)}
+    natives = ",".join(a for a in runnable() if native(a))
+    runs = {
+        2: ["--pp", "2", f"{natives},{','.join(STAGED)}",
+            "--tp", "2", ",".join(BY_TENSOR)],
+        3: ["--pp", "3", f"{natives},{','.join(STAGED)}"],
+        4: ["--mesh", "4", "ministral3,gemma3_text"],
+    }  # fmt: skip
+    out: dict = {}
+    for n, spec in runs.items():
+        p = launch(n, [MP, "run", str(root), *spec], timeout=900)
+        assert p.returncode == 0, p.stderr[-2000:]
+        for r in _rows(p.stdout):
+            if "rank" not in r:  # the other ranks print only their errors
+                out.setdefault((r["flag"], n), {})[r["name"]] = r
+    return out
+
+
+def _check_stages(name: str, r: dict, want: list[int], n: int) -> None:
+    assert r.get("tokens") == want, (name, n, r.get("error"), r.get("trace"))
+    reads = [rank[0] for rank in r["ranks"]]
+    held = [rank[2] for rank in r["ranks"]]
+    layers = sorted(tuple(rank[1]) for rank in r["ranks"])
+    assert reads == held, (name, n)  # each rank read exactly what it holds
+    # the stages partition the layers (mlx-lm's pipeline() keeps its own list's length)
+    assert len(layers) == n and layers[0][0] == 0 and layers[-1][1] == 6, (name, layers)
+    assert all(a[1] == b[0] for a, b in zip(layers, layers[1:], strict=False)), (name, layers)
 
 
 def test_one_process_gives_mlx_lms_greedy_tokens(written):
@@ -66,59 +108,63 @@ def test_one_process_gives_mlx_lms_greedy_tokens(written):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_pipeline_stages_give_mlx_lms_greedy_tokens(written, pipelines, n):
+def test_pipeline_stages_give_mlx_lms_greedy_tokens(written, n):
+    """Every architecture on mlx-lm's classes, its stages run in one process as its ranks
+    load them."""
     _, ref = written
-    rows = pipelines[n]
-    assert set(rows) == set(ref)
-    for name, r in rows.items():
-        if name in NO_PIPELINE:  # refused in one line, on every rank, and the launch goes on
+    for name, row in ref.items():
+        if native(name):
+            continue
+        r = row["local"][str(n)]
+        if name in NO_PIPELINE:  # refused in one line
             assert "cannot be split" in r["error"] and "\n" not in r["error"], (name, r)
             continue
-        assert r.get("tokens") == ref[name]["mlx_lm"], (name, r.get("error"), r.get("trace"))
-        reads = [rank[0] for rank in r["ranks"]]
-        held = [rank[2] for rank in r["ranks"]]
-        layers = [tuple(rank[1]) for rank in r["ranks"]]
-        assert reads == held, name  # each rank read exactly what it holds
-        if not r.get("by_mlx_lm"):  # the stages partition the layers, in rank order
-            assert layers[0][0] == 0 and layers[-1][1] == 6, (name, layers)
-            assert all(a[1] == b[0] for a, b in zip(layers, layers[1:], strict=False)), name
+        _check_stages(name, r, ref[name]["mlx_lm"], n)
 
 
-def test_most_architectures_split_into_pipeline_stages(written, pipelines):
-    """The issue's bar: >= 90% of the installed mlx-lm's text architectures."""
-    every = architectures()
+@pytest.mark.parametrize("n", [2, 3])
+def test_launched_pipeline_stages_give_mlx_lms_greedy_tokens(written, launched, n):
+    """Every native architecture and a handful on mlx-lm's classes, on n launched ranks."""
+    _, ref = written
+    rows = launched[("--pp", n)]
+    assert set(rows) == {a for a in runnable() if native(a)} | set(STAGED)
+    for name, r in rows.items():
+        _check_stages(name, r, ref[name]["mlx_lm"], n)
+        assert r["by_mlx_lm"] == ref[name].get("local", {}).get(str(n), {}).get("by_mlx_lm", False)
+    assert rows["qwen3_next"]["by_mlx_lm"] and not rows["gemma3_text"]["by_mlx_lm"]
+
+
+def test_most_architectures_split_into_pipeline_stages(written, launched):
+    """The issue's bar: >= 90% of the installed mlx-lm's text architectures give mlx-lm's
+    greedy tokens on 2 and 3 pipeline stages (launched for the native ones)."""
     ref = written[1]
+
+    def staged(a: str, n: int) -> dict:
+        return launched[("--pp", n)][a] if native(a) else ref[a]["local"][str(n)]
+
     passed = [
-        a
-        for a in runnable()
-        if all(pipelines[n][a].get("tokens") == ref[a]["mlx_lm"] for n in (2, 3))
+        a for a in runnable() if all(staged(a, n).get("tokens") == ref[a]["mlx_lm"] for n in (2, 3))
     ]
-    assert len(passed) / len(every) >= 0.9, (len(passed), len(every))
+    assert len(passed) / len(architectures()) >= 0.9, (len(passed), len(architectures()))
 
 
-def test_tensor_splits(written):
-    """shard() where mlx-lm defines it, the style table where it knows the layers, a one-line
-    refusal suggesting --pp otherwise."""
-    root, ref = written
-    split = [a for a in runnable() if tensor_split(a)]
-    refused = next(a for a in runnable() if not tensor_split(a) and a not in NO_PIPELINE)
-    rows = _run(root, 2, "--tp", [*split, refused])
-    for name in split:
+def test_tensor_splits(written, launched):
+    """shard() where mlx-lm defines it, the style table where it knows the layers."""
+    _, ref = written
+    rows = launched[("--tp", 2)]
+    for name in BY_TENSOR:
         r = rows[name]
         want = ref[name]["mlx_lm"][: len(r.get("tokens") or [])]
         assert r.get("tokens") == want and len(want) == 4, (name, r.get("error"), r.get("trace"))
         assert r["how"] == tensor_split(name), name
-    line = rows[refused]["error"]
-    assert "run --pp 2 instead" in line and "\n" not in line, line
-    assert set(STYLE_TABLE) <= set(split)
+    assert {tensor_split(a) for a in BY_TENSOR} == {"mlx-lm's shard()", "the style table"}
 
 
-def test_tensor_splits_inside_pipeline_stages(written):
+def test_tensor_splits_inside_pipeline_stages(written, launched):
     """--tp 2 --pp 2 on 4 ranks: each stage split by the model's shard() or the style table."""
-    root, ref = written
-    names = ["ministral3", "gemma3_text"]  # shard() (and its own pipeline()), the style table
-    rows = _run(root, 4, "--mesh", names)
-    for name in names:
+    _, ref = written
+    rows = launched[("--mesh", 4)]
+    for name in ("ministral3", "gemma3_text"):  # shard() (and its own pipeline()), the table
         r = rows[name]
         assert r.get("tokens") == ref[name]["mlx_lm"][:4], (name, r.get("error"), r.get("trace"))
         assert r["how"] == tensor_split(name) and not r["by_mlx_lm"], (name, r)

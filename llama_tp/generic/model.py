@@ -151,6 +151,20 @@ class GenericModel(nn.Module):
         input_embeddings: mx.array | None = None,
         every_position: bool = False,
     ) -> mx.array:
+        logits = self.stage_logits(tokens, cache, input_embeddings, every_position)
+        if self.link is None:
+            return logits
+        return mx.distributed.all_sum(logits, group=self.link.group)
+
+    def stage_logits(
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None = None,
+        input_embeddings: mx.array | None = None,
+        every_position: bool = False,
+    ) -> mx.array:
+        """This rank's part of the logits (B, L or 1, V): the model's own on one stage, the
+        last stage's on it, zeros on the others (the stages' sum is the model's logits)."""
         extra = {} if input_embeddings is None else {"input_embeddings": input_embeddings}
         out = self.inner(tokens, cache=self._full_cache(cache), **extra)
         link = self.link
@@ -159,10 +173,8 @@ class GenericModel(nn.Module):
         B, L = tokens.shape
         n = L if every_position or cache is None else 1
         if link.stage == link.pp - 1:
-            logits = out[:, -n:, :]
-        else:
-            logits = mx.zeros((B, n, self.args.vocab_size), self.logits_dtype)
-        return mx.distributed.all_sum(logits, group=link.group)
+            return out[:, -n:, :]
+        return mx.zeros((B, n, self.args.vocab_size), self.logits_dtype)
 
     def describe_stages(self, group: mx.distributed.Group) -> list[str]:
         """One line per stage from what each rank holds: its ranks, layers and weight bytes
@@ -199,25 +211,41 @@ class GenericModel(nn.Module):
         dtype of the hidden state each stage receives and of the logits. Raises ValueError
         on every rank when the forward cannot run as stages (it reaches into layers another
         stage holds, or hands on a hidden state of another shape than the next takes)."""
-        from ..cluster.distributed import all_gather_object, first_line
+        from ..cluster.distributed import all_gather_object
 
+        arities = all_gather_object(self.probe_arity(), self.link.group)
+        self.link.arity = max((a for a in arities if a), default=1)
+        self.settle(all_gather_object(self.trace_stage(), self.link.group), name)
+
+    def probe_arity(self) -> int | None:
+        """How many values this stage's first real layer returns (None: none ran). Stage 0
+        runs a real layer before any skipped one, so its probe sees it even if a skipped
+        layer (returning one value) then breaks the forward."""
         link = self.link
-        # The layers' arity first: stage 0 runs a real layer before any skipped one, so its
-        # probe sees it even if a skipped layer (returning one value) then breaks the forward.
         link.probe, link.seen = mx.float32, {}
         try:
             self.inner(mx.zeros((1, 1), mx.int32))
-        except Exception:  # noqa: BLE001 - retried below, with the arity every stage learns
+        except Exception:  # noqa: BLE001 - traced again once the stages agree on the arity
             pass
-        seen = [a for a in all_gather_object(link.seen.get("arity"), link.group) if a]
-        link.arity = max(seen, default=1)
-        try:
-            mine = self._trace()
-        except Exception as e:
-            mine = f"{type(e).__name__}: {first_line(e)}"
         finally:
             link.probe = None
-        stages = all_gather_object(mine, link.group)
+        return link.seen.get("arity")
+
+    def trace_stage(self) -> tuple[dict, dict] | str:
+        """This stage traced (`_trace`), or why its forward does not run alone."""
+        from ..cluster.distributed import first_line
+
+        try:
+            return self._trace()
+        except Exception as e:
+            return f"{type(e).__name__}: {first_line(e)}"
+        finally:
+            self.link.probe = None
+
+    def settle(self, stages: list, name: str = "this model") -> None:
+        """Fit this stage to every stage's `trace_stage` (in stage order): the dtype it
+        receives, the logits' dtype; ValueError when a stage failed or two do not fit."""
+        link = self.link
         failed = next((s for s, m in enumerate(stages) if isinstance(m, str)), None)
         if failed is not None:
             raise ValueError(
