@@ -96,7 +96,9 @@ def test_doctor_two_ranks(tiny_dir, monkeypatch):
     assert memory[1].split()[:5] == ["0", "24.00", "GiB", "12.00", "GiB"], memory
     assert memory[2].split()[:5] == ["1", "8.00", "GiB", "6.00", "GiB"], memory
     status, detail = checks["split"]
-    assert status == "ok" and detail.startswith("weights fit balanced (rank "), detail
+    # which path runs the model, then whether its weights fit
+    path = "native (model_type 'llama' is implemented natively); "
+    assert status == "ok" and detail.startswith(path + "weights fit balanced (rank "), detail
     assert "; for speed " in detail and detail.endswith("; for memory --split 2:1"), detail
     assert checks["kernels"][0] == "ok" and checks["kernels"][1].endswith("on every rank")
     # where each rank's weights come from (every rank has the file here), and the link's rate
