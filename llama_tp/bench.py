@@ -142,7 +142,10 @@ def main() -> int:
 
         gc.collect()
         mx.clear_cache()
-        result["mlx_lm"] = agreed(lambda: run_mlx_lm(args, path, group, prompt), group)
+        mesh = result["llama_tp"]["mesh"]
+        staged = mesh["pp"] > 1 and mesh["tp"] == 1  # mlx-lm's own pipeline beside it
+        result["mlx_lm"] = agreed(lambda: run_mlx_lm(args, path, group, prompt, staged), group)
+        result["mlx_lm"]["split"] = "pipeline" if staged else "tensor"
         ml, res = result["mlx_lm"], result["llama_tp"]
         if ml["supported"]:
             result["ratio"] = {

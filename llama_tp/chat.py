@@ -75,7 +75,8 @@ def main() -> int:
     group = world()
     watchdog.set_group_size(group.size())
     model, tokenizer, ckpt = load_checked(args, group)
-    draft = load_draft_checked(args, model, tokenizer, group, ckpt.placement.plan.weights)
+    weights = ckpt.placement.plan.weights if ckpt.placement is not None else None
+    draft = load_draft_checked(args, model, tokenizer, group, weights)
     if args.verbose:
         from .engine import expert_load
 

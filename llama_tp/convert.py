@@ -106,6 +106,11 @@ def main() -> int:
     if args.split is not None and args.shards is None:
         raise UsageError("--split only applies with --shards")
     src = Path(args.model) if args.model else default_model()
+    from .generic.loader import checkpoint_route
+
+    route = checkpoint_route(src)
+    if route is not None and route.generic:  # mlx-lm's classes: pre-split by stage only
+        return convert_generic(args, src, out, route)
     kw = dict(quantize=args.quantize, group_size=args.group_size, dtype=dtype)
     kw.update(vocab_parallel=not args.no_vocab_parallel, progress=not args.quiet)
     kw.update(moe_split=args.moe_split, split=args.split)
@@ -121,6 +126,26 @@ def main() -> int:
                 src, out, shards=args.shards, tp=args.tp, pp=args.pp, pp_split=args.pp_split, **kw
             )
     except (MeshError, SplitError) as e:  # the loader's one-line messages, as usage errors
+        raise UsageError(str(e)) from None
+    return 0
+
+
+def convert_generic(args, src: Path, out: Path, route) -> int:
+    """`--shards N` of a model on mlx-lm's classes: one folder per pipeline stage."""
+    from .console.cli import UsageError
+    from .generic.convert import convert_stages
+    from .parallel.mesh import MeshError
+
+    pp = args.pp or args.shards
+    given = [f for f in ("quantize", "dtype", "dequantize", "split") if getattr(args, f)]
+    if args.shards is None or given or (args.tp or 1) != 1 or pp != args.shards:
+        raise UsageError(
+            f"{route.model_type} runs on mlx-lm's classes: convert pre-splits it by stage only "
+            f"(--shards N [--pp N] [--pp-split]); mlx_lm.convert converts and quantizes it"
+        )
+    try:
+        convert_stages(src, out, pp, args.pp_split, progress=not args.quiet)
+    except MeshError as e:
         raise UsageError(str(e)) from None
     return 0
 

@@ -11,8 +11,10 @@ whether MLX's CPU matrix product is the slow reference BLAS, which path quantize
 products take on the CPU (llama_tp's native kernels, or MLX's with the reason), each
 rank's total and available memory with the `--split` weights that balance the time per
 step and the ones that fit memory (`engine/split_advice.py`; with --model, whether that
-model's weights fit, and the numbers when they cannot), and whether a tiny
-random Llama sharded over the ranks reproduces the single-process logits. With
+model's weights fit, and the numbers when they cannot, and which path runs it), whether a
+tiny random Llama sharded over the ranks reproduces the single-process logits, and whether
+a tiny model on mlx-lm's own classes (Gemma 3) split into pipeline stages reproduces
+mlx-lm's. With
 --tp/--pp/--dp it also builds that mesh and reports where each rank lands (host,
 replica, stage, tensor rank), whether a tensor group spans hosts (a warning: its
 all-reduces would cross the network), and the latency of an 8 KB all-reduce in the
@@ -133,6 +135,7 @@ def diagnose(
     tp, pp = (mesh or (None, None))[:2]
     checks.append(check_weights(group, report, model, tp, pp, quick, weights_cache))
     checks.append(_check_logits(group, fault_rank))
+    checks.append(_check_generic(group))
     if mesh is not None:
         from .engine.mesh_check import check_mesh
 
@@ -259,6 +262,20 @@ def _check_logits(group: mx.distributed.Group, fault_rank: int | None) -> Check:
         return Check("logits", "FAILED", err)
     how = "1 rank: nothing to shard" if plan is None else plan_text(plan)
     return Check("logits", "ok", f"max abs diff {diff:.2g} <= {LOGITS_ATOL:g} ({how})")
+
+
+def _check_generic(group: mx.distributed.Group) -> Check:
+    """mlx-lm's classes (an architecture llama_tp does not implement) split into pipeline
+    stages over `group`, against mlx-lm's whole model (`engine/generic_check.py`)."""
+    from .engine.generic_check import stage_logits_diff
+
+    result, err = run_check("mlx-lm classes", lambda: stage_logits_diff(group), group)
+    if err:
+        return Check("mlx-lm classes", "FAILED", err)
+    diff, how = result
+    if not diff <= LOGITS_ATOL:
+        return Check("mlx-lm classes", "FAILED", f"max abs diff {diff:.3g} > {LOGITS_ATOL:g}")
+    return Check("mlx-lm classes", "ok", f"tiny Gemma 3: max abs diff {diff:.2g} ({how})")
 
 
 def _size(nbytes: int) -> str:

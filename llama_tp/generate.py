@@ -113,7 +113,8 @@ def main() -> int:
     if not prompt:
         raise UsageError("the prompt is empty")
     model, tokenizer, ckpt = load_checked(args, group)
-    draft = load_draft_checked(args, model, tokenizer, group, ckpt.placement.plan.weights)
+    weights = ckpt.placement.plan.weights if ckpt.placement is not None else None
+    draft = load_draft_checked(args, model, tokenizer, group, weights)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     max_tokens = fit_context(len(ids), args.max_tokens, model.args.max_position_embeddings, group)
     params = sampling_params(args).but(max_tokens=max_tokens, seed=args.seed)  # None: agreed
@@ -161,6 +162,9 @@ def main() -> int:
             eprint0(f"Weights: {'; '.join(ckpt.notes)}")
         eprint0(f"Matrix products: {ckpt.products}")
         eprint0(f"Decode step: {describe_step(model)}")
+        from .generic.classes import path_line
+
+        eprint0(f"Model: {path_line(ckpt)}")
         if load_of_experts is not None:
             eprint0(f"Expert load {load_of_experts.summary()}")
         if mesh is not None:

@@ -78,6 +78,8 @@ def main() -> int:
     if (args.dp or 1) > 1:
         print(replicas_line(args.n, args.dp))
         args.n //= args.dp
+    if generic_route(args) is not None:  # mlx-lm's classes (generic/): stages and bytes
+        return print_generic(args, tp, stages)
     if stages > 1:
         if args.sequence_parallel:
             raise UsageError("--tp/--pp take the built-in plan, without --sequence-parallel")
@@ -129,6 +131,45 @@ def main() -> int:
     elif ckpt.format == "config":  # a GGUF mix planned from the config (--gguf-quant)
         for note in ckpt.notes:
             print(note)
+    print(f"Runs {path_line(ckpt)}")
+    return 0
+
+
+def path_line(ckpt) -> str:
+    """'native: model_type 'llama' is implemented natively' (or a GGUF architecture)."""
+    from .generic.classes import path_line as line
+
+    return line(ckpt)
+
+
+def generic_route(args):
+    """The route of --model when mlx-lm's classes run it (None: native, or not a folder)."""
+    if args.synthetic or not args.model:
+        return None
+    from .generic.loader import checkpoint_route
+
+    route = checkpoint_route(args.model)
+    return route if route is not None and route.generic else None
+
+
+def print_generic(args, tp: int, pp: int) -> int:
+    """The plan of a model on mlx-lm's classes (`generic/plan.py`): no launch, nothing read."""
+    from .console.cli import UsageError
+    from .generic.plan import plan_lines
+    from .generic.tensor import TensorSplitError
+    from .parallel.mesh import MeshError
+    from .parallel.shares import SplitError, parse_split
+
+    try:
+        weights = parse_split(args.split, pp) if args.split and pp > 1 and tp == 1 else None
+        if args.split and weights is None:
+            raise SplitError(
+                f"--split {args.split}: mlx-lm's classes split tensors evenly; "
+                "weigh pipeline stages with --pp and --split instead"
+            )
+        print("\n".join(plan_lines(Path(args.model), tp, pp, args.pp_split, weights)))
+    except (MeshError, SplitError, TensorSplitError) as e:
+        raise UsageError(str(e)) from None
     return 0
 
 
@@ -214,6 +255,7 @@ def print_mesh(args) -> int:
         print()
         for note in [*ckpt.notes, *split_notes(ckpt, mp.placement.plan)]:
             print(note)
+    print(f"Runs {path_line(ckpt)}")
     return 0
 
 

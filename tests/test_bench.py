@@ -334,6 +334,7 @@ SECTIONS = {
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
     "constrained-decoding": ("constrained_decoding", "section"),
+    "generic": ("generic", "section"),
 }
 
 

@@ -32,10 +32,8 @@ def check_lines(stdout: str) -> dict[str, tuple[str, str]]:
     """The check table: name -> (status, detail)."""
     out = {}
     for line in stdout.splitlines():
-        m = re.match(
-            r"(ranks|versions|blas|kernels|split|all-reduce|weights|logits)\s+(ok|warn|FAILED|n/a)\s+(.*)",
-            line,
-        )
+        names = "ranks|versions|blas|kernels|split|all-reduce|weights|logits|mlx-lm classes"
+        m = re.match(rf"({names})\s+(ok|warn|FAILED|n/a)\s+(.*)", line)
         if m:
             out[m[1]] = (m[2], m[3])
     return out
@@ -59,6 +57,9 @@ def test_doctor_single_process():
     assert checks["all-reduce"] == ("n/a", "single process: nothing to reduce"), r.stdout
     assert checks["weights"] == ("n/a", "single process: nothing to send"), r.stdout
     assert checks["logits"][0] == "ok", r.stdout
+    # a tiny model on mlx-lm's classes (the path of architectures not implemented here)
+    assert checks["mlx-lm classes"][0] == "ok", r.stdout
+    assert checks["mlx-lm classes"][1].startswith("tiny Gemma 3: max abs diff "), r.stdout
     assert checks["blas"][0] in ("ok", "warn"), r.stdout
     # which path quantized products take (make test builds the native kernels)
     assert checks["kernels"][0] == "ok" and checks["kernels"][1].startswith("native kernels (")
@@ -83,6 +84,9 @@ def test_doctor_two_ranks(tiny_dir, monkeypatch):
     assert checks["all-reduce"][0] == "ok", r.stdout
     assert checks["logits"][0] == "ok", r.stdout
     assert "even plan: query heads 2+2" in checks["logits"][1], r.stdout
+    status, detail = checks["mlx-lm classes"]
+    assert status == "ok" and detail.startswith("tiny Gemma 3: max abs diff "), detail
+    assert detail.endswith("(2 pipeline stages)"), detail
     # each rank's memory, and what the tiny model's weights take on each, balanced or 2:1
     memory = r.stdout.split("memory (weights only", 1)[1].splitlines()[1:4]
     header = " ".join(memory[0].split())  # (the speed weights depend on the timing)
@@ -92,7 +96,9 @@ def test_doctor_two_ranks(tiny_dir, monkeypatch):
     assert memory[1].split()[:5] == ["0", "24.00", "GiB", "12.00", "GiB"], memory
     assert memory[2].split()[:5] == ["1", "8.00", "GiB", "6.00", "GiB"], memory
     status, detail = checks["split"]
-    assert status == "ok" and detail.startswith("weights fit balanced (rank "), detail
+    # which path runs the model, then whether its weights fit
+    path = "native (model_type 'llama' is implemented natively); "
+    assert status == "ok" and detail.startswith(path + "weights fit balanced (rank "), detail
     assert "; for speed " in detail and detail.endswith("; for memory --split 2:1"), detail
     assert checks["kernels"][0] == "ok" and checks["kernels"][1].endswith("on every rank")
     # where each rank's weights come from (every rank has the file here), and the link's rate

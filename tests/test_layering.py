@@ -3,7 +3,7 @@
 Layers, lowest first; a module may import its own package's modules and any lower
 layer, never a higher one:
 
-    cluster < parallel, model_args < model < models < checkpoints < engine < console
+    cluster < parallel, model_args < model < models < checkpoints < generic < engine < console
             < server, benchmarks < supervisor < the commands at the top (generate, chat, ...)
 
 Every import counts, including those inside functions (they are real dependencies,
@@ -29,6 +29,7 @@ LAYERS = {
     "model": 2,
     "models": 3,  # the other families, built on the core model
     "checkpoints": 4,
+    "generic": 4.5,  # mlx-lm's classes: uses the checkpoint readers, the engine uses it
     "engine": 5,
     "console": 6,
     "server": 7,

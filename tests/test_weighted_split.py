@@ -191,7 +191,8 @@ def test_plan_prints_each_ranks_share(tiny_dir):
     assert rows[0].startswith("0 0 [1] 0* [1] 0-11 [12] 0-48 [49] ")
     assert rows[1].startswith("1 1-2 [2] 0* [1] 12-35 [24] 49-145 [97] ")
     assert rows[2].startswith("2 3-7 (mapped) [5] 0*,1 [2] 36-95 [60] 146-388 [243] ")
-    share, cache = lines[-2:]  # the shares, then each rank's KV cache
+    assert lines[-1] == "Runs native: model_type 'llama' is implemented natively"
+    share, cache = lines[-3:-1]  # the shares, then each rank's KV cache
     assert share.startswith("split 1:2:5 (12.5% / 25.0% / 62.5%): weight bytes ")
     assert cache.startswith("KV cache per 1,000 tokens: ")
     placement = place(model_shape(open_checkpoint(tiny_dir)), 3, split=(1, 2, 5))

@@ -6,7 +6,9 @@ runs its own generation loop, `mlx_lm.generate.generate_step`, with a greedy
 sampler and no end-of-sequence check. On N > 1 ranks it is mlx-lm's own
 tensor-parallel model (`mlx_lm.utils.sharded_load`, as `mlx_lm.benchmark`
 does), where mlx-lm supports the configuration: its `shard` splits the query
-and KV heads evenly, so both head counts must be multiples of N.
+and KV heads evenly, so both head counts must be multiples of N. When llama_tp ran
+N pipeline stages (`--pp N`), it is mlx-lm's own pipeline (`pipeline_load`: the
+model's `pipeline()`, which a folder needs a `model.safetensors.index.json` for).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def hf_dir(path: Path, group: mx.distributed.Group) -> tuple[Path, Path | None]:
     return out, made
 
 
-def unsupported_reason(directory: Path, n: int) -> str | None:
-    """Why mlx-lm cannot shard this model over `n` ranks, or None."""
-    if n == 1:
+def unsupported_reason(directory: Path, n: int, pipeline: bool = False) -> str | None:
+    """Why mlx-lm cannot shard this model over `n` ranks (by tensor, or `pipeline` stages),
+    or None."""
+    if n == 1 or pipeline:  # sharded_load itself says when a model has no pipeline()
         return None
     config = json.loads((directory / "config.json").read_text())
     heads = config.get("num_attention_heads", 0)
@@ -57,8 +60,12 @@ def unsupported_reason(directory: Path, n: int) -> str | None:
     return None
 
 
-def run_mlx_lm(args: Any, path: Path, group: mx.distributed.Group, prompt: list[int]) -> dict:
-    """mlx-lm's trials on the same weights and prompt, or {"supported": False, "reason": ...}."""
+def run_mlx_lm(
+    args: Any, path: Path, group: mx.distributed.Group, prompt: list[int], pipeline: bool = False
+) -> dict:
+    """mlx-lm's trials on the same weights and prompt, or {"supported": False, "reason": ...}.
+    `pipeline`: mlx-lm's own pipeline stages over the ranks (`pipeline_load`: the model's
+    `pipeline()`, as llama_tp's `--pp N` on N ranks), else its tensor split."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step, generation_stream
     from mlx_lm.models.cache import make_prompt_cache
@@ -69,14 +76,16 @@ def run_mlx_lm(args: Any, path: Path, group: mx.distributed.Group, prompt: list[
 
     directory, made = hf_dir(path, group)
     try:
-        reason = unsupported_reason(directory, group.size())
+        reason = unsupported_reason(directory, group.size(), pipeline)
         if reason:
             return {"supported": False, "reason": reason}
         mx.reset_peak_memory()
         tic = time.perf_counter()
         model = error = None
         try:
-            if group.size() > 1:
+            if group.size() > 1 and pipeline:
+                model, _ = sharded_load(str(directory), group, None)
+            elif group.size() > 1:
                 model, _ = sharded_load(str(directory), None, group)
             else:
                 model, _ = load(str(directory))

@@ -92,10 +92,15 @@ def print_table(r: dict[str, Any]) -> None:
     other = "sampling, with the next token's embedding row when vocabulary-parallel"
     if mesh and mesh["pp"] > 1:
         other = "sampling, and the hidden state's send or receive between stages"
+    per = c["all_reduces_per_layer"]  # None: mlx-lm's classes (the whole step only)
+    where = (
+        f"{per:.2f} per layer over {t['n_layers']} layers, "
+        f"{c['all_reduces_outside_layers']} outside the layers"
+        if per is not None
+        else f"over {t['n_layers']} layers"
+    )
     print(
-        f"collectives per token: {c['all_reduces_per_token']} all-reduces "
-        f"({c['all_reduces_per_layer']:.2f} per layer over {t['n_layers']} layers, "
-        f"{c['all_reduces_outside_layers']} outside the layers), "
+        f"collectives per token: {c['all_reduces_per_token']} all-reduces ({where}), "
         f"{c['other_collectives_per_token']} other ({other}); "
         f"{c['collective_bytes_per_token'] / 1e3:.1f} KB per rank"
     )

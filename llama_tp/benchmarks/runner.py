@@ -102,7 +102,7 @@ def bench_llama_tp(
     weights = mx.get_active_memory() / 1e9  # what stays: the weights (and little else)
     prompt = bench_prompt(args, path, model, group)
     sampler = make_sampler(0.0, 1.0, 0.0, 0, shard=vocab_shard(model))
-    drafter, spec = bench_drafter(args, path, model, group, ckpt.placement.plan.weights), []
+    drafter, spec = bench_drafter(args, path, model, group, _weights(ckpt)), []
     tokenizer = None if drafter is None else bench_tokenizer(path, group)
 
     def trial(prompt=prompt, max_tokens=args.generation_tokens):
@@ -315,3 +315,8 @@ def prepare_model(args: Any, group: mx.distributed.Group) -> tuple[Path, str]:
 
     path = Path(args.model or model_on_some_rank(default_model, group))
     return path, path.name
+
+
+def _weights(ckpt) -> tuple[float, ...] | None:
+    """The --split weights the checkpoint was placed with (None: balanced, or mlx-lm's classes)."""
+    return ckpt.placement.plan.weights if ckpt.placement is not None else None

@@ -33,11 +33,13 @@ def run_facts(driver: str) -> dict:
         ),
         "command": " ".join(["python", driver, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
+        "load_average": os.getloadavg()[0],  # a shared machine's load weighs on every figure
     }
 
 
 def facts_line(res: dict) -> str:
-    return f"Machine: {res['machine']}; `{res['command']}`; {res['date']}."
+    load = f"; load average {res['load_average']:.1f} at the start" if "load_average" in res else ""
+    return f"Machine: {res['machine']}; `{res['command']}`; {res['date']}{load}."
 
 
 def replace_section(name: str, markdown: str, page: str | os.PathLike = PAGE) -> Path:

@@ -38,3 +38,7 @@ class Checkpoint:
     # the weights' fingerprint when known without the files (a rank that received its
     # slices: the sender's; `fingerprint.weights_fingerprint`)
     fingerprint: str | None = None
+    # mlx-lm's classes (generic/): the route (why that path), each stage's layers, the bytes held
+    route: Any = None
+    stages: list = field(default_factory=list)
+    held_bytes: int = 0

@@ -151,7 +151,10 @@ def count_collectives(
     cache = make_prompt_cache(model)
     h = _layer_input(model, y)  # (1, 1, dim)
     per_layer = []
-    for layer, kv in zip(model.layers, cache, strict=True):
+    # mlx-lm's classes (generic/): layers take what their model gives them, not (h, mask,
+    # cache): only the whole step is counted
+    layers = [] if hasattr(model, "structure") else model.layers
+    for layer, kv in zip(layers, cache[: len(layers)], strict=True):
         with collectives(mode) as calls:
             h = layer(h, None, kv)
         per_layer.append(sum(c.op in REDUCES for c in calls))
@@ -159,7 +162,7 @@ def count_collectives(
     pipeline_group = getattr(getattr(model, "mesh", None), "pp_group", None)
     return {
         "all_reduces_per_token": reduces,
-        "all_reduces_per_layer": sum(per_layer) / len(per_layer),
+        "all_reduces_per_layer": sum(per_layer) / len(per_layer) if per_layer else None,
         "all_reduces_in_layers": per_layer,
         "all_reduces_outside_layers": reduces - sum(per_layer),
         "other_collectives_per_token": len(step) - reduces,
@@ -222,5 +225,6 @@ def count_prefill_collectives(model: Any, length: int, mode: str = "count") -> d
     recurrent = spec is not None and spec.mask == "ssm"  # one sequence: no padding mask
     mask = "causal" if h.shape[1] > 1 and not recurrent else None
     with collectives(mode) as layer:
-        model.layers[0](h, mask, cache[0])
+        if not hasattr(model, "structure"):  # (mlx-lm's classes: see count_collectives)
+            model.layers[0](h, mask, cache[0])
     return {"tokens": length, "by_op": _summary(whole), "per_layer": _summary(layer)}

@@ -81,6 +81,7 @@ class BatchEngine(Decoder):
         self.prefilled_tokens = 0  # prompt tokens run through the model (tests, logs)
         self._empty: list | None = None  # a cache of the model's kinds (`_kinds`)
         self._tail: list[int] | None = None  # the chat template's generation prompt
+        self.batched = True  # the rows' caches are mlx-lm's batched ones (merged)
         # Admitted sequences whose prompts are still being prefilled, with their caches
         # (first in, first filled); they join the rows when their last token is fed.
         self.filling: deque[tuple[Sequence, list[Any]]] = deque()
@@ -179,8 +180,10 @@ class BatchEngine(Decoder):
         its cache merged into the batch."""
         ahead = self.prefill(seq, cache)
         # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into
-        # a BatchRotatingKVCache)
-        merged = caches.merge(cache)
+        # a BatchRotatingKVCache); caches that cannot merge run alone, as they are (the
+        # server then admits one sequence at a time: `caches.why_not_merge`)
+        self.batched = caches.why_not_merge(cache) is None
+        merged = caches.merge(cache) if self.batched else cache
         if self.cache is None:
             self.cache, self.ahead = merged, ahead
         else:
@@ -238,7 +241,7 @@ class BatchEngine(Decoder):
         if remember and self.prompt_cache is not None:
             for i in sorted(set(range(len(self.rows))) - set(keep)):
                 r = self.rows[i]
-                cache = caches.extract(self.cache, i)
+                cache = caches.extract(self.cache, i) if self.batched else self.cache
                 held = len(r.tokens) - 1  # all but the last token (see Decoder._release)
                 if caches.can_rewind(cache, r.fed - held):
                     caches.rewind(cache, r.fed - held)

@@ -13,6 +13,7 @@ caches; it asks here:
                                     #   state never: CacheError naming the layer kind)
     snap = checkpoint(cache)        # a recurrent state kept, to return to later
     restore(cache, snap)            #   (speculative decoding, a chat's next turn)
+    why_not_merge(cache)            # None, or which layer's cache cannot join a batch
     batched = merge(cache)          # a batch of one row, of each layer's batched kind
     extend(batched, other); filter(batched, keep); extract(batched, i)
     kv_position(cache)              # plain KV layers only? their position (else None)
@@ -189,6 +190,16 @@ def _walk(x: Any, out: list[mx.array]) -> None:
 
 # -- batches: each layer's batched kind (mlx-lm's BatchKVCache, BatchRotatingKVCache, an
 # ArraysCache of several rows) ---------------------------------------------------------
+
+
+def why_not_merge(cache: Sequence[Any]) -> str | None:
+    """What keeps the cache out of a batch (the first layer cache whose class has no
+    `merge`: Llama 4's ChunkedKVCache, as mlx-lm's classes build it), or None. The server
+    then runs one sequence at a time."""
+    for c in cache:
+        if not callable(getattr(type(c), "merge", None)):
+            return f"its {type(c).__name__} cannot merge into a batch"
+    return None
 
 
 def merge(cache: Sequence[Any]) -> Cache:

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..checkpoints.chat_template import FALLBACK_STOP, ChatTemplateError, renderer_for
-from ..cluster.distributed import world
+from ..cluster.distributed import all_gather_object, world
 from . import caches
 from .chat_tools import ChatTools
 from .drafters import make_drafter
@@ -364,8 +364,18 @@ class Chat(ChatTools):
 
     def _end_turn(self, reused, new, generated, reply, finish, eos, stop_hit, state) -> None:
         # Generation may have fed one token fewer than it sampled (at max_tokens), or one
-        # more (a last token a layer kind could not step back over): the cache says.
-        held = caches.held(self._cache) if self._cache else 0
+        # more (a last token a layer kind could not step back over): the cache says. Caches
+        # that do not count them (recurrent states only: a pipeline stage of linear-
+        # attention layers) start over, on every rank alike: the next turn prefills it all.
+        try:
+            held: int | None = caches.held(self._cache) if self._cache else 0
+        except caches.CacheError:
+            held = None
+        if self.group.size() > 1:
+            seen = all_gather_object(held, self.group)
+            held = None if None in seen else min(seen)
+        if held is None:
+            self._cache, held = caches.new(self.model), 0
         self._held = (self._held[:reused] + new + generated)[:held]
         message = {"role": "assistant", "content": reply}
         self.history.append(message)

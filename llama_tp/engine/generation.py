@@ -220,4 +220,10 @@ def vocab_bytes(model: nn.Module) -> int:
 
     # (a pipeline stage may hold neither: engine/pipeline.py)
     parts = [model[k] for k in ("tok_embeddings", "output") if k in model]
+    if hasattr(model, "structure"):  # mlx-lm's classes (generic/model.py)
+        from ..generic.structure import get_path
+
+        parts = [
+            get_path(model.inner, p) for p in (model.structure.embedding, model.structure.head) if p
+        ]
     return sum(v.nbytes for m in parts for _, v in tree_flatten(m.parameters()))

@@ -27,6 +27,7 @@ from ..checkpoints.slices import model_shape, read_slices
 from ..cluster.distributed import agree_ok, agreed, all_gather_object, barrier, world
 from ..cluster.memory import max_rss, memory_figures
 from ..cluster.progress import progress
+from ..generic.loader import checkpoint_route
 from ..kernels.layers import use_native
 from ..model import Transformer
 from ..models.registry import layer_specs
@@ -237,6 +238,13 @@ def load_model(
         # sequence-parallel wrappers: refuse rather than silently run without them
         raise ValueError("--dtype and --sequence-parallel cannot be combined yet: pick one")
     group = group or world()
+    # every rank takes the same branch, also one without the folder (it then fails there)
+    routes = all_gather_object(agreed(lambda: checkpoint_route(path), group), group)
+    route = next((r for r in routes if r is not None and r.generic), None)
+    if route is not None:  # no native implementation: mlx-lm's classes
+        from .load_generic import load_generic_model
+
+        return load_generic_model(path, group, route, o)
     mesh = whole_mesh = None
     model_group = group  # the ranks that hold one copy of the model: a replica's with dp
     # making a mesh is collective: agree first

@@ -155,7 +155,7 @@ class PipelineModel(nn.Module):
 def verify_logits(model: nn.Module, x: mx.array, cache: list[Any]) -> mx.array:
     """`model(x, cache=cache)` with every position's logits (B, L, V[_local]), as speculative
     verification needs (a pipeline stage returns only the last position's otherwise)."""
-    if isinstance(model, PipelineModel):
+    if isinstance(model, PipelineModel) or getattr(model, "link", None) is not None:
         return model(x, cache=cache, every_position=True)
     return model(x, cache=cache)
 
@@ -179,6 +179,8 @@ def describe_stages(model: PipelineModel, group: mx.distributed.Group) -> list[s
     """One line per stage, from what each rank of `group` (the world) actually holds:
     its ranks, its layers, the embedding / norm / head, and each rank's parameter bytes.
     Collective: one all_gather_object; every rank calls it, rank 0 prints it."""
+    if hasattr(model, "describe_stages"):  # mlx-lm's classes (generic/model.py)
+        return model.describe_stages(group)
     mesh = model.mesh
     extras = [k for k in ("tok_embeddings", "norm", "output") if k in model]
     if "tok_embeddings" in extras and not mesh.first:

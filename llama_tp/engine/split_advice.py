@@ -66,7 +66,7 @@ def check_split(
     if err:
         return Check("split", "FAILED", f"cannot place {model}: {err}")
     status, text = fit
-    return Check("split", status, "; ".join([text, *words]))
+    return Check("split", status, "; ".join([p for p in (_path(model), text, *words) if p]))
 
 
 def _flag(weights: Weights | None) -> str:
@@ -85,15 +85,26 @@ def _fit(
     or under the suggested weights (each rank's bytes into `advice["holds"]`)? The model
     need be on one rank only (`model_sources.open_shared`; collective)."""
     from ..checkpoints.slices import model_shape
-    from ..cluster.distributed import world
+    from ..cluster.distributed import all_gather_object, world
     from ..parallel.placement import place
     from .model_sources import open_shared
 
     group = group or world()
-    shape = model_shape(open_shared(model, group).ckpt)
     n = len(available)
     holds: dict[str, list[int]] = {}
-    for name in ("balanced", "speed", "memory"):
+    shape = None
+    # mlx-lm's classes (even tensor splits only): the same branch on every rank, even where
+    # the folder is missing (that rank then fails the check, and every rank says so)
+    if any(all_gather_object(_generic_here(model), group)):
+        from pathlib import Path
+
+        from ..generic.plan import rank_holds
+
+        per_replica = rank_holds(Path(model), tp, pp)
+        holds["balanced"] = [per_replica[r % len(per_replica)] for r in range(n)]
+    else:
+        shape = model_shape(open_shared(model, group).ckpt)
+    for name in ("balanced", "speed", "memory") if shape is not None else ():
         weights = None if name == "balanced" else advice.get(name)
         if name != "balanced" and weights is None:
             continue
@@ -121,6 +132,29 @@ def _fit(
         f"weights fit no suggested split: balanced, rank {worst} would hold "
         f"{human_bytes(balanced[worst])} of {human_bytes(available[worst])} available"
     )
+
+
+def _path(model: str) -> str | None:
+    """Which path runs `model` and why ('native: ...', 'mlx-lm classes: ...'); None for a
+    file or a folder this rank lacks."""
+    from ..generic.loader import checkpoint_route
+
+    try:
+        route = checkpoint_route(model)
+    except Exception:  # noqa: BLE001 - placing it said what is wrong
+        return None
+    return f"{route.path} ({route.reason})" if route is not None else None
+
+
+def _generic_here(model: str) -> bool:
+    """Does mlx-lm's classes run `model` (a folder on this rank)?"""
+    from ..generic.loader import checkpoint_route
+
+    try:
+        route = checkpoint_route(model)
+    except Exception:  # noqa: BLE001 - the native path then says what is wrong
+        return False
+    return route is not None and route.generic
 
 
 def split_lines(report: dict) -> list[str]:

@@ -194,7 +194,11 @@ def qwen_moe_fields(config: dict) -> dict:
         "n_experts": config.get("num_experts", 0),
         "n_experts_per_tok": config.get("num_experts_per_tok", 0),
         "moe_hidden_dim": config.get("moe_intermediate_size", 0),
-        "shared_expert_dim": config.get("shared_expert_intermediate_size", 0),
+        # Qwen3-MoE has no shared expert: a config that carries the key anyway loads, as
+        # in mlx-lm and transformers, which ignore it
+        "shared_expert_dim": 0
+        if config.get("model_type") == "qwen3_moe"
+        else config.get("shared_expert_intermediate_size", 0),
         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
         "sparse_layers": None if len(sparse) == n_layers else sparse,
     }

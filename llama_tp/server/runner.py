@@ -42,6 +42,23 @@ def model_info(
     )
 
 
+def batching(model: nn.Module, scheduler: Scheduler | None, engine: BatchEngine) -> str:
+    """'continuous', or one sequence at a time (the scheduler's batch lowered to 1, said on
+    stderr) when some cache of the model cannot merge into a batch (`caches.why_not_merge`).
+    Such caches (Llama 4's chunked one) do not keep finished prompts either: the prompt
+    cache steps them back, which a chunked cache past its first chunk cannot do."""
+    from ..engine import caches
+
+    why = caches.why_not_merge(caches.new(model))
+    if why is None:
+        return "continuous"
+    engine.prompt_cache = None
+    if scheduler is not None:
+        scheduler.max_batch = 1
+    eprint0(f"serve: one sequence at a time: {why}")
+    return f"one sequence at a time: {why}"
+
+
 def create_app(
     model: nn.Module,
     tokenizer,
@@ -71,6 +88,7 @@ def create_app(
     app.state.model = model_info(model, tokenizer, model_name, use_template, max_body)
     app.state.scheduler, app.state.engine = scheduler, engine
     app.state.monitor.ranks = world().size()
+    app.state.monitor.batching = batching(model, scheduler, engine)
     scheduler.ready = True
     app.state.steps = threading.Thread(
         target=run_steps, args=(engine, scheduler, world()), name="llama_tp-steps", daemon=True
@@ -146,12 +164,14 @@ def serve(args: argparse.Namespace) -> int:
     model, tokenizer, ckpt = load_checked(args, group)
     name = args.model_name or Path(str(ckpt.path)).name
     engine = BatchEngine(model, tokenizer, prompt_cache_size=args.prompt_cache_size)
+    batched = batching(model, scheduler, engine)  # every rank: the engine's prompt cache
     if rank0:
         info = model_info(
             model, tokenizer, name, not args.ignore_chat_template, args.max_body_bytes
         )
         app.state.model = info
         app.state.monitor.ranks, app.state.monitor.mesh = group.size(), ckpt.mesh
+        app.state.monitor.batching = batched
         scheduler.ready = True
 
         def stop(signum, frame) -> None:

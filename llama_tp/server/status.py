@@ -126,6 +126,7 @@ class Monitor:
         self._flows: dict[int, Flow] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, completion tokens)
         self.batch = 0  # sequences in the last step
+        self.batching = "continuous"  # or why the server runs one sequence at a time
         self.tokens_in = self.tokens_out = self.cache_hits = self.finished = 0
         self._lock = threading.Lock()
 
@@ -226,6 +227,7 @@ class Monitor:
             "running": sum(scheduler.rows()),
             "last_batch": self.batch,  # sequences in the last step
             "max_batch": scheduler.max_batch,
+            "batching": self.batching,  # "continuous", or why one sequence at a time
             "tokens_per_second": round(self.tokens_per_second(), 3),
             "totals": totals,
             "watchdog": watchdog.state(),
