@@ -110,9 +110,8 @@ def expected_expert_bytes(whole, sharded, split: str, n: int, i: int) -> int | N
     first = getattr(sharded, "first_layer", 0)
     layers = whole.layers[first : first + len(sharded.layers)]
     out = 0
-    for layer in layers:
-        ff = layer.feed_forward
-        if "switch_mlp" not in ff:
+    for ff in (m for layer in layers for m in layer.mixers().values()):
+        if "switch_mlp" not in ff:  # the experts: a MoE feed-forward, or Gemma 4's beside it
             continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             w = ff.switch_mlp[proj]

@@ -27,6 +27,10 @@ _MODEL_NAMES = [
     (r"^model\.embed_tokens\.", "tok_embeddings."),
     (r"^model\.norm\.", "norm."),
     (r"^lm_head\.", "output."),
+    # Gemma 4's per-layer inputs (`models/gemma.py`)
+    (r"^model\.embed_tokens_per_layer\.", "per_layer_embeddings."),
+    (r"^model\.per_layer_model_projection\.", "per_layer_projection."),
+    (r"^model\.per_layer_projection_norm\.", "per_layer_norm."),
 ]
 
 
@@ -37,7 +41,15 @@ def _layer_rename(src: str, dst: str) -> tuple[str, str]:
     return rf"^model\.layers\.(\d+)\.{re.escape(src)}\.", rf"layers.\1.{dst}."
 
 
-_RENAMES = _MODEL_NAMES + [_layer_rename(a, b) for a, b in checkpoint_names("hf")]
+def renames(model_type: str | None = None) -> list[tuple[re.Pattern, str]]:
+    """The model's names, then every kind's (the family's own first), compiled."""
+    if model_type not in _BY_FAMILY:
+        pairs = _MODEL_NAMES + [_layer_rename(a, b) for a, b in checkpoint_names("hf", model_type)]
+        _BY_FAMILY[model_type] = [(re.compile(a), b) for a, b in pairs]
+    return _BY_FAMILY[model_type]
+
+
+_BY_FAMILY: dict[str | None, list[tuple[re.Pattern, str]]] = {}
 # MLX quantization modes read (and split): affine, and the MXFP4 of gpt-oss's experts
 QUANT_MODES = ("affine", "mxfp4")
 # The families whose mixture-of-experts block mlx-lm names `block_sparse_moe` (not `mlp`)
@@ -46,16 +58,17 @@ BLOCK_SPARSE_MOE = ("mixtral",)
 DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
 # The families routed as DeepSeek-V3 (sigmoid, groups, correction bias; `mlp.shared_experts`)
 SIGMOID_GROUP = (*DEEPSEEK_V3, "glm4_moe")
-_RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
+_RENAMES = renames()
 # Precomputed rotary frequencies some checkpoints carry; the model computes its own.
 _DROP = re.compile(r"rotary_emb\.inv_freq$")
 
 
-def to_model_name(name: str) -> str | None:
-    """Map a Hugging Face tensor name onto the model's name (None: not used)."""
+def to_model_name(name: str, model_type: str | None = None) -> str | None:
+    """Map a Hugging Face tensor name of a `model_type` checkpoint onto the model's name
+    (None: not used)."""
     if _DROP.search(name):
         return None
-    for pattern, repl in _RENAMES:
+    for pattern, repl in renames(model_type):
         new, n = pattern.subn(repl, name)
         if n:
             return new
@@ -114,7 +127,7 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
     if model_type in DEEPSEEK_V3 and attention_bias:
         raise CheckpointError(f"{path / 'config.json'}: attention_bias is not supported")
     try:
-        return ModelArgs(
+        common = dict(
             dim=config["hidden_size"],
             n_layers=config["num_hidden_layers"],
             n_heads=config["num_attention_heads"],
@@ -132,8 +145,9 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=attention_bias and model_type != "glm4_moe",  # GLM: q/k/v biases only
             mlp_bias=bool(config.get("mlp_bias", False)),
-            **moe_fields(config, model_type),
         )
+        # the family's fields (its kinds' readers) override the common ones
+        return ModelArgs(**(common | moe_fields(config, model_type)))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
 
@@ -155,10 +169,11 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_weights(
-    files: list[Path],
+    files: list[Path], model_type: str | None = None
 ) -> tuple[dict[str, mx.array], dict[str, tuple[SafetensorsFile, str]]]:
-    """Lazily load safetensors files, keyed by the model's names; and where each
-    tensor lives, for reading slices of it (headers are checked against the sizes)."""
+    """Lazily load safetensors files of a `model_type` checkpoint, keyed by the model's
+    names; and where each tensor lives, for reading slices of it (headers are checked
+    against the sizes)."""
     weights, sources, experts, blocks = {}, {}, {}, {}
     for f in files:
         header = SafetensorsFile(f)  # a truncated file fails here, with the numbers
@@ -173,12 +188,12 @@ def load_weights(
             if stored_part(name):  # gpt-oss's MXFP4 blocks: read as the model's, below
                 blocks[name] = (header, value)
                 continue
-            new = to_model_name(name)
+            new = to_model_name(name, model_type)
             if new is not None:
                 weights[new] = value
                 sources[new] = (header, name)
     for name, (value, source) in stack_experts(experts, files[0].parent).items():
-        new = to_model_name(name)
+        new = to_model_name(name, model_type)
         weights[new], sources[new] = value, (source, name)
     for name, (value, source) in mxfp4_experts(blocks).items():
         weights[name], sources[name] = value, (source, source.stored)
@@ -209,7 +224,7 @@ def read(path: Path) -> Checkpoint:
     config = read_config(path)
     args = args_from_config(config, path)
     files = weight_files(path)
-    weights, sources = load_weights(files)
+    weights, sources = load_weights(files, args.model_type)
     if args.model_type in SIGMOID_GROUP:
         _sigmoid_group(weights, sources, args, path)
     if "output.weight" not in weights and not args.tie_word_embeddings:

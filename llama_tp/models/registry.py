@@ -20,6 +20,13 @@ feed-forward in some layers, chosen by the args, not by name:
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
+    Gemma 3     gemma3_text        gemma3                   sliding and   GeGLU; sandwich
+                                                            global, q/k   norms, scaled
+                                                            norms         embeddings
+    Gemma 4     gemma4_text        gemma4                   + global      + experts beside
+                                                            heads, k = v, it; per-layer
+                                                            KV-shared     inputs, capped
+                                                            layers        logits
 
 A family is a registry row (`FAMILIES`, `GGUF_FAMILIES`); a mixer kind is one class
 in its own module that declares its split table, its cache, its checkpoint names
@@ -41,6 +48,8 @@ import mlx.nn as nn
 from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
+from . import gemma
+from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
 from .gpt_oss import SinkAttention, gpt_oss_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
@@ -60,6 +69,11 @@ class Family:
     fields: Callable[[dict], dict] | None = None
     qk_norm: bool = False
     config_keys: Callable[[ModelArgs], dict] | None = None
+    # kinds whose checkpoint names only this family reads, tried before every kind's
+    # (Gemma's post_attention_layernorm is not Llama's feed-forward norm)
+    kinds: tuple[type[nn.Module], ...] = ()
+    # the family's own model (None: the Llama core, `Transformer`, of `block`s)
+    model: Callable[[ModelArgs], Transformer] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class GgufFamily:
     model_type: str
     neox: bool = False
     fields: Callable[[Callable[..., Any]], dict] | None = None
+    kinds: tuple[type[nn.Module], ...] = ()  # as `Family.kinds`
 
 
 FAMILIES = {
@@ -87,6 +102,12 @@ FAMILIES = {
     "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
     "gpt_oss": Family(None, gpt_oss_fields),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
+    "gemma3_text": Family(
+        "Gemma3ForCausalLM", gemma3_fields, True, gemma_config_keys, (GemmaBlock,), GemmaTransformer
+    ),
+    "gemma4_text": Family(
+        "Gemma4ForCausalLM", gemma4_fields, True, gemma_config_keys, (GemmaBlock,), GemmaTransformer
+    ),
 }
 MODEL_TYPES = tuple(FAMILIES)
 # GGUF `general.architecture` -> its row (llama with experts is Mixtral: `checkpoints/gguf.py`)
@@ -114,11 +135,17 @@ KINDS: tuple[type[nn.Module], ...] = (
 )
 
 
-def checkpoint_names(fmt: str) -> list[tuple[str, str]]:
+def checkpoint_names(fmt: str, model_type: str | None = None) -> list[tuple[str, str]]:
     """Every kind's tensor names in `fmt` ("hf" or "gguf") checkpoints: (checkpoint path
-    under a layer, the model's path under the layer), in `KINDS` order. A path ending in
-    "$" is a whole tensor's name; the others are module prefixes."""
-    return [pair for kind in KINDS for pair in vars(kind).get(f"{fmt}_names", ())]
+    under a layer, the model's path under the layer), the family's own kinds' first
+    (`Family.kinds`), then in `KINDS` order. A path ending in "$" is a whole tensor's
+    name; the others are module prefixes."""
+    own: tuple[type[nn.Module], ...] = ()
+    if model_type in FAMILIES:
+        own = FAMILIES[model_type].kinds
+    elif model_type in GGUF_FAMILIES:
+        own = GGUF_FAMILIES[model_type].kinds
+    return [pair for kind in (*own, *KINDS) for pair in vars(kind).get(f"{fmt}_names", ())]
 
 
 def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
@@ -128,6 +155,8 @@ def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
 
 def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
     """The mixer kinds of layer `i` of the family `args` describe, by path in the layer."""
+    if args.model_type in ("gemma3_text", "gemma4_text"):
+        return gemma.layer_kinds(args, i)
     if args.kv_lora_rank:
         attention: type[nn.Module] = LatentAttention
     elif args.attention_sinks:
@@ -153,4 +182,7 @@ def layer_specs(args: ModelArgs) -> tuple[LayerSpec, ...]:
 
 def build(args: ModelArgs) -> Transformer:
     """The model `args` describe (lazily initialized weights: the loader replaces them)."""
+    family = FAMILIES.get(args.model_type)
+    if family is not None and family.model is not None:
+        return family.model(args)
     return Transformer(args, [block(args, i) for i in range(args.n_layers)])
