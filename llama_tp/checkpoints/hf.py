@@ -61,13 +61,24 @@ SIGMOID_GROUP = (*DEEPSEEK_V3, "glm4_moe")
 _RENAMES = renames()
 # Precomputed rotary frequencies some checkpoints carry; the model computes its own.
 _DROP = re.compile(r"rotary_emb\.inv_freq$")
+# Multimodal wrappers whose language model is a family here (Gemma 3 and 4 as Google
+# releases them): their `text_config`, their language model's tensors under
+# `model.language_model.` (Hugging Face) or `language_model.model.` (mlx-lm, mlx-vlm),
+# the vision and audio towers left out.
+WRAPPED = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+_LANGUAGE = re.compile(r"^(?:model\.language_model\.|language_model\.model\.)")
+_TOWERS = re.compile(
+    r"^(?:model\.)?(?:vision_tower|multi_modal_projector|audio_tower|embed_audio|"
+    r"embed_vision|vision_embedder)\."
+)
 
 
 def to_model_name(name: str, model_type: str | None = None) -> str | None:
     """Map a Hugging Face tensor name of a `model_type` checkpoint onto the model's name
     (None: not used)."""
-    if _DROP.search(name):
+    if _DROP.search(name) or _TOWERS.match(name):
         return None
+    name = _LANGUAGE.sub("model.", name).replace("language_model.lm_head.", "lm_head.")
     for pattern, repl in renames(model_type):
         new, n = pattern.subn(repl, name)
         if n:
@@ -83,6 +94,14 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path / 'config.json'}: expected a JSON object")
+    if config.get("model_type") in WRAPPED:  # the language model's config, as mlx-lm reads it
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError(
+                f"{path / 'config.json'}: {config['model_type']} without text_config"
+            )
+        keep = {k: config[k] for k in ("quantization", "vocab_size", "eos_token_id") if k in config}
+        config = {**text, **keep, "model_type": WRAPPED[config["model_type"]]}
     return config
 
 

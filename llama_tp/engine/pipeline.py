@@ -224,7 +224,8 @@ def stage_module(full: nn.Module, mesh: Mesh) -> PipelineModel:
         model.tok_embeddings = full.tok_embeddings
     if mesh.first:  # what the family embeds beside the tokens (Gemma's per-layer inputs)
         for name in getattr(full, "embedding_modules", ()):
-            setattr(model, name, full[name])
+            if name in full:  # a family's optional parts (Gemma 3 has no per-layer inputs)
+                setattr(model, name, full[name])
     if mesh.last:
         model.norm = full.norm
         if not tied:

@@ -193,7 +193,7 @@ def partition(
             a.n_experts,
             a.moe_hidden_dim,
             moe_split,
-            _unit(shape, "feed_forward.switch_mlp.down_proj", a.moe_hidden_dim, n, weights),
+            _unit(shape, "switch_mlp.down_proj", a.moe_hidden_dim, n, weights),
             a.shared_expert_dim,
             _unit(shape, "feed_forward.shared_expert.w2", a.shared_expert_dim, n, weights)
             if a.shared_expert_dim
