@@ -139,3 +139,20 @@ def test_plan_of_gemma_4_31b_config():
         ["26-31", "[6]", "13-15", "[3]"],
     ]
     assert "50 of 60 layers slide over a window of 1024 tokens" in out.stdout
+
+
+def test_synthetic_gemma_4_is_mlx_lms(tmp_path):
+    """`bench --synthetic gemma4-*`: the tensors mlx-lm's own class holds, so that mlx-lm
+    loads the same folder (float32 and 4-bit) and gives the same logits."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.benchmarks.synthetic import write_synthetic
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
+    for spec in ("gemma4-tiny-fp32", "gemma4-tiny-q4"):
+        path = write_synthetic(spec, tmp_path / spec)
+        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+        assert ours.args.n_experts == 8 and "full_attention" in ours.args.layer_types
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
