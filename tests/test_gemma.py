@@ -156,3 +156,29 @@ def test_synthetic_gemma_4_is_mlx_lms(tmp_path):
         ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
         assert ours.args.n_experts == 8 and "full_attention" in ours.args.layer_types
         assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+
+
+def test_multimodal_folder_reads_its_language_model(models, tmp_path):
+    """A `gemma4` folder as Google publishes it: the `text_config`, the language model's
+    tensors under `model.language_model.`, a vision tower left unread, and keys of the
+    KV-shared layers (which attend over their sources') dropped as mlx-lm drops them."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src, dst = models["gemma4"], tmp_path / "gemma4-release"
+    shutil.copytree(src, dst)
+    w = {
+        k.replace("model.", "model.language_model.", 1): v
+        for k, v in mx.load(str(src / "model.safetensors")).items()
+    }
+    w["model.vision_tower.encoder.weight"] = mx.zeros((4, 4))
+    w["model.language_model.layers.5.self_attn.k_proj.weight"] = mx.zeros((64, 128))
+    mx.save_safetensors(str(dst / "model.safetensors"), w)
+    text = json.loads((src / "config.json").read_text())
+    config = {"model_type": "gemma4", "text_config": text, "torch_dtype": "float32"}
+    (dst / "config.json").write_text(json.dumps(config))
+    x = mx.array([[5, 6, 7, 8, 9]])
+    ckpt = open_checkpoint(dst)
+    assert ckpt.args.model_type == "gemma4_text"
+    ours = build_model(ckpt)(x)
+    assert mx.abs(ours - build_model(open_checkpoint(src))(x)).max().item() == 0.0

@@ -42,12 +42,12 @@ def test_refusals_are_one_line(models, tmp_path):
 
     supported = (
         "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, "
-        "gpt_oss, glm4_moe"
+        "gpt_oss, glm4_moe, gemma3_text, gemma4_text"
     )
-    path = variant("gemma", model_type="gemma3")
+    path = variant("olmo", model_type="olmo2")
     _one_error(
         run_python(_generate(path)),
-        f"{path / 'config.json'}: unsupported model_type 'gemma3' (supported: {supported})",
+        f"{path / 'config.json'}: unsupported model_type 'olmo2' (supported: {supported})",
     )
     path = variant("topk", num_experts_per_tok=9)
     _one_error(

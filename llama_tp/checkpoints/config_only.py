@@ -30,7 +30,9 @@ def read_config_only(config_file: Path, gguf_quant: str | None = None) -> Checkp
     args = args_from_config(config, config_file.parent)
     model = build(args)
     dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-    model.set_dtype(dtypes.get(config.get("torch_dtype"), mx.float32))
+    # `dtype`: what newer transformers write in place of `torch_dtype`
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    model.set_dtype(dtypes.get(dtype, mx.float32))
     quant = config.get("quantization") or {}
     notes = _gguf_mix(model, args, gguf_quant, config_file) if gguf_quant else []
     if _mxfp4_release(config) and not gguf_quant:

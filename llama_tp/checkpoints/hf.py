@@ -100,7 +100,8 @@ def read_config(path: Path) -> dict:
             raise CheckpointError(
                 f"{path / 'config.json'}: {config['model_type']} without text_config"
             )
-        keep = {k: config[k] for k in ("quantization", "vocab_size", "eos_token_id") if k in config}
+        outer = ("quantization", "vocab_size", "eos_token_id", "torch_dtype", "dtype")
+        keep = {k: config[k] for k in outer if k in config}
         config = {**text, **keep, "model_type": WRAPPED[config["model_type"]]}
     return config
 
@@ -246,6 +247,11 @@ def read(path: Path) -> Checkpoint:
     weights, sources = load_weights(files, args.model_type)
     if args.model_type in SIGMOID_GROUP:
         _sigmoid_group(weights, sources, args, path)
+    shared = [i for i, s in enumerate(args.extra.get("kv_sources") or ()) if s is not None]
+    unused = tuple(f"layers.{i}.attention.{p}." for i in shared for p in ("wk", "wv", "k_norm"))
+    for name in [k for k in weights if k.startswith(unused)] if unused else ():
+        del weights[name]  # Gemma 4's KV-shared layers' keys, never used (mlx-lm drops them)
+        sources.pop(name, None)
     if "output.weight" not in weights and not args.tie_word_embeddings:
         # Converters drop lm_head when it equals the embedding.
         args.tie_word_embeddings = True
