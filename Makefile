@@ -38,8 +38,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Three passes (pytest-xdist spreads test files over 2 workers): the single-process tests,
+# then the multi-rank ones (most wait on start-up, a collective or a child for part of
+# their time), then the tests that time themselves or set short watchdog timeouts
+# (`exclusive`), one at a time. All three run; any failing fails the target.
+PASSES := -p no:cacheprovider --durations=25
 test: lint kernels
-	$(PY) -m pytest -q
+	@rc=0; \
+	$(PY) -m pytest -q $(PASSES) -n 2 --dist loadfile -m "not ranks and not exclusive" || rc=$$?; \
+	$(PY) -m pytest -q $(PASSES) -n 2 --dist loadfile -m "ranks and not exclusive" || rc=$$?; \
+	$(PY) -m pytest -q $(PASSES) -m "exclusive" || rc=$$?; \
+	exit $$rc
 
 test-fast: lint kernels
 	$(PY) -m pytest -q -m "not ranks and not slow"

@@ -20,8 +20,12 @@ BIN = Path(sys.executable).parent
 # from earlier tests' rings included) and the ring's bind then fails. Concurrent test
 # runs get different quarters by their pid; LLAMA_TP_TEST_PORT_BASE pins a base (one per
 # checkout when several checkouts run tests on one machine).
+# pytest-xdist's workers (`make test`) take blocks of their own within the base's.
 _BASE = os.environ.get("LLAMA_TP_TEST_PORT_BASE")
-_PORTS = itertools.count(int(_BASE) if _BASE else 10000 + (os.getpid() % 4) * 5000, 10)
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+_PORTS = itertools.count(
+    (int(_BASE) if _BASE else 10000 + (os.getpid() % 4) * 5000) + _WORKER * 1000, 10
+)
 
 
 def launch(
@@ -258,3 +262,37 @@ def pytest_runtest_setup(item):
             pytest.fail("; ".join(missing) + " and CI=true: .ci/run installs it", pytrace=False)
         if missing:
             pytest.skip("; ".join(missing))
+
+
+# -- what each test costs: LLAMA_TP_TEST_COSTS=<file> ---------------------------------
+# One line per test: seconds of wall time, seconds of CPU (this process and every process
+# it waited for: ranks, launchers, servers), seconds of CPU of a cgroup (a cpuacct.usage
+# file named by LLAMA_TP_TEST_CGROUP_CPU: every process the run started, ranks a killed
+# launcher left included; -1 without one) and the test's id, appended to <file>.
+_COSTS = os.environ.get("LLAMA_TP_TEST_COSTS")
+_CGROUP_CPU = os.environ.get("LLAMA_TP_TEST_CGROUP_CPU")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _COSTS:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        s, c = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    def group() -> float:
+        return int(Path(_CGROUP_CPU).read_text()) / 1e9 if _CGROUP_CPU else -1.0
+
+    t0, c0, g0 = time.monotonic(), cpu(), group()
+    yield
+    with open(_COSTS, "a") as f:
+        f.write(f"{time.monotonic() - t0:.2f}\t{cpu() - c0:.2f}\t{group() - g0:.2f}\t")
+        f.write(f"{item.nodeid}\n")

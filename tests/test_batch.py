@@ -145,3 +145,33 @@ def test_drafted_steps_give_plain_greedy_tokens_and_leave_the_cache_as_plain(loa
         (a, a2), (b, b2) = run(0, **kw), run(4, **kw)
         assert seen(b) == seen(a) and seen(b2) == seen(a2)
         assert b[-1].finish_reason == ("length" if "stop" not in kw else "stop")
+
+
+def test_a_long_prompt_joins_chunk_by_chunk_while_the_rows_decode(loaded):
+    """With rows decoding, a prompt longer than a chunk is prefilled one chunk per step
+    (the rows get a token after each); it then decodes as it would alone."""
+    model, tok = loaded
+    short = encode_prompt(tok, "hello")
+    long = encode_prompt(tok, " ".join(["tensor parallel"] * 12))
+    params = SamplingParams(max_tokens=6)
+    alone = [e.token for e in _run(BatchEngine(model, tok, prefill_step_size=8), long, params)]
+    engine = BatchEngine(model, tok, prefill_step_size=8)
+    engine.apply(Decision(joins=[Join(1, short, SamplingParams(max_tokens=40))]))
+    engine.apply(Decision(joins=[Join(2, long, params)]))
+    chunks = -(-(len(long) - 1) // 8)
+    assert len(engine.rows) == 1 and len(engine) == 2  # one chunk in, the others to come
+    got, first = [], []
+    for step in range(chunks + 8):
+        events = engine.step()
+        first += [e.uid for e in events if e.uid == 1]
+        got += [e.token for e in events if e.uid == 2]
+        if step < chunks - 2:  # the last chunk's step feeds the last token too: it joins
+            assert [r.uid for r in engine.rows] == [1], step  # still filling
+    assert len(first) == chunks + 8  # row 1 had a token at every step
+    assert got == alone
+    assert engine.prefilled_tokens == len(short) + len(long)
+    # A prompt cancelled while it fills ends alone.
+    engine.apply(Decision(joins=[Join(3, long, params)]))
+    events = engine.apply(Decision(cancels=[3]))
+    assert [(e.uid, e.finish_reason) for e in events] == [(3, "cancelled")]
+    assert [r.uid for r in engine.rows] == [1] and len(engine) == 1

@@ -34,7 +34,7 @@ from hostile import (  # noqa: E402
 )
 from serve_client import KEY, Server  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 MB = 1 << 20
 HI = [{"role": "user", "content": "hi"}]
 

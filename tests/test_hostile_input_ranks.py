@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 from hostile import ROUTES, Normal, malformed, message, post, raw, token_ids  # noqa: E402
 from serve_client import Server  # noqa: E402
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.exclusive]
 HI = [{"role": "user", "content": "hi"}]
 
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import requires, run_python
 from mp_ranks import Ranks
 
-pytestmark = requires("iproute2")
+pytestmark = [requires("iproute2"), pytest.mark.exclusive]
 
 PEER_LOST = "lost the connection to a peer rank (it crashed or was stopped)"
 NO_PROGRESS = (

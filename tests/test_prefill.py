@@ -38,7 +38,7 @@ def test_the_prompt_ends_with_the_prefill_and_no_end_of_turn(renderer):
 
 def served_ids(renderer, body: dict) -> list[int]:
     req = parse_chat(body, Defaults())
-    return prompt_tokens(req, renderer, renderer.tokenizer.vocab_size)[0]
+    return prompt_tokens(req, renderer)[0]
 
 
 def test_each_route_asks_for_the_continuation(renderer):

@@ -23,6 +23,9 @@ from mp_ranks import Ranks
 
 from llama_tp.engine.agreement import disagreement
 
+# Short watchdog timeouts: alone, so that a slow step on a busy machine is not a stall.
+pytestmark = pytest.mark.exclusive
+
 PEER_LOST = "lost the connection to a peer rank (it crashed or was stopped)"
 NO_PROGRESS = (
     r"error: rank {rank}: no progress for 5 s in generation step \d+ "

@@ -22,7 +22,7 @@ from conftest import run_python
 from serve_client import KEY, free_port, http
 from supervised import Supervised, Traffic, answer, rss, started_by
 
-pytestmark = pytest.mark.ranks
+pytestmark = [pytest.mark.ranks, pytest.mark.exclusive]
 
 STEP_TIMEOUT = 5
 QUEUED = ["Name a colour.", "Name a fruit.", "Name a city."]

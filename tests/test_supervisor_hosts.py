@@ -24,7 +24,7 @@ from conftest import ROOT, requires
 from serve_client import KEY, http
 from supervised import Supervised, Traffic, answer, started_by
 
-pytestmark = [requires("iproute2"), pytest.mark.ranks]
+pytestmark = [requires("iproute2"), pytest.mark.ranks, pytest.mark.exclusive]
 
 STEP_TIMEOUT = 5
 QUEUED = ["Name a colour.", "Name a fruit."]

@@ -6,7 +6,11 @@
 `BatchEngine` is the `Decoder` (engine/decoder.py) the server drives, over
 mlx-lm's `BatchKVCache` (left padding; merge, extend, filter): `apply(decision)`
 admits new sequences (each prefilled alone, so a row's prompt is processed
-exactly as it would be alone) and drops cancelled ones; `step()` decodes one
+exactly as it would be alone) and drops cancelled ones. While other rows are
+decoding, a long prompt is prefilled one chunk (`prefill_step_size` tokens) per
+call of `apply`, at the chunk boundaries it would have alone: the rows already
+decoding get a token between its chunks instead of waiting for all of it (a
+request with a long prompt cannot starve the others); `step()` decodes one
 token for every row at once, or, for a batch of one sequence that asked for
 drafts, a speculative step with prompt lookup. Finished rows can leave their
 cache in mlx-lm's `LRUPromptCache`, so that a later prompt sharing their prefix
@@ -19,7 +23,9 @@ and the vocabulary-parallel sampler's.
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +40,7 @@ from .batch_messages import Decision, Event, Join, SamplingParams
 from .decoder import Decoder
 from .drafters import NgramDrafter
 from .logits_processors import processors_for
+from .prefill import prefill
 from .sequence import Sequence
 
 __all__ = ["BatchEngine", "BatchResult", "Decision", "Event", "Join", "SamplingParams"]
@@ -71,11 +78,23 @@ class BatchEngine(Decoder):
             LRUPromptCache(max_size=prompt_cache_size) if prompt_cache_size else None
         )
         self.prefilled_tokens = 0  # prompt tokens run through the model (tests, logs)
+        # Admitted sequences whose prompts are still being prefilled, with their caches
+        # (first in, first filled); they join the rows when their last token is fed.
+        self.filling: deque[tuple[Sequence, list[Any]]] = deque()
+        self._filled = False  # this step's chunk was prefilled (by `apply`)
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.filling)
 
     def apply(self, decision: Decision) -> list[Event]:
-        """Drop the cancelled rows and admit (prefill) the new ones."""
+        """Drop the cancelled rows, admit the new ones and prefill: every admitted prompt
+        when no row is decoding, else one chunk (the rest at the next calls)."""
         events = []
         cancelled = set(decision.cancels)
+        for seq, cache in [f for f in self.filling if f[0].uid in cancelled]:
+            self.filling.remove((seq, cache))
+            seq.end("cancelled")
+            events.append(seq.event("", None, None, None, "cancelled"))
         if cancelled & {r.uid for r in self.rows}:
             keep = []
             for i, r in enumerate(self.rows):
@@ -90,7 +109,35 @@ class BatchEngine(Decoder):
             refused = self._admit(join)
             if refused is not None:
                 events.append(refused)
+        self._fill()
         return events
+
+    def _fill(self) -> None:
+        """Prefill the admitted prompts: all of them while no row is decoding; else one
+        chunk of `prefill_step_size` tokens (a chunk alone would have had: the same
+        boundaries, the same numbers). A prompt fed up to its last token joins the rows."""
+        chunks, self._filled = 0, True
+        while self.filling:
+            seq, cache = self.filling[0]
+            rest = len(seq.tokens) - 1 - seq.fed  # all but the last: no logits needed
+            if rest > 0:
+                if self.rows and chunks:
+                    return  # the rows decode a token before the next chunk
+                n = min(rest, self.prefill_step_size)
+                prefill(self.model, seq.tokens[seq.fed : seq.fed + n], cache, n)
+                seq.fed += n
+                chunks += 1
+                continue
+            self.filling.popleft()
+            self._join(seq, cache)
+
+    def step(self) -> list[Event]:
+        """One token for every row (Decoder.step), after the next chunk of a prompt being
+        prefilled when `apply` did not run one since the last step."""
+        if self.filling and not self._filled:
+            self._fill()
+        self._filled = False
+        return super().step()
 
     def _admit(self, join: Join) -> Event | None:
         """Prefill `join` into the batch; or, when its own processing cannot start (its
@@ -117,8 +164,14 @@ class BatchEngine(Decoder):
             cached = len(join.prompt) - len(rest) if cache is not None else 0
         cache = cache if cache is not None else caches.new(self.model)
         seq.cached = seq.fed = cached
-        ahead = self.prefill(seq, cache)  # alone (B = 1): as a single-sequence run does
         self.prefilled_tokens += len(join.prompt) - cached
+        self.filling.append((seq, cache))
+        return None
+
+    def _join(self, seq: Sequence, cache: list[Any]) -> None:
+        """`seq`'s last prompt token fed, alone (B = 1, as a single-sequence run does), and
+        its cache merged into the batch."""
+        ahead = self.prefill(seq, cache)
         # each cache's own batched kind (a sliding-window layer's RotatingKVCache merges into
         # a BatchRotatingKVCache)
         merged = caches.merge(cache)
@@ -128,7 +181,6 @@ class BatchEngine(Decoder):
             caches.extend(self.cache, merged)
             self.ahead = self.ahead.extend(ahead)
         self.rows.append(seq)
-        return None
 
     def _release(self, keep: list[int], remember: bool = True) -> None:
         """Free the cache rows of the rows not in `keep` (after putting the finished ones'

@@ -54,6 +54,7 @@ import random
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -332,21 +333,27 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             decisions[0].report = monitor is not None and monitor.due()
             if group.size() > 1:
                 scheduler.announce(decisions[0])
-        if group.size() > 1:
-            # The one exchange per step besides the model's own (unarmed: rank 0
-            # may still be deciding).
-            decisions, ready = exchange(
-                decisions, prefetch.ready(awaited) if prefetch else [], group
-            )
-            if rank0:
-                scheduler.prepared(ready)
-            else:
-                prefetch.want(decisions[0].prepare)
-                awaited = decisions[0].awaited
-        if decisions[0].report:  # every rank got the same decision: all of them gather
-            reports = gather_reports(group, mesh, clock)
-            if monitor is not None:
-                monitor.update(reports)
+        # The one exchange per step besides the model's own, and the reports' gather.
+        # Unarmed on the other ranks (rank 0 may still be deciding, or idle); armed on
+        # rank 0 once it has decided on a step, so that a stopped peer there is a
+        # stalled step like any other rather than an idle silence.
+        busy = rank0 and not (decisions[0].idle or decisions[0].stop)
+        with (
+            watchdog.stage(f"generation step ({len(engine)} sequences)") if busy else nullcontext()
+        ):
+            if group.size() > 1:
+                decisions, ready = exchange(
+                    decisions, prefetch.ready(awaited) if prefetch else [], group
+                )
+                if rank0:
+                    scheduler.prepared(ready)
+                else:
+                    prefetch.want(decisions[0].prepare)
+                    awaited = decisions[0].awaited
+            if decisions[0].report:  # every rank got the same decision: all gather
+                reports = gather_reports(group, mesh, clock)
+                if monitor is not None:
+                    monitor.update(reports)
         if decisions[0].idle or not len(engine):
             last_end = None  # the next step starts a new chain
         if decisions[0].idle:
@@ -359,8 +366,9 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             return
         decision = decisions[mesh.replica if dp > 1 else 0]
         events = []
-        if decision.joins or decision.cancels:
+        if decision.joins or decision.cancels or engine.filling:  # a long prompt's next chunk
             n = sum(len(j.prompt) for j in decision.joins)
+            n += sum(len(s.tokens) - s.fed for s, _ in engine.filling)
             with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
                 events = engine.apply(decision)
         batch = len(engine) if dp == 1 or not rank0 else sum(scheduler.rows())
