@@ -5,7 +5,8 @@ against one process with `mp_moe.py`: logits, greedy tokens, the KV cache per to
 them the launches cover both expert splits, `--split 3:1` (2 ranks) and 2 stages of 2
 tensor ranks (4 ranks), each check once.
 `serve` on 2 ranks answers concurrent requests as it answers each alone. The families'
-one-process checks against mlx-lm: `test_gemma.py`, ...
+one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4, the families here so
+far; the next one adds its fixture to `flagship_fixtures.CONFIGS` and these launches).
 """
 
 from __future__ import annotations
