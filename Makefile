@@ -38,15 +38,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Three passes (pytest-xdist spreads test files over 2 workers): the single-process tests,
-# then the multi-rank ones (most wait on start-up, a collective or a child for part of
-# their time), then the tests that time themselves or set short watchdog timeouts
-# (`exclusive`), one at a time. All three run; any failing fails the target.
+# Two passes: pytest-xdist spreads the test files over 2 workers (a multi-rank test waits
+# on start-up, a collective or a child for part of its time: about 1.2 cores busy on
+# average, measured with LLAMA_TP_TEST_COSTS), then the tests that time themselves or set
+# short watchdog timeouts (`exclusive`) run one at a time. Both run; either failing fails.
 PASSES := -p no:cacheprovider --durations=25
 test: lint kernels
 	@rc=0; \
-	$(PY) -m pytest -q $(PASSES) -n 2 --dist loadfile -m "not ranks and not exclusive" || rc=$$?; \
-	$(PY) -m pytest -q $(PASSES) -n 2 --dist loadfile -m "ranks and not exclusive" || rc=$$?; \
+	$(PY) -m pytest -q $(PASSES) -n 2 --dist loadfile --no-loadscope-reorder -m "not exclusive" || rc=$$?; \
 	$(PY) -m pytest -q $(PASSES) -m "exclusive" || rc=$$?; \
 	exit $$rc
 

@@ -180,6 +180,19 @@ def pytest_collection_modifyitems(config, items):
         fns += [d.func for name in item.fixturenames for d in defs.get(name, ())]
         if any(s in _source(f) for f in fns for s in starters):
             item.add_marker(pytest.mark.ranks)
+    # The longest modules first (measured with LLAMA_TP_TEST_COSTS): pytest-xdist hands
+    # out whole files in this order, so that no long file is left running alone at the end.
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(Path(str(item.fspath)).stem, len(order)))
+
+
+LONGEST_FIRST = [
+    "test_sharded", "test_readme", "test_vocab_parallel", "test_moe", "test_mesh",
+    "test_default_model", "test_speculative", "test_mesh_split", "test_gpt_oss",
+    "test_one_copy", "test_dtype", "test_styles", "test_doctor", "test_determinism",
+    "test_launch", "test_weighted_split", "test_split", "test_chat_tty", "test_convert",
+    "test_serve_tools", "test_moe_refusals", "test_errors", "test_gguf_quants",
+]  # fmt: skip
 
 
 # -- optional system components: skipped with the install line, required under CI -------

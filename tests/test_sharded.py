@@ -51,11 +51,12 @@ def check_logits(n: int, paths: list, timeout: float = 300) -> None:
     assert "MISMATCH" not in r.stdout
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
 def test_any_world_size(models, n):
     """Every model with at least n query heads: even splits (mlx's shard_linear) where n
     divides the KV heads, whole KV groups, replicated KV heads and mapped query heads
-    elsewhere; feed-forward columns split unevenly (plain and on quantization groups)."""
+    elsewhere; feed-forward columns split unevenly (plain and on quantization groups).
+    5 and 7 ranks split as 8 does (KV heads replicated unevenly): left out for time."""
     paths = [path for path, heads in models.values() if heads >= n]
     check_logits(n, paths, timeout=600)
 
