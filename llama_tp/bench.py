@@ -40,7 +40,8 @@ def parser():
         "--synthetic",
         metavar="SPEC",
         help="a random-weight model written once into the cache, e.g. 0.5b-fp16 or "
-        "moe-a3b-fp32 (SIZE 0.5b, 0.1b, 1b, tiny, the Qwen3-MoE moe-tiny, moe-a3b, or the "
+        "moe-a3b-fp32 (SIZE 0.5b, 0.1b, 1b, tiny, the Qwen3 qwen3, the Qwen3-MoE moe-tiny, "
+        "moe-a3b, or the "
         "DeepSeek-V3 deepseek-tiny, deepseek-v3, the GLM-4.5 glm-tiny, glm4-moe, the "
         "Gemma 4 gemma4-tiny, gemma4-moe; "
         "DTYPE fp16, bf16, fp32 or q4)",
@@ -103,10 +104,11 @@ def main() -> int:
     from .benchmarks.report import common_prefix, print_table
     from .benchmarks.runner import bench_llama_tp, pin, prepare_model
     from .cluster.blas import check, hint, set_threads
-    from .console.cli import quiet
+    from .console.cli import apply_compile_flag, quiet
 
     args = parser().parse_args()
     check_args(args)
+    apply_compile_flag(args)
     quiet(args.quiet or args.json)
     group = world()
     cores = pin(args.pin_core, group.rank()) if args.pin_core else None

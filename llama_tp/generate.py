@@ -127,6 +127,7 @@ def main() -> int:
     print0()
     if args.verbose and r is not None:
         from .engine.pipeline import describe_stages
+        from .engine.step import describe_step
 
         mesh = getattr(model, "mesh", None)  # tp x pp mesh (engine/pipeline.py)
         with watchdog.stage("gathering the statistics"):
@@ -159,6 +160,7 @@ def main() -> int:
         if ckpt.notes:
             eprint0(f"Weights: {'; '.join(ckpt.notes)}")
         eprint0(f"Matrix products: {ckpt.products}")
+        eprint0(f"Decode step: {describe_step(model)}")
         if load_of_experts is not None:
             eprint0(f"Expert load {load_of_experts.summary()}")
         if mesh is not None:

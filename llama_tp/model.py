@@ -29,6 +29,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels import scaled_dot_product_attention  # mlx-lm's, native on the CPU
 from .model_args import ModelArgs
+from .parallel.fused import fused_glu, fused_heads
 from .parallel.llama_plan import table_styles
 from .parallel.parallelize import parallelize
 from .parallel.partition import RankPart
@@ -114,6 +115,9 @@ class Attention(nn.Module):
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x (B, L, dim) -> q (B, nh, L, hd), k and v (B, nkv, L, hd), before RoPE. Head
         counts follow the (maybe sharded) projections."""
+        heads = fused_heads(self, x, self.head_dim)  # one product (parallel/fused.py)
+        if heads is not None:
+            return heads
         B, L, _ = x.shape
         hd = self.head_dim
         q = self.wq(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
@@ -215,7 +219,10 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, hidden, bias=args.mlp_bias)  # up
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
+        glu = fused_glu(self, x)  # one product (parallel/fused.py)
+        if glu is None:
+            glu = nn.silu(self.w1(x)) * self.w3(x)
+        return self.w2(glu)
 
     def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
         """Split the intermediate columns over `group`: w1/w3 by rows, w2 by columns

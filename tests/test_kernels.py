@@ -52,7 +52,16 @@ def test_neon_kernels_match_the_scalar_ones_under_qemu(tmp_path):
     """The arm64 kernels, cross-compiled and run under qemu-user (.ci/run installs both)."""
     cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
     src = ROOT / "llama_tp" / "kernels" / "src"
-    files = ["qmv_scalar", "qmv_neon", "dispatch", "pool", "matmul", "selftest", "selftest_main"]
+    files = [
+        "qmv_scalar",
+        "qmv_neon",
+        "dispatch",
+        "pool",
+        "profile",
+        "matmul",
+        "selftest",
+        "selftest_main",
+    ]
     # compiled once per version of the sources (cross-compiling takes most of the time)
     exe = build.cache_root() / f"aarch64-selftest-{build.build_key().rsplit('-', 1)[1]}"
     if not exe.is_file():

@@ -40,11 +40,13 @@ def model_dir(tiny_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    """{1: one process, no prompt cache, batch 4, queue 2; 2: two ranks, batch 8}."""
+    """{1: one process, no prompt cache, batch 4, queue 2, eager steps; 2: two ranks, batch
+    8, compiled steps}."""
     tmp = tmp_path_factory.mktemp("serve-logs")
-    one = Server(
-        1, model_dir, tmp, "--prompt-cache-size", "0", "--max-batch", "4", "--max-queue", "2"
-    )
+    one = Server(  # its decode steps eager: the others' compiled ones give the same text
+        1, model_dir, tmp, "--prompt-cache-size", "0", "--max-batch", "4", "--max-queue", "2",
+        "--no-compile",
+    )  # fmt: skip
     two = Server(2, model_dir, tmp, "--max-batch", "8", "--max-queue", "64")
     try:
         one.wait_ready()

@@ -177,6 +177,10 @@ def bench_llama_tp(
         step_ms = 1e3 / res["generation_tps"] if res["generation_tps"] else 0.0
         res.update(decode_step_ms=step_ms, decode_step_ms_no_collectives=step_ms)
         res["collective_share"] = 0.0
+    from ..engine.step import compiling, decode_step_for
+
+    # compiled decode steps: their recompilations (traces) and the graphs kept
+    res["compile"] = {"on": compiling(), **decode_step_for(model).stats()}
     res["n_layers"] = len(model.layers)
     res["max_rss_gb"] = [m / 1e9 for m in all_gather_object(max_rss(), group)]  # per rank
     res["threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self") else None

@@ -13,7 +13,8 @@ size is Llama-3-70B's shape), never a model to run. Specs are `SIZE-DTYPE`: size
 folders, with float32 scales and norms). The `moe-*` sizes are Qwen3-MoE
 models with the experts stacked as mlx-lm stores them (`moe-a3b` is Qwen3-30B-A3B's
 shape scaled down: 128 -> 64 experts, 8 per token, 48 -> 8 layers, widths / 2). The
-`deepseek-*` sizes are DeepSeek-V3 models (latent attention, grouped sigmoid routing, a
+`qwen3` size is a dense Qwen3 (q/k norms, heads of 128) with Qwen3-0.6B's widths and 8
+layers. The `deepseek-*` sizes are DeepSeek-V3 models (latent attention, grouped sigmoid routing, a
 shared expert, a dense first layer) stored as mlx-lm's convert writes them (`embed_q` /
 `unembed_out`, stacked experts); `deepseek-v3` is its shape scaled down (256 -> 64
 experts in 8 groups, 8 per token, 61 -> 8 layers, 128 -> 16 heads, widths / 4 to / 7).

@@ -16,6 +16,11 @@ SIZES = {
     "0.1b": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=2816, vocab=32000),
     "tiny": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab=512),
     "1b": dict(dim=2048, n_layers=18, n_heads=16, n_kv_heads=8, hidden_dim=5632, vocab=32000),
+    # Qwen3 (dense): q/k-normed heads of head_dim 128, Qwen3-0.6B's widths, 8 layers
+    "qwen3": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=3072, vocab=32000,
+        head_dim=128, qk_norm=True,
+    ),
     # Llama-3-70B's shape: for `plan` on a --shapes-only directory (140 GB at fp16)
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672, vocab=128256),
     # Qwen3-MoE: experts, experts per token, expert width (head_dim: qk-norm heads)
@@ -206,6 +211,12 @@ def hf_config(s: dict, dtype_name: str) -> dict:
         moe = _deepseek_config(s)
     elif "glm" in s:
         moe = _glm_config(s)
+    elif "qk_norm" in s:
+        moe = {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "head_dim": s["head_dim"],
+        }
     elif "experts" in s:
         moe = {
             "model_type": "qwen3_moe",
@@ -301,6 +312,11 @@ def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
             ]
         else:
             out += _dense(p, d, h)
+            if "qk_norm" in s:
+                out += [
+                    (p + "self_attn.q_norm.weight", (hd,), "ones"),
+                    (p + "self_attn.k_norm.weight", (hd,), "ones"),
+                ]
         out += [(p + "input_layernorm.weight", (d,), "ones")]
         out += [(p + "post_attention_layernorm.weight", (d,), "ones")]
     return out

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from .affinity import apply_launch_cores
+from .local_ranks import apply_local_defaults
 
 T = TypeVar("T")
 
@@ -44,8 +45,10 @@ def world() -> mx.distributed.Group:
     if launched_backend() is None:
         return mx.distributed.init(backend="ring")
     group = mx.distributed.init()
-    # after init: the backend's socket threads exist and are pinned with the rest
-    apply_launch_cores(group.rank())
+    # Ranks on one machine set what a local launch would have (threads, cores), under
+    # any launcher; then, after init, the backend's threads are pinned with the rest.
+    index = apply_local_defaults(group.rank(), group.size())
+    apply_launch_cores(group.rank() if index is None else index)
     return group
 
 

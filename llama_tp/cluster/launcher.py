@@ -17,6 +17,9 @@ and mpirun plumbing, the hostfile it writes for the ranks. `main()` runs mlx's
 - returns the first non-zero exit code of a rank (mlx.launch exits 0 whatever its
   ranks do) and, when a rank fails, gives the others `GRACE` seconds to notice
   (llama_tp's ranks end themselves with one line) before terminating them.
+
+Local ranks get Open MPI when it is installed and no backend is named
+(`backend_choice.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .affinity import CORES_ENV, launch_nice, rank_cores, usable_cores, yielding_session
+from .backend_choice import default_backend
 
 GRACE = 5.0  # seconds the other ranks get to end by themselves after one fails
 
@@ -318,19 +322,24 @@ def run(argv: list[str], openblas: bool = True) -> int:
     blas = openblas_env(flags) if openblas else []
     threads = kernel_threads_env(flags)
     cores = cores_env(flags)
-    extra = blas + threads + cores
+    backend = default_backend(flags, _ranks(flags), _value(flags, "--backend"), _remote(flags))
+    extra = blas + threads + cores + backend.flags
     # Pinned ranks hold every core: the session yields to the others (affinity.py).
     polite = yielding_session(launch_nice() if pins_ranks(flags, cores) else 0)
     if "--verbose" in flags:
         for what, env in (("preloading", blas), ("native kernels:", threads), ("cores:", cores)):
             if env:
                 print(f"launch: {what} {' '.join(env[1::2])}", file=sys.stderr, flush=True)
+        if backend.reason:
+            print(f"launch: backend {backend.reason}", file=sys.stderr, flush=True)
     real_io, real_run = launch._launch_with_io, launch.run
 
     def run_and_record(cmd, *args, **kwargs):  # mpirun's exit code (mlx drops it)
         is_mpirun = isinstance(cmd, list) and cmd and str(cmd[0]).endswith("mpirun")
         if is_mpirun:
             cmd = _mpirun_compatible(cmd)
+            if backend.env:  # for mpirun itself (as root, the backend we picked)
+                kwargs["env"] = {**os.environ, **backend.env}
         out = real_run(cmd, *args, **kwargs)
         if is_mpirun:
             Result.code = out.returncode

@@ -68,8 +68,8 @@ def add_split_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """How the model is loaded: --no-vocab-parallel, --dtype, --moe-split and --split (every
-    command that loads)."""
+    """How the model is loaded and run: --no-vocab-parallel, --dtype, --moe-split, --split
+    and --no-compile (every command that loads)."""
     p.add_argument(
         "--no-vocab-parallel",
         action="store_true",
@@ -91,6 +91,21 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "start (default: $LLAMA_TP_WEIGHTS_CACHE, else ~/.cache/llama_tp/weights; "
         "'none': keep nothing)",
     )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="run each decode step eagerly instead of as one compiled graph (the same "
+        "tokens; for comparing, or where compiling fails)",
+    )
+
+
+def apply_compile_flag(args) -> None:
+    """`--no-compile`: decode steps eager (engine/step.py); else compiled (the default, or
+    LLAMA_TP_COMPILE=0 in the environment)."""
+    from ..engine.step import set_compile
+
+    if getattr(args, "no_compile", False):
+        set_compile(False)
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
@@ -372,6 +387,7 @@ def load_checked(args, group: mx.distributed.Group):
     from ..engine.agreement import check_agreement
     from ..engine.loader import LoadOptions, default_model, load_model
 
+    apply_compile_flag(args)
     path = args.model or model_on_some_rank(default_model, group)
     from ..parallel.mesh import MeshError
     from ..parallel.shares import SplitError

@@ -15,9 +15,13 @@ caches; it asks here:
     restore(cache, snap)            #   (speculative decoding, a chat's next turn)
     batched = merge(cache)          # a batch of one row, of each layer's batched kind
     extend(batched, other); filter(batched, keep); extract(batched, i)
+    kv_position(cache)              # plain KV layers only? their position (else None)
+    buf = take_kv(cache, rows)      # their buffers, for the compiled decode step,
+    give_kv(cache, buf.kv, 1)       #   given back one position on
 
 `Decoder._release/_trim/_draft_step`, `BatchEngine._admit/_release`, `Chat._reuse/
-_end_turn` and `ModelDrafter.prefill` go through these functions only.
+_end_turn`, `ModelDrafter.prefill` and the compiled decode step (`engine/step.py`) go
+through these functions only.
 """
 
 from __future__ import annotations
@@ -28,7 +32,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 Cache = list[Any]  # one mlx-lm cache per layer
 
@@ -179,3 +190,87 @@ def filter_rows(batch: Sequence[Any], keep: list[int]) -> None:
 def extract(batch: Sequence[Any], i: int) -> Cache:
     """Row `i` of `batch` as one sequence's cache."""
     return [c.extract(i) for c in batch]
+
+
+# -- the compiled decode step's view (engine/step.py): plain KV buffers -----------------
+
+
+@dataclass
+class KVBuffers:
+    """What the compiled decode step takes from a cache of plain KV layers: each layer's
+    whole key and value buffers (B, H, S, D), the write position, each row's RoPE
+    position (B,) or one int32 scalar (one sequence), and the first key each row reads
+    (B,): its left padding in a batch."""
+
+    kv: list[tuple[mx.array, mx.array]]
+    pos: int
+    offsets: mx.array
+    starts: mx.array
+    batch: bool
+
+
+def _kv_position(c: Any) -> int:
+    return c._idx if type(c) is BatchKVCache else c.offset
+
+
+def kv_position(cache: Sequence[Any]) -> int | None:
+    """The common position of a cache whose every layer is a filled plain KV cache of one
+    kind (one sequence's KVCache, or a batch's BatchKVCache): what the compiled decode
+    step runs over. None for any other cache (a sliding window, a recurrent state, a
+    quantized or list cache, an empty one): the model's own forward runs."""
+    if not cache:
+        return None
+    kind = type(cache[0])
+    if kind not in (KVCache, BatchKVCache) or any(type(c) is not kind for c in cache):
+        return None
+    if any(c.keys is None for c in cache):
+        return None
+    pos = _kv_position(cache[0])
+    return pos if all(_kv_position(c) == pos for c in cache) else None
+
+
+def _reserve(c: Any, n: int) -> None:
+    """Room in `c`'s buffers for n more positions, their length a whole number of the
+    cache's steps (256): what mlx-lm's `update_and_fetch` grows to, but also after a
+    batch's rows joined or left (`merge`, `extend` and `filter_rows` leave any length),
+    so that the step's shapes, and its compiled graphs, stay few. Positions past the
+    cache's are never read (the key ranges)."""
+    size = c.keys.shape[2]
+    want = -(-(_kv_position(c) + n) // c.step) * c.step
+    if size >= want and size % c.step == 0:
+        return
+    want = max(want, -(-size // c.step) * c.step)
+    B, H, _, D = c.keys.shape
+    c.keys = mx.concatenate([c.keys, mx.zeros((B, H, want - size, D), c.keys.dtype)], axis=2)
+    pad = mx.zeros((B, H, want - size, c.values.shape[3]), c.values.dtype)
+    c.values = mx.concatenate([c.values, pad], axis=2)
+
+
+def take_kv(cache: Sequence[Any], rows: int, n: int = 1) -> KVBuffers:
+    """The buffers of a `kv_position` cache, with room for n more positions, handed to
+    the step: the cache lets go of them (MLX may then update them in place) until
+    `give_kv` gives them back."""
+    for c in cache:
+        _reserve(c, n)
+    c0 = cache[0]
+    batch = type(c0) is BatchKVCache
+    pos = _kv_position(c0)
+    if batch:
+        offsets, starts = c0.offset.astype(mx.int32), c0.left_padding.astype(mx.int32)
+    else:
+        offsets, starts = mx.array(pos, dtype=mx.int32), mx.zeros((rows,), mx.int32)
+    kv = [(c.keys, c.values) for c in cache]
+    for c in cache:
+        c.keys = c.values = None
+    return KVBuffers(kv, pos, offsets, starts, batch)
+
+
+def give_kv(cache: Sequence[Any], kv: Sequence[tuple[mx.array, mx.array]], n: int = 0) -> None:
+    """Give `take_kv`'s buffers (or the step's updated ones) back, n positions on."""
+    for c, (k, v) in zip(cache, kv, strict=True):
+        c.keys, c.values = k, v
+        if n and type(c) is BatchKVCache:
+            c.offset = c.offset + n
+            c._idx += n
+        elif n:
+            c.offset += n

@@ -40,9 +40,10 @@ from ..cluster.collectives import collectives
 from . import caches
 from .pipeline import verify_logits
 from .prefill import prefill
-from .sampling import Draw, sample, token_logprobs
+from .sampling import Draw, Sampler, draw_arrays, sample, token_logprobs
 from .sequence import Event, Sequence
-from .shards import vocab_shard
+from .shards import VocabShard, vocab_shard
+from .step import decode_step_for
 
 
 def decode_step(
@@ -59,6 +60,18 @@ def decode_step(
     all-reduce (see `sampling.sample(fold=True)`). The returned row is None when the
     sampler cannot fold it.
     """
+    step = decode_step_for(model)
+    if (
+        tokens.shape[0] == 1
+        and isinstance(sampler, Sampler)
+        and not sampler.params.filtered
+        and step.supports(cache)
+    ):  # the compiled step (engine/step.py), sampler included
+        shard = sampler.shard or _whole(model)
+        sampling = draw_arrays([Draw(sampler.params, sampler.n)])
+        sampler.n += 1
+        logits, y, new_rows = step(tokens, cache, rows, sampling, shard)
+        return y, logits, new_rows
     h = None if rows is None else rows[None]  # (1, 1, dim)
     logits = model(tokens[None], cache=cache, input_embeddings=h)[:, -1, :]
     fold = getattr(sampler, "sample_with_rows", None)
@@ -66,6 +79,16 @@ def decode_step(
         return sampler(logits).reshape(-1), logits, None
     y, new_rows = fold(logits)
     return y.reshape(-1), logits, new_rows
+
+
+def _whole(model: nn.Module) -> VocabShard:
+    """The whole-vocabulary shard of `model` (one per model, so that its compiled step
+    is found again)."""
+    shard = model.__dict__.get("_whole_shard")
+    if shard is None:
+        shard = VocabShard.whole(model.args.vocab_size)
+        object.__setattr__(model, "_whole_shard", shard)
+    return shard
 
 
 @dataclass
@@ -189,9 +212,9 @@ class Decoder:
         rows, ahead = self.rows, self.ahead
         nxt = None
         if any(r.n + 1 < r.params.max_tokens for r in rows):  # else every row ends now
-            h = None if ahead.emb is None else ahead.emb[:, None]
-            logits = self.model(ahead.tokens[:, None], cache=self.cache, input_embeddings=h)
-            if any(r.processors for r in rows):
+            index = [r.n + 1 for r in rows]
+            logits, nxt = self._forward(rows, ahead, index)
+            if nxt is None and any(r.processors for r in rows):
                 # Processors read this step's fed tokens (a grammar's mask follows them):
                 # start the forward first, so that their Python work overlaps it.
                 mx.async_eval(logits)
@@ -202,7 +225,8 @@ class Decoder:
             def history(b: int) -> mx.array:
                 return mx.concatenate([mx.array(rows[b].history, mx.int32), fed[b : b + 1]])
 
-            nxt = self._sample(logits[:, -1, :], rows, [r.n + 1 for r in rows], history)
+            if nxt is None:
+                nxt = self._sample(logits, rows, index, history)
             mx.async_eval(*nxt.arrays())
             if not self.overlap:
                 mx.eval(*nxt.arrays())
@@ -211,6 +235,26 @@ class Decoder:
         self.ahead = nxt.select(keep) if nxt is not None and keep else None
         self._release(keep)
         return events
+
+    def _forward(
+        self, rows: list[Sequence], ahead: Ahead, index: list[int]
+    ) -> tuple[mx.array, Ahead | None]:
+        """This step's logits (B, V_local) for the rows' pending tokens, and, where the
+        decode step samples them itself (greedy and temperature rows without logits
+        processors or log-probabilities), their next tokens: `engine/step.py`."""
+        step = decode_step_for(self.model)
+        if step.supports(self.cache):
+            plain = all(
+                not r.processors and r.params.logprobs is None and not r.params.filtered
+                for r in rows
+            )
+            draws = [Draw(r.params, i) for r, i in zip(rows, index, strict=True)]
+            sampling = draw_arrays(draws) if plain else False
+            logits, y, emb = step(ahead.tokens, self.cache, ahead.emb, sampling, self.shard)
+            return logits, (Ahead(y, emb=emb) if plain else None)
+        h = None if ahead.emb is None else ahead.emb[:, None]
+        logits = self.model(ahead.tokens[:, None], cache=self.cache, input_embeddings=h)
+        return logits[:, -1, :], None
 
     def _draft_step(self, r: Sequence) -> list[Event]:
         """The lone row's speculative step: report its pending token, draft up to k more

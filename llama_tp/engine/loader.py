@@ -31,6 +31,7 @@ from ..kernels.layers import use_native
 from ..model import Transformer
 from ..models.registry import layer_specs
 from ..parallel.cast import cast_model, float32_experts
+from ..parallel.fused import fuse_products
 from ..parallel.mesh import Mesh
 from ..parallel.parallelize import Plan as StylePlan
 from ..parallel.placement import DEFAULT_MOE_SPLIT, Placement, RankPlacement, place
@@ -304,6 +305,7 @@ def load_model(
             ckpt.notes.append("experts held as float32: MLX's CPU gather_mm takes float32 only")
         if native:
             use_native(model)
+        fuse_products(model)
     except Exception as e:
         error = e
     agree_ok(error, group)
@@ -345,6 +347,7 @@ def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
             float32_experts(model)
         if native:
             use_native(model)
+        fuse_products(model)
         return model, ckpt
 
     return agreed(whole, group)

@@ -32,7 +32,7 @@ from .settings import SamplingParams
 from .shards import VocabShard, vocab_shard
 
 __all__ = ["Draw", "Sampler", "VocabShard", "make_sampler", "sample", "token_key"]
-__all__ += ["token_logprobs", "vocab_shard"]
+__all__ += ["draw_arrays", "sample_arrays", "token_logprobs", "vocab_shard"]
 
 CANDIDATES = 64  # per row, for top-p / min-p; more than enough for peaked distributions
 _MASK64 = (1 << 64) - 1
@@ -120,6 +120,34 @@ def sample(
     tokens = shard.argmax(scores)
     tokens[mx.array(filtered)] = picked
     return tokens, None
+
+
+def sample_arrays(
+    logits: mx.array,
+    shard: VocabShard,
+    temps: mx.array | None = None,
+    keys: mx.array | None = None,
+    noisy: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """`sample(logits, draws, shard, fold=True)` for greedy and temperature rows, from
+    arrays alone (what a compiled step takes): temps (R,) (1 where greedy), keys (R, 2)
+    uint32, noisy (R,) bool; all None: every row greedy. The same operations on each row
+    as `sample`, so the same tokens. -> tokens (R,), their embedding rows or None."""
+    scores = logits.astype(mx.float32)
+    if temps is not None:
+        noise = gumbel(keys, shard.columns())
+        scores = mx.where(noisy[:, None], scores / temps[:, None] + noise, scores)
+    return shard.argmax_rows(scores)
+
+
+def draw_arrays(draws: Sequence[Draw]) -> tuple[mx.array, mx.array, mx.array] | None:
+    """`sample_arrays`' temps, keys and noisy for unfiltered draws (None: all greedy)."""
+    if all(d.params.greedy for d in draws):
+        return None
+    noisy = [not d.params.greedy for d in draws]
+    temps = [d.params.temperature if n else 1.0 for d, n in zip(draws, noisy, strict=True)]
+    keys = [d.key if n else (0, 0) for d, n in zip(draws, noisy, strict=True)]
+    return mx.array(temps), mx.array(keys, dtype=mx.uint32), mx.array(noisy)
 
 
 def _filtered(logits: mx.array, draws: list[Draw], shard: VocabShard) -> mx.array:

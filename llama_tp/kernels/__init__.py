@@ -25,6 +25,7 @@ __all__ = [
     "gguf_dequantize",
     "gguf_matmul",
     "off",
+    "on_cpu",
     "quantized_matmul",
     "scaled_dot_product_attention",
     "set_threads",
@@ -34,8 +35,12 @@ __all__ = [
 _AFFINE = {4: 1004, 8: 1008}  # MLX affine bits -> the kernels' format id
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+    """MLX's default device is the CPU (where the native kernels run)."""
     return mx.default_device() == mx.cpu
+
+
+_on_cpu = on_cpu
 
 
 def quantized_matmul(
@@ -82,8 +87,23 @@ def scaled_dot_product_attention(
 ) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, through the native kernel (one primitive
     instead of MLX's composed one) for a few query positions on the CPU with no mask or a
-    causal one: queries (B, Hq, L, D), keys and values (B, Hkv, S, D)."""
+    causal one: queries (B, Hq, L, D), keys and values (B, Hkv, S, D).
+
+    A cache with `key_range` ((B, 2) int32: the compiled step's caches, engine/step.py)
+    hands over its whole buffer: row b attends to keys [start, stop) of it only."""
     e = ext()
+    ranges = getattr(cache, "key_range", None)
+    if ranges is not None:
+        if (
+            e is not None
+            and sinks is None
+            and queries.shape[2] <= ATTENTION_MAX_QUERIES
+            and _on_cpu()
+        ):
+            causal = mask is not None
+            return e.attention(queries, keys, values, scale=scale, causal=causal, ranges=ranges)
+        mask = _range_mask(ranges, queries.shape[2], keys.shape[2], mask is not None)
+        return mlx_lm_attention(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
     if (
         e is not None
         and (mask is None or (isinstance(mask, str) and mask == "causal"))
@@ -96,6 +116,15 @@ def scaled_dot_product_attention(
     ):
         return e.attention(queries, keys, values, scale=scale, causal=mask is not None)
     return mlx_lm_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _range_mask(ranges: mx.array, L: int, S: int, causal: bool) -> mx.array:
+    """The boolean mask (B, 1, L, S) of keys [start, stop) of each row (`ranges` (B, 2)),
+    causal aligned to stop when `causal`: what the native kernel's ranges mean."""
+    pos = mx.arange(S)[None, None, None]
+    start, stop = ranges[:, 0, None, None, None], ranges[:, 1, None, None, None]
+    end = stop - L + 1 + mx.arange(L)[None, None, :, None] if causal else stop
+    return (pos >= start) & (pos < end)
 
 
 def gguf_matmul(x: mx.array, w: mx.array, type_name: str, lead: int = 0) -> mx.array:

@@ -7,7 +7,8 @@ shards them).
 - `use_native(model)`: mlx's affine quantized layers (`nn.QuantizedLinear` and its
   sharded twins in `mlx.nn.layers.distributed`) replaced by subclasses whose forward
   calls `kernels.quantized_matmul` (the project's own range and vocabulary layers call
-  it directly), and `nn.RoPE` by one that is a single native primitive on the CPU.
+  it directly), and `nn.RoPE` and `nn.RMSNorm` by ones that are a single native primitive
+  on the CPU.
 """
 
 from __future__ import annotations
@@ -119,24 +120,38 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 class RoPE(nn.RoPE):
-    """`nn.RoPE` as one native primitive on the CPU (MLX composes it of a dozen there)."""
+    """`nn.RoPE` as one native primitive on the CPU (MLX composes it of a dozen there).
+    The offset is an int, or an int32 array (one, or one per row): the compiled decode
+    step passes the position as an array, so that its graph is the same at every token."""
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         e = ext()
-        if e is not None and isinstance(offset, int) and x.ndim == 4 and _on_cpu():
-            return e.rope(
-                x,
-                dims=self.dims,
-                traditional=self.traditional,
-                base=float(self.base),
-                scale=float(self.scale),
-                offset=offset,
-            )
+        if e is not None and x.ndim == 4 and _on_cpu():
+            kw = dict(dims=self.dims, traditional=self.traditional, base=float(self.base))
+            kw["scale"] = float(self.scale)
+            if isinstance(offset, int):
+                return e.rope(x, offset=offset, **kw)
+            if isinstance(offset, mx.array) and offset.dtype in _INTS:
+                return e.rope(x, offsets=offset, **kw)
         return super().__call__(x, offset)
+
+
+_INTS = (mx.int32, mx.int64, mx.uint32)
+
+
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` as one native primitive on the CPU (MLX composes it of about eight)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        e = ext()
+        if e is not None and _on_cpu():
+            return e.rms_norm(x, self["weight"], eps=self.eps)
+        return super().__call__(x)
 
 
 _NATIVE = {
     nn.RoPE: RoPE,
+    nn.RMSNorm: RMSNorm,
     nn.QuantizedLinear: QuantizedLinear,
     nn.QuantizedEmbedding: QuantizedEmbedding,
     dist.QuantizedAllToShardedLinear: QuantizedAllToShardedLinear,

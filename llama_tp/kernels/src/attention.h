@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <climits>
 #include <cstdint>
 #include <vector>
 
@@ -34,21 +35,32 @@ inline float at(const View4& a, int64_t i0, int64_t i1, int64_t i2, int64_t i3) 
 
 }  // namespace detail
 
+// The position of row b's first query: `offsets` (one int32 per row, or one for every
+// row when `per_row` is false) or, without them, `offset`.
+inline int64_t first_position(const int32_t* offsets, bool per_row, int offset, int64_t b) {
+  return offsets ? (int64_t)offsets[per_row ? b : 0] : (int64_t)offset;
+}
+
 template <typename T>
 void rope(const View4& x, int dims, bool traditional, float base, float scale, int offset,
-          T* out) {
+          T* out, const int32_t* offsets = nullptr, bool per_row = false) {
   const int64_t B = x.shape[0], H = x.shape[1], L = x.shape[2], D = x.shape[3];
   const int half = dims / 2;
   std::vector<float> cs(L * half), sn(L * half);
-  for (int64_t l = 0; l < L; l++) {
-    for (int i = 0; i < half; i++) {
-      double theta = std::pow((double)base, -2.0 * i / dims);
-      double angle = (double)scale * (double)(offset + l) * theta;
-      cs[l * half + i] = (float)std::cos(angle);
-      sn[l * half + i] = (float)std::sin(angle);
+  int64_t filled = INT64_MIN;  // the first position `cs` and `sn` hold
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t p0 = first_position(offsets, per_row, offset, b);
+    if (p0 != filled) {
+      for (int64_t l = 0; l < L; l++) {
+        for (int i = 0; i < half; i++) {
+          double theta = std::pow((double)base, -2.0 * i / dims);
+          double angle = (double)scale * (double)(p0 + l) * theta;
+          cs[l * half + i] = (float)std::cos(angle);
+          sn[l * half + i] = (float)std::sin(angle);
+        }
+      }
+      filled = p0;
     }
-  }
-  for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++)
       for (int64_t l = 0; l < L; l++) {
         T* o = out + ((b * H + h) * L + l) * D;
@@ -62,37 +74,70 @@ void rope(const View4& x, int dims, bool traditional, float base, float scale, i
         }
         for (int64_t d = dims; d < D; d++) o[d] = static_cast<T>(detail::at<T>(x, b, h, l, d));
       }
+  }
 }
 
+// `ranges` (B x 2 int32, or null for every key): row b attends to keys [start, stop) of
+// its S, the causal mask aligned to `stop` (query l sees keys up to stop - L + l). A
+// range over a longer buffer computes what the keys [start, stop) alone would give.
 template <typename T>
-void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, T* out) {
+void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, T* out,
+               const int32_t* ranges = nullptr) {
   const int64_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], D = q.shape[3];
   const int64_t Hkv = k.shape[1], S = k.shape[2], rep = Hq / Hkv;
   std::vector<float> qv(D), p(S), acc(D);
-  for (int64_t b = 0; b < B; b++)
+  for (int64_t b = 0; b < B; b++) {
+    int64_t start = ranges ? ranges[2 * b] : 0, stop = ranges ? ranges[2 * b + 1] : S;
+    start = start < 0 ? 0 : start;
+    stop = stop > S ? S : stop;
     for (int64_t h = 0; h < Hq; h++)
       for (int64_t l = 0; l < L; l++) {
         const int64_t g = h / rep;
-        const int64_t keys = causal ? S - L + l + 1 : S;  // the mask's lower-right alignment
+        const int64_t end = causal ? stop - L + l + 1 : stop;  // the mask's lower-right alignment
+        T* o = out + ((b * Hq + h) * L + l) * D;
+        if (end <= start) {  // no key (a padding row): zeros, as a fully masked row
+          for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(0.f);
+          continue;
+        }
         for (int64_t d = 0; d < D; d++) qv[d] = detail::at<T>(q, b, h, l, d) * scale;
         float mx = -INFINITY;
-        for (int64_t s = 0; s < keys; s++) {
+        for (int64_t s = start; s < end; s++) {
           float dot = 0.f;
           for (int64_t d = 0; d < D; d++) dot += qv[d] * detail::at<T>(k, b, g, s, d);
           p[s] = dot;
           mx = std::fmax(mx, dot);
         }
         float sum = 0.f;
-        for (int64_t s = 0; s < keys; s++) {
+        for (int64_t s = start; s < end; s++) {
           p[s] = std::exp(p[s] - mx);
           sum += p[s];
         }
         for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-        for (int64_t s = 0; s < keys; s++)
+        for (int64_t s = start; s < end; s++)
           for (int64_t d = 0; d < D; d++) acc[d] += p[s] * detail::at<T>(v, b, g, s, d);
-        T* o = out + ((b * Hq + h) * L + l) * D;
         for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(acc[d] / sum);
       }
+  }
+}
+
+// mx.fast.rms_norm of rows of n values (read as float32): y = x * rsqrt(mean(x^2) + eps) in float32, rounded
+// to the output type, then times the weight (in the output type), as MLX composes it.
+template <typename T>
+void rms_norm(const float* x, const float* w, int64_t rows, int64_t n, float eps, T* out) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * n;
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) {
+      ss += xr[i] * xr[i];
+    }
+    const float inv = 1.f / std::sqrt(ss / (float)n + eps);
+    T* o = out + r * n;
+    for (int64_t i = 0; i < n; i++) {
+      T y = static_cast<T>(xr[i] * inv);
+      T wi = static_cast<T>(w[i]);
+      o[i] = static_cast<T>(static_cast<float>(y) * static_cast<float>(wi));
+    }
+  }
 }
 
 }  // namespace lt

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "profile.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define LT_PAUSE() _mm_pause()
@@ -42,6 +44,7 @@ void Pool::stop_workers() {
   wake_.notify_all();
   for (auto& t : workers_) t.join();
   workers_.clear();
+  tids_.clear();
   stop_ = false;
 }
 
@@ -53,18 +56,31 @@ void Pool::set_threads(int n) {
   for (int i = 1; i < n; i++) workers_.emplace_back([this] { loop(); });
 }
 
-void Pool::work(uint64_t gen) {
+int Pool::work(uint64_t gen) {
   uint64_t w = word_.load();
+  int ran = 0;
   while (gen_of(w) == gen && next_of(w) < n_of(w)) {
     if (!word_.compare_exchange_weak(w, w + 1)) continue;  // w reloaded
     int i = next_of(w);
     fn_[gen & 1](ctx_[gen & 1], i);
     done_.fetch_add(1);
+    ran++;
     w = word_.load();
   }
+  return ran;
+}
+
+std::vector<int> Pool::worker_tids() {
+  std::lock_guard<std::mutex> lock(sleep_mutex_);
+  return tids_;
 }
 
 void Pool::loop() {
+  {
+    std::lock_guard<std::mutex> lock(sleep_mutex_);
+    int tid = prof::this_tid();
+    if (tid >= 0) tids_.push_back(tid);
+  }
   uint64_t seen = gen_of(word_.load());
   while (true) {
     auto start = std::chrono::steady_clock::now();
@@ -89,7 +105,9 @@ void Pool::loop() {
     }
     if (stop_) return;
     seen = gen;
-    work(gen);
+    int ran = work(gen);
+    if (ran && prof::on.load(std::memory_order_relaxed))
+      prof::calls[prof::WORKER_CHUNKS].fetch_add(ran, std::memory_order_relaxed);
   }
 }
 
@@ -111,6 +129,7 @@ void Pool::run(int n, Fn fn, void* ctx) {
   work(gen);
   // the last chunks are in other threads' hands: spin briefly, then yield the core (one
   // of them may be waiting for it on a busy machine)
+  prof::Scope waited(prof::POOL_WAIT);
   for (int i = 0; done_.load() < n; i++) {
     if (i < 2000) {
       LT_PAUSE();

@@ -20,12 +20,14 @@ class Pool {
   // Workers = n - 1 (n >= 1); joins the old ones first.
   void set_threads(int n);
   int threads() const { return (int)workers_.size() + 1; }
+  // The workers' OS thread ids (for profiles; empty where the OS has none).
+  std::vector<int> worker_tids();
   // fn(ctx, i) for every i in [0, n), on the calling thread and the workers; returns
   // when all are done.
   void run(int n, Fn fn, void* ctx);
 
  private:
-  void work(uint64_t gen);
+  int work(uint64_t gen);  // chunks this thread ran
   void loop();
   void stop_workers();
 
@@ -38,6 +40,7 @@ class Pool {
   Fn fn_[2] = {nullptr, nullptr};  // by generation parity: job g + 1 never overwrites g's
   void* ctx_[2] = {nullptr, nullptr};
   std::vector<std::thread> workers_;
+  std::vector<int> tids_;
   std::mutex sleep_mutex_, run_mutex_;
   std::condition_variable wake_;
 };

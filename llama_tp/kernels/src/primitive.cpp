@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "profile.h"
 #include "matmul.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -51,6 +52,10 @@ struct View {
     keep.resize(size * item);
     for (size_t i = 0; i < size; i++) std::memcpy(keep.data() + i * item, data + at(i) * item, item);
     return keep.data();
+  }
+  // Its float32 values when they are already row-major float32 (else null).
+  const float* float32_rows() const {
+    return dtype == mx::float32 && flat ? reinterpret_cast<const float*>(data) : nullptr;
   }
   // Float32, row-major.
   void floats(float* out) const {
@@ -159,6 +164,7 @@ void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
                 b = View(inputs[affine ? 3 : 1]), y_out = out.data<void>(), y_dtype = out.dtype(),
                 affine, n, N, B, row_bytes, stype, format = format_, gs = group_size_,
                 lead = lead_, k = k_]() {
+    prof::Scope timed(prof::QMATMUL);
     std::vector<uint8_t> keep_w, keep_s, keep_b;
     Matrix m{};
     m.format = format;
@@ -172,10 +178,21 @@ void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
       m.group_size = gs;
       m.groups = k / gs;
     }
-    std::vector<float> xf((size_t)B * n), y((size_t)B * N);
-    x.floats(xf.data());
-    matmul(kernels(), m, N, xf.data(), B, n, lead, y.data());
-    store_floats(y.data(), y.size(), y_dtype, y_out);
+    // float32 in and out (the common case): no copies, the output written in place
+    thread_local std::vector<float> xf, y;
+    const float* xp = x.float32_rows();
+    if (xp == nullptr) {
+      xf.resize((size_t)B * n);
+      x.floats(xf.data());
+      xp = xf.data();
+    }
+    float* yp = static_cast<float*>(y_out);
+    if (y_dtype != mx::float32) {
+      y.resize((size_t)B * N);
+      yp = y.data();
+    }
+    matmul(kernels(), m, N, xp, B, n, lead, yp);
+    if (y_dtype != mx::float32) store_floats(yp, (size_t)B * N, y_dtype, y_out);
   });
 }
 
@@ -216,6 +233,7 @@ void Dequantize::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   size_t row_bytes = w.shape(-1);
   enc.dispatch([v = View(w), y_out = out.data<void>(), y_dtype = out.dtype(), rows, row_bytes,
                 format = format_, lead = lead_, n = n_]() {
+    prof::Scope timed(prof::DEQUANTIZE);
     std::vector<uint8_t> keep;
     std::vector<float> y((size_t)rows * n);
     dequantize_rows(format, v.bytes(keep), row_bytes, rows, lead, n, y.data());
@@ -264,26 +282,39 @@ void by_type(mx::Dtype dtype, F&& f) {
 }  // namespace
 
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
-               int offset, mx::StreamOrDevice s) {
+               int offset, const std::optional<mx::array>& offsets, mx::StreamOrDevice s) {
   check_4d(x, "x");
   if (dims < 2 || dims % 2 || dims > x.shape(3))
     throw std::invalid_argument("llama_tp kernels: rope dims must be even and <= the last axis");
+  std::vector<mx::array> inputs = {x};
+  if (offsets) {
+    if (offsets->size() != 1 && (offsets->ndim() != 1 || offsets->shape(0) != x.shape(0)))
+      throw std::invalid_argument("llama_tp kernels: rope offsets must be one, or one per row");
+    inputs.push_back(mx::astype(*offsets, mx::int32, s));
+  }
   return mx::array(x.shape(), x.dtype(),
                    std::make_shared<Rope>(mx::to_stream(s), dims, traditional, base, scale, offset),
-                   {x});
+                   std::move(inputs));
 }
 
 void Rope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
+  for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
+  bool dynamic = inputs.size() == 2;
+  const int32_t* offsets = dynamic ? inputs[1].data<int32_t>() : nullptr;
+  bool per_row = dynamic && inputs[1].size() > 1;
+  if (dynamic && !inputs[1].flags().row_contiguous && per_row)
+    throw std::invalid_argument("llama_tp kernels: rope offsets must be contiguous");
   enc.dispatch([x = view4(inputs[0]), dtype = out.dtype(), o = out.data<void>(), dims = dims_,
-                trad = traditional_, base = base_, scale = scale_, offset = offset_]() {
+                trad = traditional_, base = base_, scale = scale_, offset = offset_, offsets,
+                per_row]() {
+    prof::Scope timed(prof::ROPE);
     by_type(dtype, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      lt::rope<T>(x, dims, trad, base, scale, offset, static_cast<T*>(o));
+      lt::rope<T>(x, dims, trad, base, scale, offset, static_cast<T*>(o), offsets, per_row);
     });
   });
 }
@@ -299,7 +330,7 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
 }
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    bool causal, mx::StreamOrDevice s) {
+                    bool causal, const std::optional<mx::array>& ranges, mx::StreamOrDevice s) {
   check_4d(q, "q");
   check_4d(k, "k");
   check_4d(v, "v");
@@ -307,8 +338,15 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
       q.shape(0) != k.shape(0) || q.shape(3) != k.shape(3) || q.shape(1) % k.shape(1) ||
       (causal && q.shape(2) > k.shape(2)))
     throw std::invalid_argument("llama_tp kernels: attention shapes or dtypes do not match");
+  std::vector<mx::array> inputs = {q, k, v};
+  if (ranges) {
+    if (ranges->shape() != mx::Shape{q.shape(0), 2})
+      throw std::invalid_argument("llama_tp kernels: attention ranges must be (batch, 2)");
+    inputs.push_back(mx::astype(*ranges, mx::int32, s));
+  }
   return mx::array(q.shape(), q.dtype(),
-                   std::make_shared<Attention>(mx::to_stream(s), scale, causal), {q, k, v});
+                   std::make_shared<Attention>(mx::to_stream(s), scale, causal),
+                   std::move(inputs));
 }
 
 void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -317,11 +355,23 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
+  const int32_t* ranges = nullptr;
+  std::vector<int32_t> packed;
+  if (inputs.size() == 4) {
+    const mx::array& r = inputs[3];
+    if (r.flags().row_contiguous) {
+      ranges = r.data<int32_t>();
+    } else {
+      throw std::invalid_argument("llama_tp kernels: attention ranges must be contiguous");
+    }
+  }
   enc.dispatch([q = view4(inputs[0]), k = view4(inputs[1]), v = view4(inputs[2]),
-                dtype = out.dtype(), o = out.data<void>(), scale = scale_, causal = causal_]() {
+                dtype = out.dtype(), o = out.data<void>(), scale = scale_, causal = causal_,
+                ranges]() {
+    prof::Scope timed(prof::ATTENTION);
     by_type(dtype, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      lt::attention<T>(q, k, v, scale, causal, static_cast<T*>(o));
+      lt::attention<T>(q, k, v, scale, causal, static_cast<T*>(o), ranges);
     });
   });
 }
@@ -333,6 +383,90 @@ void Attention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 bool Attention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Attention&>(other);
   return scale_ == o.scale_ && causal_ == o.causal_;
+}
+
+std::vector<mx::array> split_heads(const mx::array& y, int a, int b, int c, int d,
+                                   mx::StreamOrDevice s) {
+  check_float(y, "y");
+  if (y.ndim() != 3 || d < 1 || a < 0 || b < 0 || c < 0 || y.shape(2) != (a + b + c) * d)
+    throw std::invalid_argument("llama_tp kernels: split_heads takes (B, L, (a + b + c) * d)");
+  int B = y.shape(0), L = y.shape(1);
+  std::vector<mx::Shape> shapes = {{B, a, L, d}, {B, b, L, d}, {B, c, L, d}};
+  return mx::array::make_arrays(std::move(shapes), {y.dtype(), y.dtype(), y.dtype()},
+                                std::make_shared<SplitHeads>(mx::to_stream(s), d), {y});
+}
+
+void SplitHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(inputs[0]);
+  std::vector<uint8_t*> outs;
+  std::vector<int> heads;
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    enc.set_output_array(o);
+    outs.push_back(o.data<uint8_t>());
+    heads.push_back(o.shape(1));
+  }
+  const mx::array& y = inputs[0];
+  int B = y.shape(0), L = y.shape(1), d = d_;
+  enc.dispatch([v = View(y), outs, heads, B, L, d]() {
+    std::vector<uint8_t> keep;
+    const uint8_t* src = v.bytes(keep);  // row-major (B, L, H * d)
+    size_t item = v.item, row = (size_t)(heads[0] + heads[1] + heads[2]) * d * item;
+    size_t first = 0;  // the output's first head within a row, in bytes
+    for (int i = 0; i < 3; i++) {
+      size_t span = (size_t)d * item;
+      for (int b = 0; b < B; b++)
+        for (int h = 0; h < heads[i]; h++)
+          for (int l = 0; l < L; l++)
+            std::memcpy(outs[i] + (((size_t)b * heads[i] + h) * L + l) * span,
+                        src + ((size_t)b * L + l) * row + first + (size_t)h * span, span);
+      first += (size_t)heads[i] * span;
+    }
+  });
+}
+
+void SplitHeads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s) {
+  check_float(x, "x");
+  check_float(w, "weight");
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1))
+    throw std::invalid_argument("llama_tp kernels: rms_norm weight must be (" +
+                                std::to_string(x.ndim() ? x.shape(-1) : 0) + ",)");
+  auto out_type = mx::promote_types(x.dtype(), w.dtype());
+  return mx::array(x.shape(), out_type, std::make_shared<RMSNorm>(mx::to_stream(s), eps),
+                   {x, w});
+}
+
+void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  int64_t n = inputs[0].shape(-1), rows = n ? (int64_t)(inputs[0].size() / n) : 0;
+  enc.dispatch([x = View(inputs[0]), w = View(inputs[1]), o = out.data<void>(), ot = out.dtype(),
+                rows, n, eps = eps_]() {
+    prof::Scope timed(prof::NORM);
+    std::vector<float> xf(x.size), wf(w.size);
+    x.floats(xf.data());  // strided views and every float type, as float32
+    w.floats(wf.data());
+    by_type(ot, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      lt::rms_norm<T>(xf.data(), wf.data(), rows, n, eps, static_cast<T*>(o));
+    });
+  });
+}
+
+void RMSNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("llama_tp kernels run on the CPU stream only");
+}
+
+bool RMSNorm::is_equivalent(const mx::Primitive& other) const {
+  return eps_ == static_cast<const RMSNorm&>(other).eps_;
 }
 
 }  // namespace lt

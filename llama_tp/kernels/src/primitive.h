@@ -47,14 +47,55 @@ class Dequantize : public mx::Primitive {
   int format_, lead_, n_;
 };
 
-// mx.fast.rope of x (B, H, L, D) with an integer offset; one primitive.
+// mx.fast.rope of x (B, H, L, D) from position `offset`, or from `offsets` (int32: one, or
+// one per row (B,)) when given (then the graph does not change with the position); one
+// primitive.
 mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
-               int offset, mx::StreamOrDevice s = {});
+               int offset, const std::optional<mx::array>& offsets = std::nullopt,
+               mx::StreamOrDevice s = {});
 
 // Attention of q (B, Hq, L, D) over k, v (B, Hkv, S, D): no mask, or causal (aligned to
-// the last keys, as MLX's); one primitive.
+// the last keys, as MLX's); one primitive. `ranges` (B, 2) int32: row b's keys [start,
+// stop) of S (a cache buffer longer than its keys), the causal mask aligned to stop.
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    bool causal, mx::StreamOrDevice s = {});
+                    bool causal, const std::optional<mx::array>& ranges = std::nullopt,
+                    mx::StreamOrDevice s = {});
+
+// mx.fast.rms_norm of x (..., n) with weight (n,): one primitive (MLX composes it on the
+// CPU); its output type is x's and the weight's result type.
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::StreamOrDevice s = {});
+
+// y (B, L, (a + b + c) * d) -> its heads as (B, a, L, d), (B, b, L, d), (B, c, L, d): a
+// fused q/k/v product's output split into q, k and v, one primitive (for MLX a reshape,
+// a transpose and three slices).
+std::vector<mx::array> split_heads(const mx::array& y, int a, int b, int c, int d,
+                                   mx::StreamOrDevice s = {});
+
+class SplitHeads : public mx::Primitive {
+ public:
+  SplitHeads(mx::Stream stream, int d) : mx::Primitive(stream), d_(d) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpSplitHeads"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return d_ == static_cast<const SplitHeads&>(other).d_;
+  }
+
+ private:
+  int d_;
+};
+
+class RMSNorm : public mx::Primitive {
+ public:
+  RMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float eps_;
+};
 
 class Rope : public mx::Primitive {
  public:

@@ -1,0 +1,100 @@
+"""Local ranks under any launcher: the defaults they apply themselves
+(cluster/local_ranks.py), and the backend `llama_tp.launch` picks for them
+(cluster/backend_choice.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import _PORTS, BIN, ROOT, requires
+
+from llama_tp.cluster import backend_choice, local_ranks
+
+PROBE = (
+    "import os; from llama_tp.cluster.distributed import world; r = world().rank(); "
+    "e = os.environ; p = os.getppid(); "
+    "cores = sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in "
+    "os.listdir('/proc/self/task')}); "
+    "nice = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) "
+    "for t in os.listdir(f'/proc/{p}/task')}); "
+    "os.write(1, f\"{r} {e.get('LLAMA_TP_KERNEL_THREADS')} {e.get('LLAMA_TP_CORES')} "
+    '{cores} {nice}\\n".encode())'
+)
+_OURS = ("LLAMA_TP_KERNEL_THREADS", "LLAMA_TP_CORES", "LLAMA_TP_LAUNCHER_NICE")
+
+
+def test_local_ranks_from_the_hostfile_and_from_mpi(tmp_path, monkeypatch):
+    for k in ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "MLX_HOSTFILE"):
+        monkeypatch.delenv(k, raising=False)
+    assert local_ranks.local_ranks(0, 2) is None  # nothing tells
+    hosts = tmp_path / "hosts.json"
+    # ranks 0 and 2 here (loopback), rank 1 on a documentation address (never this host)
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["192.0.2.7:5001"], ["127.0.0.1:5002"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hosts))
+    assert local_ranks.local_ranks(0, 3) == (0, 2)
+    assert local_ranks.local_ranks(2, 3) == (1, 2)
+    assert local_ranks.local_ranks(1, 3) is None  # not here: it cannot be
+    assert local_ranks.local_ranks(0, 2) is None  # a hostfile of another size
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert local_ranks.local_ranks(5, 8) == (1, 4)
+
+
+def test_ranks_under_mlx_launch_apply_the_local_defaults():
+    """mlx.launch passes nothing: each rank finds both ranks local, takes its share of
+    the cores for the kernels' threads and its own core, and lowers mlx.launch (the
+    parent that polls in a loop) to nice 19; what is set already is kept."""
+    from llama_tp.cluster.affinity import parse_cores, rank_cores, usable_cores
+
+    env = {k: v for k, v in os.environ.items() if k not in _OURS}
+
+    def ranks(extra: dict) -> list[str]:
+        cmd = [str(BIN / "mlx.launch"), "-n", "2", "--starting-port", str(next(_PORTS))]
+        cmd += ["--", sys.executable, "-c", PROBE]
+        r = subprocess.run(
+            cmd, cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=120,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        return sorted(x for x in r.stdout.splitlines() if x[:1].isdigit())
+
+    usable = usable_cores()
+    spec = rank_cores(2, usable)
+    threads = max(1, len(usable) // 2)
+    want = [f"{r} {threads} {spec} {[tuple(parse_cores(spec, r))]} [19]" for r in (0, 1)]
+    assert ranks({}) == want
+    mine = ranks({"LLAMA_TP_CORES": "off", "LLAMA_TP_LAUNCHER_NICE": "0"})
+    ours = os.getpriority(os.PRIO_PROCESS, 0)  # mlx.launch left at this process's nice
+    assert mine == [f"{r} {threads} off {[tuple(usable)]} [{ours}]" for r in (0, 1)]
+
+
+def test_the_backend_for_local_ranks(monkeypatch):
+    monkeypatch.setattr(backend_choice, "open_mpi", lambda: None)
+    monkeypatch.setattr(backend_choice, "usable_cores", lambda: [0, 1])
+    pick = backend_choice.default_backend
+    mpi = pick(["-n", "2"], 2, None, False)
+    assert mpi.flags == ["--backend", "mpi"] and mpi.reason.startswith("mpi (")
+    assert pick(["-n", "2", "--backend", "ring"], 2, "ring", False).flags == []
+    assert pick(["-n", "2", "--starting-port", "5000"], 2, None, False).backend is None
+    assert "hosts given" in pick(["--hostfile", "h.json"], 2, None, True).reason
+    assert "3 ranks, 2 cores" in pick(["-n", "3"], 3, None, False).reason
+    monkeypatch.setattr(backend_choice, "open_mpi", lambda: "Open MPI is not installed (...)")
+    assert pick(["-n", "2"], 2, None, False).reason == "ring (Open MPI is not installed (...))"
+
+
+@requires("mpi")
+def test_local_ranks_get_open_mpi_with_the_reason(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in _OURS}
+    env["OMPI_MCA_orte_tmpdir_base"] = str(tmp_path)  # its session directory
+    code = (
+        "from llama_tp.cluster.distributed import launched_backend, world; "
+        "g = world(); print(g.rank(), g.size(), launched_backend(), flush=True)"
+    )
+    cmd = [sys.executable, "-m", "llama_tp.launch", "--verbose", "-n", "2"]
+    cmd += ["--", sys.executable, "-c", code]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == ["0 2 mpi", "1 2 mpi"], r.stderr
+    assert f"launch: backend mpi ({backend_choice.MPI_REASON})" in r.stderr
