@@ -305,7 +305,8 @@ def layer_masks(h: mx.array, layers: list[nn.Module], cache: list[Any]) -> list[
     """Each layer's mask for hidden states h (B, L, dim), as its kind's cache declares
     (`CacheSpec.mask`: causal, windowed for sliding-window attention, padding only for a
     recurrent layer), each made once from the first cache of its kind, as mlx-lm's
-    hybrid models do."""
+    hybrid models do. `cache`: one per layer (`per_layer`; None for a KV-shared layer,
+    whose source comes first and makes the mask of its kind)."""
     made: dict[tuple[str, int | None], Any] = {}
     out = []
     for layer, c in zip(layers, cache, strict=True):
@@ -361,9 +362,42 @@ def make_layer_cache(spec: CacheSpec | None) -> Any:
     raise ValueError(f"unknown cache kind {spec.kind!r}")
 
 
+def shares_cache(layer: nn.Module) -> bool:
+    """Whether `layer` attends over another layer's keys and values (Gemma's KV-shared
+    layers: no cache of its own)."""
+    spec = layer.spec.cache
+    return spec is not None and spec.kind == "shared"
+
+
 def layer_caches(layers: list[nn.Module]) -> list[Any]:
-    """mlx-lm's caches for `layers`, one per layer, as each layer's kinds declare."""
-    return [make_layer_cache(layer.spec.cache) for layer in layers]
+    """mlx-lm's caches for `layers`, one per layer as each layer's kinds declare, none
+    for a KV-shared layer (so fewer than the layers, as mlx-lm's Gemma 4 makes)."""
+    return [make_layer_cache(layer.spec.cache) for layer in layers if not shares_cache(layer)]
+
+
+def per_layer(layers: list[nn.Module], cache: list[Any] | None) -> list[Any]:
+    """`cache` (`layer_caches`' list, or None) as one entry per layer: None for a
+    KV-shared layer (and for all without a cache)."""
+    if cache is None:
+        return [None] * len(layers)
+    owners = [layer for layer in layers if not shares_cache(layer)]
+    if len(owners) != len(cache):
+        raise ValueError(f"a cache of {len(cache)} layers for {len(owners)} caching layers")
+    it = iter(cache)
+    return [None if shares_cache(layer) else next(it) for layer in layers]
+
+
+def run_layers(
+    layers: list[nn.Module], h: mx.array, cache: list[Any] | None, side: mx.array | None = None
+) -> mx.array:
+    """h (B, L, dim) through `layers` with their caches (`layer_caches`' list) and masks.
+    `side` (B, L, W): what every layer takes beside h (Gemma's per-layer inputs), passed
+    to each layer as its fourth argument (each takes its own part)."""
+    cache = per_layer(layers, cache)
+    masks = layer_masks(h, layers, cache)
+    for layer, c, mask in zip(layers, cache, masks, strict=True):
+        h = layer(h, mask, c) if side is None else layer(h, mask, c, side)
+    return h
 
 
 class Transformer(nn.Module):
@@ -378,9 +412,29 @@ class Transformer(nn.Module):
         if not args.tie_word_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
+    # Values per position that a pipeline's first stage hands on beside h (`side_inputs`)
+    side_width = 0
+
     def make_cache(self) -> list[Any]:
-        """One cache per layer (`layer_caches`), for mlx-lm's `make_prompt_cache`."""
+        """One cache per caching layer (`layer_caches`), for mlx-lm's `make_prompt_cache`."""
         return layer_caches(self.layers)
+
+    def embed(self, tokens: mx.array, input_embeddings: mx.array | None = None) -> mx.array:
+        """tokens (B, L) -> the hidden state entering the first layer (B, L, dim); the
+        embedding rows `input_embeddings`, when given, replace the lookup. (A family
+        that scales its embeddings overrides it: `models/gemma.py`.)"""
+        return self.tok_embeddings(tokens) if input_embeddings is None else input_embeddings
+
+    def side_inputs(self, tokens: mx.array, h: mx.array) -> mx.array | None:
+        """What every layer takes beside h, from the tokens and the embedded h: (B, L,
+        `side_width`), or None (the Llama core: nothing)."""
+        return None
+
+    def head(self, h: mx.array) -> mx.array:
+        """The final-normed h (B, L, dim) -> logits (B, L, V[_local])."""
+        if self.args.tie_word_embeddings:
+            return self.tok_embeddings.as_linear(h)
+        return self.output(h)
 
     def shard_vocab(self, group: mx.distributed.Group, start: int, stop: int) -> None:
         """Keep vocabulary rows [start, stop) of the embedding and the output head.
@@ -405,15 +459,8 @@ class Transformer(nn.Module):
         `input_embeddings` (B, L, dim), when given, replaces the embedding lookup
         (as in mlx-lm's models): the sampler may already hold the new token's row.
         """
-        h = self.tok_embeddings(tokens) if input_embeddings is None else input_embeddings
-        if cache is None:
-            cache = [None] * len(self.layers)
+        h = self.embed(tokens, input_embeddings)
         # Under sequence parallelism h is this rank's chunk (>= 2 positions, see
         # parallel/sequence.py): the mask is "causal" either way.
-        masks = layer_masks(h, self.layers, cache)
-        for layer, c, mask in zip(self.layers, cache, masks, strict=True):
-            h = layer(h, mask, c)
-        h = self.norm(h)
-        if self.args.tie_word_embeddings:
-            return self.tok_embeddings.as_linear(h)
-        return self.output(h)
+        h = run_layers(self.layers, h, cache, self.side_inputs(tokens, h))
+        return self.head(self.norm(h))

@@ -123,6 +123,7 @@ def main() -> int:
             [state_bytes(shape, r) for r in placement.ranks],
         )
     )
+    _print_shared(ckpt.args)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
@@ -173,9 +174,25 @@ def print_generic(args, tp: int, pp: int) -> int:
     return 0
 
 
+def _print_shared(a) -> None:
+    """The KV-shared layers' line (Gemma 4's last layers), if the model has any."""
+    from .models.registry import layer_specs
+
+    shared = sum(s.cache is not None and s.cache.kind == "shared" for s in layer_specs(a))
+    if shared:
+        print(
+            f"{shared} of {a.n_layers} layers attend over an earlier layer's keys and values "
+            "(KV-shared): no cache of their own, and each stays on its source's stage"
+        )
+
+
 def _sliding(a) -> tuple[int, int, int] | None:
-    """(sliding-window layers, layers, window) of a model with some (gpt-oss), else None."""
-    n = sum(a.window(i) is not None for i in range(a.n_layers))
+    """(sliding-window layers, layers, window) of a model with some (gpt-oss, Gemma),
+    else None; a KV-shared sliding layer holds no window of its own."""
+    from .models.registry import layer_specs
+
+    specs = layer_specs(a)
+    n = sum(s.cache is not None and s.cache.kind == "rotating" for s in specs)
     return (n, a.n_layers, a.sliding_window) if n else None
 
 
@@ -249,6 +266,7 @@ def print_mesh(args) -> int:
     except (MeshError, SplitError) as e:
         raise UsageError(str(e)) from None
     print(format_mesh(mp, ckpt.path.name))
+    _print_shared(ckpt.args)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 

@@ -219,7 +219,7 @@ def test_refusals_are_one_line(models, tmp_path):
     args = ["--model", str(src), "--prompt", "hi", "-m", "2", "--sequence-parallel"]
     _one_error(
         run_python(["-m", "llama_tp.generate", *args]),
-        "--sequence-parallel does not take sliding-window layers (gpt-oss)",
+        "--sequence-parallel does not take sliding-window layers (gpt-oss, Gemma)",
     )
 
 

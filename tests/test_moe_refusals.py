@@ -40,13 +40,17 @@ def test_refusals_are_one_line(models, tmp_path):
     def variant(name: str, base: str = "qwen3_moe", **changes) -> Path:
         return config_variant(models[base], tmp_path / name, **changes)
 
-    supported = (
-        "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, kimi_k2, "
-        "gpt_oss, glm4_moe"
+    from llama_tp.models.registry import GGUF_FAMILIES, MODEL_TYPES
+
+    gguf_supported = ", ".join(GGUF_FAMILIES)
+
+    supported = ", ".join(MODEL_TYPES)
+    assert (
+        supported.startswith("llama, mistral, qwen2, qwen3, mixtral") and "gemma4_text" in supported
     )
     import mlx_lm
 
-    path = variant("nonesuch", model_type="nonesuch")  # gemma3 runs on mlx-lm's classes
+    path = variant("nonesuch", model_type="nonesuch")  # olmo2 runs on mlx-lm's classes
     _one_error(
         run_python(_generate(path)),
         f"{path / 'config.json'}: unsupported model_type 'nonesuch': not native ({supported}) "
@@ -103,8 +107,7 @@ def test_refusals_are_one_line(models, tmp_path):
     gguf = tiny_llama_gguf(tmp_path / "g.gguf", metadata={"general.architecture": "gemma3"})
     _one_error(
         run_python(_generate(gguf)),
-        f"{gguf}: unsupported GGUF architecture 'gemma3' (supported: llama, qwen2, qwen3, "
-        "qwen2moe, qwen3moe, deepseek2, glm4moe, gpt-oss)",
+        f"{gguf}: unsupported GGUF architecture 'gemma3' (supported: {gguf_supported})",
     )
     src = models["deepseek_v3"]
     gguf = gguf_from_hf(src, tmp_path / "v2.gguf", expert_gating_func=1)

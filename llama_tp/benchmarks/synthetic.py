@@ -29,6 +29,11 @@ DeepSeek-V3's routing and shared expert, a dense first layer); `glm4-moe` is GLM
 shape scaled down (160 -> 64 experts, 8 per token, 92 -> 8 layers, 96/8 -> 24/2 heads of
 128 -> 64, widths / 4 to / 5).
 The `qwen35*` and `qwen3-next` sizes are Gated DeltaNet hybrids (`synthetic_hybrid.py`).
+The `gemma4-*` sizes are Gemma 4 MoE models as mlx-lm's own `gemma4_text` class holds
+them (the tensors listed from it): sliding and global layers (global heads twice as wide,
+2 global KV heads whose keys are the values), the dense GeGLU beside the experts, capped
+logits; `gemma4-moe` is Gemma 4 26B-A4B's layout scaled down (128 -> 32 experts, 4 per
+token, 30 -> 8 layers with every fourth global, window 1024 -> 128, widths / 2 to / 4).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 

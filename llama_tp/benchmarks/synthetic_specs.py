@@ -1,5 +1,6 @@
 """The synthetic models' specs: each size's shape (`SIZES`), the dtypes, the Hugging Face
-`config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, gpt-oss or GLM-4.5 one)
+`config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, gpt-oss, GLM-4.5 or Gemma 4
+one)
 and every tensor it holds, named as Hugging Face names them (`synthetic.py` writes
 them; see its docstring for what each size is)."""
 
@@ -58,6 +59,18 @@ SIZES = {
     "glm4-moe": dict(
         dim=1024, n_layers=8, n_heads=24, n_kv_heads=2, hidden_dim=3072, vocab=32000,
         experts=64, top_k=8, expert_dim=384, head_dim=64, glm=True,
+    ),
+    # Gemma 4 (MoE): sliding (window) and global layers (global_head_dim, global KV
+    # heads, keys = values), the dense GeGLU beside the experts, capped logits
+    "gemma4-tiny": dict(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab=512,
+        experts=8, top_k=2, expert_dim=32, head_dim=16, window=8, pattern=2,
+        gemma4=(32, 1),
+    ),
+    "gemma4-moe": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, hidden_dim=1024, vocab=32000,
+        experts=32, top_k=4, expert_dim=256, head_dim=64, window=128, pattern=4,
+        gemma4=(128, 2),
     ),
 }  # fmt: skip
 # q4: quantized from float32 (float32 scales: MLX's CPU quantized kernels are slow in float16)
@@ -151,9 +164,50 @@ def _glm_config(s: dict) -> dict:
     }
 
 
+def _gemma4_config(s: dict) -> dict:
+    global_head_dim, global_kv_heads = s["gemma4"]
+    return {
+        "model_type": "gemma4_text",
+        "architectures": ["Gemma4ForCausalLM"],
+        "head_dim": s["head_dim"],
+        "global_head_dim": global_head_dim,
+        "num_global_key_value_heads": global_kv_heads,
+        "attention_k_eq_v": True,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "use_double_wide_mlp": False,
+        "sliding_window": s["window"],
+        "sliding_window_pattern": s["pattern"],
+        "enable_moe_block": True,
+        "num_experts": s["experts"],
+        "top_k_experts": s["top_k"],
+        "moe_intermediate_size": s["expert_dim"],
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    }
+
+
+def _mlx_lm_tensors(config: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors mlx-lm's own model class for `config` holds, by the names it saves
+    (built lazily: nothing computed); norms and scales "ones", the rest "normal"."""
+    import importlib
+
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    return [
+        (name, tuple(v.shape), "ones" if "norm" in name or "scal" in name else "normal")
+        for name, v in tree_flatten(model.parameters())
+    ]
+
+
 def hf_config(s: dict, dtype_name: str) -> dict:
     moe = {}
-    if "window" in s:
+    if "gemma4" in s:
+        moe = _gemma4_config(s)
+    elif "window" in s:
         moe = _gpt_oss_config(s)
     elif "latent" in s:
         moe = _deepseek_config(s)
@@ -204,6 +258,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
 def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
     "zeros" a float32 routing bias), in the order the random ones are drawn."""
+    if "gemma4" in s:  # mlx-lm's own class lists its tensors
+        return _mlx_lm_tensors(hf_config(s, "fp32"))
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]
     out = [("model.embed_tokens.weight", (s["vocab"], d), "normal")]

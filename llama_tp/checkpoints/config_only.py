@@ -30,8 +30,10 @@ def read_config_only(config_file: Path, gguf_quant: str | None = None) -> Checkp
     args = args_from_config(config, config_file.parent)
     model = build(args)
     dtypes = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-    text = language_model(config)  # a release's dtype may be its text_config's only
-    dtype = text.get("torch_dtype") or text.get("dtype")
+    # a release's dtype may be its text_config's only; `dtype` is what newer transformers
+    # write in place of `torch_dtype`
+    text = language_model(config)
+    dtype = text.get("torch_dtype") or text.get("dtype") or config.get("dtype")
     model.set_dtype(dtypes.get(dtype, mx.float32))
     quant = config.get("quantization") or {}
     notes = _gguf_mix(model, args, gguf_quant, config_file) if gguf_quant else []

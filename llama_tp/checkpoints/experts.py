@@ -102,7 +102,7 @@ def check_experts(
             raise CheckpointError(f"{where}: expert tensors, but {count} is 0")
         return
     for name, shape in sorted(shapes.items()):  # in name order: the same message each time
-        m = re.match(r"^layers\.(\d+)\.feed_forward\.switch_mlp\.(\w+)\.weight$", name)
+        m = re.match(r"^layers\.(\d+)\.(?:feed_forward|experts)\.switch_mlp\.(\w+)\.weight$", name)
         if m is None:
             continue
         label = (stored or {}).get(name, name)

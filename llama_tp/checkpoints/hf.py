@@ -28,6 +28,10 @@ _MODEL_NAMES = [
     (r"^model\.embed_tokens\.", "tok_embeddings."),
     (r"^model\.norm\.", "norm."),
     (r"^lm_head\.", "output."),
+    # Gemma 4's per-layer inputs (`models/gemma.py`)
+    (r"^model\.embed_tokens_per_layer\.", "per_layer_embeddings."),
+    (r"^model\.per_layer_model_projection\.", "per_layer_projection."),
+    (r"^model\.per_layer_projection_norm\.", "per_layer_norm."),
 ]
 
 
@@ -38,7 +42,15 @@ def _layer_rename(src: str, dst: str) -> tuple[str, str]:
     return rf"^model\.layers\.(\d+)\.{re.escape(src)}\.", rf"layers.\1.{dst}."
 
 
-_RENAMES = _MODEL_NAMES + [_layer_rename(a, b) for a, b in checkpoint_names("hf")]
+def renames(model_type: str | None = None) -> list[tuple[re.Pattern, str]]:
+    """The model's names, then every kind's (the family's own first), compiled."""
+    if model_type not in _BY_FAMILY:
+        pairs = _MODEL_NAMES + [_layer_rename(a, b) for a, b in checkpoint_names("hf", model_type)]
+        _BY_FAMILY[model_type] = [(re.compile(a), b) for a, b in pairs]
+    return _BY_FAMILY[model_type]
+
+
+_BY_FAMILY: dict[str | None, list[tuple[re.Pattern, str]]] = {}
 # MLX quantization modes read (and split): affine, and the MXFP4 of gpt-oss's experts
 QUANT_MODES = ("affine", "mxfp4")
 # The families whose mixture-of-experts block mlx-lm names `block_sparse_moe` (not `mlp`)
@@ -47,16 +59,28 @@ BLOCK_SPARSE_MOE = ("mixtral",)
 DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
 # The families routed as DeepSeek-V3 (sigmoid, groups, correction bias; `mlp.shared_experts`)
 SIGMOID_GROUP = (*DEEPSEEK_V3, "glm4_moe")
-_RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
+_RENAMES = renames()
 # Precomputed rotary frequencies some checkpoints carry; the model computes its own.
 _DROP = re.compile(r"rotary_emb\.inv_freq$")
+# Multimodal wrappers whose language model is a family here (Gemma 3 and 4 as Google
+# releases them): their `text_config`, their language model's tensors under
+# `model.language_model.` (Hugging Face) or `language_model.model.` (mlx-lm, mlx-vlm),
+# the vision and audio towers left out.
+WRAPPED = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+_LANGUAGE = re.compile(r"^(?:model\.language_model\.|language_model\.model\.)")
+_TOWERS = re.compile(
+    r"^(?:model\.)?(?:vision_tower|multi_modal_projector|audio_tower|embed_audio|"
+    r"embed_vision|vision_embedder)\."
+)
 
 
-def to_model_name(name: str) -> str | None:
-    """Map a Hugging Face tensor name onto the model's name (None: not used)."""
-    if _DROP.search(name):
+def to_model_name(name: str, model_type: str | None = None) -> str | None:
+    """Map a Hugging Face tensor name of a `model_type` checkpoint onto the model's name
+    (None: not used)."""
+    if _DROP.search(name) or _TOWERS.match(name):
         return None
-    for pattern, repl in _RENAMES:
+    name = _LANGUAGE.sub("model.", name).replace("language_model.lm_head.", "lm_head.")
+    for pattern, repl in renames(model_type):
         new, n = pattern.subn(repl, name)
         if n:
             return new
@@ -71,6 +95,15 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path / 'config.json'}: expected a JSON object")
+    if config.get("model_type") in WRAPPED:  # the language model's config, as mlx-lm reads it
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError(
+                f"{path / 'config.json'}: {config['model_type']} without text_config"
+            )
+        outer = ("quantization", "vocab_size", "eos_token_id", "torch_dtype", "dtype")
+        keep = {k: config[k] for k in outer if k in config}
+        config = {**text, **keep, "model_type": WRAPPED[config["model_type"]]}
     return config
 
 
@@ -133,7 +166,7 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
     if model_type in DEEPSEEK_V3 and attention_bias:
         raise CheckpointError(f"{path / 'config.json'}: attention_bias is not supported")
     try:
-        return ModelArgs(
+        common = dict(
             dim=config["hidden_size"],
             n_layers=config["num_hidden_layers"],
             n_heads=config["num_attention_heads"],
@@ -151,8 +184,9 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=attention_bias and model_type != "glm4_moe",  # GLM: q/k/v biases only
             mlp_bias=bool(config.get("mlp_bias", False)),
-            **moe_fields(config, model_type),
         )
+        # the family's fields (its kinds' readers) override the common ones
+        return ModelArgs(**(common | moe_fields(config, model_type)))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}") from None
 
@@ -174,12 +208,12 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_weights(
-    files: list[Path], skipped: set[str] | None = None
+    files: list[Path], skipped: set[str] | None = None, model_type: str | None = None
 ) -> tuple[dict[str, mx.array], dict[str, tuple[SafetensorsFile, str]]]:
-    """Lazily load safetensors files, keyed by the model's names; and where each
-    tensor lives, for reading slices of it (headers are checked against the sizes). A
-    release's language model under its own names; its vision tower and multi-token
-    prediction layers left out (their kinds added to `skipped`)."""
+    """Lazily load safetensors files of a `model_type` checkpoint, keyed by the model's
+    names; and where each tensor lives, for reading slices of it (headers are checked
+    against the sizes). A release's language model under its own names; its vision tower
+    and multi-token prediction layers left out (their kinds added to `skipped`)."""
     weights, sources, experts, blocks = {}, {}, {}, {}
     skipped = set() if skipped is None else skipped
     for f in files:
@@ -198,12 +232,12 @@ def load_weights(
             if stored_part(name):  # gpt-oss's MXFP4 blocks: read as the model's, below
                 blocks[name] = (header, value)
                 continue
-            new = to_model_name(name)
+            new = to_model_name(name, model_type)
             if new is not None:
                 weights[new] = value
                 sources[new] = (header, stored_name)
     for name, (value, source) in stack_experts(experts, files[0].parent).items():
-        new = to_model_name(name)
+        new = to_model_name(name, model_type)
         weights[new], sources[new] = value, (source, name)
     for name, (value, source) in mxfp4_experts(blocks).items():
         weights[name], sources[name] = value, (source, source.stored)
@@ -235,7 +269,7 @@ def read(path: Path) -> Checkpoint:
     args = args_from_config(config, path)
     files = weight_files(path)
     skipped: set[str] = set()
-    weights, sources = load_weights(files, skipped)
+    weights, sources = load_weights(files, skipped, args.model_type)
     if "vision_config" in config:
         skipped.add("vision")
     for kind in sorted(skipped):
@@ -244,6 +278,11 @@ def read(path: Path) -> Checkpoint:
         from_release(weights, sources)  # zero-centred norms, (C, 1, K) convs
     if args.model_type in SIGMOID_GROUP:
         _sigmoid_group(weights, sources, args, path)
+    shared = [i for i, s in enumerate(args.extra.get("kv_sources") or ()) if s is not None]
+    unused = tuple(f"layers.{i}.attention.{p}." for i in shared for p in ("wk", "wv", "k_norm"))
+    for name in [k for k in weights if k.startswith(unused)] if unused else ():
+        del weights[name]  # Gemma 4's KV-shared layers' keys, never used (mlx-lm drops them)
+        sources.pop(name, None)
     if "output.weight" not in weights and not args.tie_word_embeddings:
         # Converters drop lm_head when it equals the embedding.
         args.tie_word_embeddings = True

@@ -18,7 +18,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from ..models.registry import FAMILIES
 from .base import Checkpoint, CheckpointError
-from .hf import _RENAMES, BLOCK_SPARSE_MOE, DEEPSEEK_V3, SIGMOID_GROUP, to_model_name
+from .hf import BLOCK_SPARSE_MOE, DEEPSEEK_V3, SIGMOID_GROUP, renames, to_model_name
 
 
 def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
@@ -28,22 +28,24 @@ def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
     `^layers\.(\d+)\.y\.` -> `model.layers.\1.x.`.
     """
     src = "^" + re.escape(repl).replace(re.escape("\\1"), r"(\d+)")
-    dst = pattern.pattern.removeprefix("^").replace(r"(\d+)", r"\1").replace("\\.", ".")
+    dst = (
+        pattern.pattern.removeprefix("^")
+        .replace(r"(\d+)", r"\1")
+        .replace("\\.", ".")
+        .removesuffix("$")
+    )
     return re.compile(src), dst
-
-
-# The model's names -> Hugging Face names: the HF reader's table, inverted.
-_TO_HF = [_invert(p, r) for p, r in _RENAMES]
 
 
 def hf_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face name (as mlx-lm stores it) of the model's tensor `name` in a
-    `model_type` model (checked against the reader)."""
+    `model_type` model (checked against the reader): the HF reader's table, inverted."""
     first = "block_sparse_moe" if model_type in BLOCK_SPARSE_MOE else "mlp."
     first = "shared_experts" if model_type in SIGMOID_GROUP else first
-    for pattern, repl in sorted(_TO_HF, key=lambda r: first not in r[1]):
+    inverted = [_invert(p, r) for p, r in renames(model_type)]
+    for pattern, repl in sorted(inverted, key=lambda r: first not in r[1]):
         new, n = pattern.subn(repl, name)
-        if n and to_model_name(new) == name:
+        if n and to_model_name(new, model_type) == name:
             family = FAMILIES.get(model_type)
             return (family.prefix if family else "") + new
     raise CheckpointError(f"tensor {name!r} has no Hugging Face name")

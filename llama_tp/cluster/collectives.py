@@ -132,6 +132,14 @@ def _layer_input(model: Any, tokens: mx.array) -> mx.array:
     return mx.zeros((*tokens.shape, model.args.dim), dtype)
 
 
+def _per_layer(layers: list[Any], cache: list[Any]) -> list[Any]:
+    """One cache per layer: None for a KV-shared layer, which has none of its own
+    (`model.per_layer`; its source runs before it here too)."""
+    it = iter(cache)
+    shared = [getattr(getattr(layer, "spec", None), "cache", None) for layer in layers]
+    return [None if s is not None and s.kind == "shared" else next(it) for s in shared]
+
+
 def count_collectives(
     model: Any, decode: Callable[[list[Any]], Any], mode: str = "count"
 ) -> dict[str, Any]:
@@ -148,7 +156,7 @@ def count_collectives(
     y = mx.array([[1]], dtype=mx.int32)
     with collectives(mode) as step:
         decode(make_prompt_cache(model))
-    cache = make_prompt_cache(model)
+    cache = _per_layer(model.layers, make_prompt_cache(model))
     h = _layer_input(model, y)  # (1, 1, dim)
     per_layer = []
     # mlx-lm's classes (generic/): layers take what their model gives them, not (h, mask,

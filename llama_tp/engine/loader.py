@@ -80,7 +80,7 @@ def _build(
     masks = {s.cache.mask for s in layer_specs(ckpt.args) if s.cache is not None}
     if sequence_parallel and "window" in masks:
         # the chunks' masks would be causal, not windowed
-        raise ValueError("--sequence-parallel does not take sliding-window layers (gpt-oss)")
+        raise ValueError("--sequence-parallel does not take sliding-window layers (gpt-oss, Gemma)")
     if sequence_parallel and masks - {"causal", "window"}:
         # a recurrent state runs over the whole sequence in order: no chunks of it
         raise ValueError("--sequence-parallel does not take recurrent layers (linear attention)")

@@ -37,7 +37,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..cluster.distributed import all_gather_object
-from ..model import layer_caches, layer_masks
+from ..model import Transformer, layer_caches, run_layers
 from ..model_args import ModelArgs
 from ..parallel.mesh import Mesh
 from ..parallel.plan_text import human_bytes
@@ -54,10 +54,21 @@ def _nbytes(module: nn.Module) -> int:
 class PipelineModel(nn.Module):
     """One stage of the pipeline; called like `Transformer`, returns (B, 1, V[_local])."""
 
-    def __init__(self, args: ModelArgs, mesh: Mesh, layers: list[nn.Module]):
+    def __init__(
+        self,
+        args: ModelArgs,
+        mesh: Mesh,
+        layers: list[nn.Module],
+        family: type[Transformer] = Transformer,
+    ):
+        """`family`: the whole model's class, whose `embed`, `side_inputs` and `head` the
+        stage runs on what it holds (Gemma scales its embeddings, caps its logits and
+        hands its per-layer inputs on beside h: `side_width` values per position)."""
         super().__init__()
         self.args = args
         self.layers = layers
+        object.__setattr__(self, "family", family)
+        object.__setattr__(self, "side_width", 0)  # the whole model's (`stage_module`)
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "first_layer", mesh.layers[mesh.stage].start)
         object.__setattr__(self, "vocab", range(args.vocab_size))  # this rank's logits
@@ -65,13 +76,12 @@ class PipelineModel(nn.Module):
         object.__setattr__(self, "logits_dtype", None)
 
     def make_cache(self) -> list[Any]:
-        """One cache per layer of the stage (`layer_caches`: sliding-window ones bounded)."""
+        """One cache per caching layer of the stage (`layer_caches`: sliding-window ones
+        bounded, none for a KV-shared layer)."""
         return layer_caches(self.layers)
 
     def _head(self, h: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.tok_embeddings.as_linear(h)
-        return self.output(h)
+        return self.family.head(self, h)
 
     def __call__(
         self,
@@ -87,26 +97,29 @@ class PipelineModel(nn.Module):
         micro-batches (`micro_batches`): each stage sends a micro-batch on as soon as
         its layers are done and starts the next, so the stages work at once."""
         mesh, (B, L) = self.mesh, tokens.shape
-        if cache is None:
-            cache = [None] * len(self.layers)
-        split = cache[0] is not None and not every_position and L >= 2 * MIN_MICRO
+        split = cache is not None and not every_position and L >= 2 * MIN_MICRO
         bounds = micro_batches(L, mesh.pp) if split else [(0, L)]
+        dim, side = self.args.dim, None
         for a, b in bounds:
             if not mesh.first:
                 h = mx.distributed.recv(
-                    (B, b - a, self.args.dim), self.in_dtype, mesh.stage - 1, group=mesh.pp_group
+                    (B, b - a, dim + self.side_width),
+                    self.in_dtype,
+                    mesh.stage - 1,
+                    group=mesh.pp_group,
                 )
-            elif input_embeddings is None:
-                h = self.tok_embeddings(tokens[:, a:b])
+                if self.side_width:  # the per-layer inputs, handed on beside h
+                    h, side = h[..., :dim], h[..., dim:]
             else:
-                h = input_embeddings[:, a:b]
-            masks = layer_masks(h, self.layers, cache)
-            for layer, c, mask in zip(self.layers, cache, masks, strict=True):
-                h = layer(h, mask, c)
+                rows = None if input_embeddings is None else input_embeddings[:, a:b]
+                h = self.family.embed(self, tokens[:, a:b], rows)
+                side = self.family.side_inputs(self, tokens[:, a:b], h)
+            h = run_layers(self.layers, h, cache, side)
             if not mesh.last:
+                out = h if side is None else mx.concatenate([h, side.astype(h.dtype)], axis=-1)
                 # Evaluated here: the next micro-batch starts only once this one is sent
                 # (and a stage's cache update would not wait for a lazy send).
-                mx.eval(mx.distributed.send(h, mesh.stage + 1, group=mesh.pp_group))
+                mx.eval(mx.distributed.send(out, mesh.stage + 1, group=mesh.pp_group))
             elif b < L:
                 # The last stage too, one micro-batch at a time: a lazy graph of them
                 # all could post the next recv before this one's layers have run.
@@ -206,10 +219,15 @@ def stage_module(full: nn.Module, mesh: Mesh) -> PipelineModel:
     the embedding (first stage; the last too when tied), norm and head (last stage).
     Pure: no collective, nothing read; `mesh.layers` must be set."""
     mine = mesh.layers[mesh.stage]
-    model = PipelineModel(full.args, mesh, full.layers[mine.start : mine.stop])
+    model = PipelineModel(full.args, mesh, full.layers[mine.start : mine.stop], type(full))
+    object.__setattr__(model, "side_width", full.side_width)
     tied = full.args.tie_word_embeddings
     if mesh.first or (mesh.last and tied):
         model.tok_embeddings = full.tok_embeddings
+    if mesh.first:  # what the family embeds beside the tokens (Gemma's per-layer inputs)
+        for name in getattr(full, "embedding_modules", ()):
+            if name in full:  # a family's optional parts (Gemma 3 has no per-layer inputs)
+                setattr(model, name, full[name])
     if mesh.last:
         model.norm = full.norm
         if not tied:

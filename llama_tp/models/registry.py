@@ -26,6 +26,13 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             attention
     Qwen3-Next  qwen3_next         qwen3next                as Qwen3.5    experts + gated
                                                                           shared expert
+    Gemma 3     gemma3_text        gemma3                   sliding and   GeGLU; sandwich
+                                                            global, q/k   norms, scaled
+                                                            norms         embeddings
+    Gemma 4     gemma4_text        gemma4                   + global      + experts beside
+                                                            heads, k = v, it; per-layer
+                                                            KV-shared     inputs, capped
+                                                            layers        logits
 
 A family is a registry row (`FAMILIES`, `GGUF_FAMILIES`); a mixer kind is one class
 in its own module that declares its split table, its cache, its checkpoint names
@@ -47,8 +54,10 @@ import mlx.nn as nn
 from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
+from . import gemma
 from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
+from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
 from .gpt_oss import SinkAttention, gpt_oss_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
@@ -71,6 +80,11 @@ class Family:
     qk_norm: bool = False
     config_keys: Callable[[ModelArgs], dict] | None = None
     prefix: str = ""
+    # kinds whose checkpoint names only this family reads, tried before every kind's
+    # (Gemma's post_attention_layernorm is not Llama's feed-forward norm)
+    kinds: tuple[type[nn.Module], ...] = ()
+    # the family's own model (None: the Llama core, `Transformer`, of `block`s)
+    model: Callable[[ModelArgs], Transformer] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,7 @@ class GgufFamily:
     model_type: str
     neox: bool = False
     fields: Callable[[Callable[..., Any]], dict] | None = None
+    kinds: tuple[type[nn.Module], ...] = ()  # as `Family.kinds`
 
 
 FAMILIES = {
@@ -109,6 +124,22 @@ FAMILIES = {
         "language_model.",
     ),  # fmt: skip
     "qwen3_next": Family("Qwen3NextForCausalLM", qwen3_5_fields, True, qwen3_5_config),
+    "gemma3_text": Family(
+        "Gemma3ForCausalLM",
+        gemma3_fields,
+        True,
+        gemma_config_keys,
+        kinds=(GemmaBlock,),
+        model=GemmaTransformer,
+    ),
+    "gemma4_text": Family(
+        "Gemma4ForCausalLM",
+        gemma4_fields,
+        True,
+        gemma_config_keys,
+        kinds=(GemmaBlock,),
+        model=GemmaTransformer,
+    ),
 }
 MODEL_TYPES = tuple(FAMILIES)
 # GGUF `general.architecture` -> its row (llama with experts is Mixtral: `checkpoints/gguf.py`)
@@ -147,11 +178,17 @@ KINDS: tuple[type[nn.Module], ...] = (
 )
 
 
-def checkpoint_names(fmt: str) -> list[tuple[str, str]]:
+def checkpoint_names(fmt: str, model_type: str | None = None) -> list[tuple[str, str]]:
     """Every kind's tensor names in `fmt` ("hf" or "gguf") checkpoints: (checkpoint path
-    under a layer, the model's path under the layer), in `KINDS` order. A path ending in
-    "$" is a whole tensor's name; the others are module prefixes."""
-    return [pair for kind in KINDS for pair in vars(kind).get(f"{fmt}_names", ())]
+    under a layer, the model's path under the layer), the family's own kinds' first
+    (`Family.kinds`), then in `KINDS` order. A path ending in "$" is a whole tensor's
+    name; the others are module prefixes."""
+    own: tuple[type[nn.Module], ...] = ()
+    if model_type in FAMILIES:
+        own = FAMILIES[model_type].kinds
+    elif model_type in GGUF_FAMILIES:
+        own = GGUF_FAMILIES[model_type].kinds
+    return [pair for kind in (*own, *KINDS) for pair in vars(kind).get(f"{fmt}_names", ())]
 
 
 def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
@@ -161,6 +198,8 @@ def unsupported(kind: str, name: object, supported: tuple[str, ...]) -> str:
 
 def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
     """The mixer kinds of layer `i` of the family `args` describe, by path in the layer."""
+    if args.model_type in ("gemma3_text", "gemma4_text"):
+        return gemma.layer_kinds(args, i)
     feed_forward = MoEFeedForward if args.is_sparse(i) else FeedForward
     if "linear_layers" in args.extra:  # Qwen3.5 / Qwen3-Next: 3 of 4 layers linear
         linear = i in args.linear_layers
@@ -192,4 +231,7 @@ def layer_specs(args: ModelArgs) -> tuple[LayerSpec, ...]:
 
 def build(args: ModelArgs) -> Transformer:
     """The model `args` describe (lazily initialized weights: the loader replaces them)."""
+    family = FAMILIES.get(args.model_type)
+    if family is not None and family.model is not None:
+        return family.model(args)
     return Transformer(args, [block(args, i) for i in range(args.n_layers)])

@@ -32,7 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .experts import ExpertRouting, MoEParallel, ShardInPlace
-from .partition import Plan, RankPart
+from .partition import Plan, RankPart, kv_map
 from .placement import ModelShape, partition
 from .sequence import gather_input
 from .splits import CHANNELS, COLUMNS, HEADS, ROWS, VECTOR, SplitTable
@@ -76,7 +76,9 @@ class AttentionHeads(Style):
     map onto its KV heads as plain GQA, the KV map) from the partition plan's `parts`;
     None: N equal blocks of query and KV heads. `input_layout="sequence"` gathers the
     sequence chunks first. Goes with `ColwiseParallel` on wq/wk/wv and `RowwiseParallel`
-    on wo over the same heads; attention sinks (gpt-oss) are sliced to the local heads."""
+    on wo over the same heads; attention sinks (gpt-oss) are sliced to the local heads.
+    A module whose KV heads are a unit of its own (`kv_unit`, Gemma 4's global KV heads)
+    takes that unit's range, and its KV map from its query heads."""
 
     parts: Parts | None = None
     input_layout: Layout = "replicate"
@@ -107,10 +109,15 @@ class AttentionHeads(Style):
             first = group.rank() * module.n_heads
         else:
             part = _by_rank(self.parts)[group.rank()]
-            module.n_heads, module.n_kv_heads = len(part.q_heads), len(part.kv_heads)
+            unit = getattr(module, "kv_unit", "kv_heads")
+            kv, local = part.kv_heads, part.kv_map
+            if unit != "kv_heads":
+                kv = part.unit(unit)
+                local = kv_map(part.q_heads, kv, module.n_heads // module.n_kv_heads)
+            module.n_heads, module.n_kv_heads = len(part.q_heads), len(kv)
             first = part.q_heads.start
-            if part.kv_map is not None:
-                object.__setattr__(module, "_kv_index", mx.array(part.kv_map, dtype=mx.int32))
+            if local is not None:
+                object.__setattr__(module, "_kv_index", mx.array(local, dtype=mx.int32))
         if "sinks" in module:  # gpt-oss: each query head's sink logit goes with its head
             module.sinks = mx.contiguous(module.sinks[first : first + module.n_heads])
         if self.input_layout == "sequence":
@@ -283,6 +290,7 @@ def _mixer_table(model: nn.Module, p: Plan, sequence: bool) -> dict[str, Style]:
                 known[1].append(i)
     table: dict[str, Style] = {}
     for slot, kinds in slots.items():
+        made = []
         for t, layers in kinds:
             even = t.plain_when_even and all(_even(p, u) for u in t.unit_names())
             styles = table_styles(t, None if even else p.parts, sequence, moe_split, totals)
@@ -290,8 +298,33 @@ def _mixer_table(model: nn.Module, p: Plan, sequence: bool) -> dict[str, Style]:
             if module is not None:
                 for i in layers if len(kinds) > 1 else ["*"]:
                     table[f"layers.{i}.{slot}"] = module
-            table |= _under(f"layers.*.{slot}", styles)
+            made.append((styles, layers))
+        # a tensor two kinds name alike but split apart (Gemma 4's sliding and global
+        # heads: wq of other widths) takes an entry per layer; the others a wildcard
+        differ = {
+            path
+            for styles, _ in made
+            for path, style in styles.items()
+            if any(other.get(path, style) != style for other, _ in made)
+        }
+        for styles, layers in made:
+            table |= _under(
+                f"layers.*.{slot}", {k: v for k, v in styles.items() if k not in differ}
+            )
+            for i in layers:
+                mixer = model.layers[i][slot]
+                own = {k: v for k, v in styles.items() if k in differ and _holds(mixer, k)}
+                table |= _under(f"layers.{i}.{slot}", own)
     return table
+
+
+def _holds(module: nn.Module, path: str) -> bool:
+    """Whether `module` has a submodule at `path` (a KV-shared layer has no wk)."""
+    for part in path.split("."):
+        if not isinstance(module, nn.Module) or part not in module:
+            return False
+        module = module[part]
+    return True
 
 
 def _units_of(model: nn.Module) -> set[str]:
@@ -322,6 +355,8 @@ def llama_plan(
         table["tok_embeddings"] = (LossParallel if tied else VocabParallel)(rows, output_layout=seq)
         if not tied:
             table["output"] = LossParallel(rows, input_layout=seq)
+        if "per_layer_embeddings" in model:  # Gemma's: the same rows, one all-reduce
+            table["per_layer_embeddings"] = VocabParallel(rows)
     else:
         table["tok_embeddings"] = Replicate(output_layout=seq)
         if not tied:

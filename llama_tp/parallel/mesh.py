@@ -100,16 +100,19 @@ def balanced_split(
     last_extra: int,
     pp: int,
     weights: tuple[float, ...] | None = None,
+    tied: frozenset[int] = frozenset(),
 ) -> list[range]:
     """Contiguous layer ranges for `pp` stages (each >= 1 layer) minimizing the largest
     stage's bytes; the first stage also holds `first_extra` bytes (the embedding), the
     last `last_extra` (norm and head). Among splits with the same largest stage, the
     one with the smallest sum of squared stage bytes (the most even). With `weights`
     (`--pp-split 3:1`) each stage's bytes count divided by its weight, so that stage s
-    gets about weights[s] / sum(weights) of them. O(P * n^2)."""
+    gets about weights[s] / sum(weights) of them. `tied`: the layer boundaries no stage
+    may start at (inside a KV-shared layer's span from its source). O(P * n^2)."""
     n = len(layer_bytes)
-    if pp > n:
-        raise MeshError(f"--pp {pp} stages, but the model has only {n} layers")
+    if pp > n - len(tied):
+        more = f" ({len(tied)} of its boundaries keep layers together)" if tied else ""
+        raise MeshError(f"--pp {pp} stages, but the model has only {n} layers{more}")
     prefix = [0]
     for b in layer_bytes:
         prefix.append(prefix[-1] + b)
@@ -128,6 +131,8 @@ def balanced_split(
     for s in range(1, pp):
         for i in range(s + 1, n + 1):
             for j in range(s, i):
+                if j in tied:
+                    continue
                 c = cost(s, j, i)
                 candidate = (max(best[s - 1][j][0], c), best[s - 1][j][1] + c * c)
                 if candidate < best[s][i]:

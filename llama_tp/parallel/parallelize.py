@@ -143,11 +143,12 @@ def format_plan_table(model: nn.Module, plan: Plan, n: int, labels: list[str] | 
     `labels`: the ranks' column headers (default "rank 0" .. "rank n-1")."""
     rows: dict[tuple[str, str], list[str]] = {}
     for path, (_, style, split) in plan_splits(model, plan, n).items():
-        key = (_collapse(path), style.label())  # dense and expert layers: a row each
+        slices = [style.describe(r, n) if split is None else split.describe(r) for r in range(n)]
+        # dense and expert layers, layers of other head sizes (Gemma 4): a row each
+        key = (_collapse(path), style.label(), *slices)
         if key in rows:
             continue
-        slices = [style.describe(r, n) if split is None else split.describe(r) for r in range(n)]
-        rows[key] = [*key, *slices]
+        rows[key] = [_collapse(path), style.label(), *slices]
     labels = labels or [f"rank {r}" for r in range(n)]
     table = [["path", "style", *labels], *rows.values()]
     widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]

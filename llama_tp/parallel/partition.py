@@ -28,7 +28,7 @@ from .splits import (
 )
 
 __all__ = ["NOT_HELD", "Experts", "Plan", "RankPart", "held_bytes", "make_plan", "tensor_slice"]
-__all__ += ["vocab_ranges", "weight_bytes"]
+__all__ += ["kv_map", "vocab_ranges", "weight_bytes"]
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def vocab_ranges(vocab_size: int, n: int, weights: Sequence[float] | None = None
     return _shares(vocab_size, n, weights, "vocabulary rows")
 
 
-def _kv_map(q: range, kv: range, g: int) -> tuple[int, ...] | None:
+def kv_map(q: range, kv: range, g: int) -> tuple[int, ...] | None:
     """Local KV index of each local query head, or None if it is regular GQA
     (each local KV head serves the same number of consecutive local query heads)."""
     local = tuple(h // g - kv.start for h in q)
@@ -243,13 +243,14 @@ def make_plan(
         else [range(0)] * n
     )
     moe = _expert_parts(experts, n, weights) if experts else [{}] * n
-    extra = split_extra_units(units, n, weights)
+    core = {"q_heads": (n_heads, q_parts), "kv_heads": (n_kv_heads, kv_parts)}
+    extra = split_extra_units(units, n, weights, core)
     parts = tuple(
         RankPart(
             rank=i,
             q_heads=q,
             kv_heads=kv,
-            kv_map=_kv_map(q, kv, g),
+            kv_map=kv_map(q, kv, g),
             ffn=f,
             extra=tuple(extra[i].items()),
             **m,
@@ -328,6 +329,9 @@ def _expert_parts(
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+# The tables split by vocabulary rows: the embedding, the head, and Gemma's per-layer
+# embeddings (a row of every layer's input per token)
+VOCAB_TABLES = ("tok_embeddings.", "output.", "per_layer_embeddings.")
 
 
 def part_units(plan: Plan, part: RankPart) -> Units:
@@ -355,7 +359,7 @@ def tensor_slice(
     rank only); the embedding and output head by the rows `vocab` when they are
     vocabulary-parallel; everything else (norms, routers, wo/w2 bias) whole.
     """
-    if name.startswith(("tok_embeddings.", "output.")):
+    if name.startswith(VOCAB_TABLES):
         return None if vocab is None else (0, vocab.start, vocab.stop)
     m = _LAYER.match(name)
     found = m and plan.spec(int(m.group(1))).find(m.group(2))

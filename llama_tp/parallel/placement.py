@@ -201,13 +201,16 @@ def partition(
             a.n_experts,
             a.moe_hidden_dim,
             moe_split,
-            _unit(shape, "feed_forward.switch_mlp.down_proj", a.moe_hidden_dim, n, weights),
+            _unit(shape, "switch_mlp.down_proj", a.moe_hidden_dim, n, weights),
             a.shared_expert_dim,
             _unit(shape, "feed_forward.shared_expert.w2", a.shared_expert_dim, n, weights)
             if a.shared_expert_dim
             else None,
         )
-    dense = any(not a.is_sparse(i) for i in range(a.n_layers)) if experts else True
+    if shape.layers is not None:  # some layer's kind splits a dense feed-forward's columns
+        dense = any("ffn" in t.unit_names() for s in shape.layers for t in s.tables.values())
+    else:
+        dense = any(not a.is_sparse(i) for i in range(a.n_layers)) if experts else True
     plan = make_plan(
         a.n_heads,
         a.n_kv_heads,
@@ -241,14 +244,36 @@ def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
             )
 
 
+def tied_boundaries(shape: ModelShape) -> dict[int, tuple[int, int]]:
+    """Layer boundaries no pipeline stage may start at: b -> (source, layer) of a KV-shared
+    layer (Gemma's) whose span from its source (source < b <= layer) b would cut."""
+    out: dict[int, tuple[int, int]] = {}
+    for j, spec in enumerate(shape.layers or ()):
+        c = spec.cache
+        if c is not None and c.kind == "shared" and c.source is not None:
+            for b in range(c.source + 1, j + 1):
+                out.setdefault(b, (c.source, j))
+    return out
+
+
 def stage_layers(shape: ModelShape, pp: int, pp_split: str | None = None) -> list[range]:
     """Each stage's layers: `--pp-split` layer counts (10,12), or balanced by stored bytes
     (the first stage also holds the embedding, the last the norm and the head), or in
-    proportion to `--pp-split` weights (3:1: stage 0 about three times stage 1's bytes)."""
+    proportion to `--pp-split` weights (3:1: stage 0 about three times stage 1's bytes).
+    A KV-shared layer stays on its source's stage (`tied_boundaries`)."""
     n_layers = shape.args.n_layers
     weights = None
+    tied = tied_boundaries(shape)
     if pp_split and ":" not in pp_split:
-        return parse_split(pp_split, n_layers, pp)
+        stages = parse_split(pp_split, n_layers, pp)
+        for r in stages[1:]:
+            if r.start in tied:
+                source, layer = tied[r.start]
+                raise MeshError(
+                    f"--pp-split {pp_split}: a stage starting at layer {r.start} would part "
+                    f"layer {layer} from layer {source}, whose keys and values it attends over"
+                )
+        return stages
     if pp_split:
         weights = parse_weights(pp_split, pp, "--pp-split")
     if pp == 1:
@@ -257,7 +282,7 @@ def stage_layers(shape: ModelShape, pp: int, pp_split: str | None = None) -> lis
     head = shape.bytes_under("norm.") + (
         emb if shape.args.tie_word_embeddings else shape.bytes_under("output.")
     )
-    return balanced_split(shape.layer_bytes(), emb, head, pp, weights)
+    return balanced_split(shape.layer_bytes(), emb, head, pp, weights, frozenset(tied))
 
 
 def _on_stage(name: str, stage: int, layers: range, pp: int, tied: bool) -> bool:
@@ -267,6 +292,8 @@ def _on_stage(name: str, stage: int, layers: range, pp: int, tied: bool) -> bool
     last = stage == pp - 1
     if name.startswith("tok_embeddings."):
         return stage == 0 or (last and tied)
+    if name.startswith("per_layer_"):  # Gemma's per-layer inputs: made on the first stage
+        return stage == 0
     if name.startswith(("norm.", "output.")):
         return last
     return True

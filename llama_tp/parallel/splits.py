@@ -100,7 +100,10 @@ class Unit:
     columns, experts): `total` of them (the config's), split over the ranks in
     multiples of `step`, balanced or by the weights; or, with `follows`, the same
     fraction of them as of that unit (value heads with their key heads: total a
-    multiple of the followed total). `what` names them in `plan` and in errors."""
+    multiple of the followed total), or, fewer than it (a divisor of its total), the
+    ones its range needs, shared by neighbours where a group straddles two ranks
+    (Gemma 4's global KV heads for a rank's query heads: `follows="q_heads"`). `what`
+    names them in `plan` and in errors."""
 
     name: str
     total: int
@@ -115,7 +118,10 @@ class CacheSpec:
 
     `kind`: "kv" (mlx-lm's KVCache: grows with the tokens), "rotating" (a
     RotatingKVCache of `window` tokens at most), "arrays" (an ArraysCache of `size`
-    fixed-size arrays: a recurrent state), "list" (a CacheList of several). `per_token`:
+    fixed-size arrays: a recurrent state), "list" (a CacheList of several), "shared"
+    (none of its own: the layer attends over layer `source`'s keys and values, Gemma's
+    KV-shared layers; the model makes no cache for it and a pipeline stage keeps it with
+    its source). `per_token`:
     (unit, values per unit) per cached token (unit "": whole on every rank, e.g. a
     latent); `fixed`: the same per sequence, whatever its length (a recurrent state).
     `mask`: the mask the layer takes: "causal", "window" (the last `window`
@@ -133,13 +139,14 @@ class CacheSpec:
     mask: str = "causal"
     parts: tuple[CacheSpec, ...] = ()  # "list": each of its caches
     what: str = ""  # the layer kind, as refusals name it ("Gated DeltaNet linear attention")
+    source: int | None = None  # "shared": the layer whose keys and values it reads
 
     def rewinds(self) -> bool:
         """Whether the cache can step back over tokens it holds (a KV cache can; a
         rotating one only until it wraps; a recurrent state cannot)."""
         if self.kind == "list":
             return all(p.rewinds() for p in self.parts)
-        return self.kind in ("kv", "rotating")
+        return self.kind in ("kv", "rotating", "shared")
 
 
 @dataclass(frozen=True)
@@ -336,13 +343,22 @@ def cache_bytes(spec: CacheSpec, units: Units, tokens: int, itemsize: int) -> in
 
 
 def split_extra_units(
-    units: Sequence[Unit], n: int, weights: Sequence[float] | None = None
+    units: Sequence[Unit],
+    n: int,
+    weights: Sequence[float] | None = None,
+    core: Mapping[str, tuple[int, Sequence[range]]] | None = None,
 ) -> list[dict[str, range]]:
     """Each rank's range of every kind's own unit: `step`-sized multiples balanced (larger
-    first) or by `weights`; a following unit takes its leader's fraction. ValueError,
-    one line, where the units do not split over n ranks."""
+    first) or by `weights`; a following unit takes its leader's fraction, or (fewer than
+    its leader) the groups its leader's range touches. `core`: the core units a unit may
+    follow, name -> (total, each rank's range). ValueError, one line, where the units do
+    not split over n ranks."""
     out: list[dict[str, range]] = [{} for _ in range(n)]
     by_name = {u.name: u for u in units}
+    for name, (total, ranges) in (core or {}).items():
+        by_name.setdefault(name, Unit(name, total, name))
+        for i, r in enumerate(ranges):
+            out[i].setdefault(name, r)
     for u in units:
         if u.follows is not None:
             continue
@@ -364,13 +380,21 @@ def split_extra_units(
         if u.follows is None:
             continue
         lead = by_name.get(u.follows)
-        if lead is None or u.total % lead.total:
+        fewer = lead is not None and u.total < lead.total
+        if lead is None or (lead.total % u.total if fewer else u.total % lead.total):
             raise ValueError(
                 f"{u.total} {u.what} cannot follow {lead.total if lead else 0} "
                 f"{lead.what if lead else u.follows}"
             )
-        k = u.total // lead.total
         for i in range(n):
             r = out[i][lead.name]
-            out[i][u.name] = range(r.start * k, r.stop * k)
+            if fewer:  # the groups of `g` leaders that r touches (maybe shared)
+                g = lead.total // u.total
+                out[i][u.name] = range(r.start // g, (r.stop - 1) // g + 1)
+            else:
+                k = u.total // lead.total
+                out[i][u.name] = range(r.start * k, r.stop * k)
+    for name in core or {}:
+        for i in range(n):
+            out[i].pop(name, None)
     return out

@@ -1,0 +1,106 @@
+"""Tiny random checkpoints of 2026's flagship families, written by mlx-lm's own classes.
+
+Each family's config below is mlx-lm's model class (`mlx_lm.models.<model_type>`) at a
+tiny size, every parameter random (norms about 1), saved as mlx-lm saves it, with a
+sentencepiece tokenizer; `quantized` is mlx-lm's own convert of one at 4 bits in groups
+of 32. Head and expert counts do not divide by 3 (nor, for most, by 2 or 4): 10 query
+heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
+
+    gemma4   gemma4_text: sliding (window 4) and global layers (heads of 32, keys =
+             values over 2 KV heads: a rank's query heads may need both), the last two
+             layers KV-shared (one of each kind), per-layer inputs of 8, the last two
+             layers' feed-forward double-wide, experts beside the dense GeGLU
+    gemma3   gemma3_text: every third layer global, the others sliding (window 4)
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from fixtures import train_sentencepiece
+
+COMMON = dict(vocab_size=389, eos_token_id=2, bos_token_id=1, max_position_embeddings=4096)
+GEMMA4 = dict(
+    model_type="gemma4_text",
+    hidden_size=128,
+    num_hidden_layers=6,
+    intermediate_size=160,
+    num_attention_heads=10,
+    head_dim=16,
+    global_head_dim=32,
+    num_key_value_heads=5,
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=389,
+    sliding_window=4,
+    sliding_window_pattern=3,
+    enable_moe_block=True,
+    num_experts=5,
+    top_k_experts=2,
+    moe_intermediate_size=128,
+    use_double_wide_mlp=True,
+    final_logit_softcapping=30.0,
+    **COMMON,
+)
+GEMMA3 = dict(
+    model_type="gemma3_text",
+    hidden_size=128,
+    num_hidden_layers=5,
+    intermediate_size=160,
+    num_attention_heads=10,
+    head_dim=32,
+    num_key_value_heads=5,
+    sliding_window=4,
+    sliding_window_pattern=3,
+    query_pre_attn_scalar=24,
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    **COMMON,
+)
+CONFIGS = {"gemma4": GEMMA4, "gemma3": GEMMA3}
+QUANTIZED = ("gemma4",)  # the families whose 4-bit copy every launch checks too
+
+
+def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:
+    """A float32 folder of mlx-lm's model for `config`, every parameter random."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    params = []
+    for name, v in tree_flatten(model.parameters()):
+        w = mx.random.normal(v.shape) * v.shape[-1] ** -0.5
+        if "norm" in name or name.endswith(("scale", "layer_scalar")):
+            w = 1.0 + 0.1 * mx.random.normal(v.shape)
+        params.append((name, w.astype(mx.float32)))
+    model.update(tree_unflatten(params))
+    path.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    train_sentencepiece(path, config["vocab_size"])
+    return path
+
+
+def quantized(src: Path, out: Path, bits: int = 4) -> Path:
+    """mlx-lm's convert of `src`: `bits` bits in groups of 32."""
+    from mlx_lm import convert
+
+    convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=32)
+    return out
+
+
+def flagship_models(root: Path, names=tuple(CONFIGS)) -> dict[str, Path]:
+    """{family: float32 folder, "<family>-q4": its 4-bit copy (`QUANTIZED`)}."""
+    out = {}
+    for i, name in enumerate(names):
+        out[name] = write_mlx_lm(root / name, CONFIGS[name], seed=i)
+        if name in QUANTIZED:
+            out[f"{name}-q4"] = quantized(out[name], root / f"{name}-q4")
+    return out

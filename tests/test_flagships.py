@@ -1,0 +1,89 @@
+"""2026's flagship families on several ranks (issue 43): one launch per rank count checks
+every family's fixtures (`flagship_fixtures.py`: mlx-lm's own classes, float32 and 4-bit)
+against one process with `mp_moe.py`: logits, greedy tokens, the KV cache per token
+(`plan`'s), bytes read = held = placement, each rank's share of the experts; between
+them the launches cover both expert splits, `--split 3:1` (2 ranks) and 2 stages of 2
+tensor ranks (4 ranks), each check once.
+`serve` on 2 ranks answers concurrent requests as it answers each alone. The families'
+one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4, the families here so
+far; the next one adds its fixture to `flagship_fixtures.CONFIGS` and these launches).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import launch
+from flagship_fixtures import flagship_models
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return flagship_models(tmp_path_factory.mktemp("flagships"))
+
+
+def _lines(r) -> list[dict]:
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines and all(x["ok"] for x in lines), f"{r.stdout}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, r.stderr[-3000:]
+    return lines
+
+
+def _families(lines: list[dict]) -> set[str]:
+    return {x["model_type"] for x in lines}
+
+
+def _check(n: int, specs: list[str]) -> list[dict]:
+    """What `mp_moe.py` printed for `specs` on n ranks (16 greedy tokens: past the window)."""
+    args = ["tests/mp_moe.py", *specs, "--steps", "16", "--dense-once"]
+    return _lines(launch(n, args, timeout=900))
+
+
+def test_two_ranks_and_a_weighted_split(models):
+    """2 ranks: Gemma 4 by tensor and by expert (3/2 KV groups, 3/2 experts), its 4-bit
+    copy, Gemma 3, and Gemma 4 with `--split 3:1` (4/1 of its 5 KV groups, the global KV
+    heads those need)."""
+    g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
+    lines = _check(2, [g4, f"{q4}#tensor", g3, f"{g4}%3:1#tensor"])
+    assert _families(lines) == {"gemma4_text", "gemma3_text"} and len(lines) == 5
+    weighted = [x for x in lines if x["weights"]]
+    assert weighted and all(a > 2 * b for a, b in (x["cache_per_token"] for x in weighted))
+
+
+def test_three_ranks(models):
+    """10 query heads in 5 KV groups as 4/4/2, Gemma 4's 2 global KV heads as 1/2/1 (the
+    middle rank's query heads straddle both); the 4-bit copy's 5 experts as 2/2/1."""
+    g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
+    lines = _check(3, [f"{g4}#tensor", f"{q4}#expert", g3])
+    assert _families(lines) == {"gemma4_text", "gemma3_text"} and len(lines) == 3
+
+
+def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
+    """4 ranks (the 4-bit Gemma 4's KV groups 2/1/1/1), and both families as 2 stages of
+    2 tensor ranks (Gemma 4: its KV-shared layers on their sources' stage, the per-layer
+    inputs handed on beside h; Gemma 3: none of those)."""
+    g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
+    lines = _check(4, [f"{q4}#tensor", f"{g4}@2,2#tensor", f"{g3}@2,2"])
+    assert [x["mesh"] for x in lines] == [None, [2, 2], [2, 2]]
+
+
+@pytest.mark.ranks
+def test_serve_concurrent_requests_on_two_ranks(models, tmp_path):
+    """A family on 2 ranks answers concurrent requests exactly as it answers each alone
+    (batches merge each layer's cache kind; Gemma 4's KV-shared layers have none)."""
+    from serve_client import Server, chat
+
+    server = Server(2, models["gemma4-q4"], tmp_path, "--max-batch", "8")
+    try:
+        server.wait_ready()
+        c = server.client()
+        prompts = ["hello", "The quick brown fox", "Tensor parallel", "abc xyz 0123"]
+        alone = [chat(c, p, max_tokens=12)[0] for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: chat(c, p, stream=True, max_tokens=12)[0], prompts))
+        assert together == alone
+    finally:
+        server.close()

@@ -1,0 +1,184 @@
+"""Gemma 3 and Gemma 4 in one process (issue 43): mlx-lm's own gemma3_text and gemma4_text
+on the same folders are the oracle (`flagship_fixtures.py`: float32 and mlx-lm's 4-bit
+convert). The ranks (2, 3, 4, --split 3:1, tp2 x pp2, serve) are `test_flagships.py`'s
+launches, which check every family at once."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import ROOT, run_python
+from flagship_fixtures import flagship_models
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return flagship_models(tmp_path_factory.mktemp("gemma"), ("gemma4", "gemma3"))
+
+
+def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda lp: lp.argmax(-1))
+    return [int(t) for t, _ in steps]
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    from llama_tp.engine.generation import generate_step
+    from llama_tp.engine.sampling import make_sampler
+
+    return [int(t) for t, _ in generate_step(model, prompt, make_sampler(0.0), n)]
+
+
+def test_one_process_equals_mlx_lm(models):
+    """Logits within 1e-4 of mlx-lm's model on the same folder (float32 and 4-bit) and
+    the same 32 greedy tokens (past the window of 4: the rotating caches wrap); the
+    caches mlx-lm's model makes (Gemma 4: none for its two KV-shared layers), holding
+    what `plan` says; the scaled embedding also on the folded path (the embedding rows
+    handed in, as the sampler's exchange hands them)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.slices import model_shape
+    from llama_tp.parallel.placement import kv_cache_bytes, place
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    for name, path in models.items():
+        ckpt = open_checkpoint(path)
+        ours, theirs = build_model(ckpt), load_model(path)[0]
+        assert type(theirs).__module__.endswith(ckpt.args.model_type)
+        logits = ours(x)
+        assert mx.abs(logits - theirs(x)).max().item() <= ATOL, name
+        folded = ours(x, input_embeddings=ours.tok_embeddings(x))
+        assert mx.abs(folded - logits).max().item() == 0.0, name
+        prompt = x[0].tolist()
+        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        cache = make_prompt_cache(ours)
+        kinds = [type(c).__name__ for c in cache]
+        assert kinds == [type(c).__name__ for c in theirs.make_cache()], name
+        mx.eval(ours(x, cache=cache))
+        for t in range(6):
+            mx.eval(ours(mx.array([[t]]), cache=cache))
+        held = sum(c.keys[..., : c.offset, :].nbytes * 2 for c in cache)
+        shape = model_shape(ckpt)
+        assert held == kv_cache_bytes(shape, place(shape).ranks[0], tokens=18), name
+    assert len(make_prompt_cache(build_model(open_checkpoint(models["gemma4"])))) == 4
+
+
+def test_chat_second_turn_reuses_the_cache(models):
+    """A chat's second turn prefills only what the first did not leave in the caches
+    (sliding windows wrapped, KV-shared layers holding none)."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.tokenizer import load_tokenizer
+    from llama_tp.engine.conversation import Chat
+
+    ckpt = open_checkpoint(models["gemma4"])
+    chat = Chat(build_model(ckpt), load_tokenizer(ckpt), max_tokens=6)
+    chat.send("hi there")
+    chat.send("again")
+    assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
+
+
+def _one_error(r, expected: str) -> None:
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert errors[0] == f"error: {expected}", errors[0]
+    assert r.returncode in (1, 2), r.stderr
+
+
+def test_refusals_are_one_line(models, tmp_path):
+    """A pipeline split that parts a KV-shared layer from its source, sequence parallelism
+    over sliding windows, per-layer inputs of another vocabulary: one line each."""
+    g4 = str(models["gemma4"])
+    plan = ["-m", "llama_tp.plan", "-n", "2", "--pp", "2", "--pp-split", "4,2", "--model", g4]
+    r = run_python(plan)
+    _one_error(
+        r,
+        "--pp-split 4,2: a stage starting at layer 4 would part layer 4 from layer 3, whose "
+        "keys and values it attends over",
+    )
+    args = ["--model", g4, "--prompt", "hi", "-m", "2", "--sequence-parallel"]
+    _one_error(
+        run_python(["-m", "llama_tp.generate", *args]),
+        "--sequence-parallel does not take sliding-window layers (gpt-oss, Gemma)",
+    )
+    bad = tmp_path / "ple"
+    shutil.copytree(models["gemma4"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "vocab_size_per_layer_input": 300}))
+    _one_error(
+        run_python(["-m", "llama_tp.generate", "--model", str(bad), "--prompt", "hi"]),
+        f"{bad / 'config.json'}: vocab_size_per_layer_input 300 differs from vocab_size 389: "
+        "not supported",
+    )
+
+
+def test_plan_of_gemma_4_31b_config():
+    """`plan` of Gemma 4 31B's config (mlx-community's 4-bit) on 3 Macs, the third
+    smaller (--split 2:2:1): 32 query heads in 16 KV groups as 14/12/6, the global layers'
+    4 KV heads the groups those need (shared where one straddles two ranks), 10 of 60
+    layers caching every token."""
+    config = ROOT / "docs" / "configs" / "gemma-4-31b-4bit" / "config.json"
+    out = run_python(["-m", "llama_tp.plan", "-n", "3", "--split", "2:2:1", "--model", str(config)])
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if re.match(r"^[0-2] ", line)]
+    assert [r[1:5] for r in rows] == [
+        ["0-13", "[14]", "0-6", "[7]"],
+        ["14-25", "[12]", "7-12", "[6]"],
+        ["26-31", "[6]", "13-15", "[3]"],
+    ]
+    assert "50 of 60 layers slide over a window of 1024 tokens" in out.stdout
+
+
+def test_synthetic_gemma_4_is_mlx_lms(tmp_path):
+    """`bench --synthetic gemma4-*`: the tensors mlx-lm's own class holds, so that mlx-lm
+    loads the same folder (float32 and 4-bit) and gives the same logits."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.benchmarks.synthetic import write_synthetic
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
+    for spec in ("gemma4-tiny-fp32", "gemma4-tiny-q4"):
+        path = write_synthetic(spec, tmp_path / spec)
+        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+        assert ours.args.n_experts == 8 and "full_attention" in ours.args.layer_types
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+
+
+def test_multimodal_folder_reads_its_language_model(models, tmp_path):
+    """A `gemma4` folder as Google publishes it: the `text_config`, the language model's
+    tensors under `model.language_model.`, a vision tower left unread, and keys of the
+    KV-shared layers (which attend over their sources') dropped as mlx-lm drops them."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src, dst = models["gemma4"], tmp_path / "gemma4-release"
+    shutil.copytree(src, dst)
+    w = {
+        k.replace("model.", "model.language_model.", 1): v
+        for k, v in mx.load(str(src / "model.safetensors")).items()
+    }
+    w["model.vision_tower.encoder.weight"] = mx.zeros((4, 4))
+    w["model.language_model.layers.5.self_attn.k_proj.weight"] = mx.zeros((64, 128))
+    mx.save_safetensors(str(dst / "model.safetensors"), w)
+    text = json.loads((src / "config.json").read_text())
+    config = {"model_type": "gemma4", "text_config": text, "torch_dtype": "float32"}
+    (dst / "config.json").write_text(json.dumps(config))
+    x = mx.array([[5, 6, 7, 8, 9]])
+    ckpt = open_checkpoint(dst)
+    assert ckpt.args.model_type == "gemma4_text"
+    ours = build_model(ckpt)(x)
+    assert mx.abs(ours - build_model(open_checkpoint(src))(x)).max().item() == 0.0
