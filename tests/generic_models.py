@@ -26,6 +26,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+_QWEN35_ROPE = {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+
 # Keys every tiny config carries (an architecture's ModelArgs takes the ones it knows, as
 # mlx-lm's `from_dict` does).
 CONFIG = dict(
@@ -164,9 +166,11 @@ OVERRIDES: dict[str, dict] = {
     # mlx-lm's Qwen2-MoE never renormalizes its top-k (llama_tp's follows the config, as
     # transformers does); the released configs say false
     "qwen2_moe": dict(norm_topk_prob=False),
-    # mlx-lm's shard() of Qwen3.5 splits the vocabulary too: an even one
-    "qwen3_5": dict(text_config=dict(vocab_size=390)),
-    "qwen3_5_moe": dict(text_config=dict(vocab_size=390)),
+    # mlx-lm's shard() of Qwen3.5 splits the vocabulary too: an even one. Its RoPE comes
+    # from rope_parameters alone (a default one when absent, whatever rope_theta says),
+    # which every release has: given, as theirs is
+    "qwen3_5": dict(text_config=dict(vocab_size=390, rope_parameters=_QWEN35_ROPE)),
+    "qwen3_5_moe": dict(text_config=dict(vocab_size=390, rope_parameters=_QWEN35_ROPE)),
     "qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[]),
     "qwen3_next": dict(decoder_sparse_step=1, mlp_only_layers=[], full_attention_interval=3),
     "qwen3_vl_moe": dict(text_config=dict(model_type="qwen3_vl_moe", decoder_sparse_step=1,

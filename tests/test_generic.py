@@ -31,12 +31,12 @@ from generic_models import (
 
 MP = str(ROOT / "tests" / "mp_generic.py")
 # Launched on 2 and 3 ranks by stages beside every native architecture: the generic stage
-# wrapper (sliding windows; a Mamba hybrid) and mlx-lm's own pipeline() (gated delta
-# states). Every other one's stages run in one process (`written`).
-STAGED = ["gemma3_text", "nemotron_h", "qwen3_next"]
-# Launched on 2 ranks by tensor: mlx-lm's shard() (a Llama-like and a gated delta hybrid)
-# and the style table. A refused split (one line on every rank) is tests/test_generic_drivers.py's.
-BY_TENSOR = ["ministral3", "qwen3_5", "gemma3_text"]
+# wrapper (sliding windows; a Mamba hybrid) and mlx-lm's own pipeline(). Every other
+# one's stages run in one process (`written`).
+STAGED = ["gemma2", "nemotron_h", "ministral3"]
+# Launched on 2 ranks by tensor: mlx-lm's shard() and the style table. A refused split
+# (one line on every rank) is tests/test_generic_drivers.py's.
+BY_TENSOR = ["ministral3", "gemma2"]
 
 
 def _rows(out: str) -> list[dict]:
@@ -75,7 +75,7 @@ def launched(written) -> dict:
         2: ["--pp", "2", f"{natives},{','.join(STAGED)}",
             "--tp", "2", ",".join(BY_TENSOR)],
         3: ["--pp", "3", f"{natives},{','.join(STAGED)}"],
-        4: ["--mesh", "4", "ministral3,gemma3_text"],
+        4: ["--mesh", "4", "ministral3,gemma2"],
     }  # fmt: skip
     out: dict = {}
     for n, spec in runs.items():
@@ -131,7 +131,7 @@ def test_launched_pipeline_stages_give_mlx_lms_greedy_tokens(written, launched, 
     for name, r in rows.items():
         _check_stages(name, r, ref[name]["mlx_lm"], n)
         assert r["by_mlx_lm"] == ref[name].get("local", {}).get(str(n), {}).get("by_mlx_lm", False)
-    assert rows["qwen3_next"]["by_mlx_lm"] and not rows["gemma3_text"]["by_mlx_lm"]
+    assert rows["ministral3"]["by_mlx_lm"] and not rows["gemma2"]["by_mlx_lm"]
 
 
 def test_most_architectures_split_into_pipeline_stages(written, launched):
@@ -164,7 +164,7 @@ def test_tensor_splits_inside_pipeline_stages(written, launched):
     """--tp 2 --pp 2 on 4 ranks: each stage split by the model's shard() or the style table."""
     _, ref = written
     rows = launched[("--mesh", 4)]
-    for name in ("ministral3", "gemma3_text"):  # shard() (and its own pipeline()), the table
+    for name in ("ministral3", "gemma2"):  # shard() (and its own pipeline()), the table
         r = rows[name]
         assert r.get("tokens") == ref[name]["mlx_lm"][:4], (name, r.get("error"), r.get("trace"))
         assert r["how"] == tensor_split(name) and not r["by_mlx_lm"], (name, r)

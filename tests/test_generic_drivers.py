@@ -21,7 +21,7 @@ from conftest import ROOT, launch, run_python
 from generic_models import write_model
 from serve_client import KEY, Server, chat, http
 
-NAMES = ("gemma3_text", "qwen3_next", "llama4", "phi3")
+NAMES = ("gemma2", "nemotron_h", "llama4", "phi3")
 PROMPTS = ["hello", "Tensor parallel", "abc abc", "The capital"]
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -54,19 +54,19 @@ def one_process(path: Path, chatted: Path) -> tuple[list[int], float, list]:
 
 def test_two_ranks_run_every_driver_as_one_process(folders, tmp_path):
     split = tmp_path / "split"
-    r = run_python(["-m", "llama_tp.convert", "--model", str(folders["gemma3_text"]),
+    r = run_python(["-m", "llama_tp.convert", "--model", str(folders["gemma2"]),
                     "--shards", "2", "--out", str(split), "--quiet"])  # fmt: skip
     assert r.returncode == 0, r.stderr
     manifest = json.loads((split / "stages.json").read_text())
     assert manifest["pp"] == 2 and manifest["pp_split"] == "3,3"
-    args = [str(ROOT / "tests" / "mp_generic_drivers.py"), str(folders["gemma3_text"]), str(split)]
+    args = [str(ROOT / "tests" / "mp_generic_drivers.py"), str(folders["gemma2"]), str(split)]
     p = launch(2, [*args, str(folders["phi3"])], timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("{")))
-    toks, ppl, turns = one_process(folders["gemma3_text"], folders["phi3"])
+    toks, ppl, turns = one_process(folders["gemma2"], folders["phi3"])
     assert res["pp"] == toks and res["split"] == toks
     # each rank read its own folder, which holds about half of the layers
-    size = (folders["gemma3_text"] / "model.safetensors").stat().st_size
+    size = (folders["gemma2"] / "model.safetensors").stat().st_size
     assert all(0.3 * size < n < 0.7 * size for n in res["split_read"]), res["split_read"]
     assert res["perplexity"] == pytest.approx(ppl, rel=1e-4)
     assert res["chat"] == turns and turns[1][1] > 0  # Phi-3's second turn reused the cache
@@ -77,7 +77,7 @@ def test_two_ranks_run_every_driver_as_one_process(folders, tmp_path):
 
 
 def test_chat_reuses_caches_that_cannot_rewind_only_when_nothing_is_rewound(folders):
-    """Qwen3-Next's recurrent states cannot step back: a turn reuses its cache when the cache
+    """Nemotron-H.s recurrent states cannot step back: a turn reuses its cache when the cache
     holds exactly a prefix of the new conversation, and prefills it all again when some of
     what it holds would have to be taken back."""
     from mlx_lm.models.cache import can_trim_prompt_cache
@@ -86,7 +86,7 @@ def test_chat_reuses_caches_that_cannot_rewind_only_when_nothing_is_rewound(fold
     from llama_tp.engine.conversation import Chat
     from llama_tp.engine.loader import load_model
 
-    model, ckpt = load_model(folders["qwen3_next"])
+    model, ckpt = load_model(folders["nemotron_h"])
     chat = Chat(model, load_tokenizer(ckpt), max_tokens=8)
     "".join(chat.stream("hello there"))
     assert not can_trim_prompt_cache(chat._cache)
@@ -97,30 +97,28 @@ def test_chat_reuses_caches_that_cannot_rewind_only_when_nothing_is_rewound(fold
 
 
 def test_plan_and_verbose_say_which_path_runs(folders):
-    r = run_python(["-m", "llama_tp.plan", "--model", str(folders["gemma3_text"]), "-n", "2",
+    r = run_python(["-m", "llama_tp.plan", "--model", str(folders["gemma2"]), "-n", "2",
                     "--pp", "2"])  # fmt: skip
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == (
-        "gemma3_text: mlx-lm classes: model_type 'gemma3_text' has no native implementation: "
-        "mlx_lm.models.gemma3_text (mlx-lm " + lines[0].split("(mlx-lm ")[1]
+        "gemma2: mlx-lm classes: model_type 'gemma2' has no native implementation: "
+        "mlx_lm.models.gemma2 (mlx-lm " + lines[0].split("(mlx-lm ")[1]
     )
     assert lines[1] == "2 pipeline stages by llama_tp's stage wrapper"
     assert lines[2].startswith("rank 0: stage 0: layers 0-2 + embedding: ")
     assert lines[3].startswith("rank 1: stage 1: layers 3-5 + head: ")
-    r = run_python(["-m", "llama_tp.generate", "--model", str(folders["gemma3_text"]),
+    r = run_python(["-m", "llama_tp.generate", "--model", str(folders["gemma2"]),
                     "--prompt", "hi", "-m", "4", "--verbose"])  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "Model: mlx-lm classes: model_type 'gemma3_text' has no native implementation" in (
-        r.stderr
-    )
+    assert "Model: mlx-lm classes: model_type 'gemma2' has no native implementation" in (r.stderr)
 
 
 def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_path):
     """2 pipeline ranks of Gemma 3 answer concurrent requests as they answer each alone;
     Llama 4's chunked cache cannot merge: one sequence at a time, said in the log and
     /v1/status, and its answers are still those alone."""
-    two = Server(2, folders["gemma3_text"], tmp_path, "--pp", "2", "--max-batch", "4",
+    two = Server(2, folders["gemma2"], tmp_path, "--pp", "2", "--max-batch", "4",
                  launcher="llama_tp")  # fmt: skip
     alone = Server(1, folders["llama4"], tmp_path, "--max-batch", "4")
     try:
@@ -146,7 +144,7 @@ def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_
 
 
 def test_bench_runs_mlx_lm_beside_it(folders):
-    r = run_python(["-m", "llama_tp.bench", "--model", str(folders["gemma3_text"]), "-p", "16",
+    r = run_python(["-m", "llama_tp.bench", "--model", str(folders["gemma2"]), "-p", "16",
                     "-g", "4", "-n", "1", "--collective-steps", "0", "--compare", "mlx-lm",
                     "--json", "--quiet"])  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
