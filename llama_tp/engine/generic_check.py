@@ -1,6 +1,6 @@
 """The doctor's check of the mlx-lm path: a tiny model on mlx-lm's own classes (Gemma 3's,
-an architecture llama_tp does not implement) split into pipeline stages over the ranks,
-against the same model whole on every rank.
+loaded through the loader's mlx-lm branch although llama_tp also implements it natively)
+split into pipeline stages over the ranks, against the same model whole on every rank.
 
 Every rank writes the same random-weight folder (a fixed seed) to a temporary directory,
 loads it through the loader's mlx-lm branch (`--pp N` over all ranks), and compares the
