@@ -311,7 +311,7 @@ def main() -> int:
         p.error("--quantize is needed for the generation table")
     import llama_cpp
 
-    from llama_tp.engine.loader import default_model
+    from llama_tp.loading.loader import default_model
 
     res = sections.run_facts("bench/cpu_kernels.py")
     res.update(

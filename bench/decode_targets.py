@@ -63,7 +63,7 @@ def _bench(launcher: list[str], extra: list[str], g: int, base: str | None = Non
 
 
 def configs(g: int, base: str | None) -> dict:
-    from llama_tp.engine.loader import default_model
+    from llama_tp.loading.loader import default_model
 
     model = str(default_model())
     one: list[str] = []

@@ -134,8 +134,8 @@ def staged_interleaved(path: str, rounds: int, p: int, g: int) -> dict | None:
     from llama_tp.benchmarks.runner import timed
     from llama_tp.cluster.distributed import barrier, world
     from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.loader import load_model
     from llama_tp.engine.sampling import make_sampler
+    from llama_tp.loading.loader import load_model
 
     group = world()
     ours, _ = load_model(path, group, pp=2)
@@ -168,8 +168,8 @@ def interleaved(path: str, rounds: int, p: int, g: int) -> dict:
 
     from llama_tp.benchmarks.runner import timed
     from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.loader import load_model as load_ours
     from llama_tp.engine.sampling import make_sampler
+    from llama_tp.loading.loader import load_model as load_ours
 
     ours, _ = load_ours(path)
     theirs, _ = load_model(Path(path))

@@ -52,7 +52,7 @@ def measure(path: str, llama_cpp: bool = False) -> dict:
     from llama_tp import kernels
     from llama_tp.checkpoints.tokenizer import encode_prompt, load_tokenizer
     from llama_tp.engine.generation import stream_generate
-    from llama_tp.engine.loader import load_model
+    from llama_tp.loading.loader import load_model
 
     model, ckpt = load_model(path)
     tokenizer = load_tokenizer(ckpt)

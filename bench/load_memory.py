@@ -41,7 +41,7 @@ def worker(path: str) -> None:
 
     from llama_tp.cluster.distributed import all_gather_object
     from llama_tp.cluster.memory import max_rss
-    from llama_tp.engine.loader import load_model
+    from llama_tp.loading.loader import load_model
 
     group = mx.distributed.init()
     rss, rchar = _rss(), _rchar()

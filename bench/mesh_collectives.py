@@ -21,8 +21,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from llama_tp.cluster.distributed import all_gather_object
 from llama_tp.engine.generation import decode_step
-from llama_tp.engine.loader import default_model, load_model
 from llama_tp.engine.sampling import make_sampler, vocab_shard
+from llama_tp.loading.loader import default_model, load_model
 
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv")
 

@@ -75,8 +75,8 @@ def interleaved(path: str, rounds: int, p: int, g: int) -> dict:
 
     from llama_tp.benchmarks.runner import timed
     from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.loader import load_model
     from llama_tp.engine.sampling import make_sampler
+    from llama_tp.loading.loader import load_model
 
     ours, _ = load_model(path)
     theirs, _ = load(path)

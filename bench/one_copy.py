@@ -42,7 +42,7 @@ def worker(spec: dict) -> None:
     from llama_tp.checkpoints.weights_cache import wait_for_writes
     from llama_tp.cluster.diagnostics import time_all_reduce
     from llama_tp.cluster.distributed import all_gather_object, barrier
-    from llama_tp.engine.loader import load_model
+    from llama_tp.loading.loader import load_model
 
     group = mx.distributed.init()
     rank = group.rank()

@@ -75,7 +75,7 @@ def rank_program(args) -> None:
     from llama_tp import load_model, world
     from llama_tp.benchmarks.step_profile import profile_model
     from llama_tp.cluster.distributed import all_gather_object, barrier
-    from llama_tp.engine.loader import default_model
+    from llama_tp.loading.loader import default_model
 
     group = world()
     if args.synthetic:

@@ -2,7 +2,7 @@
 
     from llama_tp import Chat, load
     model, tokenizer = load()               # the built-in model; sharded under mlx.launch
-    chat = Chat(model, tokenizer)           # multi-turn chat; see llama_tp.engine.conversation
+    chat = Chat(model, tokenizer)           # multi-turn chat; see llama_tp.conversation.chat
 
 The top level holds what you run (`python -m llama_tp.generate`, `.chat`, `.serve`, ...)
 and this public API; the subpackages hold how it works (see docs/architecture.md's module map).
@@ -20,12 +20,12 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it. Imported on first use: `llama_tp.plan`
 # and the command-line tools start without paying for mlx-lm and transformers.
 _API = {
-    "load": "llama_tp.engine.loader",
-    "load_model": "llama_tp.engine.loader",
-    "LoadOptions": "llama_tp.engine.loader",
+    "load": "llama_tp.loading.loader",
+    "load_model": "llama_tp.loading.loader",
+    "LoadOptions": "llama_tp.loading.loader",
     "SamplingParams": "llama_tp.engine.settings",
-    "default_model": "llama_tp.engine.loader",
-    "Chat": "llama_tp.engine.conversation",
+    "default_model": "llama_tp.loading.loader",
+    "Chat": "llama_tp.conversation.chat",
     "stream_generate": "llama_tp.engine.generation",
     "generate_step": "llama_tp.engine.generation",
     "make_sampler": "llama_tp.engine.sampling",
@@ -55,10 +55,10 @@ MOVED = {
     "llama_tp.vocab_parallel": "llama_tp.parallel.vocab",
     "llama_tp.tokenizer": "llama_tp.checkpoints.tokenizer",
     "llama_tp.gguf_tokenizer": "llama_tp.checkpoints.gguf_tokenizer",
-    "llama_tp.loader": "llama_tp.engine.loader",
+    "llama_tp.loader": "llama_tp.loading.loader",
     "llama_tp.sampling": "llama_tp.engine.sampling",
-    "llama_tp.conversation": "llama_tp.engine.conversation",
-    "llama_tp.agreement": "llama_tp.engine.agreement",
+    "llama_tp.conversation": "llama_tp.conversation.chat",
+    "llama_tp.agreement": "llama_tp.loading.agreement",
     "llama_tp.cli": "llama_tp.console.cli",
     "llama_tp.terminal": "llama_tp.console.terminal",
     "llama_tp.line_editor": "llama_tp.console.line_editor",

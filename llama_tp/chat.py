@@ -10,7 +10,7 @@ under mlx.launch is `llama_tp.terminal`.
 from __future__ import annotations
 
 from .cluster.distributed import world
-from .engine.conversation import Chat, ChatTemplateError, ContextOverflowError, TurnStats
+from .conversation.chat import Chat, ChatTemplateError, ContextOverflowError, TurnStats
 
 __all__ = ["Chat", "ChatTemplateError", "ContextOverflowError", "TurnStats", "main"]
 
@@ -83,7 +83,7 @@ def main() -> int:
         expert_load.start(model)  # routes per rank of each reply (mixture-of-experts models)
     if args.verbose and getattr(model, "mesh", None) is not None:  # tp x pp mesh
         from .cluster.distributed import eprint0
-        from .engine.pipeline import describe_stages
+        from .loading.pipeline import describe_stages
 
         with watchdog.stage("gathering the mesh", "load"):
             stages = describe_stages(model, group)

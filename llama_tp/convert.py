@@ -6,7 +6,7 @@
     python -m llama_tp.convert --model smollm2-mlx --out smollm2-2x2 --shards 4 --tp 2 --pp 2
 
 The conversion itself is `llama_tp.checkpoints.convert`; a split for a tp x pp mesh
-(`--pp` > 1) is `llama_tp.engine.mesh_split`.
+(`--pp` > 1) is `llama_tp.loading.mesh_split`.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _parser():
 def main() -> int:
     from .checkpoints.convert import convert
     from .console.cli import UsageError
-    from .engine.loader import default_model
+    from .loading.loader import default_model
 
     args = _parser().parse_args()
     out = Path(args.out)
@@ -114,7 +114,7 @@ def main() -> int:
     kw = dict(quantize=args.quantize, group_size=args.group_size, dtype=dtype)
     kw.update(vocab_parallel=not args.no_vocab_parallel, progress=not args.quiet)
     kw.update(moe_split=args.moe_split, split=args.split)
-    from .engine.mesh_split import convert_mesh
+    from .loading.mesh_split import convert_mesh
     from .parallel.mesh import MeshError
     from .parallel.shares import SplitError
 

@@ -10,7 +10,7 @@ and versions, all-reduce latency and bus bandwidth for a few message sizes,
 whether MLX's CPU matrix product is the slow reference BLAS, which path quantized
 products take on the CPU (llama_tp's native kernels, or MLX's with the reason), each
 rank's total and available memory with the `--split` weights that balance the time per
-step and the ones that fit memory (`engine/split_advice.py`; with --model, whether that
+step and the ones that fit memory (`checks/split.py`; with --model, whether that
 model's weights fit, and the numbers when they cannot, and which path runs it), whether a
 tiny random Llama sharded over the ranks reproduces the single-process logits, and whether
 a tiny model on mlx-lm's own classes (Gemma 3) split into pipeline stages reproduces
@@ -123,8 +123,8 @@ def diagnose(
     (to test that a failing check fails everywhere); `mesh`: (tp, pp, dp) to check;
     `model`: a checkpoint whose weights the split advice places, and whose ranks say
     where their weights would come from (`weights_cache`: the cache folder a run uses)."""
-    from .engine.split_advice import check_split
-    from .engine.transfer_check import check_weights
+    from .checks.split import check_split
+    from .checks.weights import check_weights
 
     report: dict[str, Any] = {"backend": backend_name(group), "ranks": group.size()}
     checks = _check_ranks(group, report)
@@ -137,7 +137,7 @@ def diagnose(
     checks.append(_check_logits(group, fault_rank))
     checks.append(_check_generic(group))
     if mesh is not None:
-        from .engine.mesh_check import check_mesh
+        from .checks.mesh import check_mesh
 
         checks.append(check_mesh(group, report, *mesh, quick))
     report["checks"] = [asdict(c) for c in checks]
@@ -266,8 +266,8 @@ def _check_logits(group: mx.distributed.Group, fault_rank: int | None) -> Check:
 
 def _check_generic(group: mx.distributed.Group) -> Check:
     """mlx-lm's classes (an architecture llama_tp does not implement) split into pipeline
-    stages over `group`, against mlx-lm's whole model (`engine/generic_check.py`)."""
-    from .engine.generic_check import stage_logits_diff
+    stages over `group`, against mlx-lm's whole model (`checks/generic.py`)."""
+    from .checks.generic import stage_logits_diff
 
     result, err = run_check("mlx-lm classes", lambda: stage_logits_diff(group), group)
     if err:
@@ -311,10 +311,10 @@ def format_report(report: dict[str, Any]) -> str:
             for r in report["all_reduce"]
         ]
         lines += text_table(rows, right=True)
-    from .engine.mesh_check import mesh_lines
+    from .checks.mesh import mesh_lines
 
     lines += mesh_lines(report.get("mesh"))
-    from .engine.split_advice import split_lines
+    from .checks.split import split_lines
 
     lines += split_lines(report)
     lines.append("")

@@ -127,10 +127,10 @@ def main() -> int:
         print0(r.text, end="")
     print0()
     if args.verbose and r is not None:
-        from .engine.pipeline import describe_stages
         from .engine.step import describe_step
+        from .loading.pipeline import describe_stages
 
-        mesh = getattr(model, "mesh", None)  # tp x pp mesh (engine/pipeline.py)
+        mesh = getattr(model, "mesh", None)  # tp x pp mesh (loading/pipeline.py)
         with watchdog.stage("gathering the statistics"):
             peaks = all_gather_object(
                 (mx.get_peak_memory(), vocab_bytes(model), ckpt.load_stats), group
@@ -145,7 +145,7 @@ def main() -> int:
         eprint0(f"Peak memory: {per_rank} ({group.size()} rank{'s' * (group.size() > 1)})")
         emb = ", ".join(f"rank {i} {b / 1e6:.1f} MB" for i, (_, b, _) in enumerate(peaks))
         eprint0(f"Embedding and head: {emb}")
-        from .engine.weight_transfer import where_from
+        from .loading.weight_transfer import where_from
 
         load = ", ".join(
             f"rank {i} {where_from(s)}, peak {s['peak_memory'] / 1e6:.1f} MB"

@@ -10,8 +10,8 @@ from __future__ import annotations
 def main() -> int:
     from .cluster.distributed import print0, world
     from .console.cli import ArgumentParser, UsageError, add_load_args, add_quiet_arg, quiet
-    from .engine.loader import default_model, load
     from .engine.perplexity import perplexity
+    from .loading.loader import default_model, load
 
     p = ArgumentParser(
         prog="python -m llama_tp.perplexity",

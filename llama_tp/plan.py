@@ -2,7 +2,7 @@
 
 python -m llama_tp.plan -n 3
 python -m llama_tp.plan -n 2 --sequence-parallel
-python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (engine/mesh_plan.py)
+python -m llama_tp.plan -n 4 --tp 2 --pp 2      # the tp x pp mesh (loading/mesh_plan.py)
 python -m llama_tp.plan -n 4 --pp 2 --dp 2      # the server's replicas: each one's plan
 python -m llama_tp.plan -n 3 --model DIR/config.json   # before downloading: the config alone
 python -m llama_tp.plan -n 2 --split 3:1        # rank 0 takes 3/4 (parallel/shares.py)
@@ -202,7 +202,7 @@ def _open(model: str | Path, gguf_quant: str | None = None):
     from .checkpoints import open_checkpoint
     from .checkpoints.config_only import read_config_only
     from .console.cli import UsageError
-    from .engine.kernel_choice import kernels_here
+    from .loading.kernel_choice import kernels_here
 
     path = Path(model)
     if path.name == "config.json" and path.is_file():
@@ -217,7 +217,7 @@ def _open(model: str | Path, gguf_quant: str | None = None):
 def model_path(args):
     """--model, the shapes of --synthetic SIZE-DTYPE (`benchmarks/synthetic.py`), or the
     built-in model."""
-    from .engine.loader import default_model
+    from .loading.loader import default_model
 
     if args.synthetic:
         from .benchmarks.synthetic import synthetic_dir
@@ -245,9 +245,9 @@ def replicas_line(n: int, dp: int) -> str:
 
 def print_mesh(args) -> int:
     """The tp x pp mesh: each rank's stage, layers, tensor rank and slice, then each
-    stage's plan table (engine/mesh_plan.py)."""
+    stage's plan table (loading/mesh_plan.py)."""
     from .console.cli import UsageError
-    from .engine.mesh_plan import format_mesh, mesh_plan
+    from .loading.mesh_plan import format_mesh, mesh_plan
     from .parallel.mesh import MeshError
     from .parallel.shares import SplitError
 

@@ -121,7 +121,7 @@ def long_tiny(tmp_path_factory, tiny_dir) -> Path:
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     """The built-in SmolLM2-135M-Instruct GGUF (installed by `make test`)."""
-    from llama_tp.engine.loader import default_model
+    from llama_tp.loading.loader import default_model
 
     return default_model()
 

@@ -22,9 +22,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
-from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import vocab_shard
 from llama_tp.kernels.layers import use_native
+from llama_tp.loading.loader import load_model
 
 
 def logits_of(model, x: mx.array) -> np.ndarray:

@@ -58,7 +58,7 @@ def _batch(model, tok, top_p: float = 1.0) -> list[list[int]]:
 
 
 def _chat(model, tok) -> list[str]:
-    from llama_tp.engine.conversation import Chat
+    from llama_tp.conversation.chat import Chat
 
     chat = Chat(model, tok, max_tokens=8, temp=0.0)
     return [chat.send("hello"), chat.send("and then?")]

@@ -28,10 +28,10 @@ import mlx.core as mx
 
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.tokenizer import encode_prompt, load_tokenizer
+from llama_tp.conversation.chat import Chat
 from llama_tp.engine.batch import BatchEngine, batch_generate
-from llama_tp.engine.conversation import Chat
 from llama_tp.engine.generation import stream_generate
-from llama_tp.engine.loader import load_model
+from llama_tp.loading.loader import load_model
 
 WORLD = mx.distributed.init()
 PROMPTS = ["Ranks share", "abc abc abc abc abc abc"]

@@ -40,7 +40,7 @@ from generic_models import (  # noqa: E402
 from llama_tp.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from llama_tp.cluster.distributed import all_gather_object, first_line, world  # noqa: E402
 from llama_tp.engine.generation import stream_generate  # noqa: E402
-from llama_tp.engine.loader import load_model  # noqa: E402
+from llama_tp.loading.loader import load_model  # noqa: E402
 
 
 def ours(path: Path, group, n: int = NEW_TOKENS, **mesh) -> tuple[list[int], dict]:

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llama_tp.checkpoints.tokenizer import load_tokenizer  # noqa: E402
 from llama_tp.cluster.distributed import all_gather_object, first_line, world  # noqa: E402
-from llama_tp.engine.conversation import Chat  # noqa: E402
+from llama_tp.conversation.chat import Chat  # noqa: E402
 from llama_tp.engine.generation import stream_generate  # noqa: E402
-from llama_tp.engine.loader import load_model  # noqa: E402
 from llama_tp.engine.perplexity import perplexity  # noqa: E402
+from llama_tp.loading.loader import load_model  # noqa: E402
 
 PROMPT = [1, 5, 9, 33, 70, 12, 100, 7, 250, 3]
 TEXT = [1, *range(20, 80)]

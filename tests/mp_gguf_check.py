@@ -28,8 +28,8 @@ from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
 from llama_tp.cluster.distributed import all_gather_object
 from llama_tp.engine.generation import generate_step
-from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import make_sampler, vocab_shard
+from llama_tp.loading.loader import load_model
 from llama_tp.parallel.partition import tensor_slice, vocab_ranges
 from llama_tp.parallel.shard import plan_for
 

@@ -17,7 +17,7 @@ import numpy as np
 from mp_check_logits import logits_of
 
 from llama_tp.cluster.distributed import all_gather_object
-from llama_tp.engine.loader import load_model
+from llama_tp.loading.loader import load_model
 
 
 def main() -> int:

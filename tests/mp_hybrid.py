@@ -39,8 +39,8 @@ from llama_tp.checkpoints.build import build_model
 from llama_tp.checkpoints.slices import model_shape
 from llama_tp.checkpoints.tokenizer import load_tokenizer
 from llama_tp.cluster.distributed import all_gather_object
-from llama_tp.engine.loader import load_model
 from llama_tp.kernels.layers import use_native
+from llama_tp.loading.loader import load_model
 from llama_tp.parallel.placement import kv_cache_bytes, state_bytes
 
 

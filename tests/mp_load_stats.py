@@ -15,7 +15,7 @@ import sys
 import mlx.core as mx
 
 from llama_tp.cluster.distributed import all_gather_object
-from llama_tp.engine.loader import load_model
+from llama_tp.loading.loader import load_model
 
 
 def rchar() -> int:

@@ -46,9 +46,9 @@ from llama_tp.checkpoints.slices import model_shape
 from llama_tp.checkpoints.tokenizer import load_tokenizer
 from llama_tp.cluster.distributed import all_gather_object
 from llama_tp.engine.generation import generate_step
-from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import make_sampler, vocab_shard
 from llama_tp.kernels.layers import use_native
+from llama_tp.loading.loader import load_model
 from llama_tp.parallel.placement import kv_cache_bytes
 
 ATOL = 1e-4

@@ -22,11 +22,11 @@ from mlx.utils import tree_flatten
 
 from llama_tp.checkpoints.tokenizer import load_tokenizer
 from llama_tp.checkpoints.weights_cache import wait_for_writes
+from llama_tp.checks.weights import check_weights
 from llama_tp.cluster.distributed import all_gather_object, first_line
-from llama_tp.engine.agreement import check_agreement
 from llama_tp.engine.generation import stream_generate
-from llama_tp.engine.loader import load_model
-from llama_tp.engine.transfer_check import check_weights
+from llama_tp.loading.agreement import check_agreement
+from llama_tp.loading.loader import load_model
 
 
 def damage(cache: Path) -> list[str]:

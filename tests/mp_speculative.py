@@ -22,10 +22,10 @@ import time
 import mlx.core as mx
 
 from llama_tp.checkpoints.tokenizer import encode_prompt, load_tokenizer
-from llama_tp.engine.conversation import Chat
+from llama_tp.conversation.chat import Chat
 from llama_tp.engine.drafters import load_draft
 from llama_tp.engine.generation import stream_generate
-from llama_tp.engine.loader import load_model
+from llama_tp.loading.loader import load_model
 
 WORLD = mx.distributed.init()
 RESULTS: dict[str, dict] = {}

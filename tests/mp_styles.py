@@ -26,10 +26,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
 from llama_tp.engine.generation import generate_step
-from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import make_sampler, vocab_shard
 from llama_tp.kernels import status as kernel_status
 from llama_tp.kernels.layers import use_native
+from llama_tp.loading.loader import load_model
 from llama_tp.parallel.llama_plan import llama_plan
 from llama_tp.parallel.styles import ColwiseParallel, Replicate, RowwiseParallel
 

@@ -34,10 +34,10 @@ from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
 from llama_tp.cluster.distributed import all_gather_object
 from llama_tp.engine.generation import generate_step
-from llama_tp.engine.loader import load_model
 from llama_tp.engine.sampling import make_sampler, token_logprobs, vocab_shard
 from llama_tp.kernels import status as kernel_status
 from llama_tp.kernels.layers import use_native
+from llama_tp.loading.loader import load_model
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:

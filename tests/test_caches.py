@@ -82,7 +82,7 @@ def test_an_end_of_sequence_past_a_wrapped_window(tmp_path):
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
     from llama_tp.checkpoints.tokenizer import load_tokenizer
-    from llama_tp.engine.conversation import Chat
+    from llama_tp.conversation.chat import Chat
     from llama_tp.engine.generation import stream_generate
 
     ckpt = open_checkpoint(write_gpt_oss(tmp_path / "gpt_oss"))

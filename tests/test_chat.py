@@ -82,11 +82,11 @@ def test_chat_is_exported_lazily():
     r = run_python(
         [
             "-c",
-            "import sys, llama_tp; assert 'llama_tp.engine.conversation' not in sys.modules; "
+            "import sys, llama_tp; assert 'llama_tp.conversation.chat' not in sys.modules; "
             "from llama_tp import Chat; print(Chat.__module__)",
         ]
     )
-    assert r.returncode == 0 and r.stdout.strip() == "llama_tp.engine.conversation", r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == "llama_tp.conversation.chat", r.stderr
 
 
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_prefill(tiny):

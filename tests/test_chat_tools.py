@@ -1,4 +1,4 @@
-"""Tool calls in the Python `Chat` (engine/chat_tools.py), in one process: the tiny model
+"""Tool calls in the Python `Chat` (conversation/chat_tools.py), in one process: the tiny model
 with test_serve_tools' Hermes template (the built-in model's SmolLM2 template shows no
 tools); a named `tool_choice` makes the random model write a call (constrained), which
 must come back parsed in `last_tool_calls` and stay in the history, and a tool result

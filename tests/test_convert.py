@@ -13,7 +13,7 @@ from llama_tp.checkpoints.convert import convert_gguf
 from llama_tp.checkpoints.hf_config import hf_name
 from llama_tp.checkpoints.tokenizer import encode_prompt
 from llama_tp.engine.generation import generate_step
-from llama_tp.engine.loader import load
+from llama_tp.loading.loader import load
 
 PROMPT = "What is the capital of France?"
 N_TOKENS = 32  # exactly this many greedy steps in every implementation, EOS or not

@@ -108,7 +108,7 @@ def test_doctor_two_ranks(tiny_dir, monkeypatch):
 
 
 def test_split_advice_says_when_weights_cannot_fit(tiny_dir):
-    from llama_tp.engine.split_advice import _fit
+    from llama_tp.checks.split import _fit
 
     advice = {"memory": (1.0, 3.0)}
     status, text = _fit(str(tiny_dir), 2, 1, [100 << 10, 300 << 10], advice)
@@ -252,7 +252,7 @@ def test_doctor_checks_a_tp2_x_pp2_mesh():
 
 
 def test_tensor_groups_across_hosts_are_named():
-    from llama_tp.engine.mesh_check import spanning_groups
+    from llama_tp.checks.mesh import spanning_groups
 
     # Two Macs, ranks interleaved by the hostfile and placed in rank order: both split.
     places = [(0, 0), (0, 0), (0, 1), (0, 1)]

@@ -81,7 +81,7 @@ def test_chat_second_turn_reuses_the_cache(models):
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
     from llama_tp.checkpoints.tokenizer import load_tokenizer
-    from llama_tp.engine.conversation import Chat
+    from llama_tp.conversation.chat import Chat
 
     ckpt = open_checkpoint(models["gemma4"])
     chat = Chat(build_model(ckpt), load_tokenizer(ckpt), max_tokens=6)

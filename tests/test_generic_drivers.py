@@ -42,8 +42,8 @@ def one_process(path: Path, chatted: Path) -> tuple[list[int], float, list]:
 
     from llama_tp.checkpoints.tokenizer import load_tokenizer
     from llama_tp.cluster.distributed import world
-    from llama_tp.engine.loader import load_model
     from llama_tp.engine.perplexity import perplexity
+    from llama_tp.loading.loader import load_model
 
     toks, _ = d.tokens(path, world())
     model, ckpt = load_model(path)
@@ -83,8 +83,8 @@ def test_chat_reuses_caches_that_cannot_rewind_only_when_nothing_is_rewound(fold
     from mlx_lm.models.cache import can_trim_prompt_cache
 
     from llama_tp.checkpoints.tokenizer import load_tokenizer
-    from llama_tp.engine.conversation import Chat
-    from llama_tp.engine.loader import load_model
+    from llama_tp.conversation.chat import Chat
+    from llama_tp.loading.loader import load_model
 
     model, ckpt = load_model(folders["nemotron_h"])
     chat = Chat(model, load_tokenizer(ckpt), max_tokens=8)
@@ -158,8 +158,8 @@ def test_qwen3_moe_config_with_an_unused_key_loads(tmp_path):
     from generic_models import mlx_lm_greedy
 
     from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.loader import load_model
     from llama_tp.engine.sampling import make_sampler
+    from llama_tp.loading.loader import load_model
 
     path = write_model("qwen3_moe", tmp_path / "qwen3_moe")
     assert json.loads((path / "config.json").read_text())["shared_expert_intermediate_size"]

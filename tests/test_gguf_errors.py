@@ -69,7 +69,7 @@ def test_missing_builtin_model_names_the_pip_command(monkeypatch):
     import importlib.util
 
     from llama_tp.checkpoints.base import CheckpointError
-    from llama_tp.engine import loader
+    from llama_tp.loading import loader
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -86,7 +86,7 @@ def test_k_quant_tensors_stay_quantized(tmp_path):
     from gguf_writer import Q6_K, tiny_llama_gguf
 
     from llama_tp import kernels
-    from llama_tp.engine.loader import load_model
+    from llama_tp.loading.loader import load_model
 
     path = tiny_llama_gguf(tmp_path / "k.gguf", {"blk.0.ffn_down.weight": Q6_K})
     with kernels.off():  # MLX's kernel: requantized to MLX's 8 bits

@@ -14,7 +14,7 @@ pytest.importorskip("llguidance")
 from llama_tp.engine.grammar import GrammarError, GrammarMask, json_schema_grammar  # noqa: E402
 from llama_tp.engine.logits_processors import processors_for  # noqa: E402
 from llama_tp.engine.settings import SamplingParams  # noqa: E402
-from llama_tp.engine.shards import VocabShard  # noqa: E402
+from llama_tp.parallel.vocab_shards import VocabShard  # noqa: E402
 
 SCHEMA = {
     "type": "object",

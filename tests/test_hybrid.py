@@ -206,9 +206,9 @@ def test_chat_second_turn_prefills_only_its_new_tokens(models):
     recurrent state carried on; a reply cut by a stop string (not a prefix of the next
     prompt) goes back to the checkpoint at the first prompt's end; greedy replies equal
     a fresh chat's; speculative decoding gives the plain tokens."""
-    from llama_tp.engine.conversation import Chat
+    from llama_tp.conversation.chat import Chat
     from llama_tp.engine.generation import stream_generate
-    from llama_tp.engine.loader import load
+    from llama_tp.loading.loader import load
 
     model, tok = load(models["qwen3_5_moe"])
     chat = Chat(model, tok, max_tokens=8)

@@ -29,14 +29,17 @@ LAYERS = {
     "model": 2,
     "models": 3,  # the other families, built on the core model
     "checkpoints": 4,
-    "generic": 4.5,  # mlx-lm's classes: uses the checkpoint readers, the engine uses it
-    "engine": 5,
-    "console": 6,
-    "server": 7,
-    "benchmarks": 7,
-    "supervisor": 8,  # the front door of `launch --restart`: above the server it fronts
+    "generic": 4.5,  # mlx-lm's classes: uses the checkpoint readers, the loader uses it
+    "loading": 5,  # checkpoint -> placement -> sharded model, its sources, the mesh's plan
+    "engine": 6,  # the decoding core: the step, sampling, batching, speculative decoding
+    "conversation": 7,  # Chat and tool calls
+    "console": 8,
+    "server": 9,
+    "benchmarks": 9,
+    "checks": 9,  # the doctor's checks
+    "supervisor": 10,  # the front door of `launch --restart`: above the server it fronts
 }
-TOP = 9  # the commands: llama_tp/<name>.py
+TOP = 11  # the commands: llama_tp/<name>.py
 
 
 def module_name(path: Path) -> str:
@@ -141,13 +144,13 @@ def test_the_top_level_stays_small():
     "edges, expected",
     [
         # an upward import: the engine reaching into a command
-        ({"llama_tp.engine.loader": {"llama_tp.generate"}}, "layer 5) imports llama_tp.generate"),
+        ({"llama_tp.loading.loader": {"llama_tp.generate"}}, "layer 5) imports llama_tp.generate"),
         # the model importing the engine
         ({"llama_tp.model": {"llama_tp.engine.sampling"}}, "layer 2) imports"),
         # cluster importing the parallel layers
         ({"llama_tp.cluster.watchdog": {"llama_tp.parallel.layers"}}, "layer 0) imports"),
         # importing the facade from inside
-        ({"llama_tp.engine.agreement": {"llama_tp"}}, "imports the facade"),
+        ({"llama_tp.loading.agreement": {"llama_tp"}}, "imports the facade"),
     ],
 )
 def test_the_layering_check_catches(edges, expected):

@@ -1,5 +1,5 @@
 """The tp x pp mesh: pipeline stages, tensor-parallel inside each (parallel/mesh.py,
-engine/pipeline.py). One launch per mesh checks several models (tests/mp_mesh.py)."""
+loading/pipeline.py). One launch per mesh checks several models (tests/mp_mesh.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from conftest import launch, run_python
 from fixtures import write_hf_model
 
 from llama_tp.checkpoints import open_checkpoint
-from llama_tp.engine.agreement import disagreement
-from llama_tp.engine.mesh_plan import mesh_plan
-from llama_tp.engine.pipeline import MIN_MICRO, micro_batches
+from llama_tp.loading.agreement import disagreement
+from llama_tp.loading.mesh_plan import mesh_plan
+from llama_tp.loading.pipeline import MIN_MICRO, micro_batches
 from llama_tp.parallel.mesh import MeshError, balanced_split, layout, mesh_shape, parse_split
 from llama_tp.parallel.plan_text import human_bytes
 

@@ -1,5 +1,5 @@
 """Pre-split folders for a tp x pp mesh (`convert --shards N --tp T --pp P`,
-engine/mesh_split.py): folder r holds only rank r's stage, sliced; loaded on that mesh
+loading/mesh_split.py): folder r holds only rank r's stage, sliced; loaded on that mesh
 it computes what the unsplit checkpoint computes on it (and in one process); a folder
 made for another mesh, split or placement is refused on every rank.
 
@@ -21,8 +21,8 @@ from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.base import CheckpointError
 from llama_tp.checkpoints.convert import convert
 from llama_tp.checkpoints.split import check_mesh
-from llama_tp.engine.mesh_plan import mesh_plan
-from llama_tp.engine.mesh_split import convert_mesh
+from llama_tp.loading.mesh_plan import mesh_plan
+from llama_tp.loading.mesh_split import convert_mesh
 from llama_tp.parallel.mesh import MeshError
 
 # head_dim 32 and hidden 96 = 3 groups of 32: the 8-bit splits over 2 ranks stay on groups

@@ -27,7 +27,7 @@ from llama_tp.checkpoints.hf import to_model_name
 from llama_tp.checkpoints.pth import load as load_pth
 from llama_tp.checkpoints.tokenizer import encode_prompt
 from llama_tp.engine.generation import generate_step
-from llama_tp.engine.loader import load
+from llama_tp.loading.loader import load
 
 CONFIG = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab_size=388)
 # Meta's FeedForward rule gives 96 for dim 64: int(0.5 * int(2 * 256 / 3)) = 85, up to 32s.

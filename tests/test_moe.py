@@ -164,7 +164,7 @@ def test_three_ranks_both_splits(models):
 def test_four_ranks_and_a_tp2_x_pp2_mesh(models, tmp_path):
     """4 ranks, both splits, and the same models as 2 stages of 2 tensor ranks (a
     dense layer in one stage, expert layers in both), also pre-split for that mesh."""
-    from llama_tp.engine.mesh_split import convert_mesh
+    from llama_tp.loading.mesh_split import convert_mesh
 
     src = models["qwen3_moe"]
     folders = convert_mesh(

@@ -110,7 +110,7 @@ def test_convert_shows_writing(tiny_dir, tmp_path):
 def test_loading_reports_bytes(tiny_dir, monkeypatch, capsys):
     """Loading counts this rank's bytes, tensor by tensor (shown after a second: forced here)."""
     from llama_tp.cluster import progress
-    from llama_tp.engine import loader
+    from llama_tp.loading import loader
 
     monkeypatch.setattr(progress, "active", lambda: True)
     monkeypatch.setattr(

@@ -21,7 +21,7 @@ from conftest import ROOT, run_python
 from fixtures import write_hf_model
 from mp_ranks import Ranks
 
-from llama_tp.engine.agreement import disagreement
+from llama_tp.loading.agreement import disagreement
 
 # Short watchdog timeouts: alone, so that a slow step on a busy machine is not a stall.
 pytestmark = pytest.mark.exclusive

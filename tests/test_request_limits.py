@@ -213,7 +213,7 @@ def test_grammar_requests_join_once_every_rank_has_compiled_them():
 
 
 def test_a_models_over_deep_tool_call_stays_text():
-    from llama_tp.engine.tool_calls import ToolFormat, ToolStream, _parse_llama3
+    from llama_tp.conversation.tool_calls import ToolFormat, ToolStream, _parse_llama3
 
     stream = ToolStream(ToolFormat("llama3_json", "", "", _parse_llama3), None)
     text = '{"name": "f", "parameters": ' + "[" * 5000

@@ -1,5 +1,5 @@
 """The tool-call splitter on its own: text and calls of each format, streamed in any
-pieces the same as whole (engine/tool_calls.py; the served path is tests/test_serve_tools.py)."""
+pieces the same as whole (conversation/tool_calls.py; served: tests/test_serve_tools.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from llama_tp.engine.tool_calls import ToolFormat, ToolStream, _parse_llama3
+from llama_tp.conversation.tool_calls import ToolFormat, ToolStream, _parse_llama3
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 

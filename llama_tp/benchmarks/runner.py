@@ -82,8 +82,8 @@ def bench_llama_tp(
     from ..cluster.memory import max_rss
     from ..console.cli import UsageError
     from ..engine.generation import decode_step, generate_step
-    from ..engine.loader import LoadOptions, load_model
     from ..engine.sampling import make_sampler, vocab_shard
+    from ..loading.loader import LoadOptions, load_model
     from ..model import lazy_query_blocks
     from ..parallel.mesh import MeshError
     from ..parallel.shares import SplitError
@@ -301,7 +301,7 @@ def pin(spec: str, rank: int) -> list[int]:
 
 def prepare_model(args: Any, group: mx.distributed.Group) -> tuple[Path, str]:
     """The checkpoint path (a synthetic one is written by rank 0 first) and its label."""
-    from ..engine.loader import default_model
+    from ..loading.loader import default_model
 
     if args.synthetic:
         from .synthetic import parse_spec, synthetic_dir

@@ -10,7 +10,7 @@ GGUF file is converted tensor by tensor, `stream.py`), with per-module overrides
 setting; `--quantize` re-quantizes (MLX affine). GGUF q/k rows keep their
 interleaved layout, hence `rope_traditional`. `--shards N` writes one folder
 per rank instead (see `split.py`); `open_source`, `write_folders` and `Source.get`
-are also what `engine/mesh_split.py` writes the folders of a tp x pp mesh with.
+are also what `loading/mesh_split.py` writes the folders of a tp x pp mesh with.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def convert(
 
     `quantize` (4 or 8 bits, `group_size` values per scale) re-quantizes it;
     `shards` writes one folder per rank of a `shards`-rank run instead of one
-    mlx-lm directory (for a tp x pp mesh: `engine.mesh_split.convert_mesh`). `dtype`
+    mlx-lm directory (for a tp x pp mesh: `loading.mesh_split.convert_mesh`). `dtype`
     ("float32", "float16", "bfloat16") dequantizes every quantized tensor and casts
     all weights to it. `moe_split` ("tensor" or "expert"): how `shards` split a
     mixture-of-experts model's experts; `split` ("3:1" or (3, 1): one weight per rank) how

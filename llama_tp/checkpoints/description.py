@@ -11,7 +11,7 @@ and `build.skeleton` see exactly what the sender's reader saw, so both compute t
 placement), GGUF blocks kept as stored, the reader's notes, the weights' fingerprint
 the ranks compare at start-up, and the small files beside the weights (tokenizer,
 config, a pre-split folder's `shard.json`). The weights themselves travel as the
-placement's slices (`engine/weight_transfer.py`).
+placement's slices (`loading/weight_transfer.py`).
 """
 
 from __future__ import annotations

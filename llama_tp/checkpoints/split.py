@@ -9,7 +9,7 @@
 `load(DIR)` makes each rank open only `DIR/rank-<its rank>`, so a folder can be
 copied alone to the host that runs that rank.
 
-`--shards N --tp T --pp P` splits for a tp x pp mesh instead (`engine/mesh_split.py`):
+`--shards N --tp T --pp P` splits for a tp x pp mesh instead (`loading/mesh_split.py`):
 folder r then holds what world rank r of that mesh loads, its stage's layers (under
 their global names, `layers.12....`) sliced for its tensor rank, with the embedding
 on stage 0 and the norm and head on the last stage. Its `shard.json` and the manifest

@@ -9,7 +9,7 @@ With `mode="identity"` the collectives return their input instead: the same
 compute without communication, numerically wrong, for timing what the
 collectives cost (`decode_share`).
 
-The pipeline's point-to-point `send`/`recv` (engine/pipeline.py) are wrapped too
+The pipeline's point-to-point `send`/`recv` (loading/pipeline.py) are wrapped too
 (identity: `send` returns its input, `recv` zeros of the shape it expects). A
 pipeline stage evaluates its send while its graph is built, so a mesh's step is
 counted in identity mode: nothing crosses a link, every call is still recorded.

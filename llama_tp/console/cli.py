@@ -366,7 +366,7 @@ def _report(e: Exception) -> None:
 
 def model_on_some_rank(find: Callable[[], object], group: mx.distributed.Group) -> str:
     """This rank's path from `find` (the built-in model), or where it has none, the first
-    rank's that has one: that rank sends it its slices (`engine/model_sources.py`). When
+    rank's that has one: that rank sends it its slices (`loading/model_sources.py`). When
     no rank has one, every rank raises its own error."""
     mine = error = None
     try:
@@ -384,8 +384,8 @@ def load_checked(args, group: mx.distributed.Group):
     """The commands' loading: (model, tokenizer) of `args.model`, after the start-up
     agreement (llama_tp.agreement); any rank's failure makes every rank raise."""
     from ..checkpoints.tokenizer import load_tokenizer
-    from ..engine.agreement import check_agreement
-    from ..engine.loader import LoadOptions, default_model, load_model
+    from ..loading.agreement import check_agreement
+    from ..loading.loader import LoadOptions, default_model, load_model
 
     apply_compile_flag(args)
     path = args.model or model_on_some_rank(default_model, group)

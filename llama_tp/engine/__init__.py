@@ -1,1 +1,1 @@
-"""Running a model: loading, the generation step and loop, sampling on shards, chat, batching."""
+"""The decoding core: the generation step and loop, caches, sampling on shards, batching."""

@@ -38,12 +38,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cluster.collectives import collectives
+from ..loading.pipeline import verify_logits
+from ..parallel.vocab_shards import VocabShard, vocab_shard
 from . import caches
-from .pipeline import verify_logits
 from .prefill import prefill
 from .sampling import Draw, Sampler, draw_arrays, sample, token_logprobs
 from .sequence import Event, Sequence
-from .shards import VocabShard, vocab_shard
 from .step import decode_step_for
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..parallel.vocab_shards import VocabShard, vocab_shard
 from . import caches
 from .prefill import prefill
-from .shards import VocabShard, vocab_shard
 
 # draw(logits (1, V_local), their shard, i) -> the i-th draft (1,), as the target samples it
 Draw = Callable[[mx.array, VocabShard, int], mx.array]
@@ -162,7 +162,7 @@ def load_draft(
     rows per rank); raises on every rank when its tokenizer differs."""
     from ..checkpoints.tokenizer import load_tokenizer
     from ..cluster.distributed import agreed
-    from .loader import load_model, load_whole
+    from ..loading.loader import load_model, load_whole
 
     if sharded:
         vocab_parallel = vocab_shard(target).ranks > 1

@@ -24,8 +24,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..checkpoints.chat_template import renderer_for
 from ..cluster import watchdog
 from ..cluster.distributed import broadcast_object, world
+from ..loading.agreement import TokenCheck
 from . import caches
-from .agreement import TokenCheck
 from .decoder import Decoder, decode_step
 from .drafters import make_drafter
 from .prefill import prefill
@@ -218,7 +218,7 @@ def vocab_bytes(model: nn.Module) -> int:
     """Bytes of the embedding and output head this rank holds (shared once when tied)."""
     from mlx.utils import tree_flatten
 
-    # (a pipeline stage may hold neither: engine/pipeline.py)
+    # (a pipeline stage may hold neither: loading/pipeline.py)
     parts = [model[k] for k in ("tok_embeddings", "output") if k in model]
     if hasattr(model, "structure"):  # mlx-lm's classes (generic/model.py)
         from ..generic.structure import get_path

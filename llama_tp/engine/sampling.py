@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..parallel.vocab_shards import VocabShard, vocab_shard
 from .settings import SamplingParams
-from .shards import VocabShard, vocab_shard
 
 __all__ = ["Draw", "Sampler", "VocabShard", "make_sampler", "sample", "token_key"]
 __all__ += ["draw_arrays", "sample_arrays", "token_logprobs", "vocab_shard"]

@@ -6,12 +6,12 @@
                        groups where every rank gets at least one), quantization groups
                        and file blocks (`partition.make_plan`)
     --split memory     weights from each rank's available memory, gathered at start-up
-                       (`engine.loader.split_weights`, `cluster/memory.py`)
+                       (`loading.loader.split_weights`, `cluster/memory.py`)
     (no --split)       the balanced split, as before
 
 Pure Python: parsing and checking the flag (one-line `SplitError`s with the numbers),
 the shares of a count of units (`split_units`, `weighted_units`), the weights' text,
-and the weights `doctor` suggests (`engine/split_advice.py`: from each rank's
+and the weights `doctor` suggests (`checks/split.py`: from each rank's
 matrix-product time or available memory).
 """
 

@@ -4,7 +4,7 @@ The request's tools and earlier calls are checked here and go to the tokenizer's
 template as transformers and mlx-lm pass them (`apply_chat_template(messages,
 tools=...)`, a call's arguments as a dict). What the model writes is split into text
 and calls by the format its template teaches, and `tool_choice` "required" or a named
-function constrains the reply to one call, in `engine/tool_calls.py` (which `Chat`
+function constrains the reply to one call, in `conversation/tool_calls.py` (which `Chat`
 uses too): `ToolStream`, `tool_format`, `forced_call_grammar`.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.tool_calls import ToolStream, forced_call_grammar, tool_format  # noqa: F401
+from ..conversation.tool_calls import ToolStream, forced_call_grammar, tool_format  # noqa: F401
 from .bodies import loads, openai_param
 from .errors import RequestError
 

@@ -35,7 +35,7 @@ def _shape(model: str | None):
     """The model's shape (ModelShape) and its name, or None when it cannot be read here."""
     from ..checkpoints import open_checkpoint
     from ..checkpoints.slices import model_shape
-    from ..engine.loader import default_model
+    from ..loading.loader import default_model
 
     path = Path(model) if model else default_model()
     if not path.exists():

@@ -1,7 +1,7 @@
 """load(path) and load_model(path, group): checkpoint -> placement -> (sharded) model.
 
 One pass, one way: open the checkpoint (its config and stored shapes, nothing read);
-compute every rank's placement once (`engine/load_placement.py` over
+compute every rank's placement once (`loading/placement.py` over
 `parallel/placement.py`: its stage and layers,
 its part of every layer, its vocabulary rows, the slice of every tensor); read exactly
 this rank's slices (`checkpoints/slices.py`); build the model lazily, shard it as the
@@ -40,8 +40,8 @@ from ..parallel.shard import parallelize_model, shard_placed, styles_placement
 from ..parallel.shares import MEMORY, SplitSpec, Weights, memory_split, parse_split
 from .agreement import check_mesh_flags
 from .kernel_choice import native_kernels, products_path
-from .load_placement import checkpoint_placement
 from .model_sources import Shared, open_shared
+from .placement import checkpoint_placement
 from .weight_transfer import read_weights
 
 
@@ -114,7 +114,7 @@ def _open(
     """The checkpoint on every rank (as rank of `model_group`, the ranks that share one
     model; None: each rank holds the whole model): its own file's, or, where it has
     none, a holder's description (its slices then come over the link:
-    `engine/model_sources.py`); if any rank of `group` fails, every rank raises."""
+    `loading/model_sources.py`); if any rank of `group` fails, every rank raises."""
     model = (model_group.rank(), model_group.size()) if model_group is not None else (0, 1)
     if group.size() == 1:
         ckpt = agreed(lambda: open_checkpoint(path, *model, blocks), group)
@@ -198,7 +198,7 @@ def load_model(
     `sequence_parallel` the prefill splits the norms and residual stream along the
     sequence (`llama_tp.parallel.sequence`). `tp`, `pp` (and `pp_split`, e.g.
     "10,12") lay the ranks out as a tp x pp mesh: the model is then this rank's
-    pipeline stage (`engine/pipeline.py`). `dp` > 1 (the server's replicas) loads D
+    pipeline stage (`loading/pipeline.py`). `dp` > 1 (the server's replicas) loads D
     independent copies, each on its own T * P ranks; `ckpt.mesh` says which this rank's
     is (None without a mesh). A checkpoint pre-split by
     `convert --shards N` (for a mesh: `--shards N --tp T --pp P`, loaded with the same
@@ -242,7 +242,7 @@ def load_model(
     routes = all_gather_object(agreed(lambda: checkpoint_route(path), group), group)
     route = next((r for r in routes if r is not None and r.generic), None)
     if route is not None:  # no native implementation: mlx-lm's classes
-        from .load_generic import load_generic_model
+        from .generic import load_generic_model
 
         return load_generic_model(path, group, route, o)
     mesh = whole_mesh = None
@@ -337,7 +337,7 @@ def load_model(
 def load_whole(path: str | Path, group: mx.distributed.Group | None = None):
     """The model at `path` whole on every rank of `group` (e.g. a small draft model
     replicated on every rank; ranks without the file receive it whole from one that has
-    it, `engine/model_sources.py`). Returns (model, checkpoint); if any rank of `group`
+    it, `loading/model_sources.py`). Returns (model, checkpoint); if any rank of `group`
     fails, every rank raises."""
     group = group or world()
     native = native_kernels(None, group)

@@ -24,13 +24,13 @@ import mlx.nn as nn
 
 from ..checkpoints.chat_template import FALLBACK_STOP, ChatTemplateError, renderer_for
 from ..cluster.distributed import all_gather_object, world
-from . import caches
+from ..engine import caches
+from ..engine.drafters import make_drafter
+from ..engine.generation import stream_generate
+from ..engine.grammar import json_schema_grammar
+from ..engine.settings import SamplingParams, SettingsError, request_params
+from ..engine.speculative import SpecStats
 from .chat_tools import ChatTools
-from .drafters import make_drafter
-from .generation import stream_generate
-from .grammar import json_schema_grammar
-from .settings import SamplingParams, SettingsError, request_params
-from .speculative import SpecStats
 
 __all__ = ["FALLBACK_STOP", "Chat", "ChatTemplateError", "ContextOverflowError", "TurnStats"]
 OVERFLOW_MODES = ("error", "drop_oldest")
@@ -79,7 +79,7 @@ class Chat(ChatTools):
     to `num_draft_tokens` drafted tokens per step; the draft keeps its own cache
     across turns, trimmed with the model's. `tools`: OpenAI-style function
     definitions the template shows; a reply's calls land in `last_tool_calls`, answered
-    with `send_tool_result` (engine/chat_tools.py).
+    with `send_tool_result` (conversation/chat_tools.py).
 
     Under mlx.launch every rank must make the same calls in the same order.
     """

@@ -4,7 +4,7 @@
 
 Exactly the bytes of the placement (`RankPlacement.slices`: tensor slices, stage,
 experts, vocabulary rows, weighted splits, a pre-split folder's tensors, GGUF blocks as
-stored) travel, each read by a rank that has the file (`engine/model_sources.py`) and
+stored) travel, each read by a rank that has the file (`loading/model_sources.py`) and
 sent tensor by tensor over the group's own backend (`cluster/transfer.py`: size and
 checksum checked on arrival; the work shared when several ranks have the file; relayed
 round a ring). Holders read their own slices as usual, meanwhile receivers take what

@@ -1,6 +1,6 @@
 """The loader's branch for architectures without a native implementation.
 
-`engine/loader.load_model` sends a Hugging Face / MLX folder whose `model_type` llama_tp
+`loading/loader.load_model` sends a Hugging Face / MLX folder whose `model_type` llama_tp
 does not implement here (`generic.classes.route`). The sequencing is the native loader's:
 the mesh flags agreed and the mesh made, this rank's part read and evaluated
 (`generic/loader.py`), any rank's failure raised on every rank, the load's statistics,

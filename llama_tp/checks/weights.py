@@ -79,8 +79,8 @@ def check_weights(
 def _sources(group, model: str, tp, pp, cache) -> list[tuple[str, list[int]]]:
     """Every rank's ("local" | "cache" | "link", the ranks that have the file), for the
     plain placement of `model` over the ranks (or the mesh `tp` x `pp`)."""
-    from .kernel_choice import native_kernels
-    from .model_sources import open_shared
+    from ..loading.kernel_choice import native_kernels
+    from ..loading.model_sources import open_shared
 
     native = native_kernels(None, group)
     shared = agreed(lambda: open_shared(model, group, None, native, cache), group)

@@ -7,7 +7,7 @@ stage's style table (the built-in plan over the stage's tensor group, shown on t
 stage cut out of the lazily built model as the loader cuts it). Ranks are placed in
 rank order, as on one host; across hosts `parallel.mesh.layout` orders them by host
 first. `convert --shards N --tp T --pp P` writes each rank's folder from this
-placement (`engine/mesh_split.py`).
+placement (`loading/mesh_split.py`).
 """
 
 from __future__ import annotations

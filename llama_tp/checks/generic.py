@@ -49,8 +49,8 @@ def stage_logits_diff(group: mx.distributed.Group) -> tuple[float, str]:
     from mlx_lm.utils import load_model
 
     from ..generic.loader import checkpoint_route
-    from .load_generic import load_generic_model
-    from .loader import LoadOptions
+    from ..loading.generic import load_generic_model
+    from ..loading.loader import LoadOptions
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny(Path(tmp))

@@ -23,7 +23,7 @@ by the time a later one attends to them, so the result is the same as one pass.
 Each rank reads only its stage's slices (its placement, `parallel/placement.py`: the
 stage split balanced by bytes or `--pp-split`, the layers' partition over the stage's
 tensor group), or its folder of a checkpoint pre-split for the mesh (`convert --shards
-N --tp T --pp P`, `engine/mesh_split.py`), and the loader (`engine/loader.py`) cuts its
+N --tp T --pp P`, `loading/mesh_split.py`), and the loader (`loading/loader.py`) cuts its
 stage out of the lazily built model (`stage_module`) and shards it.
 """
 
@@ -42,7 +42,7 @@ from ..model_args import ModelArgs
 from ..parallel.mesh import Mesh
 from ..parallel.plan_text import human_bytes
 from ..parallel.vocab import VocabParallelEmbedding
-from .sampling import VocabShard
+from ..parallel.vocab_shards import VocabShard
 
 FLOATS = ("float32", "float16", "bfloat16")
 

@@ -10,7 +10,7 @@ split over its tensor group by the built-in plan, the embedding on stage 0 and t
 and head on the last stage (vocabulary-parallel inside the stage's tensor group unless
 `--no-vocab-parallel`). Folder r holds rank r's slices of its stage's layers, under
 their global names (`layers.12....`), and nothing else; the loader reads it whole and
-builds the stage as for an unsplit checkpoint (`engine/loader.py`).
+builds the stage as for an unsplit checkpoint (`loading/loader.py`).
 
 Placement: folder r is for world rank r with the stages placed in rank order, as
 `parallel.mesh.layout` places them on one host (`make_mesh` orders the ranks by host:

@@ -1,8 +1,8 @@
-"""Tool calling in `Chat` (engine/conversation.py): the turns of a conversation with tools.
+"""Tool calling in `Chat` (conversation/chat.py): the turns of a conversation with tools.
 
 `Chat(model, tokenizer, tools=[...])` shows OpenAI-style function definitions to the
 chat template (transformers' `tools=`); a reply's calls, in the format the template
-teaches (`engine/tool_calls.py`, the server's parsers), are kept out of the text the
+teaches (`conversation/tool_calls.py`, the server's parsers), are kept out of the text the
 reply yields and land in `chat.last_tool_calls` and in the history's assistant message
 (`tool_calls`, arguments as dicts: what templates render). `send_tool_result(call,
 result)` answers a call with a role "tool" message and returns the model's next reply;
@@ -63,7 +63,7 @@ class ChatTools:
     def _grammar_mask(self, grammar: str):
         """The logits processor that keeps replies in `grammar` (a tool call's, or a JSON
         schema's: `send(schema=...)`)."""
-        from .grammar import GrammarMask, check_grammar
+        from ..engine.grammar import GrammarMask, check_grammar
 
         size = self.model.args.vocab_size
         check_grammar(grammar, self.tokenizer, size, self._renderer.eos)

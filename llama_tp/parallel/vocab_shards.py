@@ -147,9 +147,9 @@ class VocabShard:
 def vocab_shard(model: nn.Module) -> VocabShard:
     """The vocabulary columns of `model`'s logits on this rank (the whole vocabulary, as
     one shard, when the head is not vocabulary-parallel)."""
-    from ..parallel.vocab import VocabParallelEmbedding
+    from .vocab import VocabParallelEmbedding
 
-    if hasattr(model, "vocab_shard"):  # a pipeline stage (engine/pipeline.py) knows its own
+    if hasattr(model, "vocab_shard"):  # a pipeline stage (loading/pipeline.py) knows its own
         shard = model.vocab_shard()
         return shard if shard is not None else VocabShard.whole(model.args.vocab_size)
     emb = model.tok_embeddings

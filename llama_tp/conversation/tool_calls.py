@@ -147,7 +147,7 @@ def forced_call_grammar(tools: list[dict] | None, choice: Any, tokenizer: Any) -
     """The grammar of one call of `tools` (OpenAI's definitions) in the model's format,
     for `choice` (OpenAI's tool_choice) "required" or a named function (None: "auto",
     "none", or a format this cannot spell)."""
-    from .grammar import lark_grammar
+    from ..engine.grammar import lark_grammar
 
     if choice in ("auto", "none") or not tools:
         return None

@@ -86,8 +86,8 @@ def _fit(
     need be on one rank only (`model_sources.open_shared`; collective)."""
     from ..checkpoints.slices import model_shape
     from ..cluster.distributed import all_gather_object, world
+    from ..loading.model_sources import open_shared
     from ..parallel.placement import place
-    from .model_sources import open_shared
 
     group = group or world()
     n = len(available)

@@ -12,7 +12,7 @@ one line naming both; nobody holding it is one line naming the path and every ho
 rank without the file gets the checkpoint's description from the first holder
 (`checkpoints/description.py`: config, tensor table, tokenizer files; or from its
 cache, `checkpoints/weights_cache.py`), so that it computes the same placement as the
-others. The weights follow (`engine/weight_transfer.py`).
+others. The weights follow (`loading/weight_transfer.py`).
 """
 
 from __future__ import annotations
