@@ -97,7 +97,7 @@ def check(spec: str, world, steps: int) -> dict:
         "mesh": mesh,
         "n": world.size(),
         "diff": float(np.max(np.abs(ref - got))),
-        "atol": atol(whole),
+        "atol": atol(whole, source or path, x),
         "same_tokens": same,
         "cache_is_planned": all(m["cache"][0] == m["cache"][1] for m in ranks),
         "state_is_planned": all(m["state"][0] == m["state"][1] > 0 for m in ranks),
