@@ -77,9 +77,9 @@ def test_two_ranks_run_every_driver_as_one_process(folders, tmp_path):
 
 
 def test_chat_reuses_caches_that_cannot_rewind_only_when_nothing_is_rewound(folders):
-    """Nemotron-H.s recurrent states cannot step back: a turn reuses its cache when the cache
-    holds exactly a prefix of the new conversation, and prefills it all again when some of
-    what it holds would have to be taken back."""
+    """Nemotron-H's recurrent states cannot step back: a turn reuses its cache when the
+    cache holds exactly a prefix of the new conversation; when some of what it holds would
+    have to be taken back, at most the state checkpointed at the user's turn end is."""
     from mlx_lm.models.cache import can_trim_prompt_cache
 
     from llama_tp.checkpoints.tokenizer import load_tokenizer
@@ -92,8 +92,10 @@ def test_chat_reuses_caches_that_cannot_rewind_only_when_nothing_is_rewound(fold
     assert not can_trim_prompt_cache(chat._cache)
     held, cache = list(chat._held), chat._cache
     assert chat._reuse(held + [5, 6]) == len(held) and chat._cache is cache  # a prefix: kept
-    assert chat._reuse(held[:-3] + [7, 8]) == 0 and chat._cache is not cache  # prefilled again
-    assert chat._held == []
+    # Not a prefix: the cache is not kept; at most a checkpoint of the state taken at the
+    # end of the user's turn (before the reply's tokens) is resumed
+    reused = chat._reuse(held[:-3] + [7, 8])
+    assert reused <= len(held) - 3, (reused, len(held))
 
 
 def test_plan_and_verbose_say_which_path_runs(folders):
@@ -107,7 +109,8 @@ def test_plan_and_verbose_say_which_path_runs(folders):
     )
     assert lines[1] == "2 pipeline stages by llama_tp's stage wrapper"
     assert lines[2].startswith("rank 0: stage 0: layers 0-2 + embedding: ")
-    assert lines[3].startswith("rank 1: stage 1: layers 3-5 + head: ")
+    # Gemma 2 ties its head to the embedding: the last stage holds the embedding as its head
+    assert lines[3].startswith("rank 1: stage 1: layers 3-5 + embedding: ")
     r = run_python(["-m", "llama_tp.generate", "--model", str(folders["gemma2"]),
                     "--prompt", "hi", "-m", "4", "--verbose"])  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -115,7 +118,7 @@ def test_plan_and_verbose_say_which_path_runs(folders):
 
 
 def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_path):
-    """2 pipeline ranks of Gemma 3 answer concurrent requests as they answer each alone;
+    """2 pipeline ranks of Gemma 2 answer concurrent requests as they answer each alone;
     Llama 4's chunked cache cannot merge: one sequence at a time, said in the log and
     /v1/status, and its answers are still those alone."""
     two = Server(2, folders["gemma2"], tmp_path, "--pp", "2", "--max-batch", "4",
