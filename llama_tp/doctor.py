@@ -13,7 +13,7 @@ rank's total and available memory with the `--split` weights that balance the ti
 step and the ones that fit memory (`checks/split.py`; with --model, whether that
 model's weights fit, and the numbers when they cannot, and which path runs it), whether a
 tiny random Llama sharded over the ranks reproduces the single-process logits, and whether
-a tiny model on mlx-lm's own classes (Gemma 3) split into pipeline stages reproduces
+a tiny model on mlx-lm's own classes (Gemma 2) split into pipeline stages reproduces
 mlx-lm's. With
 --tp/--pp/--dp it also builds that mesh and reports where each rank lands (host,
 replica, stage, tensor rank), whether a tensor group spans hosts (a warning: its
@@ -275,7 +275,7 @@ def _check_generic(group: mx.distributed.Group) -> Check:
     diff, how = result
     if not diff <= LOGITS_ATOL:
         return Check("mlx-lm classes", "FAILED", f"max abs diff {diff:.3g} > {LOGITS_ATOL:g}")
-    return Check("mlx-lm classes", "ok", f"tiny Gemma 3: max abs diff {diff:.2g} ({how})")
+    return Check("mlx-lm classes", "ok", f"tiny Gemma 2: max abs diff {diff:.2g} ({how})")
 
 
 def _size(nbytes: int) -> str:

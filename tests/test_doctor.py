@@ -59,7 +59,7 @@ def test_doctor_single_process():
     assert checks["logits"][0] == "ok", r.stdout
     # a tiny model on mlx-lm's classes (the path of architectures not implemented here)
     assert checks["mlx-lm classes"][0] == "ok", r.stdout
-    assert checks["mlx-lm classes"][1].startswith("tiny Gemma 3: max abs diff "), r.stdout
+    assert checks["mlx-lm classes"][1].startswith("tiny Gemma 2: max abs diff "), r.stdout
     assert checks["blas"][0] in ("ok", "warn"), r.stdout
     # which path quantized products take (make test builds the native kernels)
     assert checks["kernels"][0] == "ok" and checks["kernels"][1].startswith("native kernels (")
@@ -85,7 +85,7 @@ def test_doctor_two_ranks(tiny_dir, monkeypatch):
     assert checks["logits"][0] == "ok", r.stdout
     assert "even plan: query heads 2+2" in checks["logits"][1], r.stdout
     status, detail = checks["mlx-lm classes"]
-    assert status == "ok" and detail.startswith("tiny Gemma 3: max abs diff "), detail
+    assert status == "ok" and detail.startswith("tiny Gemma 2: max abs diff "), detail
     assert detail.endswith("(2 pipeline stages)"), detail
     # each rank's memory, and what the tiny model's weights take on each, balanced or 2:1
     memory = r.stdout.split("memory (weights only", 1)[1].splitlines()[1:4]

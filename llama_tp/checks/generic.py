@@ -1,6 +1,6 @@
-"""The doctor's check of the mlx-lm path: a tiny model on mlx-lm's own classes (Gemma 3's,
-loaded through the loader's mlx-lm branch although llama_tp also implements it natively)
-split into pipeline stages over the ranks, against the same model whole on every rank.
+"""The doctor's check of the mlx-lm path: a tiny model on mlx-lm's own classes (Gemma 2's,
+an architecture llama_tp does not implement) split into pipeline stages over the ranks,
+against the same model whole on every rank.
 
 Every rank writes the same random-weight folder (a fixed seed) to a temporary directory,
 loads it through the loader's mlx-lm branch (`--pp N` over all ranks), and compares the
@@ -16,27 +16,26 @@ from pathlib import Path
 import mlx.core as mx
 
 TINY = {
-    "model_type": "gemma3_text",
+    "model_type": "gemma2",
     "hidden_size": 64,
     "num_hidden_layers": 4,
     "intermediate_size": 128,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    "rms_norm_eps": 1e-6,
     "vocab_size": 256,
-    "sliding_window": 4,
-    "sliding_window_pattern": 2,
 }
 TOKENS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]]
 
 
 def write_tiny(out: Path, seed: int = 0) -> Path:
-    """The tiny Gemma 3 folder, written by mlx-lm's own class (the same on every rank)."""
+    """The tiny Gemma 2 folder, written by mlx-lm's own class (the same on every rank)."""
     from mlx.utils import tree_flatten
-    from mlx_lm.models import gemma3_text
+    from mlx_lm.models import gemma2
 
     mx.random.seed(seed)
-    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(TINY))
+    model = gemma2.Model(gemma2.ModelArgs.from_dict(TINY))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(TINY))
