@@ -37,13 +37,21 @@ def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
     return re.compile(src), dst
 
 
+GATED_DELTA = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # the families with linear_attn layers
+
+
 def hf_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face name (as mlx-lm stores it) of the model's tensor `name` in a
     `model_type` model (checked against the reader): the HF reader's table, inverted."""
     first = "block_sparse_moe" if model_type in BLOCK_SPARSE_MOE else "mlp."
     first = "shared_experts" if model_type in SIGMOID_GROUP else first
     inverted = [_invert(p, r) for p, r in renames(model_type)]
+    # a kind's module prefix (`linear_attn.`) round-trips for any tensor under its slot:
+    # only the families that have that kind may take it
+    gated = model_type in GATED_DELTA
     for pattern, repl in sorted(inverted, key=lambda r: first not in r[1]):
+        if ".linear_attn." in repl and not gated:
+            continue
         new, n = pattern.subn(repl, name)
         if n and to_model_name(new, model_type) == name:
             family = FAMILIES.get(model_type)
