@@ -165,6 +165,16 @@ class LoadOptions:
         )
 
 
+def _route_here(path: str | Path):
+    """This rank's route for `path` (generic/loader.checkpoint_route); None where the path
+    cannot be resolved here (a hub id this rank cannot fetch: one copy sends it the
+    weights, and the ranks that can read it choose the branch)."""
+    try:
+        return checkpoint_route(path)
+    except CheckpointError:
+        return None
+
+
 def load_model(
     path: str | Path,
     group: mx.distributed.Group | None = None,
@@ -239,7 +249,7 @@ def load_model(
         raise ValueError("--dtype and --sequence-parallel cannot be combined yet: pick one")
     group = group or world()
     # every rank takes the same branch, also one without the folder (it then fails there)
-    routes = all_gather_object(agreed(lambda: checkpoint_route(path), group), group)
+    routes = all_gather_object(agreed(lambda: _route_here(path), group), group)
     route = next((r for r in routes if r is not None and r.generic), None)
     if route is not None:  # no native implementation: mlx-lm's classes
         from .generic import load_generic_model
