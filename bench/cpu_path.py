@@ -103,7 +103,9 @@ def overhead_section(res: dict) -> str:
         "Building the next step's graph overlaps the current step's evaluation "
         "(`mx.async_eval`), so the visible overhead is smaller still; `mx.compile` could "
         "remove at most this share, and the KV cache's in-place updates at a new offset "
-        "every step would make it retrace every step: not compiled.",
+        "every step would make it retrace every step: not compiled then. The decode step "
+        "is compiled since, with the KV buffers' lengths kept a multiple of 256 and the "
+        "offset passed as an array ([performance](performance.md#the-compiled-decode-step)).",
         "",
         "```sh",
         "python bench/step_overhead.py -g 32",
