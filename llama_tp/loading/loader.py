@@ -27,7 +27,7 @@ from ..checkpoints.slices import model_shape, read_slices
 from ..cluster.distributed import agree_ok, agreed, all_gather_object, barrier, world
 from ..cluster.memory import max_rss, memory_figures
 from ..cluster.progress import progress
-from ..generic.loader import checkpoint_route
+from ..generic.loader import checkpoint_route, local_path
 from ..kernels.layers import use_native
 from ..model import Transformer
 from ..models.registry import layer_specs
@@ -170,9 +170,10 @@ def _route_here(path: str | Path):
     cannot be resolved here (a hub id this rank cannot fetch: one copy sends it the
     weights, and the ranks that can read it choose the branch)."""
     try:
-        return checkpoint_route(path)
+        local = local_path(path)
     except CheckpointError:
         return None
+    return checkpoint_route(local)
 
 
 def load_model(
