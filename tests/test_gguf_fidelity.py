@@ -29,7 +29,23 @@ MIXES = ("Q4_K_M", "Q5_K_M", "Q2_K")
 EXACT_NATS = 0.01  # the issue's bound for types computed exactly (every type, natively)
 # Without the native kernels: 0.03 for files holding requantized types (Q6_K), and 0.45
 # for Q2_K's mix (Q2_K and Q3_K requantized to 5 and 4 bits; measured 0.42).
-MEMORY = 1.05  # each rank's peak while loading, over its share of the file
+MEMORY = 1.05  # each rank's peak while loading, over its share of the file...
+# ...plus the largest q/k/v or gate/up group of a layer: fusing a group's products
+# (parallel/fused.py) concatenates its weights, and frees the separate copies, one group
+# at a time. In a 1-layer model that group is a quarter of the file; in a real one, under
+# a percent.
+
+
+def _largest_group(path: Path) -> int:
+    """The bytes of the largest q/k/v or gate/up group of one layer in the GGUF file."""
+    import gguf
+
+    size = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+    groups = [("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")]
+    blocks = {n.split(".")[1] for n in size if n.startswith("blk.")}
+    return max(
+        sum(size.get(f"blk.{b}.{t}.weight", 0) for t in g) for b in blocks for g in groups
+    )
 
 
 def _files() -> list[str]:
@@ -73,9 +89,11 @@ def test_log_probs_match_the_float64_reference(runs, n, mix):
     ref = reference64.logits(r["path"], r["tokens"])
     gap = reference64.top5_gap(np.array(r["logits"]), ref)
     assert gap <= EXACT_NATS, (mix, n, gap)
-    share = (DATA / f"llamacpp-{mix}.gguf").stat().st_size / n
+    file = DATA / f"llamacpp-{mix}.gguf"
+    share = file.stat().st_size / n
+    bound = MEMORY * share + _largest_group(file) / n
     for peak in r["peak_memory"]:
-        assert peak <= MEMORY * share, (mix, n, peak, share)
+        assert peak <= bound, (mix, n, peak, share, bound)
 
 
 @pytest.mark.parametrize("mix", MIXES)
