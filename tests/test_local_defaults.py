@@ -88,13 +88,17 @@ def test_the_backend_for_local_ranks(monkeypatch):
 def test_local_ranks_get_open_mpi_with_the_reason(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in _OURS}
     env["OMPI_MCA_orte_tmpdir_base"] = str(tmp_path)  # its session directory
+    # Each rank writes its own file: Open MPI forwards the ranks' stdout in pieces that
+    # may interleave mid-line.
     code = (
-        "from llama_tp.cluster.distributed import launched_backend, world; "
-        "g = world(); print(g.rank(), g.size(), launched_backend(), flush=True)"
+        "import pathlib; from llama_tp.cluster.distributed import launched_backend, world; "
+        f"g = world(); pathlib.Path({str(tmp_path)!r}, f'rank{{g.rank()}}').write_text("
+        "f'{g.rank()} {g.size()} {launched_backend()}')"
     )
     cmd = [sys.executable, "-m", "llama_tp.launch", "--verbose", "-n", "2"]
     cmd += ["--", sys.executable, "-c", code]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert sorted(r.stdout.splitlines()) == ["0 2 mpi", "1 2 mpi"], r.stderr
+    got = [(tmp_path / f"rank{i}").read_text() for i in range(2)]
+    assert got == ["0 2 mpi", "1 2 mpi"], r.stderr
     assert f"launch: backend mpi ({backend_choice.MPI_REASON})" in r.stderr
