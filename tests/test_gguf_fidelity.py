@@ -43,9 +43,7 @@ def _largest_group(path: Path) -> int:
     size = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
     groups = [("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")]
     blocks = {n.split(".")[1] for n in size if n.startswith("blk.")}
-    return max(
-        sum(size.get(f"blk.{b}.{t}.weight", 0) for t in g) for b in blocks for g in groups
-    )
+    return max(sum(size.get(f"blk.{b}.{t}.weight", 0) for t in g) for b in blocks for g in groups)
 
 
 def _files() -> list[str]:
