@@ -1,6 +1,7 @@
 """Run on every rank (one process, or under mlx.launch): speculative decoding checks.
 
     mlx.launch -n 2 -- python tests/mp_speculative.py TARGET DRAFT BAD_DRAFT [--gguf PATH]
+        [--skip CHECK,...]
 
 TARGET and DRAFT are tiny models sharing a tokenizer (DRAFT: fewer layers, other
 weights); BAD_DRAFT has another vocabulary. Every case runs on every rank; rank 0
@@ -10,7 +11,8 @@ lookup, a replicated and a sharded draft model, the target as its own draft),
 across chat turns too; sampled output (temperature, top-p, top-k) equals plain
 sampled output for every drafter, and the target as its own draft accepts every
 sampled draft (its drafts use the target's keys); bad K and a mismatched tokenizer
-give clear errors; with --gguf the built-in model with prompt lookup.
+give clear errors; with --gguf the built-in model with prompt lookup. --skip leaves out
+checks by name (greedy, errors, sampled).
 """
 
 from __future__ import annotations
@@ -154,6 +156,10 @@ if __name__ == "__main__":
     if "--gguf" in args:
         i = args.index("--gguf")
         gguf, args = args[i + 1], args[:i] + args[i + 2 :]
+    skip = set()
+    if "--skip" in args:
+        i = args.index("--skip")
+        skip, args = set(args[i + 1].split(",")), args[:i] + args[i + 2 :]
     target, draft, bad = args
     seconds = {}
     for name, run in [
@@ -162,6 +168,8 @@ if __name__ == "__main__":
         ("sampled", lambda: check_sampled(target, draft)),
         ("gguf", lambda: gguf and check_gguf(gguf)),
     ]:
+        if name in skip:
+            continue
         tic = time.perf_counter()
         run()
         seconds[name] = round(time.perf_counter() - tic, 1)

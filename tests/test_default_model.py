@@ -65,10 +65,12 @@ def test_single_process_answers_paris(reference, default_gguf):
     assert "Paris" in tokenizer.decode(reference["tokens"].tolist())
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3])
 def test_ranks_match_single_process(reference, mlx_reference, default_gguf, tmp_path, n):
     """N ranks (native kernels, as by default on the CPU) = one process with them, and
-    the same greedy text as without them (logits within KERNEL_ATOL)."""
+    the same greedy text as without them (logits within KERNEL_ATOL). Uneven head
+    splits and replicated KV heads (4 ranks of its 9/3 heads) are test_sharded's, on
+    tiny models: 4 ranks of this one cost 70 s of CPU on 2 cores."""
     out = tmp_path / f"n{n}.npz"
     r = launch(n, greedy_args(default_gguf, out))
     assert out.exists(), r.stderr[-3000:]

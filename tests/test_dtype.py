@@ -83,14 +83,14 @@ def _text_and_head_bytes(r) -> tuple[str, list[float]]:
     return r.stdout, [float(v) for v in re.findall(r"rank \d+ ([\d.]+) MB", head)]
 
 
-def test_float32_on_1_2_and_3_ranks_gives_one_text(default_gguf):
-    """The built-in Q4_1 model: 2 ranks split its 9/3 heads unevenly (range layers),
-    3 ranks evenly (mlx's sharded layers); every rank holds float32 slices."""
+def test_float32_on_1_and_2_ranks_gives_one_text(default_gguf):
+    """The built-in Q4_1 model: 2 ranks split its 9/3 heads unevenly (range layers) and
+    hold float32 slices. (Even splits in float: test_sharded's float models.)"""
     args = ["-m", "llama_tp.generate", "--prompt", "Name a color.", "--max-tokens", "12"]
     args += ["--dtype", "float32", "--verbose"]
     one, (head1,) = _text_and_head_bytes(run_python(args, timeout=300))
     assert head1 == pytest.approx(49152 * 576 * 4 / 1e6, rel=0.01)  # float32, tied
-    for n in (2, 3):
+    for n in (2,):
         text, heads = _text_and_head_bytes(launch(n, args, timeout=400))
         assert text == one, (n, text, one)
         assert sum(heads) == pytest.approx(head1, rel=0.01) and len(heads) == n

@@ -51,13 +51,18 @@ def check_logits(n: int, paths: list, timeout: float = 300) -> None:
     assert "MISMATCH" not in r.stdout
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_any_world_size(models, n):
     """Every model with at least n query heads: even splits (mlx's shard_linear) where n
     divides the KV heads, whole KV groups, replicated KV heads and mapped query heads
     elsewhere; feed-forward columns split unevenly (plain and on quantization groups).
-    5 and 7 ranks split as 8 does (KV heads replicated unevenly): left out for time."""
-    paths = [path for path, heads in models.values() if heads >= n]
+    5, 6 and 7 ranks split as 3 and 8 do (KV heads in whole groups or replicated
+    unevenly): left out for time (6 ranks cost 60 s of CPU on 2 cores). 8 ranks run
+    the uneven and quantized shapes only (the even ones split as on 4)."""
+    names = [k for k, (_, heads) in models.items() if heads >= n]
+    if n == 8:
+        names = [k for k in names if k in ("h9kv3", "h14kv2", "q4")]
+    paths = [models[k][0] for k in names]
     check_logits(n, paths, timeout=600)
 
 
