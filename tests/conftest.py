@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from zygote import Zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -91,8 +92,15 @@ def launch(
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+_ZYGOTE = Zygote()
+
+
 def run_python(args: list[str], timeout: float = 300, input: str | None = None):
-    """Run `python args...` as a single process (bounded by `timeout`)."""
+    """Run `python args...` as a single process (bounded by `timeout`): forked from a
+    warm interpreter where it can (tests/zygote.py), else started afresh."""
+    done = _ZYGOTE.run(args, ROOT, timeout * TIMEOUT_SCALE, input or "")
+    if done is not None:
+        return done
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,

@@ -39,8 +39,24 @@ class GenericArgs:
         return asdict(self)
 
 
+# mlx-lm classes whose attention adds the mask to grouped scores (B, KV heads, repeats,
+# L, S) when query heads share KV heads: a batch's (B, 1, L, S) mask does not broadcast
+# there (mlx-lm 0.32's gemma2 and phi3small fail in their own batch generation too), so
+# such a model decodes one sequence at a time.
+GROUPED_SCORES = ("gemma2", "phi3small")
+
+
 class GenericModel(nn.Module):
     """mlx-lm's `inner` model as this rank runs it (see the module docstring)."""
+
+    @property
+    def batch_refusal(self) -> str | None:
+        """Why this model cannot decode several sequences as one batch, or None."""
+        c = self.args.config
+        heads = c.get("num_attention_heads", 0)
+        if self.args.model_type in GROUPED_SCORES and heads != c.get("num_key_value_heads", heads):
+            return f"mlx-lm's {self.args.model_type} attention cannot take a batch's mask"
+        return None
 
     def __init__(self, inner: nn.Module, args: GenericArgs, structure: Any, layers: range):
         super().__init__()

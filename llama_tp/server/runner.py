@@ -44,12 +44,13 @@ def model_info(
 
 def batching(model: nn.Module, scheduler: Scheduler | None, engine: BatchEngine) -> str:
     """'continuous', or one sequence at a time (the scheduler's batch lowered to 1, said on
-    stderr) when some cache of the model cannot merge into a batch (`caches.why_not_merge`).
+    stderr) when some cache of the model cannot merge into a batch (`caches.why_not_merge`)
+    or its layers cannot take a batch's mask (`batch_refusal` of mlx-lm's classes).
     Such caches (Llama 4's chunked one) do not keep finished prompts either: the prompt
     cache steps them back, which a chunked cache past its first chunk cannot do."""
     from ..engine import caches
 
-    why = caches.why_not_merge(caches.new(model))
+    why = getattr(model, "batch_refusal", None) or caches.why_not_merge(caches.new(model))
     if why is None:
         return "continuous"
     engine.prompt_cache = None
