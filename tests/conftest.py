@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from zygote import Zygote
+from zygote import Zygote, usable
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -62,7 +62,11 @@ def launch(
         # their float32 results can be compared bit for bit (test_launch checks the preload)
         cmd = [sys.executable, "-m", "llama_tp.launch", "--no-openblas", "-n", str(n), *port]
         cmd += extra or []
-    cmd += ["--", sys.executable, *args]
+    if launcher != "mlx" and not extra and _WARM and usable(args) and _ZYGOTE.start():
+        # each rank forked from the warm interpreter by a stand-in (tests/zygote.py)
+        cmd += ["--", sys.executable, str(ROOT / "tests" / "zygote.py"), "exec", *args]
+    else:
+        cmd += ["--", sys.executable, *args]
     read_end, write_end = os.pipe()
     if input:
         os.write(write_end, input.encode())
@@ -93,14 +97,16 @@ def launch(
 
 
 _ZYGOTE = Zygote()
+_WARM = True  # this test's processes may come from the zygote (not an exclusive test's)
 
 
 def run_python(args: list[str], timeout: float = 300, input: str | None = None):
     """Run `python args...` as a single process (bounded by `timeout`): forked from a
     warm interpreter where it can (tests/zygote.py), else started afresh."""
-    done = _ZYGOTE.run(args, ROOT, timeout * TIMEOUT_SCALE, input or "")
-    if done is not None:
-        return done
+    if _WARM:
+        done = _ZYGOTE.run(args, ROOT, timeout * TIMEOUT_SCALE, input or "")
+        if done is not None:
+            return done
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
@@ -284,7 +290,12 @@ def missing_components(names) -> list[str]:
     return out
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    # Exclusive tests time themselves and stop or kill ranks: their processes (and their
+    # fixtures', set up after this hook) start as users start them, not from the zygote.
+    global _WARM
+    _WARM = item.get_closest_marker("exclusive") is None
     for mark in item.iter_markers("requires"):
         missing = missing_components(mark.args)
         if missing and _in_ci():

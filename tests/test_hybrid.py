@@ -50,7 +50,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(autouse=True)
 def mlx_products(monkeypatch):
-    monkeypatch.setenv("LLAMA_TP_KERNELS", "mlx")  # see the module docstring
+    """MLX's products (see the module docstring): in the processes a test starts (the
+    environment) and in this one (kernels.off: the path is chosen once per process, so
+    the variable alone would stay with this worker's later modules, or come too late)."""
+    from llama_tp import kernels
+
+    monkeypatch.setenv("LLAMA_TP_KERNELS", "mlx")
+    with kernels.off():
+        yield
 
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:
