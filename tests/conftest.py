@@ -23,6 +23,13 @@ BIN = Path(sys.executable).parent
 # pytest-xdist's workers (`make test`) take blocks of their own within the base's.
 _BASE = os.environ.get("LLAMA_TP_TEST_PORT_BASE")
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+# Every bound on a child's time is a guard against a hang, never a speed assertion: under
+# `make test`'s 2 workers a child shares the cores with another test's, so the bounds
+# stretch (LLAMA_TP_TEST_TIMEOUT_SCALE sets the factor).
+TIMEOUT_SCALE = float(
+    os.environ.get("LLAMA_TP_TEST_TIMEOUT_SCALE")
+    or (3 if "PYTEST_XDIST_WORKER" in os.environ else 1)
+)
 _PORTS = itertools.count(
     (int(_BASE) if _BASE else 10000 + (os.getpid() % 4) * 5000) + _WORKER * 1000, 10
 )
@@ -73,7 +80,7 @@ def launch(
         )
         os.close(read_end)
         try:
-            out, err = p.communicate(timeout=timeout)
+            out, err = p.communicate(timeout=timeout * TIMEOUT_SCALE)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)  # the launcher and every rank it started
             out, err = p.communicate()
@@ -91,7 +98,7 @@ def run_python(args: list[str], timeout: float = 300, input: str | None = None):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=timeout * TIMEOUT_SCALE,
         input=input or "",
     )
 

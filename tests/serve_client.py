@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
-from conftest import _PORTS, BIN, ROOT
+from conftest import _PORTS, BIN, ROOT, TIMEOUT_SCALE
 
 KEY = "test-key"
 REPEAT = "abc abc abc abc abc abc abc abc"  # prompt lookup finds drafts the model accepts
@@ -72,7 +72,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout * TIMEOUT_SCALE
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.stderr()
             try:
