@@ -148,8 +148,9 @@ class BatchEngine(Decoder):
         return super().step()
 
     def _admit(self, join: Join) -> Event | None:
-        """Prefill `join` into the batch; or, when its own processing cannot start (its
-        logits processors), the event that ends it with an error, the batch unchanged."""
+        """Queue `join` for prefilling (`_fill`), from the prompt cache's nearest entry; or,
+        when its own processing cannot start (its logits processors), the event that ends
+        it with an error, the batch unchanged."""
         seq = Sequence(join.uid, join.prompt, join.params, self.tokenizer.detokenizer, self.eos)
         seq.guarded = True  # its own failures end it alone (sequence.py)
         if join.params.processed:  # logit bias, penalties, a grammar
