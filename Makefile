@@ -9,7 +9,7 @@ PROMPT ?= What is the capital of France?
 
 .PHONY: setup kernels demo test test-fast lint clean
 
-# Python caches its compiled modules: each of the suite's ~1,000 processes would otherwise
+# Python caches its compiled modules: each of the suite's ~800 processes would otherwise
 # compile llama_tp's sources again (0.6 s of CPU each, measured), wherever the shell says not to.
 unexport PYTHONDONTWRITEBYTECODE
 
@@ -46,6 +46,8 @@ lint: $(STAMP)
 # on start-up, a collective or a child for part of its time: about 1.2 cores busy on
 # average, measured with LLAMA_TP_TEST_COSTS), then the tests that time themselves or set
 # short watchdog timeouts (`exclusive`) run one at a time. Both run; either failing fails.
+# In the first pass, single runs and launched ranks are forked from a warm interpreter
+# (tests/zygote.py; LLAMA_TP_TEST_ZYGOTE=0 starts each as before).
 PASSES := -p no:cacheprovider --durations=25
 test: lint kernels
 	@rc=0; \
