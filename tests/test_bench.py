@@ -331,6 +331,7 @@ SECTIONS = {
     "deepseek-v3": ("moe", "section"),
     "gpt-oss": ("moe", "section"),
     "glm4-moe": ("moe", "section"),
+    "qwen35-moe": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
     "constrained-decoding": ("constrained_decoding", "section"),
