@@ -20,10 +20,12 @@ PROBE = (
     "os.listdir('/proc/self/task')}); "
     "nice = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) "
     "for t in os.listdir(f'/proc/{p}/task')}); "
+    "session = open('/proc/self/autogroup').read().split()[-1]; "
     "os.write(1, f\"{r} {e.get('LLAMA_TP_KERNEL_THREADS')} {e.get('LLAMA_TP_CORES')} "
-    '{cores} {nice}\\n".encode())'
+    '{cores} {nice} {session}\\n".encode())'
 )
 _OURS = ("LLAMA_TP_KERNEL_THREADS", "LLAMA_TP_CORES", "LLAMA_TP_LAUNCHER_NICE")
+_OURS += ("LLAMA_TP_SESSION_NICE",)
 
 
 def test_local_ranks_from_the_hostfile_and_from_mpi(tmp_path, monkeypatch):
@@ -46,8 +48,10 @@ def test_local_ranks_from_the_hostfile_and_from_mpi(tmp_path, monkeypatch):
 def test_ranks_under_mlx_launch_apply_the_local_defaults():
     """mlx.launch passes nothing: each rank finds both ranks local, takes its share of
     the cores for the kernels' threads and its own core, and lowers mlx.launch (the
-    parent that polls in a loop) to nice 19; what is set already is kept."""
-    from llama_tp.cluster.affinity import parse_cores, rank_cores, usable_cores
+    parent that polls in a loop) to nice 19, and its session (mlx.launch's) to nice 10
+    while it runs, as `llama_tp.launch` does for the ranks it pins (pinned ranks starve
+    the other sessions); what is set already is kept."""
+    from llama_tp.cluster.affinity import SESSION_NICE, parse_cores, rank_cores, usable_cores
 
     env = {k: v for k, v in os.environ.items() if k not in _OURS}
 
@@ -64,10 +68,12 @@ def test_ranks_under_mlx_launch_apply_the_local_defaults():
     spec = rank_cores(2, usable)
     threads = max(1, len(usable) // 2)
     want = [f"{r} {threads} {spec} {[tuple(parse_cores(spec, r))]} [19]" for r in (0, 1)]
-    assert ranks({}) == want
+    assert ranks({}) == [f"{w} {SESSION_NICE}" for w in want]
+    assert ranks({"LLAMA_TP_SESSION_NICE": "3"}) == [f"{w} 3" for w in want]
     mine = ranks({"LLAMA_TP_CORES": "off", "LLAMA_TP_LAUNCHER_NICE": "0"})
     ours = os.getpriority(os.PRIO_PROCESS, 0)  # mlx.launch left at this process's nice
-    assert mine == [f"{r} {threads} off {[tuple(usable)]} [{ours}]" for r in (0, 1)]
+    # not pinned: the session (a new one, at nice 0) is left as it is
+    assert mine == [f"{r} {threads} off {[tuple(usable)]} [{ours}] 0" for r in (0, 1)]
 
 
 def test_the_backend_for_local_ranks(monkeypatch):

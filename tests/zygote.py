@@ -14,8 +14,10 @@ from the environment at import time is the run's.
 - `run_python` (conftest.py) asks it directly (`Zygote.run`);
 - a launched rank runs `python tests/zygote.py exec ARGS...`: this stand-in hands its own
   standard streams, environment and arguments to the zygote, passes the signals it gets
-  on to the forked rank and exits as the rank exits (killed by the same signal, too); a
-  rank whose stand-in dies (SIGKILL) kills itself (a pipe held by the stand-in tells).
+  on to the forked rank and exits as the rank exits (killed by the same signal, too); the
+  rank runs in a session of its own at the stand-in's priority (the launcher lowers its
+  session while pinned ranks run); a rank whose stand-in dies (SIGKILL) kills itself
+  (a pipe held by the stand-in tells).
 
 Anything else starts Python as before: another interpreter flag, an environment whose
 start-up variables (PYTHON*, LD_*, OPENBLAS_*, OMP_*) differ from the zygote's, or a
@@ -135,6 +137,19 @@ def _lifeline(fd: int) -> None:
     threading.Thread(target=wait, daemon=True).start()
 
 
+def _own_session(nice: int | None) -> None:
+    """A session of its own at the stand-in's autogroup nice: the launcher lowers its
+    session while pinned ranks run (llama_tp/cluster/affinity.py), and a rank left in the
+    pytest worker's session at nice 0 would starve the other sessions as it describes."""
+    os.setsid()
+    if nice:
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+        except OSError:
+            pass
+
+
 def _fork(req: dict, fds: list[int], close: list[socket.socket]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -150,8 +165,9 @@ def _fork(req: dict, fds: list[int], close: list[socket.socket]) -> int:
         for f in fds[:3]:
             if f > 2:
                 os.close(f)
-        if len(fds) > 3:
+        if len(fds) > 3:  # a launched rank: in a session at its stand-in's priority
             _lifeline(fds[3])
+            _own_session(req.get("session_nice"))
         code = _run_child(req)
     except BaseException:
         code = 1
@@ -212,11 +228,13 @@ def serve(path: str) -> None:
 class Call:
     """One request to the zygote: `python args` with these standard streams."""
 
-    def __init__(self, path: str, args: list[str], fds: list[int], cwd: str) -> None:
+    def __init__(
+        self, path: str, args: list[str], fds: list[int], cwd: str, nice: int | None = None
+    ) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
         self.buf = b""
-        req = {"argv": args, "cwd": cwd, "env": dict(os.environ)}
+        req = {"argv": args, "cwd": cwd, "env": dict(os.environ), "session_nice": nice}
         socket.send_fds(self.sock, [json.dumps(req).encode()], fds)
         first = self.line(None)
         if "pid" not in first:
@@ -311,6 +329,15 @@ class Zygote:
         return subprocess.CompletedProcess(cmd, code, out, err)
 
 
+def _session_nice() -> int | None:
+    """This session's autogroup nice (None: no autogroups here)."""
+    try:
+        with open("/proc/self/autogroup") as f:
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def stand_in(args: list[str]) -> None:
     """`python args` forked from the zygote with this process's streams; exits as it exits.
     Without a zygote (or refused), this process becomes `python args`."""
@@ -319,7 +346,7 @@ def stand_in(args: list[str]) -> None:
     if path and usable(args) and os.environ.get("LLAMA_TP_TEST_ZYGOTE", "1") != "0":
         read_end, write_end = os.pipe()  # the rank's lifeline: it ends when we do
         try:
-            call = Call(path, args, [0, 1, 2, read_end], os.getcwd())
+            call = Call(path, args, [0, 1, 2, read_end], os.getcwd(), _session_nice())
         except OSError:
             call = None
         os.close(read_end)

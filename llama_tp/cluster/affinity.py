@@ -154,6 +154,21 @@ def yielding_session(nice: int = SESSION_NICE) -> Iterator[None]:
         _set_session_nice(before)
 
 
+def lower_session_for_exit(nice: int) -> int | None:
+    """Run this session's scheduling group at `nice` until this process exits (then put
+    back what it was): for ranks that pin themselves under another launcher, which runs no
+    `yielding_session` for them. The previous value, or None when nothing changed (no
+    autogroups, `nice` 0, or the session already at `nice` or above: another local rank
+    lowered it first, and only that one restores it)."""
+    import atexit
+
+    before = session_nice()
+    if before is None or before >= nice or not _set_session_nice(nice):
+        return None
+    atexit.register(_set_session_nice, before)
+    return before
+
+
 BACKGROUND_NICE = 10  # how much lower a background thread runs than its process
 
 

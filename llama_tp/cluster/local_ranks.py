@@ -13,6 +13,8 @@ share its machine sets what is not set already, as the launcher would have:
 - `LLAMA_TP_KERNEL_THREADS`: the usable cores over the local ranks;
 - `LLAMA_TP_CORES`: equal groups of the usable cores, one per local rank (unless a rank
   already has fewer cores than there are local ranks: mpirun binds its ranks itself);
+- the session at nice `LLAMA_TP_SESSION_NICE` (10) while a pinned rank runs, as the
+  launcher does for its ranks (affinity.py: pinned ranks starve the other sessions);
 - under `mlx.launch` (the rank's parent is it): its threads at nice 19. mlx's launcher
   (0.32) polls every rank's stdin pipe for writing in a loop that never sleeps (an
   empty pipe is always writable), and its main loop spins once its own stdin is at end
@@ -30,7 +32,7 @@ import socket
 import sys
 from functools import lru_cache
 
-from .affinity import CORES_ENV, rank_cores, usable_cores
+from .affinity import CORES_ENV, launch_nice, lower_session_for_exit, rank_cores, usable_cores
 
 THREADS_ENV = "LLAMA_TP_KERNEL_THREADS"
 NICE_ENV = "LLAMA_TP_LAUNCHER_NICE"
@@ -110,9 +112,26 @@ def apply_local_defaults(rank: int, size: int) -> int | None:
             done[CORES_ENV] = spec  # group i for local rank i
     os.environ.update(done)
     applied.update(done)
+    if CORES_ENV in done:  # pinned ranks starve the other sessions: as the launcher does
+        _lower_session()
     if _under_mlx_launch() and _lower_launcher():
         applied["mlx.launch"] = f"nice {os.environ.get(NICE_ENV, LAUNCHER_NICE)}"
     return index
+
+
+def _lower_session() -> None:
+    """This session at nice `LLAMA_TP_SESSION_NICE` (10) while this rank runs: pinned
+    ranks keep both cores busy, and under Linux's autogroups the other sessions (a shell,
+    a browser, an HTTP client) then wait 20-40 s at a time (affinity.py measures it).
+    `python -m llama_tp.launch` does this for its ranks; under any other launcher the
+    rank that pins itself does it."""
+    try:
+        nice = launch_nice()
+    except ValueError as e:
+        print(f"warning: {e}; the session keeps its priority", file=sys.stderr)
+        return
+    if nice and lower_session_for_exit(nice) is not None:
+        applied["session"] = f"nice {nice}"
 
 
 def _under_mlx_launch() -> bool:
