@@ -78,7 +78,7 @@ def interleaved(path: str, rounds: int, p: int, g: int) -> dict:
     from llama_tp.engine.sampling import make_sampler
     from llama_tp.loading.loader import load_model
 
-    ours, _ = load_model(path)
+    ours, ckpt = load_model(path)
     theirs, _ = load(path)
     prompt = mx.random.randint(0, ours.args.vocab_size, (p,), key=mx.random.key(0)).tolist()
 
@@ -104,7 +104,54 @@ def interleaved(path: str, rounds: int, p: int, g: int) -> dict:
         b = [t[key] for t in trials["mlx-lm"]]
         out[key] = {"llama_tp": median(a), "mlx-lm": median(b)}
         out[f"{key}_ratio"] = median([x / y for x, y in zip(a, b, strict=True)])
+    out["chat"] = two_turns(ours, ckpt, g)
     return out
+
+
+# The synthetic tokenizer is word-level (`w3 w4 ...`) with no chat template: a template
+# of its own words.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ 'w3' if m['role'] == 'user' else 'w5' }} "
+    "{{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5 {% endif %}"
+)
+
+
+def two_turns(model, ckpt, g: int) -> dict:
+    """A 2-turn `Chat` on `model`: what each turn's prompt held, reused and prefilled."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    from llama_tp.conversation.chat import Chat
+
+    # the folder's own tokenizer.json, as the class it was written for: transformers 5
+    # picks the class from config.json's model type (Qwen3.5's BPE class, which encodes
+    # these words to nothing)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(Path(ckpt.path) / "tokenizer.json"),
+        bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+    )  # fmt: skip
+    hf.chat_template = CHAT_TEMPLATE
+    tok = TokenizerWrapper(hf)
+    chat = Chat(model, tok, max_tokens=g, temp=0.0)
+    turns = []
+    for message in ("w10 w11 w12 w13 w14 w15 w16 w17", "w20 w21 w22 w23"):
+        chat.send(message)
+        s = chat.last_stats
+        turns.append(
+            {
+                k: getattr(s, k)
+                for k in (
+                    "prompt_tokens",
+                    "reused_tokens",
+                    "prefilled_tokens",
+                    "generated_tokens",
+                    "context_tokens",
+                )
+            }  # fmt: skip
+        )
+    first, second = turns
+    only_new = second["prefilled_tokens"] == second["prompt_tokens"] - first["context_tokens"]
+    return {"turns": turns, "second_turn_prefills_only_new_tokens": only_new}
 
 
 def _row(name: str, r: dict, engine: str = "llama_tp") -> str:
@@ -158,12 +205,29 @@ def section(res: dict) -> str:
         "",
         f"One process, {res['rounds']} interleaved rounds: llama_tp {g['llama_tp']:.2f}, "
         f"mlx-lm {g['mlx-lm']:.2f} generated tok/s (medians).",
+        *_chat_lines(runs["1 process, interleaved"].get("chat")),
         "",
         *(f"- {k}: {v:.3f}" for k, v in targets.items()),
         "",
         sections.facts_line(res),
     ]
     return "\n".join(md)
+
+
+def _chat_lines(chat: dict | None) -> list[str]:
+    if chat is None:  # a results file written before the chat step
+        return []
+    first, second = chat["turns"]
+    return [
+        "",
+        f"A 2-turn `Chat` in the same process: the first turn prefilled "
+        f"{first['prefilled_tokens']} of {first['prompt_tokens']} prompt tokens and held "
+        f"{first['context_tokens']} after its reply; the second prefilled "
+        f"{second['prefilled_tokens']} of {second['prompt_tokens']} ("
+        f"{second['reused_tokens']} reused: "
+        + ("only its new tokens)." if chat["second_turn_prefills_only_new_tokens"] else
+           "more than its new tokens).")
+    ]  # fmt: skip
 
 
 def main() -> int:
@@ -195,6 +259,9 @@ def main() -> int:
     runs["1 process, interleaved"] = side = one_process(one["model_path"], args)
     targets = {
         "generation_vs_mlx_lm_1_rank": side["generation_tps_ratio"],
+        "chat_second_turn_prefills_only_new_tokens": side["chat"][
+            "second_turn_prefills_only_new_tokens"
+        ],
         "peak_memory_2_ranks_over_1": max(
             max(r["llama_tp"]["peak_memory_gb"]) for k, r in runs.items() if k.startswith("2")
         )
