@@ -207,11 +207,15 @@ def section(res: dict) -> str:
         f"mlx-lm {g['mlx-lm']:.2f} generated tok/s (medians).",
         *_chat_lines(runs["1 process, interleaved"].get("chat")),
         "",
-        *(f"- {k}: {v:.3f}" for k, v in targets.items()),
+        *(f"- {k}: {_figure(v)}" for k, v in targets.items()),
         "",
         sections.facts_line(res),
     ]
     return "\n".join(md)
+
+
+def _figure(v) -> str:
+    return ("yes" if v else "no") if isinstance(v, bool) else f"{v:.3f}"
 
 
 def _chat_lines(chat: dict | None) -> list[str]:
