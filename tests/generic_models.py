@@ -264,7 +264,7 @@ def render_models_md() -> str:
     lines = [
         f"mlx-lm {mlx_lm.__version__} has {len(every)} text architectures; {len(stages)} of them "
         f"({100 * len(stages) // len(every)}%) split into pipeline stages here, each giving "
-        "mlx-lm's greedy tokens on one process and on 2 and 3 pipeline stages "
+        "mlx-lm's greedy tokens on one process and on 2 and 3 launched pipeline ranks "
         "(tests/test_generic.py).",
         "",
         "| architecture | runs on | pipeline stages (`--pp N`) | tensor split (`-n N`) |",

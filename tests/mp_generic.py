@@ -3,15 +3,13 @@ or one launch, one JSON line per architecture on rank 0's stdout.
 
     python tests/mp_generic.py write ROOT TOKENIZER_DIR [I/K]
         writes each architecture's folder under ROOT (every K-th from the I-th) and prints
-        mlx-lm's greedy tokens and llama_tp's on one process, and for one on mlx-lm's
-        classes its 2 and 3 pipeline stages run in this process (tests/generic_local.py):
-        {"name", "mlx_lm", "tokens", "error", "local": {"2": {"tokens", "ranks",
-        "by_mlx_lm", "error"}, "3": ...}}
+        mlx-lm's greedy tokens and llama_tp's on one process: {"name", "mlx_lm", "tokens",
+        "error"}
     python -m llama_tp.launch -n N -- python tests/mp_generic.py run ROOT FLAG N NAMES ...
         FLAG N NAMES (comma-separated) repeated: loads each folder split that way (--pp N,
         --tp N, --mesh N: --tp 2 --pp N/2; by tensor: the first half of the tokens) and
-        prints {"name", "flag", "tokens", "error", "ranks": [(bytes read, layers run,
-        bytes held) per rank], "how", "by_mlx_lm"}
+        prints {"name", "flag", "tokens", "error", "errors" (each rank's), "ranks": [(bytes
+        read, layers run, bytes held) per rank], "how", "by_mlx_lm"}
 
 Generation is the engine's (`stream_generate`, greedy, no end of sequence), so the tokens
 are what `python -m llama_tp.generate` prints.
@@ -32,7 +30,6 @@ from generic_models import (  # noqa: E402
     NEW_TOKENS,
     PROMPT,
     mlx_lm_greedy,
-    native,
     runnable,
     write_model,
 )
@@ -42,10 +39,19 @@ from llama_tp.cluster.distributed import all_gather_object, first_line, world  #
 from llama_tp.engine.generation import stream_generate  # noqa: E402
 from llama_tp.loading.loader import load_model  # noqa: E402
 
+_TOKENIZERS: dict[bytes, object] = {}  # every folder has the same tokenizer's files
+
+
+def _tokenizer(ckpt):
+    key = b"".join(f.read_bytes() for f in sorted(Path(ckpt.path).glob("tokenizer*")))
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = load_tokenizer(ckpt)
+    return _TOKENIZERS[key]
+
 
 def ours(path: Path, group, n: int = NEW_TOKENS, **mesh) -> tuple[list[int], dict]:
     model, ckpt = load_model(path, group, **mesh)
-    tokenizer = load_tokenizer(ckpt)
+    tokenizer = _tokenizer(ckpt)
     tokens = [
         r.token
         for r in stream_generate(
@@ -77,24 +83,6 @@ def _failed(row: dict, e: Exception) -> None:
     row["trace"] = traceback.format_exc(limit=-3)
 
 
-def local(path: Path) -> dict:
-    """2 and 3 pipeline stages of `path` in this process (tests/generic_local.py)."""
-    from generic_local import local_pipeline
-
-    out = {}
-    for pp in (2, 3):
-        row: dict = {}
-        try:
-            toks, reads, layers, by_mlx_lm = local_pipeline(path, pp, PROMPT, NEW_TOKENS)
-            ranks = [(r[0], [s.start, s.stop], r[1]) for r, s in zip(reads, layers, strict=True)]
-            row |= {"tokens": toks, "ranks": ranks, "by_mlx_lm": by_mlx_lm}
-        except Exception as e:
-            _failed(row, e)
-        out[str(pp)] = row
-        mx.clear_cache()
-    return out
-
-
 def write(root: Path, tokenizer: Path, part: str) -> None:
     i, k = map(int, part.split("/"))
     group = world()
@@ -106,8 +94,6 @@ def write(root: Path, tokenizer: Path, part: str) -> None:
             row["tokens"], _ = ours(path, group)
         except Exception as e:
             _failed(row, e)
-        if not native(name) and "mlx_lm" in row:
-            row["local"] = local(root / name)
         print(json.dumps(row), flush=True)
 
 
@@ -125,10 +111,10 @@ def run(root: Path, specs: list[str]) -> None:
                 row |= extra
             except Exception as e:
                 _failed(row, e)
+            # every rank's own line (gathered: the ranks' prints would interleave)
+            row["errors"] = all_gather_object(row.get("error"), group)
             if group.rank() == 0:
                 print(json.dumps(row), flush=True)
-            elif "error" in row:  # every rank's own line and trace, for the test
-                print(json.dumps({"rank": group.rank(), **row}), flush=True)
             mx.clear_cache()
 
 

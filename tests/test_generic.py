@@ -2,12 +2,11 @@
 path for the ones llama_tp implements), against mlx-lm's own greedy tokens.
 
 Two processes write every tiny folder with mlx-lm's own class and run mlx-lm and llama_tp
-on it, and for an architecture on mlx-lm's classes its 2 and 3 pipeline stages in that
-process, as each rank loads its stage (tests/generic_local.py: only the transport is
-local). Launches of 2, 3 and 4 ranks then run a handful of representative architectures
-(and every native one) split by stages, by tensor and both (tests/mp_generic.py). The
-table (`tests/generic_models.py`) says what must hold, and docs/models.md is rendered
-from it.
+on it. One launch of 2 ranks and one of 3 then run every architecture in pipeline stages
+(a few also by tensor on the 2 ranks), and one of 4 ranks a tp 2 x pp 2 mesh
+(tests/mp_generic.py: one load and 4 greedy tokens per architecture, its refusal where it
+cannot be cut). The table (`tests/generic_models.py`) says what must hold, and
+docs/models.md is rendered from it.
 """
 
 from __future__ import annotations
@@ -23,17 +22,12 @@ from generic_models import (
     NO_PIPELINE,
     STYLE_TABLE,
     architectures,
-    native,
     render_models_md,
     runnable,
     tensor_split,
 )
 
 MP = str(ROOT / "tests" / "mp_generic.py")
-# Launched on 2 and 3 ranks by stages beside every native architecture: the generic stage
-# wrapper (sliding windows; a Mamba hybrid) and mlx-lm's own pipeline(). Every other
-# one's stages run in one process (`written`).
-STAGED = ["gemma2", "nemotron_h", "ministral3"]
 # Launched on 2 ranks by tensor: mlx-lm's shard() and the style table. A refused split
 # (one line on every rank) is tests/test_generic_drivers.py's.
 BY_TENSOR = ["ministral3", "gemma2"]
@@ -45,8 +39,8 @@ def _rows(out: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> tuple[Path, dict]:
-    """Every runnable architecture's folder, mlx-lm's greedy tokens, llama_tp's on one
-    process and on 2 and 3 local stages (two processes, half of the table each)."""
+    """Every runnable architecture's folder, mlx-lm's greedy tokens and llama_tp's on one
+    process (two processes, half of the table each)."""
     from fixtures import train_sentencepiece
 
     base = tmp_path_factory.mktemp("generic")
@@ -70,11 +64,10 @@ def written(tmp_path_factory) -> tuple[Path, dict]:
 def launched(written) -> dict:
     """(flag, n) -> name -> rank 0's row."""
     root, _ = written
-    natives = ",".join(a for a in runnable() if native(a))
+    every = ",".join(runnable())  # NO_PIPELINE's too: their refusal on every rank
     runs = {
-        2: ["--pp", "2", f"{natives},{','.join(STAGED)}",
-            "--tp", "2", ",".join(BY_TENSOR)],
-        3: ["--pp", "3", f"{natives},{','.join(STAGED)}"],
+        2: ["--pp", "2", every, "--tp", "2", ",".join(BY_TENSOR)],
+        3: ["--pp", "3", every],
         4: ["--mesh", "4", "ministral3,gemma2"],
     }  # fmt: skip
     out: dict = {}
@@ -82,8 +75,7 @@ def launched(written) -> dict:
         p = launch(n, [MP, "run", str(root), *spec], timeout=900)
         assert p.returncode == 0, p.stderr[-2000:]
         for r in _rows(p.stdout):
-            if "rank" not in r:  # the other ranks print only their errors
-                out.setdefault((r["flag"], n), {})[r["name"]] = r
+            out.setdefault((r["flag"], n), {})[r["name"]] = r
     return out
 
 
@@ -108,42 +100,34 @@ def test_one_process_gives_mlx_lms_greedy_tokens(written):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_pipeline_stages_give_mlx_lms_greedy_tokens(written, n):
-    """Every architecture on mlx-lm's classes, its stages run in one process as its ranks
-    load them."""
-    _, ref = written
-    for name, row in ref.items():
-        if native(name):
-            continue
-        r = row["local"][str(n)]
-        if name in NO_PIPELINE:  # refused in one line
-            assert "cannot be split" in r["error"] and "\n" not in r["error"], (name, r)
-            continue
-        _check_stages(name, r, ref[name]["mlx_lm"], n)
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_launched_pipeline_stages_give_mlx_lms_greedy_tokens(written, launched, n):
-    """Every native architecture and a handful on mlx-lm's classes, on n launched ranks."""
+def test_pipeline_stages_give_mlx_lms_greedy_tokens(written, launched, n):
+    """Every architecture on n launched ranks in pipeline stages: mlx-lm's greedy tokens,
+    each rank reading only its stage's tensors; the ones that cannot be cut refused in one
+    line on every rank."""
     _, ref = written
     rows = launched[("--pp", n)]
-    assert set(rows) == {a for a in runnable() if native(a)} | set(STAGED)
+    assert set(rows) == set(runnable())
     for name, r in rows.items():
+        if name in NO_PIPELINE:
+            assert "cannot be split" in r["error"] and "\n" not in r["error"], (name, r)
+            assert r["errors"] == [r["error"]] * n, name
+            continue
         _check_stages(name, r, ref[name]["mlx_lm"], n)
-        assert r["by_mlx_lm"] == ref[name].get("local", {}).get(str(n), {}).get("by_mlx_lm", False)
-    assert rows["ministral3"]["by_mlx_lm"] and not rows["gemma2"]["by_mlx_lm"]
+    # mlx-lm's own pipeline() where the model has one (the same models on 2 and 3 ranks),
+    # the generic stage wrapper otherwise
+    by_mlx_lm = {a for a, r in rows.items() if r.get("by_mlx_lm")}
+    assert "ministral3" in by_mlx_lm and "gemma2" not in by_mlx_lm, by_mlx_lm
+    assert by_mlx_lm == {a for a, r in launched[("--pp", 5 - n)].items() if r.get("by_mlx_lm")}
 
 
 def test_most_architectures_split_into_pipeline_stages(written, launched):
     """The issue's bar: >= 90% of the installed mlx-lm's text architectures give mlx-lm's
-    greedy tokens on 2 and 3 pipeline stages (launched for the native ones)."""
+    greedy tokens on 2 and 3 launched pipeline ranks."""
     ref = written[1]
-
-    def staged(a: str, n: int) -> dict:
-        return launched[("--pp", n)][a] if native(a) else ref[a]["local"][str(n)]
-
     passed = [
-        a for a in runnable() if all(staged(a, n).get("tokens") == ref[a]["mlx_lm"] for n in (2, 3))
+        a
+        for a in runnable()
+        if all(launched[("--pp", n)][a].get("tokens") == ref[a]["mlx_lm"] for n in (2, 3))
     ]
     assert len(passed) / len(architectures()) >= 0.9, (len(passed), len(architectures()))
 
