@@ -238,9 +238,12 @@ def runnable() -> list[str]:
 
 
 def native(name: str) -> bool:
+    """llama_tp implements `name`: a registry row, or a multimodal wrapper of one whose
+    text model the HF reader takes (gemma3 -> gemma3_text)."""
+    from llama_tp.checkpoints.hf import WRAPPED
     from llama_tp.models.registry import MODEL_TYPES
 
-    return name in MODEL_TYPES
+    return name in MODEL_TYPES or name in WRAPPED
 
 
 def tensor_split(name: str) -> str | None:

@@ -28,9 +28,9 @@ from generic_models import (
 )
 
 MP = str(ROOT / "tests" / "mp_generic.py")
-# Launched on 2 ranks by tensor: mlx-lm's shard() and the style table. A refused split
-# (one line on every rank) is tests/test_generic_drivers.py's.
-BY_TENSOR = ["ministral3", "gemma2"]
+# Launched on 2 ranks by tensor: every architecture with mlx-lm's shard() or the style
+# table. A refused split (one line on every rank) is tests/test_generic_drivers.py's.
+BY_TENSOR = [a for a in runnable() if tensor_split(a) in ("mlx-lm's shard()", "the style table")]
 
 
 def _rows(out: str) -> list[dict]:
@@ -133,7 +133,8 @@ def test_most_architectures_split_into_pipeline_stages(written, launched):
 
 
 def test_tensor_splits(written, launched):
-    """shard() where mlx-lm defines it, the style table where it knows the layers."""
+    """shard() on 2 ranks for every architecture that defines it, the style table for
+    every one it covers: mlx-lm's greedy tokens."""
     _, ref = written
     rows = launched[("--tp", 2)]
     for name in BY_TENSOR:
