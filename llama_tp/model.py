@@ -291,7 +291,10 @@ class MixerBlock(nn.Module):
 
 
 def _mask(spec: CacheSpec | None, h: mx.array, cache: Any) -> Any:
-    """The mask of a layer whose kind declares `spec`, for hidden states h (B, L, dim)."""
+    """The mask of a layer whose kind declares `spec`, for hidden states h (B, L, dim)
+    (a CacheList's: its first cache's, as mlx-lm's DeepSeek-V3.2 makes it)."""
+    if isinstance(cache, CacheList):
+        cache = cache[0]
     if spec is None or spec.mask == "causal":
         return create_attention_mask(h, cache)
     if spec.mask == "window":

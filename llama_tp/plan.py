@@ -124,6 +124,7 @@ def main() -> int:
         )
     )
     _print_shared(ckpt.args)
+    _print_indexer(ckpt.args, shape)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
@@ -186,6 +187,25 @@ def _print_shared(a) -> None:
         )
 
 
+def _print_indexer(a, shape, staged: bool = False) -> None:
+    """Sparse attention's line (DeepSeek-V3.2, GLM-5): its indexer replicated, with what
+    that costs every rank (`staged`: every rank of a stage, for the stage's layers)."""
+    if "index_topk" not in a.extra:
+        return
+    from .parallel.plan_text import human_bytes
+
+    held = sum(b for name, (_, b) in shape.tensors.items() if ".attention.indexer." in name)
+    whom = (
+        "every rank of a stage holds its layers' part of its" if staged else "every rank holds its"
+    )
+    print(
+        f"sparse attention: each query attends to the top {a.index_topk} keys its lightning "
+        f"indexer ({a.index_n_heads} heads of {a.index_head_dim}) picks; the indexer is "
+        f"replicated, so {whom} {human_bytes(held)} of weights and caches its "
+        f"{a.index_head_dim} key values per token and layer (in the KV cache above)"
+    )
+
+
 def _sliding(a) -> tuple[int, int, int] | None:
     """(sliding-window layers, layers, window) of a model with some (gpt-oss, Gemma),
     else None; a KV-shared sliding layer holds no window of its own."""
@@ -246,6 +266,7 @@ def replicas_line(n: int, dp: int) -> str:
 def print_mesh(args) -> int:
     """The tp x pp mesh: each rank's stage, layers, tensor rank and slice, then each
     stage's plan table (loading/mesh_plan.py)."""
+    from .checkpoints.slices import model_shape
     from .console.cli import UsageError
     from .loading.mesh_plan import format_mesh, mesh_plan
     from .parallel.mesh import MeshError
@@ -267,6 +288,7 @@ def print_mesh(args) -> int:
         raise UsageError(str(e)) from None
     print(format_mesh(mp, ckpt.path.name))
     _print_shared(ckpt.args)
+    _print_indexer(ckpt.args, model_shape(ckpt), staged=True)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 

@@ -11,6 +11,11 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              layers KV-shared (one of each kind), per-layer inputs of 8, the last two
              layers' feed-forward double-wide, experts beside the dense GeGLU
     gemma3   gemma3_text: every third layer global, the others sliding (window 4)
+    deepseek_v32  sparse attention: 10 latent-attention heads each over the indexer's
+             top 4 keys (5 indexer heads), YaRN RoPE, 5 experts + a shared one after a
+             dense first layer
+    glm5     glm_moe_dsa: the same with GLM-5's interleaved indexer RoPE and
+             `rope_parameters`, 4 indexer heads, 7 experts
 """
 
 from __future__ import annotations
@@ -62,8 +67,51 @@ GEMMA3 = dict(
     rope_local_base_freq=10000.0,
     **COMMON,
 )
-CONFIGS = {"gemma4": GEMMA4, "gemma3": GEMMA3}
-QUANTIZED = ("gemma4",)  # the families whose 4-bit copy every launch checks too
+# DeepSeek-V3.2 / GLM-5: sparse attention (latent attention over the indexer's top 4 keys
+# of each query: the tests' prompts of 10-12 tokens are past it), experts after a dense
+# first layer
+_SPARSE = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    intermediate_size=160,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    index_n_heads=5,
+    index_head_dim=32,
+    index_topk=4,
+    n_routed_experts=5,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=128,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    rms_norm_eps=1e-6,
+    attention_bias=False,
+    **COMMON,
+)
+_YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=1024, mscale=1.0,
+             mscale_all_dim=1.0, beta_fast=32, beta_slow=1)  # fmt: skip
+DEEPSEEK_V32 = dict(_SPARSE, model_type="deepseek_v32", rope_theta=10000.0, rope_scaling=_YARN)
+GLM5 = dict(
+    _SPARSE,
+    model_type="glm_moe_dsa",
+    n_routed_experts=7,
+    index_n_heads=4,
+    rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+)
+CONFIGS = {"gemma4": GEMMA4, "gemma3": GEMMA3, "deepseek_v32": DEEPSEEK_V32, "glm5": GLM5}
+QUANTIZED = ("gemma4", "deepseek_v32")  # the families whose 4-bit copy every launch checks too
 
 
 def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:

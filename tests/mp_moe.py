@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
@@ -84,11 +84,13 @@ def greedy(model, prompt: list[int], steps: int, tokenizer=None) -> list[int]:
 
 
 def cache_bytes_per_token(model, x: mx.array) -> int:
-    """What the model's KV cache holds per token after a prefill of `x`."""
+    """What the model's KV cache holds per token after a prefill of `x` (a CacheList's
+    caches each: sparse attention's latent and indexer keys)."""
     cache = make_prompt_cache(model)
     mx.eval(model(x, cache=cache))
+    layers = [p for c in cache for p in (c.caches if isinstance(c, CacheList) else [c])]
     held = sum(
-        c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in cache
+        c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in layers
     )
     return held // x.shape[1]
 

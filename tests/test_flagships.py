@@ -5,8 +5,10 @@ against one process with `mp_moe.py`: logits, greedy tokens, the KV cache per to
 them the launches cover both expert splits, `--split 3:1` (2 ranks) and 2 stages of 2
 tensor ranks (4 ranks), each check once.
 `serve` on 2 ranks answers concurrent requests as it answers each alone. The families'
-one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4, the families here so
-far; the next one adds its fixture to `flagship_fixtures.CONFIGS` and these launches).
+one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
+`test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
+keys of the 10-token prompt; the next family adds its fixture to
+`flagship_fixtures.CONFIGS` and these launches).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from flagship_fixtures import flagship_models
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     return flagship_models(tmp_path_factory.mktemp("flagships"))
+
+
+GEMMA = ("gemma4_text", "gemma3_text")
+SPARSE = ("deepseek_v32", "glm_moe_dsa")
 
 
 def _lines(r) -> list[dict]:
@@ -45,38 +51,56 @@ def _check(n: int, specs: list[str]) -> list[dict]:
 def test_two_ranks_and_a_weighted_split(models):
     """2 ranks: Gemma 4 by tensor and by expert (3/2 KV groups, 3/2 experts), its 4-bit
     copy, Gemma 3, and Gemma 4 with `--split 3:1` (4/1 of its 5 KV groups, the global KV
-    heads those need)."""
+    heads those need); DeepSeek-V3.2 both ways (5/5 heads, 3/2 experts), its 4-bit copy,
+    GLM-5, and DeepSeek-V3.2 with `--split 3:1` (8/2 heads; the latent and the indexer's
+    keys cached whole on both ranks)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
-    lines = _check(2, [g4, f"{q4}#tensor", g3, f"{g4}%3:1#tensor"])
-    assert _families(lines) == {"gemma4_text", "gemma3_text"} and len(lines) == 5
-    weighted = [x for x in lines if x["weights"]]
-    assert weighted and all(a > 2 * b for a, b in (x["cache_per_token"] for x in weighted))
+    ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
+    specs = [g4, f"{q4}#tensor", g3, f"{g4}%3:1#tensor"]
+    lines = _check(2, [*specs, ds, f"{dq}#tensor", f"{glm}#expert", f"{ds}%3:1#tensor"])
+    assert _families(lines) == {*GEMMA, *SPARSE} and len(lines) == 10
+    weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
+    a, b = weighted["gemma4_text"]
+    assert a > 2 * b
+    assert weighted["deepseek_v32"][0] == weighted["deepseek_v32"][1]
 
 
 def test_three_ranks(models):
     """10 query heads in 5 KV groups as 4/4/2, Gemma 4's 2 global KV heads as 1/2/1 (the
-    middle rank's query heads straddle both); the 4-bit copy's 5 experts as 2/2/1."""
+    middle rank's query heads straddle both); the 4-bit copy's 5 experts as 2/2/1;
+    DeepSeek-V3.2's 10 latent heads as 4/3/3, its 4-bit copy's 5 experts as 2/2/1,
+    GLM-5's 7 as 3/2/2."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
-    lines = _check(3, [f"{g4}#tensor", f"{q4}#expert", g3])
-    assert _families(lines) == {"gemma4_text", "gemma3_text"} and len(lines) == 3
+    ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
+    specs = [f"{g4}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
+    lines = _check(3, specs)
+    assert _families(lines) == {*GEMMA, *SPARSE} and len(lines) == 6
 
 
 def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     """4 ranks (the 4-bit Gemma 4's KV groups 2/1/1/1), and both families as 2 stages of
     2 tensor ranks (Gemma 4: its KV-shared layers on their sources' stage, the per-layer
-    inputs handed on beside h; Gemma 3: none of those)."""
+    inputs handed on beside h; Gemma 3: none of those); DeepSeek-V3.2's 4-bit copy on 4
+    ranks (3/3/2/2 heads) and GLM-5 as 2 stages of 2 (each stage's layers' latent and
+    indexer caches)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
-    lines = _check(4, [f"{q4}#tensor", f"{g4}@2,2#tensor", f"{g3}@2,2"])
-    assert [x["mesh"] for x in lines] == [None, [2, 2], [2, 2]]
+    dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
+    specs = [f"{q4}#tensor", f"{g4}@2,2#tensor", f"{g3}@2,2", f"{dq}#tensor", f"{glm}@2,2#tensor"]
+    lines = _check(4, specs)
+    assert [x["mesh"] for x in lines] == [None, [2, 2], [2, 2], None, [2, 2]]
+    assert _families(lines) == {*GEMMA, *SPARSE}
 
 
 @pytest.mark.ranks
-def test_serve_concurrent_requests_on_two_ranks(models, tmp_path):
+@pytest.mark.parametrize("name", ["gemma4-q4", "deepseek_v32-q4"])
+def test_serve_concurrent_requests_on_two_ranks(models, tmp_path, name):
     """A family on 2 ranks answers concurrent requests exactly as it answers each alone
-    (batches merge each layer's cache kind; Gemma 4's KV-shared layers have none)."""
+    (batches merge each layer's cache kind; Gemma 4's KV-shared layers have none;
+    DeepSeek-V3.2's CacheList of the latent and the indexer's keys, each query of a
+    left-padded batch over its own top-k keys)."""
     from serve_client import Server, chat
 
-    server = Server(2, models["gemma4-q4"], tmp_path, "--max-batch", "8")
+    server = Server(2, models[name], tmp_path, "--max-batch", "8")
     try:
         server.wait_ready()
         c = server.client()

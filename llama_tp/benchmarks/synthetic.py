@@ -34,6 +34,11 @@ them (the tensors listed from it): sliding and global layers (global heads twice
 2 global KV heads whose keys are the values), the dense GeGLU beside the experts, capped
 logits; `gemma4-moe` is Gemma 4 26B-A4B's layout scaled down (128 -> 32 experts, 4 per
 token, 30 -> 8 layers with every fourth global, window 1024 -> 128, widths / 2 to / 4).
+The `dsv32-tiny` / `deepseek-v32` sizes are DeepSeek-V3.2 models as mlx-lm's own
+`deepseek_v32` class holds them: the `deepseek-*` sizes' layers with the lightning
+indexer beside the latent attention; `deepseek-v32` is `deepseek-v3` with an indexer of
+16 heads of 64 (64 of 128 scaled down) picking each query's top 16 keys (2048 scaled
+down to what a benchmark's prompt passes: longer prompts attend sparsely).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 

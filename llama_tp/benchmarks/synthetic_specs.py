@@ -1,6 +1,6 @@
 """The synthetic models' specs: each size's shape (`SIZES`), the dtypes, the Hugging Face
-`config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, gpt-oss, GLM-4.5 or Gemma 4
-one)
+`config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, DeepSeek-V3.2, gpt-oss,
+GLM-4.5 or Gemma 4 one)
 and every tensor it holds, named as Hugging Face names them (`synthetic.py` writes
 them; see its docstring for what each size is)."""
 
@@ -41,6 +41,17 @@ SIZES = {
     "deepseek-v3": dict(
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
         experts=64, top_k=8, expert_dim=256, latent=(384, 128, 64, 32, 64), groups=(8, 4),
+    ),
+    # DeepSeek-V3.2: DeepSeek-V3's with the indexer (heads, head dim, top-k keys per query)
+    "dsv32-tiny": dict(
+        dim=64, n_layers=2, n_heads=5, n_kv_heads=5, hidden_dim=96, vocab=512,
+        experts=8, top_k=2, expert_dim=32, latent=(48, 32, 16, 8, 16), groups=(4, 2),
+        dsv32=(4, 16, 4),
+    ),
+    "deepseek-v32": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
+        experts=64, top_k=8, expert_dim=256, latent=(384, 128, 64, 32, 64), groups=(8, 4),
+        dsv32=(16, 64, 16),
     ),
     # gpt-oss: sinks, sliding-window layers (window), biased experts behind the clamped SwiGLU
     "gpt-oss-tiny": dict(
@@ -118,6 +129,17 @@ def _deepseek_config(s: dict) -> dict:
         "qk_nope_head_dim": nope,
         "qk_rope_head_dim": rope,
         "v_head_dim": v,
+    }
+
+
+def _deepseek_v32_config(s: dict) -> dict:
+    heads, head_dim, topk = s["dsv32"]
+    return _deepseek_config(s) | {
+        "model_type": "deepseek_v32",
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "index_n_heads": heads,
+        "index_head_dim": head_dim,
+        "index_topk": topk,
     }
 
 
@@ -207,6 +229,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
     moe = {}
     if "gemma4" in s:
         moe = _gemma4_config(s)
+    elif "dsv32" in s:
+        moe = _deepseek_v32_config(s)
     elif "window" in s:
         moe = _gpt_oss_config(s)
     elif "latent" in s:
@@ -258,7 +282,7 @@ def hf_config(s: dict, dtype_name: str) -> dict:
 def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
     "zeros" a float32 routing bias), in the order the random ones are drawn."""
-    if "gemma4" in s:  # mlx-lm's own class lists its tensors
+    if "gemma4" in s or "dsv32" in s:  # mlx-lm's own class lists its tensors
         return _mlx_lm_tensors(hf_config(s, "fp32"))
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]

@@ -55,8 +55,9 @@ _BY_FAMILY: dict[str | None, list[tuple[re.Pattern, str]]] = {}
 QUANT_MODES = ("affine", "mxfp4")
 # The families whose mixture-of-experts block mlx-lm names `block_sparse_moe` (not `mlp`)
 BLOCK_SPARSE_MOE = ("mixtral",)
-# The DeepSeek-V3 architecture (Kimi K2 is one, mlx-lm reads both with its deepseek_v3)
-DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
+# The DeepSeek-V3 architecture (Kimi K2 is one, mlx-lm reads both with its deepseek_v3;
+# DeepSeek-V3.2 and GLM-5 add the indexer: `models/sparse_attention.py`)
+DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2", "deepseek_v32", "glm_moe_dsa")
 # The families routed as DeepSeek-V3 (sigmoid, groups, correction bias; `mlp.shared_experts`)
 SIGMOID_GROUP = (*DEEPSEEK_V3, "glm4_moe")
 _RENAMES = renames()

@@ -17,6 +17,7 @@ from mlx_lm.models.mla import QuantizedMultiLinear
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from ..models.registry import FAMILIES
+from ..models.sparse_attention import indexer_config
 from .base import Checkpoint, CheckpointError
 from .hf import BLOCK_SPARSE_MOE, DEEPSEEK_V3, SIGMOID_GROUP, renames, to_model_name
 
@@ -150,9 +151,11 @@ def _glm4_moe_config(a: Any) -> dict[str, Any]:
 
 
 def _deepseek_v3_config(a: Any) -> dict[str, Any]:
-    """The latent attention and routing keys of a DeepSeek-V3 `config.json`."""
+    """The latent attention and routing keys of a DeepSeek-V3 `config.json` (and
+    DeepSeek-V3.2's / GLM-5's indexer)."""
     first, freq = _first_dense(a)
-    return {
+    indexer = indexer_config(a) if "index_topk" in a.extra else {}
+    return indexer | {
         "n_routed_experts": a.n_experts or None,
         "num_experts_per_tok": a.n_experts_per_tok,
         "moe_intermediate_size": a.moe_hidden_dim,

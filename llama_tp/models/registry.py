@@ -17,6 +17,10 @@ feed-forward in some layers, chosen by the args, not by name:
     gpt-oss     gpt_oss            gpt-oss                  sinks, bias,  experts (top-k,
                                                             sliding window softmax), biased,
                                                             layers        clamped SwiGLU
+    DeepSeek-   deepseek_v32,      (HF/MLX only)            sparse: MLA   as DeepSeek-V3
+    V3.2, GLM-5 glm_moe_dsa                                 over the
+                                                            indexer's
+                                                            top-k keys
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
@@ -62,6 +66,7 @@ from .gpt_oss import SinkAttention, gpt_oss_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .qk_norm import QKNormAttention
+from .sparse_attention import SparseAttention, deepseek_v32_fields, glm_moe_dsa_fields
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,8 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", qwen_moe_fields, qk_norm=True),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
     "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
+    "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields),
+    "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields),
     "gpt_oss": Family(None, gpt_oss_fields),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
     "qwen3_5": Family(
@@ -207,8 +214,10 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
             "attention": GatedDeltaNet if linear else GatedAttention,
             "feed_forward": feed_forward,
         }
-    if args.kv_lora_rank:
-        attention: type[nn.Module] = LatentAttention
+    if "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
+        attention: type[nn.Module] = SparseAttention
+    elif args.kv_lora_rank:
+        attention = LatentAttention
     elif args.attention_sinks:
         attention = SinkAttention
     else:
