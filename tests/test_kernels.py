@@ -202,3 +202,25 @@ def test_rope_and_attention_match_mlx(ext, dtype):
         got = kernels.scaled_dot_product_attention(q, k, v, None, 0.125, mask)
         ref = mlx_lm_attention(q, k, v, None, scale=0.125, mask=mask)
         assert mx.allclose(got, ref, atol=tol).item(), (queries, mask)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_float_products_on_streams_equal_mlxs_product(ext, dtype):
+    """float16 / bfloat16 products cut by output rows over 3 CPU streams: bit-equal to
+    MLX's one product (with and without a bias, as mx.addmm adds it), a decode row and a
+    prefill block, a row count that does not divide by 3; float32 is left to BLAS."""
+    from llama_tp.kernels.float_products import float_matmul, parts_for
+
+    before = kernels.status().threads
+    kernels.set_threads(3)
+    try:
+        rng = np.random.default_rng(0)
+        w = mx.array(rng.normal(size=(1001, 96)).astype(np.float32) * 0.1).astype(dtype)
+        b = mx.array(rng.normal(size=(1001,)).astype(np.float32)).astype(dtype)
+        assert parts_for(w) == 3 and parts_for(w.astype(mx.float32)) == 1
+        for rows in (1, 7):
+            x = mx.array(rng.normal(size=(2, rows, 96)).astype(np.float32)).astype(dtype)
+            assert mx.array_equal(float_matmul(x, w), x @ w.T).item(), rows
+            assert mx.array_equal(float_matmul(x, w, b), mx.addmm(b, x, w.T)).item(), rows
+    finally:
+        kernels.set_threads(before)

@@ -8,7 +8,8 @@ shards them).
   sharded twins in `mlx.nn.layers.distributed`) replaced by subclasses whose forward
   calls `kernels.quantized_matmul` (the project's own range and vocabulary layers call
   it directly), and `nn.RoPE` and `nn.RMSNorm` by ones that are a single native primitive
-  on the CPU.
+  on the CPU; float linears and embeddings by ones whose float16 / bfloat16 products run
+  on several CPU streams (`float_products`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mlx.nn.layers import distributed as dist
 
 from . import _on_cpu, ext, gguf_dequantize, gguf_matmul, quantized_matmul
 from .blocks import GGUF_TYPES, row_bytes
+from .float_products import float_matmul
 
 
 class GGUFLinear(nn.Module):
@@ -119,6 +121,37 @@ class QuantizedEmbedding(nn.QuantizedEmbedding):
         return _affine(self, x)
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` whose float16 / bfloat16 product runs on the CPU streams side by side
+    (`float_products`; bit-equal)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return float_matmul(x, self["weight"], self.get("bias"))
+
+
+class AllToShardedLinear(dist.AllToShardedLinear):
+    """mlx's all-to-sharded linear, its float product as `Linear`'s."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return float_matmul(dist.sum_gradients(self.group)(x), self["weight"], self.get("bias"))
+
+
+class ShardedToAllLinear(dist.ShardedToAllLinear):
+    """mlx's sharded-to-all linear, its float product as `Linear`'s (the bias added after
+    the all-reduce, as mlx's)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.distributed.all_sum(float_matmul(x, self["weight"]), group=self.group)
+        return y + self["bias"] if "bias" in self else y
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose tied-head product is `Linear`'s."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return float_matmul(x, self["weight"])
+
+
 class RoPE(nn.RoPE):
     """`nn.RoPE` as one native primitive on the CPU (MLX composes it of a dozen there).
     The offset is an int, or an int32 array (one, or one per row): the compiled decode
@@ -150,6 +183,10 @@ class RMSNorm(nn.RMSNorm):
 
 
 _NATIVE = {
+    nn.Linear: Linear,
+    nn.Embedding: Embedding,
+    dist.AllToShardedLinear: AllToShardedLinear,
+    dist.ShardedToAllLinear: ShardedToAllLinear,
     nn.RoPE: RoPE,
     nn.RMSNorm: RMSNorm,
     nn.QuantizedLinear: QuantizedLinear,

@@ -30,6 +30,7 @@ from mlx.nn.layers import distributed as dist
 from ..kernels import ext as native_ext
 from ..kernels import gguf_matmul, on_cpu, quantized_matmul
 from ..kernels import layers as native_layers
+from ..kernels.float_products import float_matmul
 from . import layers as range_layers
 
 QKV = ("wq", "wk", "wv")
@@ -76,8 +77,8 @@ class Fused:
                 x, p["weight"], p["scales"], p["biases"], transpose=True,
                 group_size=kind[2], bits=kind[1], mode=kind[3],
             )  # fmt: skip
-        else:
-            y = x @ p["weight"].T
+        else:  # as the separate linears compute it (mx.addmm's bias), streams side by side
+            return float_matmul(x, p["weight"], p.get("bias"))
         if "bias" in p:
             y = y + p["bias"]
         return y
