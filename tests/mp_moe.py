@@ -141,6 +141,24 @@ def atol(whole: nn.Module, path: str, x: mx.array) -> float:
     return max(5e-4, 2 * gap)
 
 
+_REFERENCES: dict[tuple[str, int], tuple] = {}
+
+
+def reference(path: str, steps: int) -> tuple:
+    """The one-process reference of checkpoint `path`: (whole model, prompt x (1, 10), its
+    logits, its `steps` greedy tokens, the tolerance), computed once per process (every
+    split and mesh of one checkpoint compares with the same)."""
+    if (path, steps) not in _REFERENCES:
+        whole = build_model(open_checkpoint(path))
+        if kernels.status().native:  # the products the loader gives the sharded model
+            use_native(whole)
+        x = mx.array(np.random.default_rng(0).integers(0, whole.args.vocab_size, (1, 10)), mx.int32)
+        ref = logits_of(whole, x)
+        tokens = greedy(whole, x[0].tolist(), steps)
+        _REFERENCES[path, steps] = (whole, x, ref, tokens, atol(whole, path, x))
+    return _REFERENCES[path, steps]
+
+
 def check(spec: str, split: str, world, steps: int) -> dict:
     """`spec`: a checkpoint, SPLIT=SRC (a pre-split folder and the checkpoint it was cut
     from, the one-process reference) or PATH@T,P (a tp x pp mesh)."""
@@ -148,19 +166,13 @@ def check(spec: str, split: str, world, steps: int) -> dict:
     spec, _, shape = spec.partition("@")
     mesh = tuple(int(v) for v in shape.split(",")) if shape else None
     path, _, source = spec.partition("=")
-    whole = build_model(open_checkpoint(source or path))
-    if kernels.status().native:  # the products the loader gives the sharded model
-        use_native(whole)
+    whole, x, ref, ref_tokens, tol = reference(source or path, steps)
     kw = dict(tp=mesh[0], pp=mesh[1]) if mesh else {}
     sharded, ckpt = load_model(path, world, moe_split=split, split=weights or None, **kw)
-    vocab = whole.args.vocab_size
-    x = mx.array(np.random.default_rng(0).integers(0, vocab, (1, 10)), mx.int32)
-    ref = logits_of(whole, x)
     got = logits_of(sharded, x)
     if mesh:  # a stage returns the last position of each call
         ref = ref[[x.shape[1] - 4, -3, -2, -1]]
-    prompt = x[0].tolist()
-    tokens, ref_tokens = greedy(sharded, prompt, steps), greedy(whole, prompt, steps)
+    tokens = greedy(sharded, x[0].tolist(), steps)
     t, r = (mesh or (world.size(), 1))[0], sharded.mesh.tp_rank if mesh else world.rank()
     stats = ckpt.load_stats
     split = ckpt.placement.moe_split or split  # a pre-split folder keeps its own
@@ -189,7 +201,7 @@ def check(spec: str, split: str, world, steps: int) -> dict:
         "mesh": mesh,
         "weights": weights or None,
         "diff": float(np.max(np.abs(ref - got))),
-        "atol": atol(whole, source or path, x),
+        "atol": tol,
         "same_tokens": tokens == ref_tokens,
         "held_is_placement": all(m["held"] == m["placement"] for m in ranks),
         "cache_is_planned": all(m["cache"] == m["planned_cache"] for m in ranks),
