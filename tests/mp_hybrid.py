@@ -31,15 +31,13 @@ import sys
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-from mp_moe import atol, greedy, logits_of
+from mp_moe import greedy, logits_of, reference
 
-from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
 from llama_tp.checkpoints.build import build_model
 from llama_tp.checkpoints.slices import model_shape
 from llama_tp.checkpoints.tokenizer import load_tokenizer
 from llama_tp.cluster.distributed import all_gather_object
-from llama_tp.kernels.layers import use_native
 from llama_tp.loading.loader import load_model
 from llama_tp.parallel.placement import kv_cache_bytes, state_bytes
 
@@ -61,17 +59,13 @@ def check(spec: str, world, steps: int) -> dict:
     spec, _, shape = spec.partition("@")
     mesh = tuple(int(v) for v in shape.split(",")) if shape else None
     path, _, source = spec.partition("=")
-    whole = build_model(open_checkpoint(source or path))
-    if kernels.status().native:  # the products the loader gives the sharded model
-        use_native(whole)
+    _, x, ref, ref_tokens, tol = reference(source or path, steps)  # once per checkpoint
     kw = dict(tp=mesh[0], pp=mesh[1]) if mesh else {}
     sharded, ckpt = load_model(path, world, split=split or None, **kw)
-    x = mx.array(np.random.default_rng(0).integers(0, whole.args.vocab_size, (1, 10)), mx.int32)
-    ref, got = logits_of(whole, x), logits_of(sharded, x)
+    got = logits_of(sharded, x)
     if mesh:  # a stage returns the last position of each call
         ref = ref[[x.shape[1] - 4, -3, -2, -1]]
-    prompt = x[0].tolist()
-    same = greedy(sharded, prompt, steps) == greedy(whole, prompt, steps)
+    same = greedy(sharded, x[0].tolist(), steps) == ref_tokens
     cache = make_prompt_cache(sharded)
     for a, b in [(0, 7), (7, 8), (8, 9), (9, 10)]:
         mx.eval(sharded(x[:, a:b], cache=cache))
@@ -97,7 +91,7 @@ def check(spec: str, world, steps: int) -> dict:
         "mesh": mesh,
         "n": world.size(),
         "diff": float(np.max(np.abs(ref - got))),
-        "atol": atol(whole, source or path, x),
+        "atol": tol,
         "same_tokens": same,
         "cache_is_planned": all(m["cache"][0] == m["cache"][1] for m in ranks),
         "state_is_planned": all(m["state"][0] == m["state"][1] > 0 for m in ranks),
