@@ -125,6 +125,8 @@ def main() -> int:
     )
     _print_shared(ckpt.args)
     _print_indexer(ckpt.args, shape)
+    if args.n > 1:
+        _print_wide_qk_norm(ckpt.args)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
@@ -203,6 +205,18 @@ def _print_indexer(a, shape, staged: bool = False) -> None:
         f"indexer ({a.index_n_heads} heads of {a.index_head_dim}) picks; the indexer is "
         f"replicated, so {whom} {human_bytes(held)} of weights and caches its "
         f"{a.index_head_dim} key values per token and layer (in the KV cache above)"
+    )
+
+
+def _print_wide_qk_norm(a) -> None:
+    """MiniMax-M2's line: q/k norms over all heads, one more small all-reduce per layer."""
+    if "wide_qk_norm" not in a.extra:
+        return
+    print(
+        f"q/k norms over all heads ({a.n_heads * a.head_dim} query, "
+        f"{a.n_kv_heads * a.head_dim} key values): split by heads, each rank's sums of "
+        f"squares are all-reduced, 2 float32 values per token in each of {a.n_layers} "
+        "layers (one more collective per layer)"
     )
 
 
@@ -289,6 +303,7 @@ def print_mesh(args) -> int:
     print(format_mesh(mp, ckpt.path.name))
     _print_shared(ckpt.args)
     _print_indexer(ckpt.args, model_shape(ckpt), staged=True)
+    _print_wide_qk_norm(ckpt.args)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 

@@ -16,6 +16,8 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              dense first layer
     glm5     glm_moe_dsa: the same with GLM-5's interleaved indexer RoPE and
              `rope_parameters`, 4 indexer heads, 7 experts
+    minimax  minimax: q/k norms over all heads' values, partial RoPE (16 of 32), 5
+             experts (sigmoid scores + correction bias), 2 KV heads; 2 layers
 """
 
 from __future__ import annotations
@@ -110,8 +112,34 @@ GLM5 = dict(
     index_n_heads=4,
     rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
 )
-CONFIGS = {"gemma4": GEMMA4, "gemma3": GEMMA3, "deepseek_v32": DEEPSEEK_V32, "glm5": GLM5}
-QUANTIZED = ("gemma4", "deepseek_v32")  # the families whose 4-bit copy every launch checks too
+# MiniMax-M2: q/k norms over all 10 query / 2 KV heads' values (across ranks when split;
+# on 3 and 4 ranks a KV head is held by two ranks and counted by the first), partial RoPE
+# (16 of 32 values), 5 experts behind sigmoid scores with a correction bias
+MINIMAX = dict(
+    model_type="minimax",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=10,
+    num_key_value_heads=2,
+    head_dim=32,
+    rotary_dim=16,
+    num_local_experts=5,
+    num_experts_per_tok=2,
+    shared_intermediate_size=0,
+    rms_norm_eps=1e-6,
+    rope_theta=5000000.0,
+    **COMMON,
+)
+CONFIGS = {
+    "gemma4": GEMMA4,
+    "gemma3": GEMMA3,
+    "deepseek_v32": DEEPSEEK_V32,
+    "glm5": GLM5,
+    "minimax": MINIMAX,
+}
+# the families whose 4-bit copy every launch checks too
+QUANTIZED = ("gemma4", "deepseek_v32", "minimax")
 
 
 def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:

@@ -7,7 +7,7 @@ tensor ranks (4 ranks), each check once.
 `serve` on 2 ranks answers concurrent requests as it answers each alone. The families'
 one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
 `test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
-keys of the 10-token prompt; the next family adds its fixture to
+keys of the 10-token prompt) and `test_minimax.py` (MiniMax-M2); the next family adds its fixture to
 `flagship_fixtures.CONFIGS` and these launches).
 """
 
@@ -29,6 +29,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 GEMMA = ("gemma4_text", "gemma3_text")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
+MINIMAX = ("minimax",)
 
 
 def _lines(r) -> list[dict]:
@@ -43,8 +44,9 @@ def _families(lines: list[dict]) -> set[str]:
 
 
 def _check(n: int, specs: list[str]) -> list[dict]:
-    """What `mp_moe.py` printed for `specs` on n ranks (16 greedy tokens: past the window)."""
-    args = ["tests/mp_moe.py", *specs, "--steps", "16", "--dense-once"]
+    """What `mp_moe.py` printed for `specs` on n ranks (8 greedy tokens after the 10-token
+    prompt: past Gemma's window of 4 and the indexer's top 4 keys already)."""
+    args = ["tests/mp_moe.py", *specs, "--steps", "8", "--dense-once"]
     return _lines(launch(n, args, timeout=900))
 
 
@@ -53,28 +55,39 @@ def test_two_ranks_and_a_weighted_split(models):
     copy, Gemma 3, and Gemma 4 with `--split 3:1` (4/1 of its 5 KV groups, the global KV
     heads those need); DeepSeek-V3.2 both ways (5/5 heads, 3/2 experts), its 4-bit copy,
     GLM-5, and DeepSeek-V3.2 with `--split 3:1` (8/2 heads; the latent and the indexer's
-    keys cached whole on both ranks)."""
+    keys cached whole on both ranks); MiniMax-M2 both ways (1/1 KV heads: each rank's
+    q/k norms' sums of squares all-reduced), its 4-bit copy, and `--split 3:1` (2/1 KV
+    heads: the shared one counted once)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
+    mm, mq = str(models["minimax"]), str(models["minimax-q4"])
     specs = [g4, f"{q4}#tensor", g3, f"{g4}%3:1#tensor"]
-    lines = _check(2, [*specs, ds, f"{dq}#tensor", f"{glm}#expert", f"{ds}%3:1#tensor"])
-    assert _families(lines) == {*GEMMA, *SPARSE} and len(lines) == 10
+    specs += [ds, f"{dq}#tensor", f"{glm}#expert", f"{ds}%3:1#tensor"]
+    lines = _check(2, [*specs, mm, f"{mq}#expert", f"{mm}%3:1#tensor"])
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX} and len(lines) == 14
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
     assert weighted["deepseek_v32"][0] == weighted["deepseek_v32"][1]
+    assert weighted["minimax"] == [1024, 512]
 
 
 def test_three_ranks(models):
     """10 query heads in 5 KV groups as 4/4/2, Gemma 4's 2 global KV heads as 1/2/1 (the
     middle rank's query heads straddle both); the 4-bit copy's 5 experts as 2/2/1;
     DeepSeek-V3.2's 10 latent heads as 4/3/3, its 4-bit copy's 5 experts as 2/2/1,
-    GLM-5's 7 as 3/2/2."""
+    GLM-5's 7 as 3/2/2; MiniMax-M2's 10 query heads over 2 KV heads as 4/3/3 (the middle
+    rank holds both KV heads, each counted in the k norm's sum by its first rank only),
+    float32 by tensor and 4-bit by expert."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
+    mm, mq = str(models["minimax"]), str(models["minimax-q4"])
     specs = [f"{g4}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
-    lines = _check(3, specs)
-    assert _families(lines) == {*GEMMA, *SPARSE} and len(lines) == 6
+    lines = _check(3, [*specs, f"{mm}#tensor", f"{mq}#expert"])
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX} and len(lines) == 8
+    assert [x["cache_per_token"] for x in lines if x["model_type"] == "minimax"] == [
+        [512, 1024, 512]
+    ] * 2
 
 
 def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
@@ -82,22 +95,25 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     2 tensor ranks (Gemma 4: its KV-shared layers on their sources' stage, the per-layer
     inputs handed on beside h; Gemma 3: none of those); DeepSeek-V3.2's 4-bit copy on 4
     ranks (3/3/2/2 heads) and GLM-5 as 2 stages of 2 (each stage's layers' latent and
-    indexer caches)."""
+    indexer caches); MiniMax-M2's 4-bit copy on 4 ranks (KV heads 1/2/1/1) and as 2
+    stages of 2 (each stage's tensor group reducing its q/k norms' sums)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
+    mm, mq = str(models["minimax"]), str(models["minimax-q4"])
     specs = [f"{q4}#tensor", f"{g4}@2,2#tensor", f"{g3}@2,2", f"{dq}#tensor", f"{glm}@2,2#tensor"]
-    lines = _check(4, specs)
-    assert [x["mesh"] for x in lines] == [None, [2, 2], [2, 2], None, [2, 2]]
-    assert _families(lines) == {*GEMMA, *SPARSE}
+    lines = _check(4, [*specs, f"{mq}#tensor", f"{mm}@2,2#expert"])
+    assert [x["mesh"] for x in lines] == [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2]]
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX}
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("name", ["gemma4-q4", "deepseek_v32-q4"])
+@pytest.mark.parametrize("name", ["gemma4-q4", "deepseek_v32-q4", "minimax-q4"])
 def test_serve_concurrent_requests_on_two_ranks(models, tmp_path, name):
     """A family on 2 ranks answers concurrent requests exactly as it answers each alone
     (batches merge each layer's cache kind; Gemma 4's KV-shared layers have none;
     DeepSeek-V3.2's CacheList of the latent and the indexer's keys, each query of a
-    left-padded batch over its own top-k keys)."""
+    left-padded batch over its own top-k keys; MiniMax-M2's q/k norms reduced over a
+    batch's rows)."""
     from serve_client import Server, chat
 
     server = Server(2, models[name], tmp_path, "--max-batch", "8")

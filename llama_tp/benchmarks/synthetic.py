@@ -39,6 +39,10 @@ The `dsv32-tiny` / `deepseek-v32` sizes are DeepSeek-V3.2 models as mlx-lm's own
 indexer beside the latent attention; `deepseek-v32` is `deepseek-v3` with an indexer of
 16 heads of 64 (64 of 128 scaled down) picking each query's top 16 keys (2048 scaled
 down to what a benchmark's prompt passes: longer prompts attend sparsely).
+The `minimax-tiny` / `minimax` sizes are MiniMax-M2 models as mlx-lm's own `minimax`
+class holds them: q/k norms over all heads, partial RoPE, experts behind sigmoid scores
+with a correction bias; `minimax` is MiniMax-M2's layout scaled down (256 -> 64 experts,
+8 per token, 48/8 -> 16/4 heads of 128 -> 64 with half of each rotated, 62 -> 8 layers).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 

@@ -1,6 +1,6 @@
 """The synthetic models' specs: each size's shape (`SIZES`), the dtypes, the Hugging Face
 `config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, DeepSeek-V3.2, gpt-oss,
-GLM-4.5 or Gemma 4 one)
+GLM-4.5, Gemma 4 or MiniMax-M2 one)
 and every tensor it holds, named as Hugging Face names them (`synthetic.py` writes
 them; see its docstring for what each size is)."""
 
@@ -52,6 +52,16 @@ SIZES = {
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
         experts=64, top_k=8, expert_dim=256, latent=(384, 128, 64, 32, 64), groups=(8, 4),
         dsv32=(16, 64, 16),
+    ),
+    # MiniMax-M2: q/k norms over all heads, partial RoPE (minimax: rotary values per head),
+    # experts behind sigmoid scores with a correction bias (hidden_dim: each expert's width)
+    "minimax-tiny": dict(
+        dim=64, n_layers=2, n_heads=10, n_kv_heads=2, hidden_dim=64, vocab=512,
+        experts=5, top_k=2, expert_dim=64, head_dim=16, minimax=8,
+    ),
+    "minimax": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, hidden_dim=512, vocab=32000,
+        experts=64, top_k=8, expert_dim=512, head_dim=64, minimax=32,
     ),
     # gpt-oss: sinks, sliding-window layers (window), biased experts behind the clamped SwiGLU
     "gpt-oss-tiny": dict(
@@ -143,6 +153,21 @@ def _deepseek_v32_config(s: dict) -> dict:
     }
 
 
+def _minimax_config(s: dict) -> dict:
+    return {
+        "model_type": "minimax",
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "shared_intermediate_size": 0,
+        "head_dim": s["head_dim"],
+        "rotary_dim": s["minimax"],
+        "rope_theta": 5000000.0,
+        "use_qk_norm": True,
+        "scoring_func": "sigmoid",
+    }
+
+
 def _gpt_oss_config(s: dict) -> dict:
     return {
         "model_type": "gpt_oss",
@@ -231,6 +256,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
         moe = _gemma4_config(s)
     elif "dsv32" in s:
         moe = _deepseek_v32_config(s)
+    elif "minimax" in s:
+        moe = _minimax_config(s)
     elif "window" in s:
         moe = _gpt_oss_config(s)
     elif "latent" in s:
@@ -282,7 +309,7 @@ def hf_config(s: dict, dtype_name: str) -> dict:
 def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
     "zeros" a float32 routing bias), in the order the random ones are drawn."""
-    if "gemma4" in s or "dsv32" in s:  # mlx-lm's own class lists its tensors
+    if "gemma4" in s or "dsv32" in s or "minimax" in s:  # mlx-lm's own class lists them
         return _mlx_lm_tensors(hf_config(s, "fp32"))
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]

@@ -14,6 +14,9 @@ when there are many (prefill, batches), as mlx-lm does. Three routers:
                  the best `topk_group` of `n_group` groups; their sigmoid scores,
                  renormalised with norm_topk_prob, times routed_scaling_factor
                  (mlx-lm's `MoEGate`: the router's `weight` and `e_score_correction_bias`)
+    MiniMax:     the same selection without groups, from a linear `router` (quantized
+                 as mlx-lm quantizes it) of float32 inputs and the block's own
+                 `e_score_correction_bias`, as mlx-lm's `MiniMaxSparseMoeBlock`
 
 Its split table (`MoEFeedForward.split_table`): every expert's gate/up rows and down
 columns by "expert_ffn" (or whole experts, when the plan splits by expert), the shared
@@ -26,7 +29,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import SwigluOAI
-from mlx_lm.models.deepseek_v3 import MoEGate
+from mlx_lm.models.deepseek_v3 import MoEGate, group_expert_select
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..model import FeedForward
@@ -58,6 +61,7 @@ class MoEFeedForward(nn.Module):
         ("mlp.shared_experts.up_proj", "feed_forward.shared_expert.w3"),
         ("block_sparse_moe.gate", "feed_forward.router"),
         ("block_sparse_moe.switch_mlp", "feed_forward.switch_mlp"),
+        ("block_sparse_moe.e_score_correction_bias$", "feed_forward.e_score_correction_bias"),
         ("mlp.router", "feed_forward.router"),
         ("mlp.experts", "feed_forward.switch_mlp"),
     )
@@ -103,6 +107,8 @@ class MoEFeedForward(nn.Module):
             self.router = MoEGate(deepseek_v3_args(args))
         else:
             self.router = nn.Linear(args.dim, args.n_experts, bias=args.expert_bias)
+        if args.router == "sigmoid_bias":
+            self.e_score_correction_bias = mx.zeros((args.n_experts,))
         # gpt-oss: the clamped SwiGLU (mlx-lm's), biases on every expert's projections
         act = SwigluOAI(limit=args.swiglu_limit) if args.activation == "swiglu_oai" else SwiGLU()
         self.switch_mlp = SwitchGLU(
@@ -119,6 +125,12 @@ class MoEFeedForward(nn.Module):
         """The chosen experts of every token and their weights: (B, L, k) each."""
         if isinstance(self.router, MoEGate):
             return self.router(x)
+        if "e_score_correction_bias" in self:  # MiniMax: float32 gates, no groups
+            gates = self.router(x.astype(mx.float32))
+            bias, k = self.e_score_correction_bias, self.top_k
+            inds, scores = group_expert_select(gates, bias, k, 1, 1, 1.0, False)
+            scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)  # as mlx-lm's
+            return inds, scores.astype(x.dtype)
         gates = self.router(x)
         k = self.top_k
         if self.softmax_first:

@@ -21,6 +21,10 @@ feed-forward in some layers, chosen by the args, not by name:
     V3.2, GLM-5 glm_moe_dsa                                 over the
                                                             indexer's
                                                             top-k keys
+    MiniMax-M2  minimax            (HF/MLX only)            q/k norms     experts (sigmoid +
+                                                            over all      bias, no groups)
+                                                            heads,
+                                                            partial RoPE
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
@@ -67,6 +71,7 @@ from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .qk_norm import QKNormAttention
 from .sparse_attention import SparseAttention, deepseek_v32_fields, glm_moe_dsa_fields
+from .wide_qk_norm import WideQKNormAttention, minimax_config, minimax_fields
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,7 @@ FAMILIES = {
     "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields),
     "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields),
     "gpt_oss": Family(None, gpt_oss_fields),
+    "minimax": Family("MiniMaxM2ForCausalLM", minimax_fields, config_keys=minimax_config),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
@@ -218,6 +224,8 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
         attention: type[nn.Module] = SparseAttention
     elif args.kv_lora_rank:
         attention = LatentAttention
+    elif "wide_qk_norm" in args.extra:  # MiniMax-M2: q/k norms across all heads
+        attention = WideQKNormAttention
     elif args.attention_sinks:
         attention = SinkAttention
     else:

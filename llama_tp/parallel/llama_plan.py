@@ -76,7 +76,9 @@ class AttentionHeads(Style):
     map onto its KV heads as plain GQA, the KV map) from the partition plan's `parts`;
     None: N equal blocks of query and KV heads. `input_layout="sequence"` gathers the
     sequence chunks first. Goes with `ColwiseParallel` on wq/wk/wv and `RowwiseParallel`
-    on wo over the same heads; attention sinks (gpt-oss) are sliced to the local heads.
+    on wo over the same heads; attention sinks (gpt-oss) are sliced to the local heads,
+    and a module with `take_heads` (full-width q/k norms) is given its heads' ranges and
+    which of its KV heads no lower rank holds (it counts those in its norms' sums).
     A module whose KV heads are a unit of its own (`kv_unit`, Gemma 4's global KV heads)
     takes that unit's range, and its KV map from its query heads."""
 
@@ -103,10 +105,12 @@ class AttentionHeads(Style):
         return f"q {q.start}-{q.stop - 1} kv {kv.start}-{kv.stop - 1}"
 
     def apply(self, module, group: mx.distributed.Group, ctx, split: Split | None):
+        counted = 0  # local KV heads before this rank's first held by no lower rank
         if self.parts is None:
             module.n_heads //= group.size()
             module.n_kv_heads //= group.size()
             first = group.rank() * module.n_heads
+            kv = range(group.rank() * module.n_kv_heads, (group.rank() + 1) * module.n_kv_heads)
         else:
             part = _by_rank(self.parts)[group.rank()]
             unit = getattr(module, "kv_unit", "kv_heads")
@@ -118,8 +122,12 @@ class AttentionHeads(Style):
             first = part.q_heads.start
             if local is not None:
                 object.__setattr__(module, "_kv_index", mx.array(local, dtype=mx.int32))
+            below = [p.unit(unit).stop for p in _by_rank(self.parts).values() if p.rank < part.rank]
+            counted = min(len(kv), max(0, max(below, default=0) - kv.start))
         if "sinks" in module:  # gpt-oss: each query head's sink logit goes with its head
             module.sinks = mx.contiguous(module.sinks[first : first + module.n_heads])
+        if hasattr(module, "take_heads"):  # MiniMax's full-width q/k norms (wide_qk_norm.py)
+            module.take_heads(group, range(first, first + module.n_heads), kv, counted)
         if self.input_layout == "sequence":
             # The queries go in sequence chunks too (see `gather_input`).
             gather_input(module, ctx, query_chunks=True)
