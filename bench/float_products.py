@@ -47,8 +47,11 @@ def main() -> None:
         cut.append(_time(lambda: float_matmul(x, w), a.reps))
     equal = mx.array_equal(x @ w.T, float_matmul(x, w)).item()
     m1, m2 = statistics.median(one), statistics.median(cut)
-    print(f"{a.rows} x {a.cols} {a.dtype}, {a.queries} quer{'y' if a.queries == 1 else 'ies'}, ")
-    print(f"kernel threads {kernels.status().threads} (native: {kernels.status().native})")
+    st = kernels.status()
+    rows = f"{a.queries} quer{'y' if a.queries == 1 else 'ies'}"
+    print(
+        f"{a.rows} x {a.cols} {a.dtype}, {rows}; kernel threads {st.threads} (native: {st.native})"
+    )
     print("| product | ms (median) | parts |\n| --- | --- | --- |")
     print(f"| MLX's, one stream | {m1:.2f} | 1 |")
     print(f"| cut over CPU streams | {m2:.2f} | {parts_for(w)} |")
