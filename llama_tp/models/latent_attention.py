@@ -118,6 +118,21 @@ class LatentAttention(DeepseekV3Attention):
             mask = create_causal_mask(L, offset)
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
+        return self.attend(q_nope, q_pe, latent, k_pe, mask, cache)
+
+    def attend(
+        self,
+        q_nope: mx.array,
+        q_pe: mx.array,
+        latent: mx.array,
+        k_pe: mx.array,
+        mask: Any,
+        cache: Any,
+    ) -> mx.array:
+        """The heads' output (B, L, dim) from their queries (B, heads, L, *) and the cached
+        latent (B, 1, S, rank) and RoPE keys (B, 1, S, rope), under `mask` (an array or
+        None): RoPE scores added to the latent attention's, decoding in the latent space."""
+        B, _, L, _ = q_nope.shape
         pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
         if mask is not None:
             low = mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.deepseek_v32 import Indexer as MlxLmIndexer
 from mlx_lm.models.deepseek_v32 import ModelArgs as DeepseekV32Args
 
@@ -130,22 +130,7 @@ class SparseAttention(LatentAttention):
             latent, k_pe, mask = _select(top, latent, k_pe, mask, L)
         if kv_cache is not None:  # the indexer's keys evaluated with the latent's
             kv_cache.keys = mx.depends(kv_cache.keys, (index_cache.keys,))
-        pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
-        if mask is not None:
-            low = mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype)
-            pe_scores = mx.where(mask, pe_scores, low)
-        if L == 1:  # decoding: attend in the latent space
-            q_nope = self.embed_q(q_nope)
-            k = v = latent
-        else:
-            k = self.embed_q(latent, transpose=False)
-            v = self.unembed_out(latent)
-        out = scaled_dot_product_attention(
-            q_nope, k, v, cache=cache, scale=self.scale, mask=pe_scores
-        )
-        if L == 1:
-            out = self.unembed_out(out)
-        return self.wo(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(q_nope, q_pe, latent, k_pe, mask, cache)
 
 
 def _select(
