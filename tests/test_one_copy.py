@@ -159,10 +159,12 @@ def test_two_ranks_one_copy(hosts, default_gguf):
     for name in ("hf", "gguf", "q4", "split"):  # HF, GGUF blocks as stored, 4-bit, --split 2:1
         assert_same_as_local(out, name, f"{name} local")
     assert_same_as_local(out, "hub", "hf local")
-    # the receiver's peak: its share, one tensor in flight and a little (headers, buffers)
+    # the receiver's peak: its share, one tensor in flight and a little (headers, buffers:
+    # up to 4.8 MB over share + tensor measured on a quiet machine, in about half the runs,
+    # at fd81254 too; 1 MiB was too tight to hold every run)
     for r in out["gguf"]["ranks"][1:]:
         s = r["stats"]
-        assert s["peak_memory"] <= s["placement_bytes"] + r["largest"] + (1 << 20), s
+        assert s["peak_memory"] <= s["placement_bytes"] + r["largest"] + (6 << 20), s
     # the second start reads the cache and nothing is sent
     cached = out["hf cached"]
     assert cached["tokens"] == out["hf"]["tokens"]
