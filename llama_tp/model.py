@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels import scaled_dot_product_attention  # mlx-lm's, native on the CPU
@@ -301,6 +301,8 @@ def _mask(spec: CacheSpec | None, h: mx.array, cache: Any) -> Any:
         return create_attention_mask(h, cache, window_size=spec.window)
     if spec.mask == "ssm":
         return create_ssm_mask(h, cache)
+    if spec.mask == "chunked":
+        return chunk_mask(h.shape[1], spec.window, cache)
     raise ValueError(f"unknown mask kind {spec.mask!r}")
 
 
@@ -349,15 +351,78 @@ class StateCache(ArraysCache):
         return row
 
 
+class ChunkedCache(ChunkedKVCache):
+    """mlx-lm's ChunkedKVCache of a chunked-attention layer (Llama 4: a query attends to
+    the keys of its own chunk of `chunk_size` positions only), holding the keys from the
+    start of the chunk of the first new token on: it drops the earlier ones when a token
+    enters a new chunk (once a chunk, where mlx-lm's model keeps the last chunk_size keys
+    and drops one at every step). Between decoding steps it holds at most a chunk.
+
+    It steps back `n` tokens only while the chunk it steps back into is still held
+    (`rewinds`, which `engine/caches.py` asks; `is_trimmable` says no to mlx-lm's prompt
+    cache); `state` is mlx-lm's (keys, values, offset, chunk_size, start)."""
+
+    def front(self) -> int:
+        """The first position the cache holds once the next tokens are in."""
+        if self.keys is None:
+            return self.start_position
+        return max(self.start_position, self.offset // self.chunk_size * self.chunk_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        drop = self.front() - self.start_position
+        if drop:
+            end = self.offset - self.start_position
+            self.keys = self.keys[..., drop:end, :]
+            self.values = self.values[..., drop:end, :]
+            self.start_position += drop
+        return super().update_and_fetch(keys, values)
+
+    def maybe_trim_front(self) -> None:
+        """(mlx-lm's model trims before every call; this cache trims in `update_and_fetch`.)"""
+
+    def is_trimmable(self) -> bool:
+        """False for mlx-lm's prompt cache (it would trim any count): the engine's facade
+        asks `rewinds(n)`."""
+        return False
+
+    def rewinds(self, n: int) -> bool:
+        """Whether stepping back `n` tokens leaves the keys the next token attends to."""
+        offset = self.offset - n
+        return offset >= 0 and offset // self.chunk_size * self.chunk_size >= self.start_position
+
+    def trim(self, n: int) -> int:
+        if not self.rewinds(n):
+            raise ValueError(f"a chunked-attention cache cannot step back {n} tokens")
+        self.offset -= n
+        return n
+
+
+def chunk_mask(L: int, chunk: int, cache: ChunkedCache | None) -> mx.array | None:
+    """The (L, S) boolean mask of L new queries over a chunked-attention cache's keys
+    (those it will hold after them, `ChunkedCache.front` on): each query sees the keys of
+    its own chunk up to itself (mlx-lm's llama4 chunk mask). None for one query: every
+    key held is of its chunk."""
+    offset = cache.offset if cache is not None else 0
+    if L == 1 and cache is not None:
+        return None
+    start = cache.front() if cache is not None else 0
+    keys = mx.arange(start, offset + L)
+    queries = mx.arange(offset, offset + L)[:, None]
+    return ((keys // chunk) == (queries // chunk)) & (keys <= queries)
+
+
 def make_layer_cache(spec: CacheSpec | None) -> Any:
     """mlx-lm's cache of the kind `spec` declares: a KVCache, a RotatingKVCache of the
-    window (it never holds more than the window), an ArraysCache of fixed-size arrays
-    (a `StateCache`: it counts its tokens), or a CacheList; a layer that caches nothing
-    still gets a KVCache (unused), as mlx-lm's models give every layer one."""
+    window (it never holds more than the window), a `ChunkedCache` of chunked attention
+    (the current chunk's keys), an ArraysCache of fixed-size arrays (a `StateCache`: it
+    counts its tokens), or a CacheList; a layer that caches nothing still gets a KVCache
+    (unused), as mlx-lm's models give every layer one."""
     if spec is None or spec.kind == "kv":
         return KVCache()
     if spec.kind == "rotating":
         return RotatingKVCache(max_size=spec.window)
+    if spec.kind == "chunked":
+        return ChunkedCache(spec.window)
     if spec.kind == "arrays":
         return StateCache(size=spec.size, what=spec.what)
     if spec.kind == "list":

@@ -18,6 +18,12 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              `rope_parameters`, 4 indexer heads, 7 experts
     minimax  minimax: q/k norms over all heads' values, partial RoPE (16 of 32), 5
              experts (sigmoid scores + correction bias), 2 KV heads; 2 layers
+    llama4   llama4 (the wrapper's text model): 3 chunked RoPE layers (chunks of 4, q/k
+             norms after RoPE) and a global NoPE one (temperature tuning from position
+             3: floor_scale 4), 5 experts (top-1, sigmoid, input scaled) + a shared
+             one in every second layer; 4 layers (mlx-lm's llama4 needs the fourth)
+    llama4_text  llama4_text (MobileLLM-R1's): dense, a RoPE and a NoPE layer, q/k norms
+             before RoPE; 2 layers
 """
 
 from __future__ import annotations
@@ -131,15 +137,59 @@ MINIMAX = dict(
     rope_theta=5000000.0,
     **COMMON,
 )
+# Llama 4: 10 query / 5 KV heads, chunks of 4 positions (the 10-12 token prompts span
+# three), the NoPE layer's temperature above 1 from position 3, 5 experts in layers 1, 3
+_LLAMA4_TEXT = dict(
+    model_type="llama4_text",
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=96,
+    intermediate_size_mlp=128,
+    num_attention_heads=10,
+    num_key_value_heads=5,
+    head_dim=16,
+    num_local_experts=5,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=4,
+    attention_bias=False,
+    use_qk_norm=True,
+    floor_scale=4,
+    attn_scale=0.1,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=64),
+    **COMMON,
+)  # fmt: skip
+LLAMA4 = dict(model_type="llama4", text_config=_LLAMA4_TEXT, **COMMON)
+LLAMA4_TEXT = dict(
+    model_type="llama4_text",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    intermediate_size_mlp=128,
+    num_attention_heads=10,
+    num_key_value_heads=5,
+    head_dim=16,
+    no_rope_layers=[1, 0],
+    use_qk_norm=True,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    **COMMON,
+)
 CONFIGS = {
     "gemma4": GEMMA4,
     "gemma3": GEMMA3,
     "deepseek_v32": DEEPSEEK_V32,
     "glm5": GLM5,
     "minimax": MINIMAX,
+    "llama4": LLAMA4,
+    "llama4_text": LLAMA4_TEXT,
 }
 # the families whose 4-bit copy every launch checks too
-QUANTIZED = ("gemma4", "deepseek_v32", "minimax")
+QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4")
 
 
 def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:

@@ -3,11 +3,10 @@ reuse where the caches rewind, prefill again where they cannot), serve (batching
 every cache merges, one sequence at a time otherwise, said in the log and /v1/status),
 perplexity, plan, doctor's path line, convert --shards by stage, bench beside mlx-lm.
 
-Tiny folders of three architectures llama_tp does not implement, each written by
-mlx-lm's own class (tests/generic_models.py): Gemma 3 (KV caches, a sliding window: they
-rewind and merge), Qwen3-Next (gated delta states: they merge but cannot rewind) and
-Llama 4 (a chunked cache: it cannot merge). The 2-rank drivers run in one launch
-(tests/mp_generic_drivers.py) and one 2-rank server.
+Tiny folders of four architectures, each written by mlx-lm's own class
+(tests/generic_models.py): Gemma 2 and Phi-3 and Nemotron-H on mlx-lm's classes, and
+Llama 4 (native since issue 43; its chunked cache cannot merge into a batch). The
+2-rank drivers run in one launch (tests/mp_generic_drivers.py) and one 2-rank server.
 """
 
 from __future__ import annotations
@@ -147,7 +146,7 @@ def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_
             futures = {p: pool.submit(chat, alone.client(), p, max_tokens=8) for p in PROMPTS}
             assert {p: f.result()[:2] for p, f in futures.items()} == solo
         status = json.loads(http(f"{alone.base}/v1/status", headers=AUTH)[1])
-        why = "one sequence at a time: its ChunkedKVCache cannot merge into a batch"
+        why = "one sequence at a time: its ChunkedCache cannot merge into a batch"
         assert status["batching"] == why and status["max_batch"] == 1, status
         assert f"serve: {why}" in alone.stderr()
     finally:

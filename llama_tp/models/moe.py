@@ -17,6 +17,9 @@ when there are many (prefill, batches), as mlx-lm does. Three routers:
     MiniMax:     the same selection without groups, from a linear `router` (quantized
                  as mlx-lm quantizes it) of float32 inputs and the block's own
                  `e_score_correction_bias`, as mlx-lm's `MiniMaxSparseMoeBlock`
+    Llama 4:     top-1 of the router's logits, its sigmoid score scaling the expert's
+                 input (not its output), beside an ungated shared expert (mlx-lm's
+                 llama4 `MoE`)
 
 Its split table (`MoEFeedForward.split_table`): every expert's gate/up rows and down
 columns by "expert_ffn" (or whole experts, when the plan splits by expert), the shared
@@ -102,6 +105,8 @@ class MoEFeedForward(nn.Module):
         object.__setattr__(self, "args", args)
         self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
         self.softmax_first = args.router == "softmax_topk"
+        # Llama 4: the router's sigmoid score scales the expert's input
+        self.scaled_input = args.router == "sigmoid_input"
         self.norm_topk_prob = args.norm_topk_prob
         if args.router == "sigmoid_group":
             self.router = MoEGate(deepseek_v3_args(args))
@@ -133,6 +138,10 @@ class MoEFeedForward(nn.Module):
             return inds, scores.astype(x.dtype)
         gates = self.router(x)
         k = self.top_k
+        if self.scaled_input:  # Llama 4: top-1, its sigmoid score (in float32)
+            inds = mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k]
+            scores = mx.take_along_axis(gates, inds, axis=-1)
+            return mx.stop_gradient(inds), mx.sigmoid(scores.astype(mx.float32)).astype(x.dtype)
         if self.softmax_first:
             gates = mx.softmax(gates, axis=-1, precise=True)
             inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
@@ -149,8 +158,11 @@ class MoEFeedForward(nn.Module):
         if self.expert_load is not None:
             counts = mx.zeros((self.n_experts,), mx.int32).at[inds.flatten()].add(1)
             object.__setattr__(self, "expert_load", self.expert_load + counts)
-        y = self.switch_mlp(x, inds)  # (B, L, k, dim)
-        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        if self.scaled_input:  # (top-1: scores (B, L, 1) scale x (B, L, dim))
+            y = self.switch_mlp(x * scores, inds).sum(axis=-2)
+        else:
+            y = self.switch_mlp(x, inds)  # (B, L, k, dim)
+            y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
         if "shared_expert_gate" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif "shared_expert" in self:

@@ -25,6 +25,11 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
+    Llama 4     llama4,            (HF/MLX only)            chunked on    experts (top-1,
+                llama4_text                                 RoPE layers,  sigmoid, input
+                                                            global NoPE   scaled) + shared
+                                                            layers        expert; dense
+                                                                          (llama4_text)
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
@@ -63,6 +68,12 @@ from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
 from . import gemma
+from .chunked_attention import (
+    ChunkedAttention,
+    Llama4Layer,
+    llama4_fields,
+    llama4_text_fields,
+)
 from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
@@ -126,6 +137,8 @@ FAMILIES = {
     "gpt_oss": Family(None, gpt_oss_fields),
     "minimax": Family("MiniMaxM2ForCausalLM", minimax_fields, config_keys=minimax_config),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
+    "llama4": Family(None, llama4_fields, prefix="language_model.", kinds=(Llama4Layer,)),
+    "llama4_text": Family(None, llama4_text_fields, kinds=(Llama4Layer,)),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
     ),
@@ -220,8 +233,10 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
             "attention": GatedDeltaNet if linear else GatedAttention,
             "feed_forward": feed_forward,
         }
-    if "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
-        attention: type[nn.Module] = SparseAttention
+    if "rope_layers" in args.extra:  # Llama 4: chunked RoPE layers, global NoPE ones
+        attention: type[nn.Module] = ChunkedAttention
+    elif "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
+        attention = SparseAttention
     elif args.kv_lora_rank:
         attention = LatentAttention
     elif "wide_qk_norm" in args.extra:  # MiniMax-M2: q/k norms across all heads
@@ -237,7 +252,12 @@ def block(args: ModelArgs, i: int) -> TransformerBlock:
     """Layer `i` of the family `args` describe."""
     kinds = layer_kinds(args, i)
     attention = kinds["attention"]
-    mixer = attention(args, args.window(i)) if attention is SinkAttention else attention(args)
+    if attention is SinkAttention:
+        mixer = attention(args, args.window(i))
+    elif attention is ChunkedAttention:
+        mixer = attention(args, i)
+    else:
+        mixer = attention(args)
     return TransformerBlock(args, mixer, kinds["feed_forward"](args), layer=i)
 
 
