@@ -7,7 +7,8 @@ tensor ranks (4 ranks), each check once.
 `serve` on 2 ranks answers concurrent requests as it answers each alone. The families'
 one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
 `test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
-keys of the 10-token prompt) and `test_minimax.py` (MiniMax-M2); the next family adds its fixture to
+keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2) and `test_llama4.py` (Llama 4:
+chunks of 4, so the 10-token prompt and 8 steps span five); the next family adds its fixture to
 `flagship_fixtures.CONFIGS` and these launches).
 """
 
@@ -30,6 +31,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 GEMMA = ("gemma4_text", "gemma3_text")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 MINIMAX = ("minimax",)
+LLAMA4 = ("llama4", "llama4_text")
 
 
 def _lines(r) -> list[dict]:
@@ -57,19 +59,23 @@ def test_two_ranks_and_a_weighted_split(models):
     GLM-5, and DeepSeek-V3.2 with `--split 3:1` (8/2 heads; the latent and the indexer's
     keys cached whole on both ranks); MiniMax-M2 both ways (1/1 KV heads: each rank's
     q/k norms' sums of squares all-reduced), its 4-bit copy, and `--split 3:1` (2/1 KV
-    heads: the shared one counted once)."""
+    heads: the shared one counted once); Llama 4 both ways (3/2 KV heads, each rank's
+    chunked caches), its 4-bit copy, llama4_text, and `--split 3:1` (4/1 KV heads)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
+    l4, l4q, l4t = (str(models[k]) for k in ("llama4", "llama4-q4", "llama4_text"))
     specs = [g4, f"{q4}#tensor", g3, f"{g4}%3:1#tensor"]
     specs += [ds, f"{dq}#tensor", f"{glm}#expert", f"{ds}%3:1#tensor"]
-    lines = _check(2, [*specs, mm, f"{mq}#expert", f"{mm}%3:1#tensor"])
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX} and len(lines) == 14
+    specs += [mm, f"{mq}#expert", f"{mm}%3:1#tensor"]
+    lines = _check(2, [*specs, l4, f"{l4q}#tensor", l4t, f"{l4}%3:1#tensor"])
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *LLAMA4} and len(lines) == 19
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
     assert weighted["deepseek_v32"][0] == weighted["deepseek_v32"][1]
     assert weighted["minimax"] == [1024, 512]
+    assert weighted["llama4"] == [2048, 512]
 
 
 def test_three_ranks(models):
@@ -78,13 +84,16 @@ def test_three_ranks(models):
     DeepSeek-V3.2's 10 latent heads as 4/3/3, its 4-bit copy's 5 experts as 2/2/1,
     GLM-5's 7 as 3/2/2; MiniMax-M2's 10 query heads over 2 KV heads as 4/3/3 (the middle
     rank holds both KV heads, each counted in the k norm's sum by its first rank only),
-    float32 by tensor and 4-bit by expert."""
+    float32 by tensor and 4-bit by expert; Llama 4's 5 KV heads as 2/2/1 (float32 by
+    tensor, 4-bit's 5 experts as 2/2/1) and llama4_text."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
+    l4, l4q, l4t = (str(models[k]) for k in ("llama4", "llama4-q4", "llama4_text"))
     specs = [f"{g4}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
-    lines = _check(3, [*specs, f"{mm}#tensor", f"{mq}#expert"])
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX} and len(lines) == 8
+    specs += [f"{mm}#tensor", f"{mq}#expert"]
+    lines = _check(3, [*specs, f"{l4}#tensor", f"{l4q}#expert", l4t])
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *LLAMA4} and len(lines) == 11
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "minimax"] == [
         [512, 1024, 512]
     ] * 2
@@ -96,14 +105,19 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     inputs handed on beside h; Gemma 3: none of those); DeepSeek-V3.2's 4-bit copy on 4
     ranks (3/3/2/2 heads) and GLM-5 as 2 stages of 2 (each stage's layers' latent and
     indexer caches); MiniMax-M2's 4-bit copy on 4 ranks (KV heads 1/2/1/1) and as 2
-    stages of 2 (each stage's tensor group reducing its q/k norms' sums)."""
+    stages of 2 (each stage's tensor group reducing its q/k norms' sums); Llama 4's 4-bit
+    copy on 4 ranks (KV heads 2/1/1/1) and as 2 stages of 2 (each stage's chunked
+    caches and masks)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
+    l4, l4q = str(models["llama4"]), str(models["llama4-q4"])
     specs = [f"{q4}#tensor", f"{g4}@2,2#tensor", f"{g3}@2,2", f"{dq}#tensor", f"{glm}@2,2#tensor"]
-    lines = _check(4, [*specs, f"{mq}#tensor", f"{mm}@2,2#expert"])
-    assert [x["mesh"] for x in lines] == [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2]]
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX}
+    specs += [f"{mq}#tensor", f"{mm}@2,2#expert"]
+    lines = _check(4, [*specs, f"{l4q}#tensor", f"{l4}@2,2#expert"])
+    meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
+    assert [x["mesh"] for x in lines] == meshes
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, "llama4"}
 
 
 @pytest.mark.ranks
@@ -113,7 +127,8 @@ def test_serve_concurrent_requests_on_two_ranks(models, tmp_path, name):
     (batches merge each layer's cache kind; Gemma 4's KV-shared layers have none;
     DeepSeek-V3.2's CacheList of the latent and the indexer's keys, each query of a
     left-padded batch over its own top-k keys; MiniMax-M2's q/k norms reduced over a
-    batch's rows)."""
+    batch's rows). Llama 4's (its chunked caches do not merge: one sequence at a time) is
+    `test_generic_drivers.py`'s 2-rank server."""
     from serve_client import Server, chat
 
     server = Server(2, models[name], tmp_path, "--max-batch", "8")

@@ -118,9 +118,10 @@ def test_plan_and_verbose_say_which_path_runs(folders):
 
 def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_path):
     """2 pipeline ranks of Phi-3 answer concurrent requests as they answer each alone;
-    Llama 4's chunked cache cannot merge: one sequence at a time, said in the log and
-    /v1/status, and its answers are still those alone. Gemma 2's attention cannot take a
-    batch's mask (it fails in mlx-lm's own batches): one sequence at a time too."""
+    Llama 4 (native) on 2 tensor ranks: its chunked cache cannot merge, one sequence at a
+    time, said in the log and /v1/status, and its answers are still those alone. Gemma
+    2's attention cannot take a batch's mask (it fails in mlx-lm's own batches): one
+    sequence at a time too."""
     from llama_tp.engine.batch import BatchEngine
     from llama_tp.loading.loader import load
     from llama_tp.server.runner import batching
@@ -131,7 +132,7 @@ def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_
     assert batching(model, None, engine) == why and engine.prompt_cache is None
     two = Server(2, folders["phi3"], tmp_path, "--pp", "2", "--max-batch", "4",
                  launcher="llama_tp")  # fmt: skip
-    alone = Server(1, folders["llama4"], tmp_path, "--max-batch", "4")
+    alone = Server(2, folders["llama4"], tmp_path, "--max-batch", "4")
     try:
         for s in (two, alone):
             s.wait_ready(300)
