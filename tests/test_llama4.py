@@ -99,3 +99,20 @@ def test_chat_second_turn_reuses_the_cache(models):
     chat.send("hi there")
     chat.send("again")
     assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
+
+
+def test_synthetic_llama4_is_mlx_lms(tmp_path):
+    """`bench --synthetic llama4-*`: the tensors mlx-lm's own class holds, so that mlx-lm
+    loads the same folder (float32 and 4-bit) and gives the same logits (past a chunk)."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.benchmarks.synthetic import write_synthetic
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
+    for spec in ("llama4-tiny-fp32", "llama4-tiny-q4"):
+        path = write_synthetic(spec, tmp_path / spec)
+        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+        assert ours.args.model_type == "llama4" and ours.args.attention_chunk_size == 8
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec

@@ -43,6 +43,12 @@ The `minimax-tiny` / `minimax` sizes are MiniMax-M2 models as mlx-lm's own `mini
 class holds them: q/k norms over all heads, partial RoPE, experts behind sigmoid scores
 with a correction bias; `minimax` is MiniMax-M2's layout scaled down (256 -> 64 experts,
 8 per token, 48/8 -> 16/4 heads of 128 -> 64 with half of each rotated, 62 -> 8 layers).
+The `llama4-tiny` / `llama4` sizes are Llama 4 models as mlx-lm's own `llama4` class
+holds them (the wrapper's text model): chunked local attention on three of every four
+layers (q/k norms after RoPE), a global NoPE layer, experts top-1 by sigmoid beside a
+shared expert; `llama4` is Llama 4 Scout's layout scaled down (16 experts in every
+layer, 40/8 -> 16/4 heads of 128 -> 64, 48 -> 8 layers, chunks of 8192 -> 32 positions:
+what a benchmark's prompt passes).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 

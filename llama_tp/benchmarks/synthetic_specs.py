@@ -1,6 +1,6 @@
 """The synthetic models' specs: each size's shape (`SIZES`), the dtypes, the Hugging Face
 `config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, DeepSeek-V3.2, gpt-oss,
-GLM-4.5, Gemma 4 or MiniMax-M2 one)
+GLM-4.5, Gemma 4, MiniMax-M2 or Llama 4 one)
 and every tensor it holds, named as Hugging Face names them (`synthetic.py` writes
 them; see its docstring for what each size is)."""
 
@@ -62,6 +62,16 @@ SIZES = {
     "minimax": dict(
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, hidden_dim=512, vocab=32000,
         experts=64, top_k=8, expert_dim=512, head_dim=64, minimax=32,
+    ),
+    # Llama 4: chunked RoPE layers and a global NoPE one in every 4 (llama4: chunk size,
+    # every how many layers the experts, top-1 beside a shared expert, are)
+    "llama4-tiny": dict(
+        dim=64, n_layers=4, n_heads=10, n_kv_heads=2, hidden_dim=128, vocab=512,
+        experts=5, top_k=1, expert_dim=64, head_dim=16, llama4=(8, 2),
+    ),
+    "llama4": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, hidden_dim=2048, vocab=32000,
+        experts=16, top_k=1, expert_dim=1024, head_dim=64, llama4=(32, 1),
     ),
     # gpt-oss: sinks, sliding-window layers (window), biased experts behind the clamped SwiGLU
     "gpt-oss-tiny": dict(
@@ -168,6 +178,43 @@ def _minimax_config(s: dict) -> dict:
     }
 
 
+def _llama4_config(s: dict) -> dict:
+    """The wrapper's config (mlx-lm's llama4 reads `text_config`), Llama 4 Scout's RoPE."""
+    chunk, step = s["llama4"]
+    text = {
+        "model_type": "llama4_text",
+        "hidden_size": s["dim"],
+        "num_hidden_layers": s["n_layers"],
+        "num_attention_heads": s["n_heads"],
+        "num_key_value_heads": s["n_kv_heads"],
+        "head_dim": s["head_dim"],
+        "intermediate_size": s["expert_dim"],
+        "intermediate_size_mlp": s["hidden_dim"],
+        "vocab_size": s["vocab"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "interleave_moe_layer_step": step,
+        "attention_chunk_size": chunk,
+        "attention_bias": False,
+        "use_qk_norm": True,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 4096,
+    }
+    return {
+        "model_type": "llama4",
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": text,
+    }
+
+
 def _gpt_oss_config(s: dict) -> dict:
     return {
         "model_type": "gpt_oss",
@@ -258,6 +305,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
         moe = _deepseek_v32_config(s)
     elif "minimax" in s:
         moe = _minimax_config(s)
+    elif "llama4" in s:
+        moe = _llama4_config(s)
     elif "window" in s:
         moe = _gpt_oss_config(s)
     elif "latent" in s:
@@ -309,7 +358,7 @@ def hf_config(s: dict, dtype_name: str) -> dict:
 def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
     "zeros" a float32 routing bias), in the order the random ones are drawn."""
-    if "gemma4" in s or "dsv32" in s or "minimax" in s:  # mlx-lm's own class lists them
+    if any(k in s for k in ("gemma4", "dsv32", "minimax", "llama4")):  # mlx-lm's class lists them
         return _mlx_lm_tensors(hf_config(s, "fp32"))
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]
