@@ -125,6 +125,7 @@ def main() -> int:
     )
     _print_shared(ckpt.args)
     _print_indexer(ckpt.args, shape)
+    _print_chunked(ckpt.args)
     if args.n > 1:
         _print_wide_qk_norm(ckpt.args)
     if ckpt.format == "gguf":
@@ -206,6 +207,24 @@ def _print_indexer(a, shape, staged: bool = False) -> None:
         f"replicated, so {whom} {human_bytes(held)} of weights and caches its "
         f"{a.index_head_dim} key values per token and layer (in the KV cache above)"
     )
+
+
+def _print_chunked(a) -> None:
+    """Llama 4's line: its chunked-attention layers and global layers without RoPE."""
+    from .models.registry import layer_specs
+
+    chunked = sum(s.cache is not None and s.cache.kind == "chunked" for s in layer_specs(a))
+    if "rope_layers" not in a.extra:
+        return
+    nope = a.rope_layers.count(0)
+    if chunked:
+        print(
+            f"chunked attention: {chunked} of {a.n_layers} layers attend within chunks of "
+            f"{a.attention_chunk_size} positions (their caches hold the current chunk, in "
+            f"the KV cache above at 1000 tokens); {nope} global layers without RoPE"
+        )
+    else:
+        print(f"{nope} of {a.n_layers} layers attend without RoPE (global attention)")
 
 
 def _print_wide_qk_norm(a) -> None:
@@ -303,6 +322,7 @@ def print_mesh(args) -> int:
     print(format_mesh(mp, ckpt.path.name))
     _print_shared(ckpt.args)
     _print_indexer(ckpt.args, model_shape(ckpt), staged=True)
+    _print_chunked(ckpt.args)
     _print_wide_qk_norm(ckpt.args)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes

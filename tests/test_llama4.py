@@ -5,11 +5,13 @@ mlx-lm's 4-bit convert). The ranks (2, 3, 4, --split 3:1, tp2 x pp2, serve) are
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import ROOT, run_python
 from flagship_fixtures import flagship_models
 
 ATOL = 1e-4
@@ -116,3 +118,25 @@ def test_synthetic_llama4_is_mlx_lms(tmp_path):
         ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
         assert ours.args.model_type == "llama4" and ours.args.attention_chunk_size == 8
         assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+
+
+def test_plan_of_llama4_maverick_config():
+    """`plan` of Llama 4 Maverick (400B, 4-bit as mlx-lm's convert writes it) on 3 Macs, the
+    third smaller (--split 2:2:1): 40 heads as 15/15/10 over 8 KV heads as 3/3/2, 128
+    experts by expert as 51/51/26, and the chunked layers' line."""
+    config = ROOT / "docs" / "configs" / "Llama-4-Maverick-17B-128E-Instruct-4bit" / "config.json"
+    out = run_python(
+        ["-m", "llama_tp.plan", "-n", "3", "--split", "2:2:1", "--moe-split", "expert"]
+        + ["--model", str(config)]
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if re.match(r"^[0-2] ", line)]
+    assert [r[1:5] for r in rows] == [
+        ["0-14", "[15]", "0-2", "[3]"],
+        ["15-29", "[15]", "3-5", "[3]"],
+        ["30-39", "[10]", "6-7", "[2]"],
+    ]
+    assert [r[7:9] for r in rows] == [["0-50", "[51]"], ["51-101", "[51]"], ["102-127", "[26]"]]
+    assert [r[-2:] for r in rows] == [["83.62", "GiB"], ["83.61", "GiB"], ["42.71", "GiB"]]
+    assert "36 of 48 layers attend within chunks of 8192 positions" in out.stdout
+    assert "model_type 'llama4' is implemented natively" in out.stdout

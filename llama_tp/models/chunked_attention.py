@@ -138,7 +138,7 @@ def llama4_fields(config: dict) -> dict:
         "router": "sigmoid_input",
         "sparse_layers": None if len(sparse) == n else sparse,
         "extra": {
-            "rope_layers": _rope_layers(config, config.get("nope_layer_interval") or 4),
+            "rope_layers": _rope_layers(config, config.get("no_rope_layer_interval") or 4),
             "attention_chunk_size": int(config.get("attention_chunk_size") or 0),
             "qk_l2_norm": "after" if config.get("use_qk_norm", False) else None,
             "attn_temperature": (
