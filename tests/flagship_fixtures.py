@@ -24,6 +24,9 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              one in every second layer; 4 layers (mlx-lm's llama4 needs the fourth)
     llama4_text  llama4_text (MobileLLM-R1's): dense, a RoPE and a NoPE layer, q/k norms
              before RoPE; 2 layers
+    step3p5  step3p5: a global layer (10 / 5 heads, partial RoPE, YaRN) and two sliding
+             ones with their own 8 / 2 heads, gated per head; 5 experts (sigmoid + bias,
+             scaled) + a shared one after a dense layer, clamped SwiGLUs; 3 layers
 """
 
 from __future__ import annotations
@@ -179,6 +182,38 @@ LLAMA4_TEXT = dict(
     rope_theta=500000.0,
     **COMMON,
 )
+# Step-3.5: a global layer (10 query / 5 KV heads, half of each head rotated, YaRN) then
+# two sliding ones (window 4) of their own 8 query / 2 KV heads, each head's output
+# gated; a dense first layer, then 5 experts (sigmoid + router bias, scaled by 3) beside
+# a shared expert, the SwiGLUs clamped (low limits: the random weights reach them)
+STEP3P5 = dict(
+    model_type="step3p5",
+    hidden_size=64,
+    num_hidden_layers=3,
+    intermediate_size=128,
+    num_attention_heads=10,
+    num_attention_groups=5,
+    head_dim=32,
+    layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    attention_other_setting={"num_attention_heads": 8, "num_attention_groups": 2},
+    sliding_window=4,
+    rope_theta=[5000000.0, 10000.0, 10000.0],
+    partial_rotary_factors=[0.5, 1.0, 1.0],
+    yarn_only_types=["full_attention"],
+    rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=2048),
+    use_head_wise_attn_gate=True,
+    moe_num_experts=5,
+    moe_top_k=2,
+    moe_intermediate_size=128,
+    share_expert_dim=128,
+    moe_layers_enum="1,2",
+    moe_router_scaling_factor=3.0,
+    norm_expert_weight=True,
+    swiglu_limits=[0.0, 0.5, 0.0],
+    swiglu_limits_shared=[0.5, 0.0, 0.5],
+    rms_norm_eps=1e-5,
+    **COMMON,
+)
 CONFIGS = {
     "gemma4": GEMMA4,
     "gemma3": GEMMA3,
@@ -187,9 +222,10 @@ CONFIGS = {
     "minimax": MINIMAX,
     "llama4": LLAMA4,
     "llama4_text": LLAMA4_TEXT,
+    "step3p5": STEP3P5,
 }
 # the families whose 4-bit copy every launch checks too
-QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4")
+QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5")
 
 
 def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:

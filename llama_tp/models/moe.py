@@ -17,6 +17,7 @@ when there are many (prefill, batches), as mlx-lm does. Three routers:
     MiniMax:     the same selection without groups, from a linear `router` (quantized
                  as mlx-lm quantizes it) of float32 inputs and the block's own
                  `e_score_correction_bias`, as mlx-lm's `MiniMaxSparseMoeBlock`
+                 (Step-3.5: its `router_bias`, times `routed_scaling_factor`)
     Llama 4:     top-1 of the router's logits, its sigmoid score scaling the expert's
                  input (not its output), beside an ungated shared expert (mlx-lm's
                  llama4 `MoE`)
@@ -33,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import SwigluOAI
 from mlx_lm.models.deepseek_v3 import MoEGate, group_expert_select
+from mlx_lm.models.step3p5 import ClampedSwiGLU
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..model import FeedForward
@@ -100,7 +102,11 @@ class MoEFeedForward(nn.Module):
     def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
         return None
 
-    def __init__(self, args: ModelArgs):
+    def __init__(
+        self, args: ModelArgs, clamp: float = 0.0, shared: nn.Module | None = None
+    ) -> None:
+        """`clamp` > 0: the experts' SwiGLU clamped at it (Step-3.5's); `shared`: the
+        shared expert (default a FeedForward of `shared_expert_dim`)."""
         super().__init__()
         object.__setattr__(self, "args", args)
         self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
@@ -116,11 +122,13 @@ class MoEFeedForward(nn.Module):
             self.e_score_correction_bias = mx.zeros((args.n_experts,))
         # gpt-oss: the clamped SwiGLU (mlx-lm's), biases on every expert's projections
         act = SwigluOAI(limit=args.swiglu_limit) if args.activation == "swiglu_oai" else SwiGLU()
+        if clamp > 0:
+            act = ClampedSwiGLU(clamp)
         self.switch_mlp = SwitchGLU(
             args.dim, args.moe_hidden_dim, args.n_experts, activation=act, bias=args.expert_bias
         )
         if args.shared_expert_dim:
-            self.shared_expert = FeedForward(args, args.shared_expert_dim)
+            self.shared_expert = shared or FeedForward(args, args.shared_expert_dim)
             if args.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
         # Tokens routed to each expert (E,), counted while `record_expert_load` is on.
@@ -134,7 +142,9 @@ class MoEFeedForward(nn.Module):
             gates = self.router(x.astype(mx.float32))
             bias, k = self.e_score_correction_bias, self.top_k
             inds, scores = group_expert_select(gates, bias, k, 1, 1, 1.0, False)
-            scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)  # as mlx-lm's
+            if self.norm_topk_prob:
+                scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)  # as mlx-lm's
+            scores = scores * self.args.routed_scaling_factor  # (Step-3.5's; MiniMax: 1)
             return inds, scores.astype(x.dtype)
         gates = self.router(x)
         k = self.top_k

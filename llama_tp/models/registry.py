@@ -21,6 +21,10 @@ feed-forward in some layers, chosen by the args, not by name:
     V3.2, GLM-5 glm_moe_dsa                                 over the
                                                             indexer's
                                                             top-k keys
+    Step-3.5    step3p5            (HF/MLX only)            sliding and   experts (sigmoid +
+                                                            global, own   bias, scaled) +
+                                                            heads, gated  shared expert;
+                                                            per head      clamped SwiGLU
     MiniMax-M2  minimax            (HF/MLX only)            q/k norms     experts (sigmoid +
                                                             over all      bias, no groups)
                                                             heads,
@@ -67,7 +71,7 @@ import mlx.nn as nn
 from ..model import Attention, FeedForward, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
-from . import gemma
+from . import gemma, headwise_gate
 from .chunked_attention import (
     ChunkedAttention,
     Llama4Layer,
@@ -78,6 +82,12 @@ from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
 from .gpt_oss import SinkAttention, gpt_oss_fields
+from .headwise_gate import (
+    GatedHeadsAttention,
+    SlidingGatedHeadsAttention,
+    StepLayer,
+    step3p5_fields,
+)
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .qk_norm import QKNormAttention
@@ -139,6 +149,7 @@ FAMILIES = {
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
     "llama4": Family(None, llama4_fields, prefix="language_model.", kinds=(Llama4Layer,)),
     "llama4_text": Family(None, llama4_text_fields, kinds=(Llama4Layer,)),
+    "step3p5": Family(None, step3p5_fields, qk_norm=True, kinds=(StepLayer,)),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
     ),
@@ -233,6 +244,10 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
             "attention": GatedDeltaNet if linear else GatedAttention,
             "feed_forward": feed_forward,
         }
+    if "swa_heads" in args.extra:  # Step-3.5: sliding and global layers, gated heads
+        sliding = args.window(i) is not None
+        attention = SlidingGatedHeadsAttention if sliding else GatedHeadsAttention
+        return {"attention": attention, "feed_forward": feed_forward}
     if "rope_layers" in args.extra:  # Llama 4: chunked RoPE layers, global NoPE ones
         attention: type[nn.Module] = ChunkedAttention
     elif "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
@@ -251,6 +266,12 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
 def block(args: ModelArgs, i: int) -> TransformerBlock:
     """Layer `i` of the family `args` describe."""
     kinds = layer_kinds(args, i)
+    if "swa_heads" in args.extra:  # Step-3.5: each layer's SwiGLU clamps
+        clamp, shared = headwise_gate.limits(args, i)
+        ff = headwise_gate.feed_forward(args, i, shared)
+        if args.is_sparse(i):
+            ff = MoEFeedForward(args, clamp, ff)
+        return TransformerBlock(args, kinds["attention"](args, i), ff, layer=i)
     attention = kinds["attention"]
     if attention is SinkAttention:
         mixer = attention(args, args.window(i))
