@@ -75,3 +75,20 @@ def test_chat_second_turn_reuses_the_cache(models):
     chat.send("hi")
     chat.send("ok")
     assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
+
+
+def test_synthetic_step3p5_is_mlx_lms(tmp_path):
+    """`bench --synthetic step3p5-*`: the tensors mlx-lm's own class holds, so that mlx-lm
+    loads the same folder (float32 and 4-bit) and gives the same logits (past the window)."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.benchmarks.synthetic import write_synthetic
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
+    for spec in ("step3p5-tiny-fp32", "step3p5-tiny-q4"):
+        path = write_synthetic(spec, tmp_path / spec)
+        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+        assert ours.args.model_type == "step3p5" and ours.layers[1].attention.n_heads == 12
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec

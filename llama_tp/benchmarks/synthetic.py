@@ -49,6 +49,12 @@ layers (q/k norms after RoPE), a global NoPE layer, experts top-1 by sigmoid bes
 shared expert; `llama4` is Llama 4 Scout's layout scaled down (16 experts in every
 layer, 40/8 -> 16/4 heads of 128 -> 64, 48 -> 8 layers, chunks of 8192 -> 32 positions:
 what a benchmark's prompt passes).
+The `step3p5-tiny` / `step3p5` sizes are Step-3.5 models as mlx-lm's own `step3p5`
+class holds them: a global layer then three sliding ones with heads of their own, each
+head's output gated, experts behind sigmoid scores plus a router bias beside a shared
+expert, clamped SwiGLUs in the last layers; `step3p5` is Step-3.5-Flash's layout scaled
+down (288 -> 64 experts, 8 per token, 64/96 -> 16/24 query heads over 8 -> 2 KV heads of
+128 -> 64, 45 -> 8 layers, window 512 -> 128).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
