@@ -126,6 +126,7 @@ def main() -> int:
     _print_shared(ckpt.args)
     _print_indexer(ckpt.args, shape)
     _print_chunked(ckpt.args)
+    _print_headwise(ckpt.args)
     if args.n > 1:
         _print_wide_qk_norm(ckpt.args)
     if ckpt.format == "gguf":
@@ -227,6 +228,20 @@ def _print_chunked(a) -> None:
         print(f"{nope} of {a.n_layers} layers attend without RoPE (global attention)")
 
 
+def _print_headwise(a) -> None:
+    """Step-3.5's line: its sliding layers' own heads and the head-wise gates."""
+    if "swa_heads" not in a.extra:
+        return
+    nh, nkv = a.swa_heads
+    n = sum(t == "sliding_attention" for t in a.layer_types)
+    gate = "; each head's output gated by sigmoid(g_proj(x)), split with its heads"
+    print(
+        f"{n} of {a.n_layers} layers slide over {nh} query / {nkv} KV heads of their own, "
+        f"split apart from the global layers' (a KV head two ranks' query heads need is "
+        f"held by both){gate if a.headwise_gate else ''}"
+    )
+
+
 def _print_wide_qk_norm(a) -> None:
     """MiniMax-M2's line: q/k norms over all heads, one more small all-reduce per layer."""
     if "wide_qk_norm" not in a.extra:
@@ -323,6 +338,7 @@ def print_mesh(args) -> int:
     _print_shared(ckpt.args)
     _print_indexer(ckpt.args, model_shape(ckpt), staged=True)
     _print_chunked(ckpt.args)
+    _print_headwise(ckpt.args)
     _print_wide_qk_norm(ckpt.args)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes

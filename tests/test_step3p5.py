@@ -5,11 +5,13 @@ bits as mlx-lm quantizes it). The ranks (2, 3, 4, --split 3:1, tp2 x pp2, serve)
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import ROOT, run_python
 from flagship_fixtures import flagship_models
 
 ATOL = 1e-4
@@ -92,3 +94,31 @@ def test_synthetic_step3p5_is_mlx_lms(tmp_path):
         ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
         assert ours.args.model_type == "step3p5" and ours.layers[1].attention.n_heads == 12
         assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+
+
+def test_plan_of_step3p5_flash_config():
+    """`plan` of Step-3.5-Flash (196B, 4-bit as mlx-lm's convert writes it) on 3 Macs, the
+    third smaller (--split 2:2:1): the global layers' 64 heads as 24/24/16 over 8 KV heads
+    as 3/3/2, the sliding layers' 96 as 39/38/19 over 4/4/2 (two KV heads held twice),
+    288 experts by expert as 115/115/58, and the sliding layers' line."""
+    config = ROOT / "docs" / "configs" / "Step-3.5-Flash-4bit" / "config.json"
+    out = run_python(
+        ["-m", "llama_tp.plan", "-n", "3", "--split", "2:2:1", "--moe-split", "expert"]
+        + ["--model", str(config)]
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if re.match(r"^[0-2] ", line)]
+    assert [r[1:5] for r in rows] == [
+        ["0-23", "[24]", "0-2", "[3]"],
+        ["24-47", "[24]", "3-5", "[3]"],
+        ["48-63", "[16]", "6-7", "[2]"],
+    ]
+    assert [r[7:9] for r in rows] == [["0-114", "[115]"], ["115-229", "[115]"], ["230-287", "[58]"]]
+    assert [r[13:17] for r in rows] == [
+        ["0-38", "[39]", "0-3", "[4]"],
+        ["39-76", "[38]", "3-6", "[4]"],
+        ["77-95", "[19]", "6-7", "[2]"],
+    ]
+    assert [r[-2:] for r in rows] == [["41.23", "GiB"], ["41.21", "GiB"], ["20.82", "GiB"]]
+    assert "33 of 45 layers slide over 96 query / 8 KV heads of their own" in out.stdout
+    assert "model_type 'step3p5' is implemented natively" in out.stdout
