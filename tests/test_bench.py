@@ -333,6 +333,7 @@ SECTIONS = {
     "glm4-moe": ("moe", "section"),
     "qwen35-moe": ("moe", "section"),
     "llama4": ("moe", "section"),
+    "step3p5": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
     "constrained-decoding": ("constrained_decoding", "section"),
