@@ -61,21 +61,21 @@ def test_two_ranks_and_a_weighted_split(models):
     GLM-5, and DeepSeek-V3.2 with `--split 3:1` (8/2 heads; the latent and the indexer's
     keys cached whole on both ranks); MiniMax-M2 both ways (1/1 KV heads: each rank's
     q/k norms' sums of squares all-reduced), its 4-bit copy, and `--split 3:1` (2/1 KV
-    heads: the shared one counted once); Llama 4 both ways (3/2 KV heads, each rank's
-    chunked caches), its 4-bit copy, llama4_text, and `--split 3:1` (4/1 KV heads);
-    Step-3.5 both ways (global 3/2 KV heads, sliding 4/4 query heads over 1/1 KV
-    heads), its 4-bit copy, and `--split 3:1` (sliding 6/2 query heads over 2/1 KV)."""
+    heads: the shared one counted once); Llama 4 by expert (3/2 KV heads, each rank's
+    chunked caches), its 4-bit copy by tensor, and `--split 3:1` (4/1 KV heads);
+    Step-3.5 by expert (global 3/2 KV heads, sliding 4/4 query heads over 1/1 KV heads),
+    its 4-bit copy by tensor, and `--split 3:1` (sliding 6/2 query heads over 2/1 KV)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
-    l4, l4q, l4t = (str(models[k]) for k in ("llama4", "llama4-q4", "llama4_text"))
+    l4, l4q = str(models["llama4"]), str(models["llama4-q4"])
     specs = [g4, f"{q4}#tensor", g3, f"{g4}%3:1#tensor"]
     specs += [ds, f"{dq}#tensor", f"{glm}#expert", f"{ds}%3:1#tensor"]
     specs += [mm, f"{mq}#expert", f"{mm}%3:1#tensor"]
     st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
-    specs += [l4, f"{l4q}#tensor", l4t, f"{l4}%3:1#tensor"]
-    lines = _check(2, [*specs, st, f"{sq}#tensor", f"{st}%3:1#tensor"])
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *LLAMA4, *STEP} and len(lines) == 23
+    specs += [f"{l4}#expert", f"{l4q}#tensor", f"{l4}%3:1#tensor"]
+    lines = _check(2, [*specs, f"{st}#expert", f"{sq}#tensor", f"{st}%3:1#tensor"])
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, "llama4", *STEP} and len(lines) == 20
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
