@@ -18,6 +18,8 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              `rope_parameters`, 4 indexer heads, 7 experts
     minimax  minimax: q/k norms over all heads' values, partial RoPE (16 of 32), 5
              experts (sigmoid scores + correction bias), 2 KV heads; 2 layers
+    kimi_linear  a KDA layer (5 heads of 32) then latent attention without RoPE (10
+             heads), 5 experts + a shared one after the dense first layer; 2 layers
 """
 
 from __future__ import annotations
@@ -131,15 +133,46 @@ MINIMAX = dict(
     rope_theta=5000000.0,
     **COMMON,
 )
+# Kimi-Linear: a KDA layer (5 heads of 32: per-channel decay, q/k/v short convs of 4
+# taps) with a dense feed-forward, then latent attention without RoPE (10 heads) with 5
+# experts (sigmoid + correction bias, renormalised, scaled) and a shared one
+KIMI_LINEAR = dict(
+    model_type="kimi_linear",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=160,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    head_dim=32,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    mla_use_nope=True,
+    linear_attn_config=dict(
+        kda_layers=[1], full_attn_layers=[2], num_heads=5, head_dim=32, short_conv_kernel_size=4
+    ),  # fmt: skip
+    model_max_length=4096,
+    num_experts=5,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=128,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.446,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    **COMMON,
+)
 CONFIGS = {
     "gemma4": GEMMA4,
     "gemma3": GEMMA3,
     "deepseek_v32": DEEPSEEK_V32,
     "glm5": GLM5,
     "minimax": MINIMAX,
+    "kimi_linear": KIMI_LINEAR,
 }
 # the families whose 4-bit copy every launch checks too
-QUANTIZED = ("gemma4", "deepseek_v32", "minimax")
+QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "kimi_linear")
 
 
 def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:

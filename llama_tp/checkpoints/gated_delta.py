@@ -237,3 +237,46 @@ def from_gguf(weights: dict, sources: dict, args: Any, tiled: bool) -> None:
             continue
         weights[name] = mx.zeros(shape, v.dtype)  # a placeholder: the source reads it
         sources[name] = (src, stored)
+
+
+# -- Kimi delta attention (Kimi-Linear) -----------------------------------------------------
+
+
+class Flat:
+    """A stored tensor of one non-1 axis, or (heads, values), read as 1-D (Kimi's A_log
+    (1, 1, H, 1), a release's dt_bias (H, d)): a slice of the flat values is a slice of
+    its first non-1 axis, whole rows of the rest."""
+
+    def __init__(self, file: Any, stored: str, shape: tuple[int, ...]):
+        self.file, self.stored = file, stored
+        self.path = getattr(file, "path", None)
+        self.axis = next((i for i, n in enumerate(shape) if n != 1), 0)
+        self.inner = 1
+        for n in shape[self.axis + 1 :]:
+            self.inner *= n
+        self.tensors = {stored: _Info((shape[self.axis] * self.inner,))}
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
+        if axis is None:
+            return self.file.read(self.stored).reshape(-1)
+        if start % self.inner or stop % self.inner:
+            raise ValueError(f"{name}: [{start}, {stop}) is not whole rows of {self.inner}")
+        a, b = start // self.inner, stop // self.inner
+        return self.file.read(self.stored, self.axis, a, b).reshape(-1)
+
+
+def kda_tensors(weights: dict, sources: dict) -> None:
+    """Kimi delta attention's tensors as the model holds them, in place: A_log (and a
+    release's dt_bias) 1-D, a release's convs (C, 1, K) as (C, K, 1)."""
+    for name in list(weights):
+        if name not in sources or ".attention." not in name:
+            continue
+        file, stored = sources[name]
+        v = weights[name]
+        if name.endswith(("attention.A_log", "attention.dt_bias")) and v.ndim > 1:
+            weights[name] = v.reshape(-1)
+            sources[name] = (Flat(file, stored, tuple(v.shape)), stored)
+        elif name.endswith("_conv.conv.weight") and v.ndim == 3 and v.shape[-1] != 1:
+            shape = (v.shape[0], v.shape[2], v.shape[1])
+            weights[name] = v.swapaxes(1, 2)
+            sources[name] = (Mapped(file, stored, shape, lambda x: x.swapaxes(1, 2)), stored)

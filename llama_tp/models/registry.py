@@ -25,6 +25,9 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
+    Kimi-Linear kimi_linear        (HF/MLX only)            KDA (3 of 4), experts (sigmoid +
+                                                            latent (MLA)  bias, groups) +
+                                                            without RoPE  shared experts
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
@@ -67,6 +70,12 @@ from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
 from .gpt_oss import SinkAttention, gpt_oss_fields
+from .kimi_delta import (
+    KimiDeltaAttention,
+    NopeLatentAttention,
+    kimi_linear_config,
+    kimi_linear_fields,
+)
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .qk_norm import QKNormAttention
@@ -126,6 +135,12 @@ FAMILIES = {
     "gpt_oss": Family(None, gpt_oss_fields),
     "minimax": Family("MiniMaxM2ForCausalLM", minimax_fields, config_keys=minimax_config),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
+    "kimi_linear": Family(
+        "KimiLinearForCausalLM",
+        kimi_linear_fields,
+        config_keys=kimi_linear_config,
+        kinds=(KimiDeltaAttention,),
+    ),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
     ),
@@ -220,8 +235,12 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
             "attention": GatedDeltaNet if linear else GatedAttention,
             "feed_forward": feed_forward,
         }
-    if "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
-        attention: type[nn.Module] = SparseAttention
+    if "kda_layers" in args.extra:  # Kimi-Linear: KDA, latent attention without RoPE
+        attention: type[nn.Module] = (
+            KimiDeltaAttention if i in args.kda_layers else NopeLatentAttention
+        )
+    elif "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
+        attention = SparseAttention
     elif args.kv_lora_rank:
         attention = LatentAttention
     elif "wide_qk_norm" in args.extra:  # MiniMax-M2: q/k norms across all heads

@@ -73,13 +73,16 @@ class ModelShape:
                     found.setdefault(u.name, u)
         return tuple(found.values())
 
-    def group_size(self, suffix: str, in_dims: int) -> int | None:
+    def group_size(self, suffix: str, in_dims: int, layers: set[int] | None = None) -> int | None:
         """The quantization group of the modules `layers.*.{suffix}` (the lcm over layers,
-        so that a split in its units falls on every layer's groups); None: not quantized."""
+        or over `layers` only, so that a split in its units falls on every layer's groups);
+        None: not quantized."""
         sizes = {
             in_dims // shape[-1]
             for name, (shape, _) in self.tensors.items()
-            if name.endswith(f".{suffix}.scales") and _LAYER.match(name)
+            if name.endswith(f".{suffix}.scales")
+            and (m := _LAYER.match(name))
+            and (layers is None or int(m.group(1)) in layers)
         }
         return math.lcm(*sizes) if sizes else None
 
@@ -231,7 +234,9 @@ def partition(
 
 def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
     """A quantized wo splits by columns at query-head boundaries: those must be group bounds."""
-    group_size = shape.group_size("attention.wo", plan.n_heads * plan.head_dim)
+    # the layers whose attention splits by query heads (not a KDA layer's wo: Kimi-Linear)
+    heads = {i for i in range(shape.args.n_layers) if _by_heads(shape.spec(i))}
+    group_size = shape.group_size("attention.wo", plan.n_heads * plan.head_dim, heads)
     if group_size is None:
         return
     for p in plan.parts:
@@ -242,6 +247,11 @@ def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
                 f"over {plan.n} ranks: rank {p.rank} would start at column {start}, not a "
                 f"multiple of the group size {group_size}"
             )
+
+
+def _by_heads(spec: LayerSpec) -> bool:
+    table = spec.tables.get("attention")
+    return table is None or table.module == "heads"
 
 
 def tied_boundaries(shape: ModelShape) -> dict[int, tuple[int, int]]:
