@@ -43,6 +43,11 @@ The `minimax-tiny` / `minimax` sizes are MiniMax-M2 models as mlx-lm's own `mini
 class holds them: q/k norms over all heads, partial RoPE, experts behind sigmoid scores
 with a correction bias; `minimax` is MiniMax-M2's layout scaled down (256 -> 64 experts,
 8 per token, 48/8 -> 16/4 heads of 128 -> 64 with half of each rotated, 62 -> 8 layers).
+The `kimi-tiny` / `kimi-linear` sizes are Kimi-Linear models as mlx-lm's own
+`kimi_linear` class holds them: KDA layers (3 of 4) beside latent attention without RoPE,
+experts and a shared one after a dense first layer; `kimi-linear` is Kimi-Linear-48B-A3B's
+layout scaled down (256 -> 64 experts, 8 per token, 32 KDA heads of 128 -> 16 of 64,
+32 latent heads -> 16 with kv rank 512 -> 256, 27 -> 8 layers).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 

@@ -1,0 +1,121 @@
+"""Kimi-Linear in one process (issue 43): mlx-lm's own kimi_linear on the same folders is
+the oracle (`flagship_fixtures.py`: float32 and mlx-lm's 4-bit convert, its router at 8
+bits as mlx-lm quantizes it). The ranks (2, 3, 4, --split 3:1, tp2 x pp2, serve) are
+`test_flagships.py`'s launches, which check every family at once."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import ROOT, run_python
+from flagship_fixtures import flagship_models
+from mlx_lm.models.cache import ArraysCache
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return flagship_models(tmp_path_factory.mktemp("kimi"), ("kimi_linear",))
+
+
+def _held(cache: list) -> int:
+    """Bytes the caches hold: the latent's tokens, the KDA layers' four state arrays."""
+    total = 0
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            total += sum(a.nbytes for a in c.cache if a is not None)
+        else:
+            total += c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes
+    return total
+
+
+def test_one_process_equals_mlx_lm(models):
+    """Logits within 1e-4 of mlx-lm's model on the same folder (float32 and 4-bit), whole
+    and as a cached prefill then single steps, the same 32 greedy tokens, the caches (the
+    latent per token, the KDA states per sequence) holding what `plan` says."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+    from test_sparse_attention import _greedy, _greedy_mlx_lm
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.slices import model_shape
+    from llama_tp.parallel.placement import kv_cache_bytes, place
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    assert set(models) == {"kimi_linear", "kimi_linear-q4"}
+    for name, path in models.items():
+        ckpt = open_checkpoint(path)
+        ours, theirs = build_model(ckpt), load_model(path)[0]
+        assert type(theirs).__module__.endswith("kimi_linear") and ckpt.args.kda_layers == [0]
+        kinds = [type(layer.attention).__name__ for layer in ours.layers]
+        assert kinds == ["KimiDeltaAttention", "NopeLatentAttention"]
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, name
+        mine, ref = make_prompt_cache(ours), make_prompt_cache(theirs)
+        for a, b in [(0, 8), (8, 9), (9, 12)]:
+            got = ours(x[:, a:b], cache=mine) - theirs(x[:, a:b], cache=ref)
+            assert mx.abs(got).max().item() <= ATOL, (name, a)
+        prompt = x[0].tolist()
+        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        shape = model_shape(ckpt)
+        assert _held(mine) == kv_cache_bytes(shape, place(shape).ranks[0], tokens=12), name
+
+
+def test_chat_second_turn_reuses_the_cache(models):
+    """A chat's second turn prefills only what the first did not leave in the cache (the
+    KDA states checkpointed, not rewound)."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.tokenizer import load_tokenizer
+    from llama_tp.conversation.chat import Chat
+
+    ckpt = open_checkpoint(models["kimi_linear"])
+    chat = Chat(build_model(ckpt), load_tokenizer(ckpt), max_tokens=6)
+    chat.send("hi there")
+    chat.send("again")
+    assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
+
+
+def test_synthetic_kimi_is_mlx_lms(tmp_path):
+    """`bench --synthetic kimi-*`: the tensors mlx-lm's own class holds, so that mlx-lm
+    loads the same folder (float32 and 4-bit) and gives the same logits."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.benchmarks.synthetic import write_synthetic
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
+    for spec in ("kimi-tiny-fp32", "kimi-tiny-q4"):
+        path = write_synthetic(spec, tmp_path / spec)
+        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+        assert ours.args.model_type == "kimi_linear" and ours.args.kda_layers == [0, 1, 2]
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+
+
+def test_plan_of_kimi_linear_config():
+    """`plan` of Kimi-Linear-48B-A3B (4-bit as mlx-lm's convert writes it) on 3 Macs, the
+    third smaller (--split 2:2:1): 32 latent heads and 32 KDA heads as 13/13/6, 256
+    experts by expert as 103/102/51, each rank's KDA states for its heads only."""
+    config = ROOT / "docs" / "configs" / "Kimi-Linear-48B-A3B-4bit" / "config.json"
+    out = run_python(
+        ["-m", "llama_tp.plan", "-n", "3", "--split", "2:2:1", "--moe-split", "expert"]
+        + ["--model", str(config)]
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if re.match(r"^[0-2] ", line)]
+    assert [r[1:3] + r[5:7] + r[11:13] for r in rows] == [
+        ["0-12", "[13]", "0-102", "[103]", "0-12", "[13]"],
+        ["13-25", "[13]", "103-204", "[102]", "13-25", "[13]"],
+        ["26-31", "[6]", "205-255", "[51]", "26-31", "[6]"],
+    ]
+    assert [r[-2:] for r in rows] == [["10.37", "GiB"], ["10.27", "GiB"], ["5.14", "GiB"]]
+    assert "Recurrent state per sequence: rank 0 16.82 MiB, rank 1 16.82 MiB, rank 2 7.76 MiB" in (
+        out.stdout
+    )
+    assert "model_type 'kimi_linear' is implemented natively" in out.stdout
