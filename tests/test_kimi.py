@@ -119,3 +119,51 @@ def test_plan_of_kimi_linear_config():
         out.stdout
     )
     assert "model_type 'kimi_linear' is implemented natively" in out.stdout
+
+
+def _release(src: Path, out: Path) -> Path:
+    """The Hugging Face release's layout of mlx-lm's float32 folder `src` (what mlx-lm's
+    sanitize undoes): per-expert w1/w2/w3 under `block_sparse_moe`, the routing bias in
+    its gate, convs `q_conv1d` (C, 1, K), the latent's `kv_b_proj`."""
+    import shutil
+
+    weights = mx.load(str(src / "model.safetensors"))
+    names = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+    rel = {}
+    for k, v in weights.items():
+        k2 = k.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+        if ".mlp.switch_mlp." in k:
+            proj = k.split(".")[-2]
+            for e in range(v.shape[0]):
+                rel[k.replace("mlp.switch_mlp", f"block_sparse_moe.experts.{e}").replace(
+                    proj, names[proj])] = v[e]  # fmt: skip
+            continue
+        if ".layers.1.mlp." in k2:
+            k2 = k2.replace(".mlp.", ".block_sparse_moe.")
+        if "_conv.conv.weight" in k2:
+            k2, v = k2.replace("_conv.conv.", "_conv1d."), v.swapaxes(1, 2)
+        if k2.endswith("embed_q.weight") and "unembed" not in k2:
+            up = weights[k.replace("embed_q", "unembed_out")]  # (H, v, rank)
+            v = mx.concatenate([v.swapaxes(1, 2), up], axis=1).reshape(-1, v.shape[1])
+            k2 = k2.replace("embed_q", "kv_b_proj")
+        elif k2.endswith("unembed_out.weight"):
+            continue
+        rel[k2] = v
+    shutil.copytree(src, out)
+    mx.save_safetensors(str(out / "model.safetensors"), rel)
+    return out
+
+
+def test_release_layout_equals_mlx_lm(models, tmp_path):
+    """A folder in the release's layout reads as the model holds it (experts stacked, the
+    convs turned, kv_b_proj split into the latent's embed_q / unembed_out, A_log flat) and
+    gives mlx-lm's logits (its sanitize undoing the same)."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    path = _release(models["kimi_linear"], tmp_path / "release")
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+    assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL

@@ -279,6 +279,7 @@ def read(path: Path) -> Checkpoint:
         from_release(weights, sources)  # zero-centred norms, (C, 1, K) convs
     if "kda_layers" in args.extra:
         kda_tensors(weights, sources)  # Kimi's A_log (1, 1, H, 1) flat, release convs
+        split_kv_b(weights, sources, args, str(path))  # a release's latent attention
     if args.model_type in SIGMOID_GROUP:
         _sigmoid_group(weights, sources, args, path)
     shared = [i for i, s in enumerate(args.extra.get("kv_sources") or ()) if s is not None]
