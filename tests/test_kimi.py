@@ -167,3 +167,25 @@ def test_release_layout_equals_mlx_lm(models, tmp_path):
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
     ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
     assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL
+
+
+def test_convert_writes_what_mlx_lm_loads(models, tmp_path):
+    """`convert` (float32, and 4-bit) writes a folder mlx-lm's own class loads (A_log as it
+    holds it, its shared experts' names) with the logits llama_tp reads from it."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.convert import convert
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    for bits in (None, 4):
+        out = convert(
+            models["kimi_linear"],
+            tmp_path / f"q{bits}",
+            quantize=bits,
+            group_size=32,
+            progress=False,
+        )
+        ours, theirs = build_model(open_checkpoint(out)), load_model(out)[0]
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, bits

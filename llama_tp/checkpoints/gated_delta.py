@@ -265,9 +265,13 @@ class Flat:
         return self.file.read(self.stored, self.axis, a, b).reshape(-1)
 
 
+_RELEASE_CONV = re.compile(r"\.attention\.([qkv])_conv1d\.weight$")
+
+
 def kda_tensors(weights: dict, sources: dict) -> None:
     """Kimi delta attention's tensors as the model holds them, in place: A_log (and a
-    release's dt_bias) 1-D, a release's convs (C, 1, K) as (C, K, 1)."""
+    release's dt_bias) 1-D, a release's convs `q_conv1d` (C, 1, K) as `q_conv.conv`
+    (C, K, 1)."""
     for name in list(weights):
         if name not in sources or ".attention." not in name:
             continue
@@ -276,7 +280,18 @@ def kda_tensors(weights: dict, sources: dict) -> None:
         if name.endswith(("attention.A_log", "attention.dt_bias")) and v.ndim > 1:
             weights[name] = v.reshape(-1)
             sources[name] = (Flat(file, stored, tuple(v.shape)), stored)
-        elif name.endswith("_conv.conv.weight") and v.ndim == 3 and v.shape[-1] != 1:
+        elif m := _RELEASE_CONV.search(name):
+            new = name[: m.start()] + f".attention.{m.group(1)}_conv.conv.weight"
             shape = (v.shape[0], v.shape[2], v.shape[1])
-            weights[name] = v.swapaxes(1, 2)
-            sources[name] = (Mapped(file, stored, shape, lambda x: x.swapaxes(1, 2)), stored)
+            del weights[name], sources[name]
+            weights[new] = v.swapaxes(1, 2)
+            sources[new] = (Mapped(file, stored, shape, lambda x: x.swapaxes(1, 2)), stored)
+
+
+def kda_stored(weights: dict) -> dict:
+    """What `convert` writes for mlx-lm (its names already): A_log as mlx-lm's kimi_linear
+    holds it, (1, 1, H, 1)."""
+    return {
+        k: v.reshape(1, 1, -1, 1) if k.endswith("self_attn.A_log") else v
+        for k, v in weights.items()
+    }

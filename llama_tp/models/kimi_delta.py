@@ -54,17 +54,13 @@ class KimiDeltaAttention(nn.Module):
     """x (B, L, dim) -> (B, L, dim), over an ArraysCache [q, k, v conv states (B, K - 1,
     H d) each, delta-rule state (B, H, d, d) float32] (see the module docstring)."""
 
-    # Hugging Face releases store the convs as `q_conv1d` (C, 1, K) (the readers turn
-    # them), mlx-lm's folders as `q_conv.conv` (C, K, 1); the other names are the
-    # attention slot's (`self_attn.` -> `attention.`), q/k/v/o every attention's (wq, ...).
-    # The release's experts block: its routing bias beside the gate (not DeepSeek's in it),
-    # its shared experts (the per-expert w1/w2/w3 are stacked as Mixtral's).
+    # Names under the attention slot's (`self_attn.` -> `attention.`), q/k/v/o every
+    # attention's (wq, ...); a release's convs `q_conv1d` (C, 1, K) are renamed and turned
+    # by the readers (`checkpoints/gated_delta.kda_tensors`). The release's experts block:
+    # its routing bias beside the gate (not DeepSeek's in it; its shared experts and the
+    # per-expert w1/w2/w3, stacked as Mixtral's, are the experts' names).
     hf_names = (
-        *((f"self_attn.{c}1d", f"attention.{c}.conv") for c in _CONVS),
         ("block_sparse_moe.gate.e_score_correction_bias$", "feed_forward.e_score_correction_bias"),
-        ("block_sparse_moe.shared_experts.gate_proj", "feed_forward.shared_expert.w1"),
-        ("block_sparse_moe.shared_experts.down_proj", "feed_forward.shared_expert.w2"),
-        ("block_sparse_moe.shared_experts.up_proj", "feed_forward.shared_expert.w3"),
     )
     gguf_names = ()
 

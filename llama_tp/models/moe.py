@@ -63,6 +63,10 @@ class MoEFeedForward(nn.Module):
         ("mlp.shared_experts.down_proj", "feed_forward.shared_expert.w2"),
         ("mlp.shared_experts.up_proj", "feed_forward.shared_expert.w3"),
         ("block_sparse_moe.gate", "feed_forward.router"),
+        # Kimi-Linear's release
+        ("block_sparse_moe.shared_experts.gate_proj", "feed_forward.shared_expert.w1"),
+        ("block_sparse_moe.shared_experts.down_proj", "feed_forward.shared_expert.w2"),
+        ("block_sparse_moe.shared_experts.up_proj", "feed_forward.shared_expert.w3"),
         ("block_sparse_moe.switch_mlp", "feed_forward.switch_mlp"),
         ("block_sparse_moe.e_score_correction_bias$", "feed_forward.e_score_correction_bias"),
         ("mlp.e_score_correction_bias$", "feed_forward.e_score_correction_bias"),  # Kimi
