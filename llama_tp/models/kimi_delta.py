@@ -62,7 +62,20 @@ class KimiDeltaAttention(nn.Module):
     hf_names = (
         ("block_sparse_moe.gate.e_score_correction_bias$", "feed_forward.e_score_correction_bias"),
     )
-    gguf_names = ()
+    # llama.cpp's names (gguf-py's KIMI_LINEAR tensors; q/k/v/o as every attention's); the
+    # readers turn the conv (1, C, 1, K) and ssm_a (-exp(A_log)) back (`kda_gguf`)
+    gguf_names = (
+        *((f"ssm_conv1d_{c[0]}", f"attention.{c}.conv") for c in _CONVS),
+        ("ssm_f_a", "attention.f_a_proj"),
+        ("ssm_f_b", "attention.f_b_proj"),
+        ("ssm_beta", "attention.b_proj"),
+        ("ssm_g_a", "attention.g_a_proj"),
+        ("ssm_g_b", "attention.g_b_proj"),
+        ("ssm_norm", "attention.o_norm"),
+        ("ssm_dt.bias$", "attention.dt_bias"),
+        ("ssm_a$", "attention.A_log"),
+        ("exp_probs_b.bias$", "feed_forward.e_score_correction_bias"),
+    )
 
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
@@ -224,6 +237,51 @@ def kimi_linear_fields(config: dict) -> dict:
         "n_group": config.get("num_expert_group", 1) or 1,
         "topk_group": config.get("topk_group", 1) or 1,
         "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+        "sparse_layers": None if len(sparse) == n else sparse,
+        "extra": {"kda_layers": kda, "kda_heads": h, "kda_head_dim": d, "kda_conv_kernel": kernel},
+    }
+
+
+def kimi_linear_gguf_fields(get: Any) -> dict:
+    """The same fields from a GGUF file's `kimi-linear.*` metadata (llama.cpp's converter:
+    a KV head count per layer, 0 for a KDA layer; KDA heads as many as the attention's
+    until the reader counts ssm_beta's rows; kda.head_dim, ssm.conv_kernel; the latent's
+    kv_lora_rank, key_length_mla (nope + rope), value_length_mla, rope.dimension_count;
+    the experts' count, width, shared count, scale and leading dense layers)."""
+    kv = get("attention.head_count_kv")
+    kv = [int(k) for k in kv] if hasattr(kv, "__len__") else None
+    n = (get("block_count") or 0) - (get("nextn_predict_layers") or 0)
+    if kv is None or len(kv) < n:
+        raise ValueError(f"attention.head_count_kv {kv!r}: expected one count per layer")
+    kda = [i for i in range(n) if not kv[i]]
+    h, d, kernel = (
+        get("attention.head_count") or 0,
+        get("kda.head_dim") or 0,
+        get("ssm.conv_kernel") or 0,
+    )
+    rope, k_mla = get("rope.dimension_count") or 0, get("attention.key_length_mla") or 0
+    experts, first = get("expert_count") or 0, get("leading_dense_block_count") or 0
+    moe = get("expert_feed_forward_length") or 0
+    sparse = [i for i in range(n) if experts and i >= first]
+    if min(h, d, kernel) < 1 or not kda:
+        raise ValueError(f"KDA layers {kda} of {h} heads of {d}, conv kernel {kernel}")
+    return {
+        "rope_scaling": None,
+        "kv_lora_rank": get("attention.kv_lora_rank") or 0,
+        "q_lora_rank": get("attention.q_lora_rank") or 0,
+        "qk_nope_head_dim": k_mla - rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": get("attention.value_length_mla") or 0,
+        "n_experts": experts,
+        "n_experts_per_tok": get("expert_used_count") or 0,
+        "moe_hidden_dim": moe,
+        "shared_expert_dim": (get("expert_shared_count") or 0) * moe,
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "router": "sigmoid_linear",
+        "n_group": get("expert_group_count") or 1,
+        "topk_group": get("expert_group_used_count") or 1,
+        "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
         "sparse_layers": None if len(sparse) == n else sparse,
         "extra": {"kda_layers": kda, "kda_heads": h, "kda_head_dim": d, "kda_conv_kernel": kernel},
     }

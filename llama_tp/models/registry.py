@@ -25,7 +25,7 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
-    Kimi-Linear kimi_linear        (HF/MLX only)            KDA (3 of 4), experts (sigmoid +
+    Kimi-Linear kimi_linear        kimi-linear              KDA (3 of 4), experts (sigmoid +
                                                             latent (MLA)  bias, groups) +
                                                             without RoPE  shared experts
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
@@ -75,6 +75,7 @@ from .kimi_delta import (
     NopeLatentAttention,
     kimi_linear_config,
     kimi_linear_fields,
+    kimi_linear_gguf_fields,
 )
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
@@ -180,6 +181,7 @@ GGUF_FAMILIES = {
     "deepseek2": GgufFamily("deepseek_v3"),
     "glm4moe": GgufFamily("glm4_moe", neox=True),
     "gpt-oss": GgufFamily("gpt_oss", neox=True),
+    "kimi-linear": GgufFamily("kimi_linear", fields=kimi_linear_gguf_fields),
     "qwen35": GgufFamily(
         "qwen3_5", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen35")
     ),
