@@ -181,7 +181,6 @@ GGUF_FAMILIES = {
     "deepseek2": GgufFamily("deepseek_v3"),
     "glm4moe": GgufFamily("glm4_moe", neox=True),
     "gpt-oss": GgufFamily("gpt_oss", neox=True),
-    "kimi-linear": GgufFamily("kimi_linear", fields=kimi_linear_gguf_fields),
     "qwen35": GgufFamily(
         "qwen3_5", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen35")
     ),
@@ -191,6 +190,7 @@ GGUF_FAMILIES = {
     "qwen3next": GgufFamily(
         "qwen3_next", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen3next")
     ),
+    "kimi-linear": GgufFamily("kimi_linear", fields=kimi_linear_gguf_fields),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
