@@ -50,6 +50,7 @@ class ModelArgs:
     # norm_topk_prob, times `routed_scaling_factor`)
     # MiniMax: "sigmoid_bias" (DeepSeek-V3's selection, no groups, behind a linear gate)
     # Llama 4: "sigmoid_input" (top-1, its sigmoid score scaling the expert's input)
+    # Kimi-Linear: "sigmoid_linear" (DeepSeek-V3's selection, groups, behind a linear gate)
     router: str = "softmax_topk"
     sparse_layers: list[int] | None = None  # the layers with experts (None: all of them)
     shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate (DeepSeek: none)
@@ -154,6 +155,7 @@ class ModelArgs:
             "sigmoid_group",
             "sigmoid_bias",
             "sigmoid_input",
+            "sigmoid_linear",
         ):
             raise ValueError(f"model config: unknown router {self.router!r}")
         g, tg = self.n_group, self.topk_group

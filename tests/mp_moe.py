@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import CacheList, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
@@ -89,10 +89,15 @@ def cache_bytes_per_token(model, x: mx.array) -> int:
     cache = make_prompt_cache(model)
     mx.eval(model(x, cache=cache))
     layers = [p for c in cache for p in (c.caches if isinstance(c, CacheList) else [c])]
+    # a recurrent layer's fixed state (Kimi's KDA), whatever the length: counted whole
+    states = [c for c in layers if isinstance(c, ArraysCache)]
+    state = sum(a.nbytes for c in states for a in c.cache if a is not None)
     held = sum(
-        c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in layers
+        c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes
+        for c in layers
+        if not isinstance(c, ArraysCache)
     )
-    return held // x.shape[1]
+    return held // x.shape[1] + state
 
 
 def expert_bytes(model) -> int:

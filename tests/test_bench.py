@@ -334,6 +334,7 @@ SECTIONS = {
     "qwen35-moe": ("moe", "section"),
     "llama4": ("moe", "section"),
     "step3p5": ("moe", "section"),
+    "kimi-linear": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
     "constrained-decoding": ("constrained_decoding", "section"),

@@ -55,6 +55,11 @@ head's output gated, experts behind sigmoid scores plus a router bias beside a s
 expert, clamped SwiGLUs in the last layers; `step3p5` is Step-3.5-Flash's layout scaled
 down (288 -> 64 experts, 8 per token, 64/96 -> 16/24 query heads over 8 -> 2 KV heads of
 128 -> 64, 45 -> 8 layers, window 512 -> 128).
+The `kimi-tiny` / `kimi-linear` sizes are Kimi-Linear models as mlx-lm's own
+`kimi_linear` class holds them: KDA layers (3 of 4) beside latent attention without RoPE,
+experts and a shared one after a dense first layer; `kimi-linear` is Kimi-Linear-48B-A3B's
+layout scaled down (256 -> 64 experts, 8 per token, 32 KDA heads of 128 -> 16 of 64,
+32 latent heads -> 16 with kv rank 512 -> 256, 27 -> 8 layers).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 

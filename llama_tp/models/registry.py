@@ -34,6 +34,9 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             global NoPE   scaled) + shared
                                                             layers        expert; dense
                                                                           (llama4_text)
+    Kimi-Linear kimi_linear        kimi-linear              KDA (3 of 4), experts (sigmoid +
+                                                            latent (MLA)  bias, groups) +
+                                                            without RoPE  shared experts
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
@@ -87,6 +90,13 @@ from .headwise_gate import (
     SlidingGatedHeadsAttention,
     StepLayer,
     step3p5_fields,
+)
+from .kimi_delta import (
+    KimiDeltaAttention,
+    NopeLatentAttention,
+    kimi_linear_config,
+    kimi_linear_fields,
+    kimi_linear_gguf_fields,
 )
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
@@ -150,6 +160,12 @@ FAMILIES = {
     "llama4": Family(None, llama4_fields, prefix="language_model.", kinds=(Llama4Layer,)),
     "llama4_text": Family(None, llama4_text_fields, kinds=(Llama4Layer,)),
     "step3p5": Family(None, step3p5_fields, qk_norm=True, kinds=(StepLayer,)),
+    "kimi_linear": Family(
+        "KimiLinearForCausalLM",
+        kimi_linear_fields,
+        config_keys=kimi_linear_config,
+        kinds=(KimiDeltaAttention,),
+    ),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
     ),
@@ -198,6 +214,7 @@ GGUF_FAMILIES = {
     "qwen3next": GgufFamily(
         "qwen3_next", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen3next")
     ),
+    "kimi-linear": GgufFamily("kimi_linear", fields=kimi_linear_gguf_fields),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
@@ -250,6 +267,8 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
         return {"attention": attention, "feed_forward": feed_forward}
     if "rope_layers" in args.extra:  # Llama 4: chunked RoPE layers, global NoPE ones
         attention: type[nn.Module] = ChunkedAttention
+    elif "kda_layers" in args.extra:  # Kimi-Linear: KDA, latent attention without RoPE
+        attention = KimiDeltaAttention if i in args.kda_layers else NopeLatentAttention
     elif "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
         attention = SparseAttention
     elif args.kv_lora_rank:

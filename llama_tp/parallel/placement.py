@@ -73,13 +73,16 @@ class ModelShape:
                     found.setdefault(u.name, u)
         return tuple(found.values())
 
-    def group_size(self, suffix: str, in_dims: int) -> int | None:
+    def group_size(self, suffix: str, in_dims: int, layers: set[int] | None = None) -> int | None:
         """The quantization group of the modules `layers.*.{suffix}` (the lcm over layers,
-        so that a split in its units falls on every layer's groups); None: not quantized."""
+        or over `layers` only, so that a split in its units falls on every layer's groups);
+        None: not quantized."""
         sizes = {
             in_dims // shape[-1]
             for name, (shape, _) in self.tensors.items()
-            if name.endswith(f".{suffix}.scales") and _LAYER.match(name)
+            if name.endswith(f".{suffix}.scales")
+            and (m := _LAYER.match(name))
+            and (layers is None or int(m.group(1)) in layers)
         }
         return math.lcm(*sizes) if sizes else None
 
@@ -232,14 +235,18 @@ def partition(
 def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
     """A quantized wo splits by columns at query-head boundaries: those must be group bounds
     (each layer's at the bounds of the unit its wo splits by: the core query heads, or a
-    kind's own, Step-3.5's sliding layers' `swa_heads`)."""
+    kind's own, Step-3.5's sliding layers' `swa_heads`; not a KDA layer's wo, Kimi-Linear,
+    which does not split by heads)."""
     totals = {u.name: u.total for u in shape.units()} | {"q_heads": plan.n_heads}
     groups: dict[tuple[str, int], set[int]] = {}  # (unit, values per unit) -> group sizes
     for name, (dims, _) in shape.tensors.items():
         m = _LAYER.match(name)
         if m is None or not name.endswith(".attention.wo.scales"):
             continue
-        table = shape.spec(int(m.group(1))).tables.get("attention")
+        spec = shape.spec(int(m.group(1)))
+        if not _by_heads(spec):
+            continue
+        table = spec.tables.get("attention")
         e = table.tensors.get("wo") if table is not None else None
         unit, width = (e.unit, e.width) if e is not None and e.unit else ("q_heads", plan.head_dim)
         groups.setdefault((unit, width), set()).add(totals[unit] * width // dims[-1])
@@ -258,6 +265,11 @@ def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
                     f"{plan.n} ranks: rank {p.rank} would start at column {start}, not a "
                     f"multiple of the group size {group_size}"
                 )
+
+
+def _by_heads(spec: LayerSpec) -> bool:
+    table = spec.tables.get("attention")
+    return table is None or table.module == "heads"
 
 
 def tied_boundaries(shape: ModelShape) -> dict[int, tuple[int, int]]:
