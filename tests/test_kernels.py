@@ -204,6 +204,55 @@ def test_rope_and_attention_match_mlx(ext, dtype):
         assert mx.allclose(got, ref, atol=tol).item(), (queries, mask)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_fused_layer_operations_equal_the_operations_apart(ext, dtype):
+    """The decode step's fused operations (issue 41) against what they replace: the heads
+    split and q, k rotated in one operation = split then the native RoPE (an int, one
+    array, one position per row); SwiGLU of a fused gate/up output = MLX's
+    nn.silu(gate) * up (float32: to the bit, MLX's exp and sigmoid reproduced); attention
+    written as (B, L, H * D) = its (B, H, L, D) output transposed; a residual sum and the
+    next RMSNorm in one = the add, then the native RMSNorm."""
+    import mlx.nn as nn
+
+    from llama_tp.kernels.layers import RMSNorm, RoPE
+
+    rng = np.random.default_rng(1)
+    tol = {mx.float32: 0, mx.float16: 1e-3, mx.bfloat16: 8e-3}[dtype]
+    B, L, nq, nk, d = 3, 2, 5, 1, 32
+    y = mx.array(rng.normal(size=(B, L, (nq + 2 * nk) * d)).astype(np.float32)).astype(dtype)
+    q0, k0, v0 = ext.split_heads(y, nq, nk, nk, d)
+    for traditional in (True, False):
+        rope = RoPE(24, traditional=traditional, base=10000.0, scale=0.5)
+        kw = dict(rope_dims=24, traditional=traditional, base=10000.0, scale=0.5)
+        for offset in (7, mx.array([7], mx.int32), mx.array([0, 5, 11], mx.int32)):
+            pos = dict(offset=offset) if isinstance(offset, int) else dict(offsets=offset)
+            q, k, v = ext.split_heads(y, nq, nk, nk, d, **kw, **pos)
+            assert mx.array_equal(q, rope(q0, offset=offset)).item()
+            assert mx.array_equal(k, rope(k0, offset=offset)).item()
+            assert mx.array_equal(v, v0).item()
+
+    gu = mx.array(rng.normal(size=(B, L, 2 * 48)).astype(np.float32) * 4).astype(dtype)
+    ref = nn.silu(gu[..., :48]) * gu[..., 48:]
+    got = ext.swiglu(gu)
+    assert got.shape == (B, L, 48) and got.dtype == dtype
+    assert mx.allclose(got, ref, rtol=tol, atol=tol).item()
+    if dtype == mx.float32:
+        assert mx.array_equal(got, ref).item()
+
+    kv = mx.array(rng.normal(size=(B, nk, 9, d)).astype(np.float32)).astype(dtype)
+    ranges = mx.array([[0, 9], [2, 9], [4, 8]], mx.int32)
+    for causal in (False, True):
+        apart = ext.attention(q, kv, kv, scale=0.2, causal=causal, ranges=ranges)
+        merged = ext.attention(q, kv, kv, scale=0.2, causal=causal, ranges=ranges, merged=True)
+        assert mx.array_equal(merged, apart.transpose(0, 2, 1, 3).reshape(B, L, -1)).item()
+
+    norm = RMSNorm(64, eps=1e-5)
+    norm.weight = mx.array(rng.normal(size=(64,)).astype(np.float32)).astype(dtype)
+    x, r = (mx.array(rng.normal(size=(B, L, 64)).astype(np.float32)).astype(dtype) for _ in "xr")
+    h, n = ext.add_rms_norm(x, r, norm.weight, eps=1e-5)
+    assert mx.array_equal(h, x + r).item() and mx.array_equal(n, norm(x + r)).item()
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_float_products_on_streams_equal_mlxs_product(ext, dtype):
     """float16 / bfloat16 products cut by output rows over 3 CPU streams: bit-equal to

@@ -182,6 +182,24 @@ class RMSNorm(nn.RMSNorm):
         return super().__call__(x)
 
 
+def add_norm(x: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.array]:
+    """(x + r, norm(x + r)) for x, r (..., dim): one native operation when `norm` is a
+    plain RMSNorm on the CPU (the sum in x's type, as MLX's add; the norm as the native
+    RMSNorm's), else an add and the norm."""
+    e = ext()
+    if (
+        e is not None
+        and type(norm) in (nn.RMSNorm, RMSNorm)
+        and r.dtype == x.dtype
+        and r.shape == x.shape
+        and _on_cpu()
+    ):
+        h, n = e.add_rms_norm(x, r, norm["weight"], eps=norm.eps)
+        return h, n
+    h = x + r
+    return h, norm(h)
+
+
 _NATIVE = {
     nn.Linear: Linear,
     nn.Embedding: Embedding,

@@ -181,14 +181,48 @@ def fused_heads(
     return t[:, :nq], t[:, nq : nq + nk], t[:, nq + nk :]
 
 
+_PLAIN_ROPE = (nn.RoPE, native_layers.RoPE)
+_INTS = (mx.int32, mx.int64, mx.uint32)
+
+
+def fused_heads_rotated(
+    module: nn.Module, x: mx.array, head_dim: int, rope: nn.Module, offset: Any
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """`fused_heads` with q and k rotated by `rope` from position `offset` (an int or an
+    int32 array: one, or one per row), in the one native operation that splits the heads
+    (the native RoPE's code: the same values as rotating after the split), or None when
+    not fused, not native, or `rope` is not plain RoPE (scaled variants)."""
+    e = native_ext()
+    if e is None or not on_cpu() or type(rope) not in _PLAIN_ROPE:
+        return None
+    if not isinstance(offset, int) and not (isinstance(offset, mx.array) and offset.dtype in _INTS):
+        return None
+    f = _live(module, QKV)
+    if f is None:
+        return None
+    nq, nk, nv = (r // head_dim for r in f.rows)
+    kw = dict(rope_dims=rope.dims, traditional=rope.traditional, base=float(rope.base))
+    kw["scale"] = float(rope.scale)
+    if isinstance(offset, int):
+        kw["offset"] = offset
+    else:
+        kw["offsets"] = offset
+    q, k, v = e.split_heads(f.product(x), nq, nk, nv, head_dim, **kw)
+    return q, k, v
+
+
 def fused_glu(module: nn.Module, x: mx.array) -> mx.array | None:
-    """A feed-forward's silu(w1 x) * (w3 x) from its fused gate/up product (MLX's silu,
-    as the unfused path computes it), or None when not fused."""
+    """A feed-forward's silu(w1 x) * (w3 x) from its fused gate/up product (one native
+    operation on the CPU; else MLX's silu, as the unfused path computes it), or None when
+    not fused."""
     f = _live(module, GATE_UP)
     if f is None:
         return None
     y = f.product(x)
+    e = native_ext()
     n = f.rows[0]
+    if e is not None and on_cpu() and f.rows[1] == n:
+        return e.swiglu(y)
     return nn.silu(y[..., :n]) * y[..., n:]
 
 

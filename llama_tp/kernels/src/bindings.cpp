@@ -43,13 +43,20 @@ NB_MODULE(_ext, m) {
         "offset"_a = 0, "offsets"_a = nb::none(), "stream"_a = nb::none(),
         "mx.fast.rope of (B, H, L, D) from `offset` or an int32 array `offsets`, one primitive.");
   m.def("attention", &lt::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a,
-        "ranges"_a = nb::none(), "stream"_a = nb::none(),
-        "Attention of (B, Hq, L, D) over (B, Hkv, S, D) [keys ranges (B, 2)], one primitive.");
+        "ranges"_a = nb::none(), "merged"_a = false, "stream"_a = nb::none(),
+        "Attention of (B, Hq, L, D) over (B, Hkv, S, D) [keys ranges (B, 2)], one primitive; "
+        "merged: out (B, L, Hq * D).");
   m.def("split_heads", &lt::split_heads, "y"_a, "a"_a, "b"_a, "c"_a, "d"_a, nb::kw_only(),
-        "stream"_a = nb::none(),
-        "(B, L, (a+b+c)*d) -> heads (B, a, L, d), (B, b, L, d), (B, c, L, d), one primitive.");
+        "rope_dims"_a = 0, "traditional"_a = false, "base"_a = 0.f, "scale"_a = 1.f,
+        "offset"_a = 0, "offsets"_a = nb::none(), "stream"_a = nb::none(),
+        "(B, L, (a+b+c)*d) -> heads (B, a, L, d), (B, b, L, d), (B, c, L, d), one primitive; "
+        "with rope_dims, q and k rotated as rope's.");
+  m.def("swiglu", &lt::swiglu, "y"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(y[..., :n]) * y[..., n:] of (..., 2n), one primitive.");
   m.def("rms_norm", &lt::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "mx.fast.rms_norm of (..., n) with weight (n,), one primitive.");
+  m.def("add_rms_norm", &lt::add_rms_norm, "x"_a, "r"_a, "weight"_a, nb::kw_only(), "eps"_a,
+        "stream"_a = nb::none(), "(x + r, rms_norm(x + r, weight)), one primitive.");
   m.def("isa", &lt::isa, "The instruction set in use.");
   m.def("set_isa", &lt::set_isa, "name"_a, "Use another instruction set this CPU runs.");
   m.def("compiled_isas", [] {

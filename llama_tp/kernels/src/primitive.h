@@ -57,9 +57,11 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
 // Attention of q (B, Hq, L, D) over k, v (B, Hkv, S, D): no mask, or causal (aligned to
 // the last keys, as MLX's); one primitive. `ranges` (B, 2) int32: row b's keys [start,
 // stop) of S (a cache buffer longer than its keys), the causal mask aligned to stop.
+// `merged`: the output is (B, L, Hq * D), the heads side by side (what the output
+// projection takes), instead of (B, Hq, L, D).
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     bool causal, const std::optional<mx::array>& ranges = std::nullopt,
-                    mx::StreamOrDevice s = {});
+                    bool merged = false, mx::StreamOrDevice s = {});
 
 // mx.fast.rms_norm of x (..., n) with weight (n,): one primitive (MLX composes it on the
 // CPU); its output type is x's and the weight's result type.
@@ -67,22 +69,69 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps, mx::Stream
 
 // y (B, L, (a + b + c) * d) -> its heads as (B, a, L, d), (B, b, L, d), (B, c, L, d): a
 // fused q/k/v product's output split into q, k and v, one primitive (for MLX a reshape,
-// a transpose and three slices).
+// a transpose and three slices). With `rope_dims` > 0, q and k come out rotated as
+// `rope` rotates them (the same parameters; `offsets` as rope's): no Rope operations.
 std::vector<mx::array> split_heads(const mx::array& y, int a, int b, int c, int d,
+                                   int rope_dims = 0, bool traditional = false, float base = 0.f,
+                                   float scale = 1.f, int offset = 0,
+                                   const std::optional<mx::array>& offsets = std::nullopt,
                                    mx::StreamOrDevice s = {});
+
+// y (..., 2n) -> silu(y[..., :n]) * y[..., n:] (..., n): SwiGLU on a fused gate/up
+// product's output, one primitive (for MLX two slices and a fused elementwise kernel).
+mx::array swiglu(const mx::array& y, mx::StreamOrDevice s = {});
+
+// (x + r, rms_norm(x + r, w)): a block's residual sum and the next norm of it, one
+// primitive with two outputs (for MLX an add and a norm); x and r of one type and shape.
+std::vector<mx::array> add_rms_norm(const mx::array& x, const mx::array& r, const mx::array& w,
+                                    float eps, mx::StreamOrDevice s = {});
+
+class AddRMSNorm : public mx::Primitive {
+ public:
+  AddRMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpAddRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const AddRMSNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+struct RopeParams {
+  int dims = 0;  // 0: no rotation
+  bool traditional = false;
+  float base = 0.f, scale = 1.f;
+  int offset = 0;
+  bool operator==(const RopeParams&) const = default;
+};
 
 class SplitHeads : public mx::Primitive {
  public:
-  SplitHeads(mx::Stream stream, int d) : mx::Primitive(stream), d_(d) {}
+  SplitHeads(mx::Stream stream, int d, RopeParams rope)
+      : mx::Primitive(stream), d_(d), rope_(rope) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "LlamaTpSplitHeads"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return d_ == static_cast<const SplitHeads&>(other).d_;
+    auto& o = static_cast<const SplitHeads&>(other);
+    return d_ == o.d_ && rope_ == o.rope_;
   }
 
  private:
   int d_;
+  RopeParams rope_;
+};
+
+class SwiGLU : public mx::Primitive {
+ public:
+  explicit SwiGLU(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
 class RMSNorm : public mx::Primitive {
@@ -116,8 +165,8 @@ class Rope : public mx::Primitive {
 
 class Attention : public mx::Primitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal)
-      : mx::Primitive(stream), scale_(scale), causal_(causal) {}
+  Attention(mx::Stream stream, float scale, bool causal, bool merged)
+      : mx::Primitive(stream), scale_(scale), causal_(causal), merged_(merged) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "LlamaTpAttention"; }
@@ -125,7 +174,7 @@ class Attention : public mx::Primitive {
 
  private:
   float scale_;
-  bool causal_;
+  bool causal_, merged_;
 };
 
 // The instruction set in use ("avx512", "avx2", "neon", "scalar"); set_isa picks another
