@@ -253,6 +253,35 @@ def test_fused_layer_operations_equal_the_operations_apart(ext, dtype):
     assert mx.array_equal(h, x + r).item() and mx.array_equal(n, norm(x + r)).item()
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_products_ending_in_their_next_operation_equal_the_two(ext, dtype):
+    """A quantized product that ends in SwiGLU, or in the heads' split with q and k
+    rotated (one primitive each in the decode step), gives to the bit what the product
+    followed by the separate operation gives: GGUF Q4_K and MLX 4-bit weights, a decode
+    row and a few positions, positions per row."""
+    rng = np.random.default_rng(2)
+    k, nq, nk, d = 256, 3, 1, 16
+    w = rng.normal(size=((nq + 2 * nk) * d, k)).astype(np.float32)
+    wq, sc, bi = mx.quantize(mx.array(w), group_size=64, bits=4)
+    affine = dict(w=wq, scales=sc.astype(dtype), biases=bi.astype(dtype), format=1004)
+    affine["group_size"] = 64
+    gguf = dict(
+        w=mx.array(random_blocks("Q4_K", w.shape[0], k // 256, rng)), format=GGUF_TYPES["Q4_K"][0]
+    )
+    rope = dict(rope_dims=d, traditional=False, base=10000.0, scale=1.0)
+    for weights in (affine, gguf):
+        args = dict(weights)
+        wt = args.pop("w")
+        for rows in (1, 3):
+            x = mx.array(rng.normal(size=(2, rows, k)).astype(np.float32)).astype(dtype)
+            y = ext.qmatmul(x, wt, **args)
+            assert mx.array_equal(ext.qmatmul_swiglu(x, wt, **args), ext.swiglu(y)).item()
+            pos = mx.array([4, 9], mx.int32)
+            got = ext.qmatmul_heads(x, wt, **args, a=nq, b=nk, c=nk, d=d, **rope, offsets=pos)
+            apart = ext.split_heads(y, nq, nk, nk, d, **rope, offsets=pos)
+            assert all(mx.array_equal(g, a).item() for g, a in zip(got, apart, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_float_products_on_streams_equal_mlxs_product(ext, dtype):
     """float16 / bfloat16 products cut by output rows over 3 CPU streams: bit-equal to

@@ -32,7 +32,8 @@ __all__ = [
     "status",
 ]
 
-_AFFINE = {4: 1004, 8: 1008}  # MLX affine bits -> the kernels' format id
+AFFINE_FORMATS = {4: 1004, 8: 1008}  # MLX affine bits -> the kernels' format id
+_AFFINE = AFFINE_FORMATS
 
 
 def on_cpu() -> bool:
@@ -94,8 +95,11 @@ def scaled_dot_product_attention(
 
     A cache with `key_range` ((B, 2) int32: the compiled step's caches, engine/step.py)
     hands over its whole buffer: row b attends to keys [start, stop) of it only."""
+    from .layers import fusing
+
     e = ext()
     ranges = getattr(cache, "key_range", None)
+    fuse = merged and fusing()  # written merged by the kernel
     if ranges is not None:
         if (
             e is not None
@@ -104,9 +108,10 @@ def scaled_dot_product_attention(
             and _on_cpu()
         ):
             causal = mask is not None
-            return e.attention(
-                queries, keys, values, scale=scale, causal=causal, ranges=ranges, merged=merged
+            out = e.attention(
+                queries, keys, values, scale=scale, causal=causal, ranges=ranges, merged=fuse
             )
+            return merge_heads(out) if merged and not fuse else out
         mask = _range_mask(ranges, queries.shape[2], keys.shape[2], mask is not None)
         out = mlx_lm_attention(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
         return merge_heads(out) if merged else out
@@ -121,7 +126,8 @@ def scaled_dot_product_attention(
         and _on_cpu()
     ):
         causal = mask is not None
-        return e.attention(queries, keys, values, scale=scale, causal=causal, merged=merged)
+        out = e.attention(queries, keys, values, scale=scale, causal=causal, merged=fuse)
+        return merge_heads(out) if merged and not fuse else out
     out = mlx_lm_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     return merge_heads(out) if merged else out
 

@@ -14,6 +14,8 @@ shards them).
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
@@ -182,6 +184,15 @@ class RMSNorm(nn.RMSNorm):
         return super().__call__(x)
 
 
+FUSED_ENV = "LLAMA_TP_FUSED"  # "0": every fused operation apart (to measure what they bring)
+
+
+def fusing() -> bool:
+    """Whether operations are fused (products, norms, heads); $LLAMA_TP_FUSED=0 keeps
+    them apart: the decode step as it was before issue 41's fusions."""
+    return os.environ.get(FUSED_ENV, "1") != "0"
+
+
 def add_norm(x: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.array]:
     """(x + r, norm(x + r)) for x, r (..., dim): one native operation when `norm` is a
     plain RMSNorm on the CPU (the sum in x's type, as MLX's add; the norm as the native
@@ -189,6 +200,7 @@ def add_norm(x: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.ar
     e = ext()
     if (
         e is not None
+        and fusing()
         and type(norm) in (nn.RMSNorm, RMSNorm)
         and r.dtype == x.dtype
         and r.shape == x.shape

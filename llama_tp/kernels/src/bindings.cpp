@@ -37,6 +37,14 @@ NB_MODULE(_ext, m) {
   m.def("qmatmul", &lt::qmatmul, "x"_a, "w"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
         nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0, "stream"_a = nb::none(),
         "x (..., n) @ W^T for quantized W: GGUF blocks or MLX affine 4/8-bit.");
+  m.def("qmatmul_swiglu", &lt::qmatmul_swiglu, "x"_a, "w"_a, "scales"_a = nb::none(),
+        "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
+        "stream"_a = nb::none(), "qmatmul, then silu(gate) * up of its halves, one primitive.");
+  m.def("qmatmul_heads", &lt::qmatmul_heads, "x"_a, "w"_a, "scales"_a = nb::none(),
+        "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
+        "a"_a, "b"_a, "c"_a, "d"_a, "rope_dims"_a = 0, "traditional"_a = false, "base"_a = 0.f,
+        "scale"_a = 1.f, "offset"_a = 0, "offsets"_a = nb::none(), "stream"_a = nb::none(),
+        "qmatmul of (B, L, n), split into q/k/v heads (q, k rotated), one primitive.");
   m.def("dequantize", &lt::dequantize, "w"_a, nb::kw_only(), "format"_a, "lead"_a, "n"_a,
         "dtype"_a, "stream"_a = nb::none(), "Rows of GGUF blocks -> values [lead, lead + n).");
   m.def("rope", &lt::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,

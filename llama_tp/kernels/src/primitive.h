@@ -10,6 +10,25 @@ namespace lt {
 
 namespace mx = mlx::core;
 
+// RoPE's parameters where another operation rotates (mx.fast.rope's meaning).
+struct RopeParams {
+  int dims = 0;  // 0: no rotation
+  bool traditional = false;
+  float base = 0.f, scale = 1.f;
+  int offset = 0;
+  bool operator==(const RopeParams&) const = default;
+};
+
+// What a product does with its values before storing them: nothing, SwiGLU of its two
+// halves (gate | up), or split into q/k/v heads (a, b, c heads of d, q and k rotated
+// when rope.dims > 0). One primitive then does the work of two or three.
+struct Epilogue {
+  enum Kind : int { NONE = 0, SWIGLU = 1, HEADS = 2 } kind = NONE;
+  int a = 0, b = 0, c = 0, d = 0;
+  RopeParams rope;
+  bool operator==(const Epilogue&) const = default;
+};
+
 // x (..., n) @ W^T -> (..., N), W quantized: a GGUF format (w uint8 (N, blocks * bytes),
 // x's values at columns [lead, lead + n) of the blocks) or MLX affine (w uint32
 // (N, k * bits / 32), scales and biases (N, k / group_size)).
@@ -17,14 +36,31 @@ mx::array qmatmul(const mx::array& x, const mx::array& w, const std::optional<mx
                   const std::optional<mx::array>& biases, int format, int group_size, int lead,
                   mx::StreamOrDevice s = {});
 
+// qmatmul, then SwiGLU of its output's halves: x (..., n) -> (..., N / 2).
+mx::array qmatmul_swiglu(const mx::array& x, const mx::array& w,
+                         const std::optional<mx::array>& scales,
+                         const std::optional<mx::array>& biases, int format, int group_size,
+                         int lead, mx::StreamOrDevice s = {});
+
+// qmatmul of x (B, L, n), its output split into heads as `split_heads` splits it (q and k
+// rotated with rope_dims > 0): q (B, a, L, d), k (B, b, L, d), v (B, c, L, d).
+std::vector<mx::array> qmatmul_heads(const mx::array& x, const mx::array& w,
+                                     const std::optional<mx::array>& scales,
+                                     const std::optional<mx::array>& biases, int format,
+                                     int group_size, int lead, int a, int b, int c, int d,
+                                     int rope_dims, bool traditional, float base, float scale,
+                                     int offset, const std::optional<mx::array>& offsets,
+                                     mx::StreamOrDevice s = {});
+
 // Rows of GGUF blocks w (..., blocks * bytes) -> values [lead, lead + n) of each, (..., n).
 mx::array dequantize(const mx::array& w, int format, int lead, int n, mx::Dtype dtype,
                      mx::StreamOrDevice s = {});
 
 class QMatmul : public mx::Primitive {
  public:
-  QMatmul(mx::Stream stream, int format, int group_size, int lead, int k)
-      : mx::Primitive(stream), format_(format), group_size_(group_size), lead_(lead), k_(k) {}
+  QMatmul(mx::Stream stream, int format, int group_size, int lead, int k, Epilogue epilogue = {})
+      : mx::Primitive(stream), format_(format), group_size_(group_size), lead_(lead), k_(k),
+        epilogue_(epilogue) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "LlamaTpQMatmul"; }
@@ -32,6 +68,7 @@ class QMatmul : public mx::Primitive {
 
  private:
   int format_, group_size_, lead_, k_;
+  Epilogue epilogue_;
 };
 
 class Dequantize : public mx::Primitive {
@@ -100,13 +137,6 @@ class AddRMSNorm : public mx::Primitive {
   float eps_;
 };
 
-struct RopeParams {
-  int dims = 0;  // 0: no rotation
-  bool traditional = false;
-  float base = 0.f, scale = 1.f;
-  int offset = 0;
-  bool operator==(const RopeParams&) const = default;
-};
 
 class SplitHeads : public mx::Primitive {
  public:
