@@ -27,9 +27,10 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .kernels import scaled_dot_product_attention  # mlx-lm's, native on the CPU
+from .kernels import merge_heads, scaled_dot_product_attention  # mlx-lm's, native on CPU
+from .kernels.layers import add_norm
 from .model_args import ModelArgs
-from .parallel.fused import fused_glu, fused_heads
+from .parallel.fused import fused_glu, fused_heads, fused_heads_rotated
 from .parallel.llama_plan import table_styles
 from .parallel.parallelize import parallelize
 from .parallel.partition import RankPart
@@ -125,12 +126,19 @@ class Attention(nn.Module):
         v = self.wv(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
         return q, k, v
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
+    def project_rotated(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
+        """`project`, then RoPE on q and k from position `offset` (an int or an int32
+        array): in one native operation when fused and the RoPE is plain."""
+        if type(self).project is Attention.project:
+            heads = fused_heads_rotated(self, x, self.head_dim, self.rope, offset)
+            if heads is not None:
+                return heads
         q, k, v = self.project(x)
+        return self.rope(q, offset=offset), self.rope(k, offset=offset), v
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset=offset)
-        k = self.rope(k, offset=offset)
+        q, k, v = self.project_rotated(x, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self._kv_index is not None:
@@ -138,12 +146,13 @@ class Attention(nn.Module):
             # its KV head and attend as plain multi-head attention.
             k = mx.take(k, self._kv_index, axis=1)
             v = mx.take(v, self._kv_index, axis=1)
-        out = self._attend(q, k, v, mask, cache)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, nh * hd)
-        return self.wo(out)
+        return self.wo(self._attend(q, k, v, mask, cache, merged=True))  # (B, L, nh * hd)
 
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any) -> mx.array:
-        """Attention of q (B, nh, L, hd) over k, v (B, nkv, S, hd), S = offset + L.
+    def _attend(
+        self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any, merged: bool = False
+    ) -> mx.array:
+        """Attention of q (B, nh, L, hd) over k, v (B, nkv, S, hd), S = offset + L ->
+        (B, nh, L, hd), or (B, L, nh * hd) when `merged`.
 
         With `query_chunk` set and a causal mask, the queries go in blocks of that
         many positions: block [a, b) attends to keys [0, offset + b) under a causal
@@ -158,7 +167,9 @@ class Attention(nn.Module):
         """
         c, L = self.query_chunk, q.shape[2]
         if c is None or L <= c or not isinstance(mask, str) or not isinstance(k, mx.array):
-            return scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+            return scaled_dot_product_attention(
+                q, k, v, cache=cache, scale=self.scale, mask=mask, merged=merged
+            )
         offset = k.shape[2] - L
         blocks = []
         for a in range(0, L, c):
@@ -170,7 +181,8 @@ class Attention(nn.Module):
             if _eval_query_blocks:
                 mx.eval(out)
             blocks.append(out)
-        return mx.concatenate(blocks, axis=2)
+        out = mx.concatenate(blocks, axis=2)
+        return merge_heads(out) if merged else out
 
     def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
         """Split the heads over `group`: wq/wk/wv by output rows, wo by input columns.
@@ -266,8 +278,8 @@ class TransformerBlock(nn.Module):
         return {"attention": self.attention, "feed_forward": self.feed_forward}
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.attention(self.attention_norm(x), mask, cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, normed = add_norm(x, self.attention(self.attention_norm(x), mask, cache), self.ffn_norm)
+        return h + self.feed_forward(normed)
 
 
 class MixerBlock(nn.Module):
