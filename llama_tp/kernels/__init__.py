@@ -11,6 +11,8 @@ method); `python -m llama_tp.kernels` builds, checks and reports.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_attention
 
@@ -31,6 +33,15 @@ __all__ = [
     "set_threads",
     "status",
 ]
+
+FUSED_ENV = "LLAMA_TP_FUSED"  # "0": every fused operation apart (to measure what they bring)
+
+
+def fusing() -> bool:
+    """Whether operations are fused (products, norms, heads); $LLAMA_TP_FUSED=0 keeps
+    them apart: the decode step as it was before issue 41's fusions."""
+    return os.environ.get(FUSED_ENV, "1") != "0"
+
 
 AFFINE_FORMATS = {4: 1004, 8: 1008}  # MLX affine bits -> the kernels' format id
 _AFFINE = AFFINE_FORMATS
@@ -95,8 +106,6 @@ def scaled_dot_product_attention(
 
     A cache with `key_range` ((B, 2) int32: the compiled step's caches, engine/step.py)
     hands over its whole buffer: row b attends to keys [start, stop) of it only."""
-    from .layers import fusing
-
     e = ext()
     ranges = getattr(cache, "key_range", None)
     fuse = merged and fusing()  # written merged by the kernel

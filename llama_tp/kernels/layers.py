@@ -14,13 +14,11 @@ shards them).
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 
-from . import _on_cpu, ext, gguf_dequantize, gguf_matmul, quantized_matmul
+from . import _on_cpu, ext, fusing, gguf_dequantize, gguf_matmul, quantized_matmul
 from .blocks import GGUF_TYPES, row_bytes
 from .float_products import float_matmul
 
@@ -182,15 +180,6 @@ class RMSNorm(nn.RMSNorm):
         if e is not None and _on_cpu():
             return e.rms_norm(x, self["weight"], eps=self.eps)
         return super().__call__(x)
-
-
-FUSED_ENV = "LLAMA_TP_FUSED"  # "0": every fused operation apart (to measure what they bring)
-
-
-def fusing() -> bool:
-    """Whether operations are fused (products, norms, heads); $LLAMA_TP_FUSED=0 keeps
-    them apart: the decode step as it was before issue 41's fusions."""
-    return os.environ.get(FUSED_ENV, "1") != "0"
 
 
 def add_norm(x: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.array]:

@@ -27,7 +27,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 
-from ..kernels import AFFINE_FORMATS, GGUF_TYPES, gguf_matmul, on_cpu, quantized_matmul
+from ..kernels import (
+    AFFINE_FORMATS,
+    FUSED_ENV,
+    GGUF_TYPES,
+    fusing,
+    gguf_matmul,
+    on_cpu,
+    quantized_matmul,
+)
 from ..kernels import ext as native_ext
 from ..kernels import layers as native_layers
 from ..kernels.float_products import float_matmul
@@ -136,8 +144,7 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> Fused | None:
     return fused
 
 
-fusing = native_layers.fusing
-ENV = native_layers.FUSED_ENV  # "0": keep the products apart (to measure what fusing brings)
+ENV = FUSED_ENV  # "0": keep the products apart (to measure what fusing brings)
 
 
 def fuse_products(model: nn.Module) -> int:
