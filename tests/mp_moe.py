@@ -16,7 +16,8 @@ For every model and expert split, every rank loads the model sharded over the wo
   position's, as a stage returns);
 - `--steps` (32) greedy tokens identical;
 - its KV cache per token: what `plan` says (`placement.kv_cache_bytes`: its KV heads'
-  keys and values, or the whole latent of multi-head latent attention);
+  keys and values, or the whole latent of multi-head latent attention), and its
+  recurrent states (Mamba-2's conv and scan states of its heads, `placement.state_bytes`);
 - what the loader read and held: its placement's bytes (read exactly, from
   safetensors), and, for a float checkpoint's stacked
   experts, its share: E/N whole experts (larger first) split by expert, its balanced
@@ -37,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import CacheList, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from llama_tp import kernels
 from llama_tp.checkpoints import open_checkpoint
@@ -49,7 +50,7 @@ from llama_tp.engine.generation import generate_step
 from llama_tp.engine.sampling import make_sampler, vocab_shard
 from llama_tp.kernels.layers import use_native
 from llama_tp.loading.loader import load_model
-from llama_tp.parallel.placement import kv_cache_bytes
+from llama_tp.parallel.placement import kv_cache_bytes, state_bytes
 
 ATOL = 1e-4
 
@@ -83,16 +84,20 @@ def greedy(model, prompt: list[int], steps: int, tokenizer=None) -> list[int]:
     return [r.token for r in out]
 
 
-def cache_bytes_per_token(model, x: mx.array) -> int:
+def cache_bytes_per_token(model, x: mx.array) -> tuple[int, int]:
     """What the model's KV cache holds per token after a prefill of `x` (a CacheList's
-    caches each: sparse attention's latent and indexer keys)."""
+    caches each: sparse attention's latent and indexer keys), and its recurrent states
+    (Nemotron-H's Mamba layers: whatever the length)."""
     cache = make_prompt_cache(model)
     mx.eval(model(x, cache=cache))
     layers = [p for c in cache for p in (c.caches if isinstance(c, CacheList) else [c])]
+    state = sum(a.nbytes for c in layers if isinstance(c, ArraysCache) for a in c.cache)
     held = sum(
-        c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in layers
+        c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes
+        for c in layers
+        if not isinstance(c, ArraysCache)
     )
-    return held // x.shape[1]
+    return held // x.shape[1], state
 
 
 def expert_bytes(model) -> int:
@@ -117,12 +122,15 @@ def expected_expert_bytes(whole, sharded, split: str, n: int, i: int) -> int | N
     for ff in (m for layer in layers for m in layer.mixers().values()):
         if "switch_mlp" not in ff:  # the experts: a MoE feed-forward, or Gemma 4's beside it
             continue
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in ("gate_proj", "up_proj", "down_proj", "fc1", "fc2"):  # SwitchGLU, SwitchMLP
+            if proj not in ff.switch_mlp:
+                continue
             w = ff.switch_mlp[proj]
             if "scales" in w:
                 return None  # quantized: columns split in quantization groups
             e, rows, cols = w.weight.shape
-            units = e if split == "expert" else (cols if proj == "down_proj" else rows)
+            down = proj in ("down_proj", "fc2")
+            units = e if split == "expert" else (cols if down else rows)
             out += w.weight.nbytes * share(units, n, i) // units
     return out
 
@@ -178,9 +186,13 @@ def check(spec: str, split: str, world, steps: int) -> dict:
     split = ckpt.placement.moe_split or split  # a pre-split folder keeps its own
     expected = None if weights else expected_expert_bytes(whole, sharded, split, t, r)
     placed = ckpt.placement.at(sharded.mesh.stage, r) if mesh else ckpt.placement.ranks[r]
+    mshape = model_shape(ckpt)
+    cache, state = cache_bytes_per_token(sharded, x)
     mine = {
-        "cache": cache_bytes_per_token(sharded, x),
-        "planned_cache": kv_cache_bytes(model_shape(ckpt), placed, tokens=1),
+        "cache": cache,
+        "state": state,
+        "planned_state": state_bytes(mshape, placed),
+        "planned_cache": kv_cache_bytes(mshape, placed, tokens=1) - state_bytes(mshape, placed),
         "held": stats["bytes_held"],
         "placement": stats["placement_bytes"],
         "experts": expert_bytes(sharded),
@@ -204,7 +216,10 @@ def check(spec: str, split: str, world, steps: int) -> dict:
         "atol": tol,
         "same_tokens": tokens == ref_tokens,
         "held_is_placement": all(m["held"] == m["placement"] for m in ranks),
-        "cache_is_planned": all(m["cache"] == m["planned_cache"] for m in ranks),
+        "cache_is_planned": all(
+            m["cache"] == m["planned_cache"] and m["state"] == m["planned_state"] for m in ranks
+        ),
+        "state_per_rank": [m["state"] for m in ranks],
         "cache_per_token": [m["cache"] for m in ranks],
         "read_is_held": all(m["read_is_held"] for m in ranks),
         "experts_are_shares": all(

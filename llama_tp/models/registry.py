@@ -25,6 +25,9 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
+    Nemotron-H  nemotron_h         (HF/MLX only)            one mixer per layer: Mamba-2,
+                                                            attention (no RoPE), relu2
+                                                            feed-forward or experts
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
@@ -59,16 +62,17 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..model import Attention, FeedForward, Transformer, TransformerBlock
+from ..model import Attention, FeedForward, MixerBlock, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
-from . import gemma
+from . import gemma, nemotron_h
 from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
 from .gpt_oss import SinkAttention, gpt_oss_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
+from .nemotron_h import NoRopeAttention, nemotron_h_config, nemotron_h_fields
 from .qk_norm import QKNormAttention
 from .sparse_attention import SparseAttention, deepseek_v32_fields, glm_moe_dsa_fields
 from .wide_qk_norm import WideQKNormAttention, minimax_config, minimax_fields
@@ -126,6 +130,12 @@ FAMILIES = {
     "gpt_oss": Family(None, gpt_oss_fields),
     "minimax": Family("MiniMaxM2ForCausalLM", minimax_fields, config_keys=minimax_config),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
+    "nemotron_h": Family(
+        "NemotronHForCausalLM",
+        nemotron_h_fields,
+        config_keys=nemotron_h_config,
+        kinds=(NoRopeAttention,),
+    ),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
     ),
@@ -213,6 +223,8 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
     """The mixer kinds of layer `i` of the family `args` describe, by path in the layer."""
     if args.model_type in ("gemma3_text", "gemma4_text"):
         return gemma.layer_kinds(args, i)
+    if args.model_type == "nemotron_h":  # one mixer per layer, by its pattern
+        return nemotron_h.layer_kinds(args, i)
     feed_forward = MoEFeedForward if args.is_sparse(i) else FeedForward
     if "linear_layers" in args.extra:  # Qwen3.5 / Qwen3-Next: 3 of 4 layers linear
         linear = i in args.linear_layers
@@ -233,9 +245,11 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
     return {"attention": attention, "feed_forward": feed_forward}
 
 
-def block(args: ModelArgs, i: int) -> TransformerBlock:
+def block(args: ModelArgs, i: int) -> TransformerBlock | MixerBlock:
     """Layer `i` of the family `args` describe."""
     kinds = layer_kinds(args, i)
+    if "mixer" in kinds:  # one mixer (Nemotron-H)
+        return MixerBlock(args, kinds["mixer"](args), layer=i)
     attention = kinds["attention"]
     mixer = attention(args, args.window(i)) if attention is SinkAttention else attention(args)
     return TransformerBlock(args, mixer, kinds["feed_forward"](args), layer=i)

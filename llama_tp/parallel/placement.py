@@ -73,13 +73,15 @@ class ModelShape:
                     found.setdefault(u.name, u)
         return tuple(found.values())
 
-    def group_size(self, suffix: str, in_dims: int) -> int | None:
-        """The quantization group of the modules `layers.*.{suffix}` (the lcm over layers,
-        so that a split in its units falls on every layer's groups); None: not quantized."""
+    def group_size(self, suffix: str | tuple[str, ...], in_dims: int) -> int | None:
+        """The quantization group of the modules `layers.*.{suffix}` (any of several
+        suffixes: the kinds' names for one unit; the lcm over layers, so that a split in
+        its units falls on every layer's groups); None: not quantized."""
+        ends = tuple(f".{s}.scales" for s in ((suffix,) if isinstance(suffix, str) else suffix))
         sizes = {
             in_dims // shape[-1]
             for name, (shape, _) in self.tensors.items()
-            if name.endswith(f".{suffix}.scales") and _LAYER.match(name)
+            if name.endswith(ends) and _LAYER.match(name)
         }
         return math.lcm(*sizes) if sizes else None
 
@@ -137,7 +139,7 @@ def _itemsize(shape: ModelShape) -> int:
     dtype (its scales' when quantized) and the first layer norm's (MLX promotes)."""
     t = shape.tensors
     names = ["tok_embeddings.scales" if "tok_embeddings.scales" in t else "tok_embeddings.weight"]
-    names.append("layers.0.attention_norm.weight")
+    names += ["layers.0.attention_norm.weight", "layers.0.norm.weight"]  # (a MixerBlock's)
     return max(t[n][1] // math.prod(t[n][0]) for n in names if n in t)
 
 
@@ -172,7 +174,11 @@ def state_bytes(shape: ModelShape, mine: RankPlacement) -> int:
 
 
 def _unit(
-    shape: ModelShape, suffix: str, width: int, n: int, weights: Weights | None = None
+    shape: ModelShape,
+    suffix: str | tuple[str, ...],
+    width: int,
+    n: int,
+    weights: Weights | None = None,
 ) -> int | None:
     """The split unit of a feed-forward's columns: the down projection's quantization
     group, widened to the file's own block (`ffn_block`) where the columns still split
@@ -188,6 +194,13 @@ def _unit(
     return group
 
 
+# The down projections whose input columns a plan splits (quantization groups): the
+# kinds' names (Nemotron-H's one-mixer layers: `mixer.*`, its experts mlx-lm's SwitchMLP)
+_DENSE_DOWN = ("feed_forward.w2", "mixer.down_proj")
+_EXPERT_DOWN = ("switch_mlp.down_proj", "switch_mlp.fc2")
+_SHARED_DOWN = ("feed_forward.shared_expert.w2", "mixer.shared_experts.down_proj")
+
+
 def partition(
     shape: ModelShape, n: int, moe_split: str = DEFAULT_MOE_SPLIT, weights: Weights | None = None
 ) -> Plan:
@@ -201,9 +214,9 @@ def partition(
             a.n_experts,
             a.moe_hidden_dim,
             moe_split,
-            _unit(shape, "switch_mlp.down_proj", a.moe_hidden_dim, n, weights),
+            _unit(shape, _EXPERT_DOWN, a.moe_hidden_dim, n, weights),
             a.shared_expert_dim,
-            _unit(shape, "feed_forward.shared_expert.w2", a.shared_expert_dim, n, weights)
+            _unit(shape, _SHARED_DOWN, a.shared_expert_dim, n, weights)
             if a.shared_expert_dim
             else None,
         )
@@ -218,7 +231,7 @@ def partition(
         a.dim,
         a.hidden_dim if dense else 0,  # 0: no dense feed-forward to split
         n,
-        group_size=_unit(shape, "feed_forward.w2", a.hidden_dim, n, weights) if dense else None,
+        group_size=_unit(shape, _DENSE_DOWN, a.hidden_dim, n, weights) if dense else None,
         experts=experts,
         weights=weights,
         layers=shape.layers,
@@ -231,7 +244,7 @@ def partition(
 
 def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
     """A quantized wo splits by columns at query-head boundaries: those must be group bounds."""
-    group_size = shape.group_size("attention.wo", plan.n_heads * plan.head_dim)
+    group_size = shape.group_size(("attention.wo", "mixer.wo"), plan.n_heads * plan.head_dim)
     if group_size is None:
         return
     for p in plan.parts:
