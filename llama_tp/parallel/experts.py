@@ -136,10 +136,10 @@ class ShardInPlace(Style):
 
 @dataclass(frozen=True)
 class ExpertRouting(Style):
-    """`switch_mlp` (mlx-lm's SwitchGLU, or SwitchMLP: Nemotron-H's) holding experts `ranges[r]` (its projections
-    split with `ShardInPlace("experts", ...)`): called with the router's global indices
-    (..., k), the slots on this rank's experts run with their local index and the others
-    weigh zero: (..., k, dim), summed over the ranks by `MoEParallel`."""
+    """`switch_mlp` (mlx-lm's SwitchGLU, or SwitchMLP: Nemotron-H's) holding experts
+    `ranges[r]` (its projections split with `ShardInPlace("experts", ...)`): called with
+    the router's global indices (..., k), the slots on this rank's experts run with their
+    local index and the others weigh zero: (..., k, dim), summed over the ranks by `MoEParallel`."""
 
     ranges: Ranges
 

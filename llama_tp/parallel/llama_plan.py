@@ -142,8 +142,8 @@ class LocalUnits(Style):
     `conv1d.groups` = 2 key dims + the value dim), and its 1-D parameters `vectors`
     (parameter, unit, width) keep this rank's values (e.g. `A_log`, `dt_bias` per value
     head; a path under it: `norm.weight`); a module with `take_units(group)` is told
-    its group once split. `parts` None: N equal blocks. `input_layout="sequence"` gathers the sequence
-    chunks first."""
+    its group once split. `parts` None: N equal blocks. `input_layout="sequence"` gathers
+    the sequence chunks first."""
 
     local: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
     vectors: tuple[tuple[str, str, int], ...] = ()
