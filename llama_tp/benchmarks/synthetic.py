@@ -43,6 +43,11 @@ The `minimax-tiny` / `minimax` sizes are MiniMax-M2 models as mlx-lm's own `mini
 class holds them: q/k norms over all heads, partial RoPE, experts behind sigmoid scores
 with a correction bias; `minimax` is MiniMax-M2's layout scaled down (256 -> 64 experts,
 8 per token, 48/8 -> 16/4 heads of 128 -> 64 with half of each rotated, 62 -> 8 layers).
+The `nemotron-tiny` / `nemotron` sizes are Nemotron-H models as mlx-lm's own
+`nemotron_h` class holds them: one mixer per layer (Mamba-2, experts, attention without
+RoPE, relu2 feed-forward); `nemotron` is Nemotron 3 Nano's layout scaled down (52 -> 8
+layers of its pattern's start, MEMEM*EM; 64 heads of 64 in 8 groups of 128 state values
+-> 32 in 8 of 64; 128 -> 64 relu2 experts, 6 per token, and a shared one; 32/2 heads).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
