@@ -94,8 +94,24 @@ class Relu2Experts(NemotronHMoE):
     def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
         return None
 
+    counts_routes = True  # `moe.record_expert_load` counts its routes in `expert_load`
+
     def __init__(self, args: ModelArgs):
         super().__init__(mlx_lm_args(args))
+        self.n_experts = args.n_experts
+        object.__setattr__(self, "expert_load", None)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """mlx-lm's forward (no latent projections), counting routes when asked."""
+        inds, scores = self.gate(x)
+        if self.expert_load is not None:
+            counts = mx.zeros((self.n_experts,), mx.int32).at[inds.flatten()].add(1)
+            object.__setattr__(self, "expert_load", self.expert_load + counts)
+        y = self.switch_mlp(x, inds)
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        if "shared_experts" in self:
+            y = y + self.shared_experts(x)
+        return y
 
 
 KINDS = {"M": Mamba2Mixer, "*": NoRopeAttention, "-": Relu2FeedForward, "E": Relu2Experts}
