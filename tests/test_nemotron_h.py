@@ -129,7 +129,7 @@ def test_plan_of_nemotron_3_nano_config():
     )
     assert out.returncode == 0, out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if re.match(r"^[0-2] ", line)]
-    assert [r[-6:-2] for r in rows] == [
+    assert [r[-8:-4] for r in rows] == [
         ["0-23", "[24]", "0-2", "[3]"],
         ["24-47", "[24]", "3-5", "[3]"],
         ["48-63", "[16]", "6-7", "[2]"],
