@@ -68,8 +68,10 @@ class Mamba2Mixer(NemotronHMamba2Mixer):
     """x (B, L, dim) -> (B, L, dim), over an ArraysCache [conv state (B, K - 1, conv_dim),
     scan state (B, nh, hd, ds) float32] (see the module docstring); mlx-lm's forward."""
 
-    # mlx-lm / Hugging Face: `backbone.layers.N.mixer.*`, as the model names them
-    hf_names = ()
+    # mlx-lm / Hugging Face: `backbone.layers.N.mixer.*` and the block's `norm`, as the
+    # model names them (this and the family's other one-mixer kinds: mlx-lm's names;
+    # tried after the attention's own, `Family.kinds`)
+    hf_names = (("mixer", "mixer"), ("norm", "norm"))
     gguf_names = ()
 
     @classmethod

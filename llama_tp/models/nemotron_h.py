@@ -44,8 +44,6 @@ class NoRopeAttention(Attention):
         ("mixer.k_proj", "mixer.wk"),
         ("mixer.v_proj", "mixer.wv"),
         ("mixer.o_proj", "mixer.wo"),
-        ("mixer", "mixer"),  # the other kinds' tensors: mlx-lm's names
-        ("norm", "norm"),  # the block's pre-norm
     )
     gguf_names = ()
 

@@ -71,6 +71,7 @@ from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_
 from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
 from .gpt_oss import SinkAttention, gpt_oss_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
+from .mamba import Mamba2Mixer
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .nemotron_h import NoRopeAttention, nemotron_h_config, nemotron_h_fields
 from .qk_norm import QKNormAttention
@@ -134,7 +135,7 @@ FAMILIES = {
         "NemotronHForCausalLM",
         nemotron_h_fields,
         config_keys=nemotron_h_config,
-        kinds=(NoRopeAttention,),
+        kinds=(NoRopeAttention, Mamba2Mixer),
     ),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
