@@ -49,6 +49,7 @@ class ModelArgs:
     # the best `topk_group` compete; the weights are the sigmoid scores, renormalised with
     # norm_topk_prob, times `routed_scaling_factor`)
     # MiniMax: "sigmoid_bias" (DeepSeek-V3's selection, no groups, behind a linear gate)
+    # Kimi-Linear: "sigmoid_linear" (DeepSeek-V3's selection, groups, behind a linear gate)
     router: str = "softmax_topk"
     sparse_layers: list[int] | None = None  # the layers with experts (None: all of them)
     shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate (DeepSeek: none)
@@ -147,7 +148,13 @@ class ModelArgs:
                 f"model config: expert intermediate size must be positive, got "
                 f"{self.moe_hidden_dim}"
             )
-        if self.router not in ("softmax_topk", "topk_softmax", "sigmoid_group", "sigmoid_bias"):
+        if self.router not in (
+            "softmax_topk",
+            "topk_softmax",
+            "sigmoid_group",
+            "sigmoid_bias",
+            "sigmoid_linear",
+        ):
             raise ValueError(f"model config: unknown router {self.router!r}")
         g, tg = self.n_group, self.topk_group
         if g < 1 or e % g or not 1 <= tg <= g or k > tg * (e // g) or (g > 1 and e // g < 2):

@@ -24,6 +24,8 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              RoPE, 5 relu2 experts + a shared one
     nemotron_g1  the same Mamba-2 with one group (M *): 5 heads split anywhere, the
              group's B and C on every rank, its gated norm's sum all-reduced
+    kimi_linear  a KDA layer (5 heads of 32) then latent attention without RoPE (10
+             heads), 5 experts + a shared one after the dense first layer; 2 layers
 """
 
 from __future__ import annotations
@@ -169,6 +171,36 @@ NEMOTRON_H = dict(
     **COMMON,
 )
 NEMOTRON_G1 = dict(NEMOTRON_H, mamba_num_heads=5, n_groups=1, hybrid_override_pattern=["M", "*"])
+# Kimi-Linear: a KDA layer (5 heads of 32: per-channel decay, q/k/v short convs of 4
+# taps) with a dense feed-forward, then latent attention without RoPE (10 heads) with 5
+# experts (sigmoid + correction bias, renormalised, scaled) and a shared one
+KIMI_LINEAR = dict(
+    model_type="kimi_linear",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=160,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    head_dim=32,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    mla_use_nope=True,
+    linear_attn_config=dict(
+        kda_layers=[1], full_attn_layers=[2], num_heads=5, head_dim=32, short_conv_kernel_size=4
+    ),  # fmt: skip
+    model_max_length=4096,
+    num_experts=5,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=128,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.446,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    **COMMON,
+)
 CONFIGS = {
     "gemma4": GEMMA4,
     "gemma3": GEMMA3,
@@ -177,9 +209,12 @@ CONFIGS = {
     "minimax": MINIMAX,
     "nemotron_h": NEMOTRON_H,
     "nemotron_g1": NEMOTRON_G1,
+    "kimi_linear": KIMI_LINEAR,
 }
 # the families whose 4-bit copy every launch checks too
-QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "nemotron_h")
+QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "kimi_linear", "nemotron_h")
+# the families with a float32 GGUF copy too (as llama.cpp's converter writes it)
+GGUF = {"kimi_linear": lambda src, out: gguf_kimi(src, out)}
 
 
 def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:
@@ -213,10 +248,122 @@ def quantized(src: Path, out: Path, bits: int = 4) -> Path:
 
 
 def flagship_models(root: Path, names=tuple(CONFIGS)) -> dict[str, Path]:
-    """{family: float32 folder, "<family>-q4": its 4-bit copy (`QUANTIZED`)}."""
+    """{family: float32 folder, "<family>-q4": its 4-bit copy (`QUANTIZED`), "<family>-gguf":
+    its float32 GGUF (`GGUF`)}."""
     out = {}
     for i, name in enumerate(names):
         out[name] = write_mlx_lm(root / name, CONFIGS[name], seed=i)
         if name in QUANTIZED:
             out[f"{name}-q4"] = quantized(out[name], root / f"{name}-q4")
+        if name in GGUF:
+            out[f"{name}-gguf"] = GGUF[name](out[name], root / f"{name}.gguf")
+    return out
+
+
+# -- Kimi-Linear as llama.cpp's converter writes it (convert_hf_to_gguf.py's KimiLinearModel)
+_KIMI_GGUF = [
+    (r"^model\.embed_tokens\.", "token_embd."),
+    (r"^model\.norm\.", "output_norm."),
+    (r"^lm_head\.", "output."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.self_attn\.q_proj\.", ".attn_q."),
+    (r"\.self_attn\.k_proj\.", ".attn_k."),
+    (r"\.self_attn\.v_proj\.", ".attn_v."),
+    (r"\.self_attn\.o_proj\.", ".attn_output."),
+    (r"\.self_attn\.([qkv])_conv\.conv\.", r".ssm_conv1d_\1."),
+    (r"\.self_attn\.f_a_proj\.", ".ssm_f_a."),
+    (r"\.self_attn\.f_b_proj\.", ".ssm_f_b."),
+    (r"\.self_attn\.b_proj\.", ".ssm_beta."),
+    (r"\.self_attn\.g_a_proj\.", ".ssm_g_a."),
+    (r"\.self_attn\.g_b_proj\.", ".ssm_g_b."),
+    (r"\.self_attn\.o_norm\.", ".ssm_norm."),
+    (r"\.self_attn\.dt_bias$", ".ssm_dt.bias"),
+    (r"\.self_attn\.A_log$", ".ssm_a"),
+    (r"\.self_attn\.kv_a_proj_with_mqa\.", ".attn_kv_a_mqa."),
+    (r"\.self_attn\.kv_a_layernorm\.", ".attn_kv_a_norm."),
+    (r"\.self_attn\.embed_q\.", ".attn_k_b."),
+    (r"\.self_attn\.unembed_out\.", ".attn_v_b."),
+    (r"\.mlp\.gate_proj\.", ".ffn_gate."),
+    (r"\.mlp\.up_proj\.", ".ffn_up."),
+    (r"\.mlp\.down_proj\.", ".ffn_down."),
+    (r"\.mlp\.gate\.", ".ffn_gate_inp."),
+    (r"\.mlp\.e_score_correction_bias$", ".exp_probs_b.bias"),
+    (r"\.mlp\.switch_mlp\.(gate|up|down)_proj\.", r".ffn_\1_exps."),
+    (r"\.mlp\.shared_experts\.(gate|up|down)_proj\.", r".ffn_\1_shexp."),
+    (r"^model\.layers\.(\d+)\.", r"blk.\1."),
+]
+
+
+def gguf_kimi(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+    """mlx-lm's float32 Kimi-Linear folder `src` as llama.cpp's converter writes its GGUF:
+    the convs (1, C, 1, K), ssm_a = -exp(A_log) (1, 1, H, 1), dt_bias as ssm_dt.bias, the
+    latent's k_b / v_b per head, a KV head count per layer (0: KDA), the experts stacked;
+    float32, or with `quantized` (a ggml type) every projection whose rows take its blocks
+    (gguf-py's quantization; `stored` False: the same values dequantized, as float32)."""
+    import re
+
+    import gguf
+    import numpy as np
+    from gguf_writer import llama_vocabulary
+
+    c = json.loads((src / "config.json").read_text())
+    lin, n = c["linear_attn_config"], c["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(out), "kimi-linear")
+    arch = "kimi-linear"
+    ints = {
+        "block_count": n,
+        "context_length": c["model_max_length"],
+        "embedding_length": c["hidden_size"],
+        "feed_forward_length": c["intermediate_size"],
+        "attention.head_count": c["num_attention_heads"],
+        "vocab_size": c["vocab_size"],
+        "ssm.conv_kernel": lin["short_conv_kernel_size"],
+        "kda.head_dim": lin["head_dim"],
+        "attention.kv_lora_rank": c["kv_lora_rank"],
+        "rope.dimension_count": c["qk_rope_head_dim"],
+        "attention.key_length": c["kv_lora_rank"] + c["qk_rope_head_dim"],
+        "attention.key_length_mla": c["qk_nope_head_dim"] + c["qk_rope_head_dim"],
+        "attention.value_length_mla": c["v_head_dim"],
+        "expert_count": c["num_experts"],
+        "expert_used_count": c["num_experts_per_token"],
+        "expert_feed_forward_length": c["moe_intermediate_size"],
+        "expert_shared_count": c["num_shared_experts"],
+        "leading_dense_block_count": c["first_k_dense_replace"],
+    }
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    kv = [0 if i + 1 in lin["kda_layers"] else 1 for i in range(n)]
+    w.add_array(f"{arch}.attention.head_count_kv", kv)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
+    w.add_float32(f"{arch}.expert_weights_scale", c["routed_scaling_factor"])
+    vocab = llama_vocabulary(c["vocab_size"])
+    w.add_string("tokenizer.ggml.model", "llama")
+    for key in ("tokens", "scores", "token_type"):
+        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
+    for key in ("bos", "eos", "unknown"):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
+        a = np.array(v.astype(mx.float32))
+        if name.endswith("A_log"):
+            a = -np.exp(a)
+        if "_conv.conv." in name:  # (C, K, 1) -> (1, C, 1, K)
+            a = a[..., 0].reshape(1, a.shape[0], 1, a.shape[1])
+        for pattern, repl in _KIMI_GGUF:
+            name = re.sub(pattern, repl, name)
+        a = np.ascontiguousarray(a)
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
+        if quantized and a.ndim >= 2 and a.shape[-1] % block == 0 and "ssm_conv1d" not in name:
+            qtype = gguf.GGMLQuantizationType(quantized)
+            q = gguf.quants.quantize(a, qtype)
+            if stored:
+                w.add_tensor(name, q, raw_dtype=qtype)
+            else:
+                w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return out

@@ -16,8 +16,7 @@ For every model and expert split, every rank loads the model sharded over the wo
   position's, as a stage returns);
 - `--steps` (32) greedy tokens identical;
 - its KV cache per token: what `plan` says (`placement.kv_cache_bytes`: its KV heads'
-  keys and values, or the whole latent of multi-head latent attention), and its
-  recurrent states (Mamba-2's conv and scan states of its heads, `placement.state_bytes`);
+  keys and values, or the whole latent of multi-head latent attention);
 - what the loader read and held: its placement's bytes (read exactly, from
   safetensors), and, for a float checkpoint's stacked
   experts, its share: E/N whole experts (larger first) split by expert, its balanced
@@ -50,7 +49,7 @@ from llama_tp.engine.generation import generate_step
 from llama_tp.engine.sampling import make_sampler, vocab_shard
 from llama_tp.kernels.layers import use_native
 from llama_tp.loading.loader import load_model
-from llama_tp.parallel.placement import kv_cache_bytes, state_bytes
+from llama_tp.parallel.placement import kv_cache_bytes
 
 ATOL = 1e-4
 
@@ -84,20 +83,22 @@ def greedy(model, prompt: list[int], steps: int, tokenizer=None) -> list[int]:
     return [r.token for r in out]
 
 
-def cache_bytes_per_token(model, x: mx.array) -> tuple[int, int]:
+def cache_bytes_per_token(model, x: mx.array) -> int:
     """What the model's KV cache holds per token after a prefill of `x` (a CacheList's
-    caches each: sparse attention's latent and indexer keys), and its recurrent states
-    (Nemotron-H's Mamba layers: whatever the length)."""
+    caches each: sparse attention's latent and indexer keys)."""
     cache = make_prompt_cache(model)
     mx.eval(model(x, cache=cache))
     layers = [p for c in cache for p in (c.caches if isinstance(c, CacheList) else [c])]
-    state = sum(a.nbytes for c in layers if isinstance(c, ArraysCache) for a in c.cache)
+    # a recurrent layer's fixed state (Kimi's KDA, Nemotron-H's Mamba), whatever the
+    # length: counted whole
+    states = [c for c in layers if isinstance(c, ArraysCache)]
+    state = sum(a.nbytes for c in states for a in c.cache if a is not None)
     held = sum(
         c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes
         for c in layers
         if not isinstance(c, ArraysCache)
     )
-    return held // x.shape[1], state
+    return held // x.shape[1] + state
 
 
 def expert_bytes(model) -> int:
@@ -186,13 +187,9 @@ def check(spec: str, split: str, world, steps: int) -> dict:
     split = ckpt.placement.moe_split or split  # a pre-split folder keeps its own
     expected = None if weights else expected_expert_bytes(whole, sharded, split, t, r)
     placed = ckpt.placement.at(sharded.mesh.stage, r) if mesh else ckpt.placement.ranks[r]
-    mshape = model_shape(ckpt)
-    cache, state = cache_bytes_per_token(sharded, x)
     mine = {
-        "cache": cache,
-        "state": state,
-        "planned_state": state_bytes(mshape, placed),
-        "planned_cache": kv_cache_bytes(mshape, placed, tokens=1) - state_bytes(mshape, placed),
+        "cache": cache_bytes_per_token(sharded, x),
+        "planned_cache": kv_cache_bytes(model_shape(ckpt), placed, tokens=1),
         "held": stats["bytes_held"],
         "placement": stats["placement_bytes"],
         "experts": expert_bytes(sharded),
@@ -216,10 +213,7 @@ def check(spec: str, split: str, world, steps: int) -> dict:
         "atol": tol,
         "same_tokens": tokens == ref_tokens,
         "held_is_placement": all(m["held"] == m["placement"] for m in ranks),
-        "cache_is_planned": all(
-            m["cache"] == m["planned_cache"] and m["state"] == m["planned_state"] for m in ranks
-        ),
-        "state_per_rank": [m["state"] for m in ranks],
+        "cache_is_planned": all(m["cache"] == m["planned_cache"] for m in ranks),
         "cache_per_token": [m["cache"] for m in ranks],
         "read_is_held": all(m["read_is_held"] for m in ranks),
         "experts_are_shares": all(

@@ -332,6 +332,7 @@ SECTIONS = {
     "gpt-oss": ("moe", "section"),
     "glm4-moe": ("moe", "section"),
     "qwen35-moe": ("moe", "section"),
+    "kimi-linear": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
     "constrained-decoding": ("constrained_decoding", "section"),

@@ -7,9 +7,9 @@ tensor ranks (4 ranks), each check once.
 `serve` on 2 ranks answers concurrent requests as it answers each alone. The families'
 one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
 `test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
-keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2) and `test_nemotron_h.py`
-(Nemotron-H: the Mamba layers' states checked against `plan` too); the next family adds
-its fixture to `flagship_fixtures.CONFIGS` and these launches).
+keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2), `test_kimi.py`
+(Kimi-Linear) and `test_nemotron_h.py` (Nemotron-H); the next family adds its fixture to
+`flagship_fixtures.CONFIGS` and these launches).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 GEMMA = ("gemma4_text", "gemma3_text")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 MINIMAX = ("minimax",)
+KIMI = ("kimi_linear",)
 NEMOTRON = ("nemotron_h",)
 
 
@@ -59,24 +60,30 @@ def test_two_ranks_and_a_weighted_split(models):
     GLM-5, and DeepSeek-V3.2 with `--split 3:1` (8/2 heads; the latent and the indexer's
     keys cached whole on both ranks); MiniMax-M2 both ways (1/1 KV heads: each rank's
     q/k norms' sums of squares all-reduced), its 4-bit copy, and `--split 3:1` (2/1 KV
-    heads: the shared one counted once); Nemotron-H by expert (Mamba groups 3/2, their
-    heads 6/4) and its 4-bit copy by tensor, and `--split 3:1` (Mamba groups 4/1)."""
+    heads: the shared one counted once); Kimi-Linear with `--split 3:1` (4/1 KDA heads,
+    8/2 latent heads; its 4-bit copy on 2 ranks is `serve`'s, by expert the mesh's);
+    Nemotron-H by expert (Mamba groups 3/2, their heads 6/4), its 4-bit copy by tensor,
+    and `--split 3:1` (Mamba groups 4/1)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
-    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
     specs = [g4, f"{q4}#tensor", g3, f"{g4}%3:1#tensor"]
     specs += [ds, f"{dq}#tensor", f"{glm}#expert", f"{ds}%3:1#tensor"]
-    specs += [mm, f"{mq}#expert", f"{mm}%3:1#tensor"]
+    km = str(models["kimi_linear"])
+    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
+    specs += [mm, f"{mq}#expert", f"{mm}%3:1#tensor", f"{km}%3:1#tensor"]
     lines = _check(2, [*specs, f"{nh}#expert", f"{nq}#tensor", f"{nh}%3:1#tensor"])
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *NEMOTRON} and len(lines) == 17
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *NEMOTRON} and len(lines) == 18
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
     assert weighted["deepseek_v32"][0] == weighted["deepseek_v32"][1]
     assert weighted["minimax"] == [1024, 512]
-    states = {x["model_type"]: x["state_per_rank"] for x in lines if x["weights"]}
-    assert weighted["nemotron_h"] == [1024, 256] and states["nemotron_h"] == [20992, 5248]
+    # Kimi-Linear: the latent (64 + 16 values) whole, KDA states of 4/1 heads (5248 bytes each)
+    assert weighted["kimi_linear"] == [320 + 4 * 5248, 320 + 5248]
+    # Nemotron-H: the attention's 4/1 KV heads (256 bytes a token each), the Mamba layer's
+    # conv and scan states of 4/1 groups (2 heads of 32, 16 state values: 5248 bytes each)
+    assert weighted["nemotron_h"] == [1024 + 4 * 5248, 256 + 5248]
 
 
 def test_three_ranks(models):
@@ -85,22 +92,33 @@ def test_three_ranks(models):
     DeepSeek-V3.2's 10 latent heads as 4/3/3, its 4-bit copy's 5 experts as 2/2/1,
     GLM-5's 7 as 3/2/2; MiniMax-M2's 10 query heads over 2 KV heads as 4/3/3 (the middle
     rank holds both KV heads, each counted in the k norm's sum by its first rank only),
-    float32 by tensor and 4-bit by expert; Nemotron-H's 5 Mamba groups as 2/2/1 (float32
-    by tensor), and its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on
-    every rank, its gated norm's sum of squares all-reduced)."""
+    float32 by tensor and 4-bit by expert; Kimi-Linear's 5 KDA heads as 2/2/1 (each
+    rank's conv and delta-rule states for its heads only), from its float32 GGUF
+    (llama.cpp's layout, read in slices; the folder it was written from is one process's);
+    Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor), and its one-group copy's 5
+    Mamba heads as 2/2/1 (the group's B and C on every rank, its gated norm's sum of
+    squares all-reduced)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
-    nh, g1 = str(models["nemotron_h"]), str(models["nemotron_g1"])
     specs = [f"{g4}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
-    lines = _check(3, [*specs, f"{mm}#tensor", f"{mq}#expert", f"{nh}#tensor", g1])
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *NEMOTRON} and len(lines) == 10
+    kg = str(models["kimi_linear-gguf"])
+    nh, g1 = str(models["nemotron_h"]), str(models["nemotron_g1"])
+    specs += [f"{mm}#tensor", f"{mq}#expert", f"{kg}#tensor", f"{nh}#tensor", g1]
+    lines = _check(3, specs)
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *NEMOTRON} and len(lines) == 11
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "minimax"] == [
         [512, 1024, 512]
     ] * 2
-    assert [x["state_per_rank"] for x in lines if x["model_type"] == "nemotron_h"] == [
-        [10496, 10496, 5248],
-        [5248, 5248, 2816],
+    kimi = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_linear"]
+    assert kimi == [[320 + 2 * 5248, 320 + 2 * 5248, 320 + 5248]]  # 5 KDA heads as 2/2/1
+    # Nemotron-H: KV heads 2/2/1 (256 bytes a token each) and Mamba groups 2/2/1 (5248
+    # bytes of state each); the one-group copy's heads 2/2/1 (2432 bytes each) beside the
+    # group's conv state (384 bytes) on every rank
+    nemotron = [x["cache_per_token"] for x in lines if x["model_type"] == "nemotron_h"]
+    assert nemotron == [
+        [512 + 10496, 512 + 10496, 256 + 5248],
+        [512 + 5248, 512 + 5248, 256 + 2816],
     ]
 
 
@@ -110,31 +128,40 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     inputs handed on beside h; Gemma 3: none of those); DeepSeek-V3.2's 4-bit copy on 4
     ranks (3/3/2/2 heads) and GLM-5 as 2 stages of 2 (each stage's layers' latent and
     indexer caches); MiniMax-M2's 4-bit copy on 4 ranks (KV heads 1/2/1/1) and as 2
-    stages of 2 (each stage's tensor group reducing its q/k norms' sums); Nemotron-H's
-    4-bit copy on 4 ranks (Mamba groups 2/1/1/1) and as 2 stages of 2 (the Mamba layer's
-    state on the first stage's ranks, the attention's cache on the second's)."""
+    stages of 2 (each stage's tensor group reducing its q/k norms' sums); Kimi-Linear's
+    4-bit copy on 4 ranks (KDA heads 2/1/1/1) and as 2 stages of 2 (the KDA layer's states
+    on the first stage, the latent on the second); Nemotron-H's 4-bit copy on 4 ranks
+    (Mamba groups 2/1/1/1) and as 2 stages of 2 (the Mamba layer's state on the first
+    stage's ranks, the attention's cache on the second's)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
-    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
     specs = [f"{q4}#tensor", f"{g4}@2,2#tensor", f"{g3}@2,2", f"{dq}#tensor", f"{glm}@2,2#tensor"]
-    specs += [f"{mq}#tensor", f"{mm}@2,2#expert"]
+    km, kq = str(models["kimi_linear"]), str(models["kimi_linear-q4"])
+    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
+    specs += [f"{mq}#tensor", f"{mm}@2,2#expert", f"{kq}#tensor", f"{km}@2,2#expert"]
     lines = _check(4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert"])
-    meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
+    meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
     assert [x["mesh"] for x in lines] == meshes
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *NEMOTRON}
-    assert lines[-1]["state_per_rank"] == [15744, 10496, 0, 0]
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *NEMOTRON}
+    assert lines[-1]["cache_per_token"] == [15744, 10496, 768, 512]  # Mamba | attention
+    # Kimi-Linear's stages: the KDA layer's state (3/2 heads) on the first, the latent on
+    # the second; on 4 tensor ranks its 5 KDA heads as 2/1/1/1
+    kimi = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_linear"]
+    assert kimi == [[320 + 2 * 5248] + [320 + 5248] * 3, [3 * 5248, 2 * 5248, 320, 320]]
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("name", ["gemma4-q4", "deepseek_v32-q4", "minimax-q4", "nemotron_h-q4"])
+@pytest.mark.parametrize(
+    "name", ["gemma4-q4", "deepseek_v32-q4", "minimax-q4", "kimi_linear-q4", "nemotron_h-q4"]
+)
 def test_serve_concurrent_requests_on_two_ranks(models, tmp_path, name):
     """A family on 2 ranks answers concurrent requests exactly as it answers each alone
     (batches merge each layer's cache kind; Gemma 4's KV-shared layers have none;
     DeepSeek-V3.2's CacheList of the latent and the indexer's keys, each query of a
     left-padded batch over its own top-k keys; MiniMax-M2's q/k norms reduced over a
-    batch's rows; Nemotron-H's Mamba states merged and left padding kept out of its conv
-    and scan)."""
+    batch's rows; Kimi-Linear's KDA states, a left-padded row's short convs fed no padding;
+    Nemotron-H's Mamba states merged, left padding kept out of its conv and scan)."""
     from serve_client import Server, chat
 
     server = Server(2, models[name], tmp_path, "--max-batch", "8")

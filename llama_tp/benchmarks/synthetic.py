@@ -48,6 +48,11 @@ The `nemotron-tiny` / `nemotron` sizes are Nemotron-H models as mlx-lm's own
 RoPE, relu2 feed-forward); `nemotron` is Nemotron 3 Nano's layout scaled down (52 -> 8
 layers of its pattern's start, MEMEM*EM; 64 heads of 64 in 8 groups of 128 state values
 -> 32 in 8 of 64; 128 -> 64 relu2 experts, 6 per token, and a shared one; 32/2 heads).
+The `kimi-tiny` / `kimi-linear` sizes are Kimi-Linear models as mlx-lm's own
+`kimi_linear` class holds them: KDA layers (3 of 4) beside latent attention without RoPE,
+experts and a shared one after a dense first layer; `kimi-linear` is Kimi-Linear-48B-A3B's
+layout scaled down (256 -> 64 experts, 8 per token, 32 KDA heads of 128 -> 16 of 64,
+32 latent heads -> 16 with kv rank 512 -> 256, 27 -> 8 layers).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 

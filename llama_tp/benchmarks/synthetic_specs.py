@@ -1,6 +1,6 @@
 """The synthetic models' specs: each size's shape (`SIZES`), the dtypes, the Hugging Face
 `config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, DeepSeek-V3.2, gpt-oss,
-GLM-4.5, Gemma 4, MiniMax-M2 or Nemotron-H one)
+GLM-4.5, Gemma 4, MiniMax-M2, Kimi-Linear or Nemotron-H one)
 and every tensor it holds, named as Hugging Face names them (`synthetic.py` writes
 them; see its docstring for what each size is)."""
 
@@ -74,6 +74,17 @@ SIZES = {
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=2, hidden_dim=512, vocab=32000,
         experts=64, top_k=6, expert_dim=512, head_dim=64, nemotron="MEMEM*EM",
         mamba=(32, 64, 8, 64), shared=1024,
+    ),
+    # Kimi-Linear: KDA layers (kimi: heads, head dim) in 3 of 4, latent attention without
+    # RoPE (latent: -, kv rank, nope, rope, v head dims) in the 4th, experts + a shared one
+    # after a dense first layer
+    "kimi-tiny": dict(
+        dim=64, n_layers=4, n_heads=5, n_kv_heads=5, hidden_dim=96, vocab=512,
+        experts=8, top_k=2, expert_dim=32, latent=(0, 32, 16, 8, 16), kimi=(5, 16),
+    ),
+    "kimi-linear": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
+        experts=64, top_k=8, expert_dim=256, latent=(0, 256, 64, 32, 64), kimi=(16, 64),
     ),
     # gpt-oss: sinks, sliding-window layers (window), biased experts behind the clamped SwiGLU
     "gpt-oss-tiny": dict(
@@ -210,6 +221,37 @@ def _nemotron_config(s: dict) -> dict:
     }
 
 
+def _kimi_config(s: dict) -> dict:
+    _, kv_rank, nope, rope, v = s["latent"]
+    heads, head_dim = s["kimi"]
+    layers = range(1, s["n_layers"] + 1)
+    return {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "head_dim": v,
+        "kv_lora_rank": kv_rank,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "kda_layers": [i for i in layers if i % 4],
+            "full_attn_layers": [i for i in layers if i % 4 == 0],
+            "num_heads": heads,
+            "head_dim": head_dim,
+            "short_conv_kernel_size": 4,
+        },
+        "model_max_length": 4096,
+        "num_experts": s["experts"],
+        "num_experts_per_token": s["top_k"],
+        "num_shared_experts": 1,
+        "moe_intermediate_size": s["expert_dim"],
+        "first_k_dense_replace": 1,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.446,
+    }
+
+
 def _gpt_oss_config(s: dict) -> dict:
     return {
         "model_type": "gpt_oss",
@@ -296,6 +338,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
     moe = {}
     if "gemma4" in s:
         moe = _gemma4_config(s)
+    elif "kimi" in s:
+        moe = _kimi_config(s)
     elif "dsv32" in s:
         moe = _deepseek_v32_config(s)
     elif "minimax" in s:
@@ -353,7 +397,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
 def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
     "zeros" a float32 routing bias), in the order the random ones are drawn."""
-    if any(k in s for k in ("gemma4", "dsv32", "minimax", "nemotron")):  # mlx-lm's own class
+    # mlx-lm's own class lists their tensors
+    if any(k in s for k in ("gemma4", "dsv32", "minimax", "kimi", "nemotron")):
         return _mlx_lm_tensors(hf_config(s, "fp32"))
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]

@@ -30,6 +30,7 @@ from ..parallel.placement import DEFAULT_MOE_SPLIT, Segmented, Slice
 from ..parallel.shares import SplitSpec, Weights, fixed_weights
 from . import open_checkpoint
 from .base import Checkpoint, CheckpointError
+from .gated_delta import kda_stored
 from .hf_config import hf_config, hf_name, quantized_modules, token_ids
 
 MAX_SHARD_GB = 5  # as mlx_lm.utils.MAX_FILE_SIZE_GB
@@ -212,6 +213,8 @@ def convert(
         return out
     config = hf_config(ckpt, model)
     hf_weights = {hf_name(k, ckpt.args.model_type): weights.pop(k) for k in sorted(weights)}
+    if "kda_layers" in ckpt.args.extra:  # Kimi-Linear: A_log as mlx-lm holds it
+        hf_weights = kda_stored(hf_weights)
     (out / "config.json").write_text(json.dumps(config, indent=4) + "\n")
     _save_tokenizer(ckpt, out)
     n_tensors = len(hf_weights)

@@ -237,3 +237,110 @@ def from_gguf(weights: dict, sources: dict, args: Any, tiled: bool) -> None:
             continue
         weights[name] = mx.zeros(shape, v.dtype)  # a placeholder: the source reads it
         sources[name] = (src, stored)
+
+
+# -- Kimi delta attention (Kimi-Linear) -----------------------------------------------------
+
+
+class Flat:
+    """A stored tensor of one non-1 axis, or (heads, values), read as 1-D (Kimi's A_log
+    (1, 1, H, 1), a release's dt_bias (H, d)): a slice of the flat values is a slice of
+    its first non-1 axis, whole rows of the rest."""
+
+    def __init__(self, file: Any, stored: str, shape: tuple[int, ...]):
+        self.file, self.stored = file, stored
+        self.path = getattr(file, "path", None)
+        self.axis = next((i for i, n in enumerate(shape) if n != 1), 0)
+        self.inner = 1
+        for n in shape[self.axis + 1 :]:
+            self.inner *= n
+        self.tensors = {stored: _Info((shape[self.axis] * self.inner,))}
+        self.post: Callable = lambda x: x  # elementwise, after the read (a GGUF's ssm_a)
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
+        if axis is None:
+            return self.post(self.file.read(self.stored).reshape(-1))
+        if start % self.inner or stop % self.inner:
+            raise ValueError(f"{name}: [{start}, {stop}) is not whole rows of {self.inner}")
+        a, b = start // self.inner, stop // self.inner
+        return self.post(self.file.read(self.stored, self.axis, a, b).reshape(-1))
+
+
+_RELEASE_CONV = re.compile(r"\.attention\.([qkv])_conv1d\.weight$")
+
+
+def kda_tensors(weights: dict, sources: dict) -> None:
+    """Kimi delta attention's tensors as the model holds them, in place: A_log (and a
+    release's dt_bias) 1-D, a release's convs `q_conv1d` (C, 1, K) as `q_conv.conv`
+    (C, K, 1)."""
+    for name in list(weights):
+        if name not in sources or ".attention." not in name:
+            continue
+        file, stored = sources[name]
+        v = weights[name]
+        if name.endswith(("attention.A_log", "attention.dt_bias")) and v.ndim > 1:
+            weights[name] = v.reshape(-1)
+            sources[name] = (Flat(file, stored, tuple(v.shape)), stored)
+        elif m := _RELEASE_CONV.search(name):
+            new = name[: m.start()] + f".attention.{m.group(1)}_conv.conv.weight"
+            shape = (v.shape[0], v.shape[2], v.shape[1])
+            del weights[name], sources[name]
+            weights[new] = v.swapaxes(1, 2)
+            sources[new] = (Mapped(file, stored, shape, lambda x: x.swapaxes(1, 2)), stored)
+
+
+def kda_stored(weights: dict) -> dict:
+    """What `convert` writes for mlx-lm (its names already): A_log as mlx-lm's kimi_linear
+    holds it, (1, 1, H, 1)."""
+    return {
+        k: v.reshape(1, 1, -1, 1) if k.endswith("self_attn.A_log") else v
+        for k, v in weights.items()
+    }
+
+
+def kda_gguf(weights: dict, sources: dict, args: Any) -> None:
+    """A GGUF file's KDA tensors as the model holds them, in place (llama.cpp's converter
+    wrote the convs (1, C, 1, K) and ssm_a = -exp(A_log) (1, 1, H, 1)): the convs
+    (C, K, 1), A_log 1-D; each still read in slices (by channels, by heads). The metadata
+    names no KDA head count of its own: ssm_beta's rows are one per head."""
+    beta = next((v for k, v in weights.items() if k.endswith("attention.b_proj.weight")), None)
+    if beta is not None:
+        args.extra["kda_heads"] = beta.shape[0]
+    for name in list(weights):
+        if name not in sources or ".attention." not in name:
+            continue
+        file, stored = sources[name]
+        v = weights[name]
+        if name.endswith("_conv.conv.weight") and v.ndim == 4:  # (1, C, 1, K)
+            shape = (v.shape[1], v.shape[3], 1)
+            weights[name] = mx.zeros(shape, v.dtype)  # a placeholder: the source reads it
+            sources[name] = (_Conv(file, stored, shape), stored)
+        elif name.endswith("attention.A_log"):
+            flat = Flat(file, stored, tuple(v.shape))
+            flat.post = lambda x: mx.log(-x)
+            weights[name] = mx.zeros((v.size,), v.dtype)
+            sources[name] = (flat, stored)
+        elif name.endswith("attention.dt_bias") and v.ndim > 1:
+            weights[name] = mx.zeros((v.size,), v.dtype)
+            sources[name] = (Flat(file, stored, tuple(v.shape)), stored)
+
+
+class _Conv:
+    """A GGUF conv (1, C, 1, K), float, read as (C, K, 1): a range of channels is a range
+    of axis 1 of the stored array (the GGUF reader's slices are a matrix's rows or
+    columns, so this reads the bytes itself)."""
+
+    def __init__(self, file: Any, stored: str, shape: tuple[int, ...]):
+        self.file, self.stored = file, stored
+        self.path = getattr(file, "path", None)
+        self.tensors = {stored: _Info(shape)}
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
+        from .safetensors import read_dense
+
+        src = self.file.gguf[self.stored]
+        stored = tuple(reversed(src.shape))  # (1, C, 1, K)
+        if axis is None:
+            start, stop = 0, stored[1]
+        raw = read_dense(self.path, src.offset, stored, src.type_name, 1, start, stop)
+        return raw.reshape(stop - start, stored[3], 1)

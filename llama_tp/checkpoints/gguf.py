@@ -28,7 +28,7 @@ from . import gguf_quants as gq
 from . import gguf_routed as routed
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts
-from .gated_delta import SKIPPED, from_gguf, say_once
+from .gated_delta import SKIPPED, from_gguf, kda_gguf, say_once
 from .gguf_header import GGUFHeader, read_header
 from .gguf_reader import _MX, GGUFFile
 from .latent import split_kv_b
@@ -58,12 +58,20 @@ def _layer_rename(src: str, dst: str) -> tuple[str, str]:
     return rf"^blk\.(\d+)\.{re.escape(src)}\.", rf"layers.\1.{dst}."
 
 
-_RENAMES = _MODEL_NAMES + [_layer_rename(a, b) for a, b in checkpoint_names("gguf")]
-_RENAMES = [(re.compile(a), b) for a, b in _RENAMES]
+_BY_ARCH: dict[str | None, list[tuple[re.Pattern, str]]] = {}
 
 
-def to_model_name(name: str) -> str:
-    for pattern, repl in _RENAMES:
+def _renames(arch: str | None = None) -> list[tuple[re.Pattern, str]]:
+    """The model's names, then every kind's (the family's own first: `GgufFamily.kinds`)."""
+    if arch not in _BY_ARCH:
+        pairs = checkpoint_names("gguf", _MODEL_TYPES.get(arch) if arch else None)
+        renames = _MODEL_NAMES + [_layer_rename(a, b) for a, b in pairs]
+        _BY_ARCH[arch] = [(re.compile(a), b) for a, b in renames]
+    return _BY_ARCH[arch]
+
+
+def to_model_name(name: str, arch: str | None = None) -> str:
+    for pattern, repl in _renames(arch):
         new, n = pattern.subn(repl, name)
         if n:
             return new
@@ -136,7 +144,7 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
             dim=dim,
             n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=get("attention.head_count_kv") or n_heads,
+            n_kv_heads=_most(get("attention.head_count_kv")) or n_heads,
             # Without dense layers (Qwen3-MoE files may say 0): the experts' width
             hidden_dim=get("feed_forward_length") or experts.get("moe_hidden_dim", 0),
             vocab_size=vocab,
@@ -152,6 +160,12 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def _most(count):
+    """A KV head count, or the largest of a per-layer array's (Kimi-Linear's: 0 in a KDA
+    layer)."""
+    return max(int(c) for c in count) if hasattr(count, "__len__") else count
 
 
 def check_types(header: GGUFHeader, path: Path) -> None:
@@ -319,7 +333,7 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
             file.unblock(stored)
     weights, sources, kept = {}, {}, {}
     for stored in file.tensors:
-        name = to_model_name(stored)
+        name = to_model_name(stored, arch)
         weights[name] = file.placeholder(stored)
         sources[name] = (file, stored)
         if file.block_type(stored):
@@ -339,6 +353,8 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
     args = args_from_metadata(header.metadata, weights, path)
     if arch in _HYBRID:  # llama.cpp's turns of the linear-attention tensors, undone
         from_gguf(weights, sources, args, tiled=arch in _TILED)
+    if "kda_layers" in args.extra:  # Kimi-Linear: llama.cpp's conv and ssm_a, undone
+        kda_gguf(weights, sources, args)
     if args.kv_lora_rank:
         _latent(weights, sources, args, path)
     check_experts(

@@ -17,7 +17,7 @@ from ..model_args import ModelArgs
 from ..models.registry import FAMILIES, MODEL_TYPES, checkpoint_names, unsupported
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts
-from .gated_delta import SKIPPED, from_release, is_release, say_once, text_name
+from .gated_delta import SKIPPED, from_release, is_release, kda_tensors, say_once, text_name
 from .latent import split_kv_b
 from .mxfp4 import mxfp4_experts, stored_part
 from .safetensors import SafetensorsFile
@@ -285,6 +285,9 @@ def read(path: Path) -> Checkpoint:
         say_once(str(path), SKIPPED[kind])
     if "linear_layers" in args.extra and is_release(weights):
         from_release(weights, sources)  # zero-centred norms, (C, 1, K) convs
+    if "kda_layers" in args.extra:
+        kda_tensors(weights, sources)  # Kimi's A_log (1, 1, H, 1) flat, release convs
+        split_kv_b(weights, sources, args, str(path))  # a release's latent attention
     if args.model_type in SIGMOID_GROUP:
         _sigmoid_group(weights, sources, args, path)
     shared = [i for i, s in enumerate(args.extra.get("kv_sources") or ()) if s is not None]

@@ -52,7 +52,7 @@ def hf_name(name: str, model_type: str = "llama") -> str:
     """The Hugging Face name (as mlx-lm stores it) of the model's tensor `name` in a
     `model_type` model (checked against the reader): the HF reader's table, inverted."""
     first = "block_sparse_moe" if model_type in BLOCK_SPARSE_MOE else "mlp."
-    first = "shared_experts" if model_type in SIGMOID_GROUP else first
+    first = "shared_experts" if model_type in (*SIGMOID_GROUP, "kimi_linear") else first
     inverted = [_invert(p, r) for p, r in renames(model_type)]
     # a kind's module prefix (`linear_attn.`) round-trips for any tensor under its slot:
     # only the families that have that kind may take it

@@ -17,6 +17,8 @@ when there are many (prefill, batches), as mlx-lm does. Three routers:
     MiniMax:     the same selection without groups, from a linear `router` (quantized
                  as mlx-lm quantizes it) of float32 inputs and the block's own
                  `e_score_correction_bias`, as mlx-lm's `MiniMaxSparseMoeBlock`
+    Kimi-Linear: DeepSeek-V3's selection (groups, renormalised, scaled) behind a
+                 linear `router` and the block's own bias (mlx-lm's `KimiSparseMoE`)
 
 Its split table (`MoEFeedForward.split_table`): every expert's gate/up rows and down
 columns by "expert_ffn" (or whole experts, when the plan splits by expert), the shared
@@ -30,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import SwigluOAI
 from mlx_lm.models.deepseek_v3 import MoEGate, group_expert_select
+from mlx_lm.models.kimi_linear import _group_expert_select as kimi_select
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..model import FeedForward
@@ -61,8 +64,13 @@ class MoEFeedForward(nn.Module):
         ("mlp.shared_experts.down_proj", "feed_forward.shared_expert.w2"),
         ("mlp.shared_experts.up_proj", "feed_forward.shared_expert.w3"),
         ("block_sparse_moe.gate", "feed_forward.router"),
+        # Kimi-Linear's release
+        ("block_sparse_moe.shared_experts.gate_proj", "feed_forward.shared_expert.w1"),
+        ("block_sparse_moe.shared_experts.down_proj", "feed_forward.shared_expert.w2"),
+        ("block_sparse_moe.shared_experts.up_proj", "feed_forward.shared_expert.w3"),
         ("block_sparse_moe.switch_mlp", "feed_forward.switch_mlp"),
         ("block_sparse_moe.e_score_correction_bias$", "feed_forward.e_score_correction_bias"),
+        ("mlp.e_score_correction_bias$", "feed_forward.e_score_correction_bias"),  # Kimi
         ("mlp.router", "feed_forward.router"),
         ("mlp.experts", "feed_forward.switch_mlp"),
     )
@@ -108,7 +116,7 @@ class MoEFeedForward(nn.Module):
             self.router = MoEGate(deepseek_v3_args(args))
         else:
             self.router = nn.Linear(args.dim, args.n_experts, bias=args.expert_bias)
-        if args.router == "sigmoid_bias":
+        if args.router in ("sigmoid_bias", "sigmoid_linear"):
             self.e_score_correction_bias = mx.zeros((args.n_experts,))
         # gpt-oss: the clamped SwiGLU (mlx-lm's), biases on every expert's projections
         act = SwigluOAI(limit=args.swiglu_limit) if args.activation == "swiglu_oai" else SwiGLU()
@@ -126,6 +134,11 @@ class MoEFeedForward(nn.Module):
         """The chosen experts of every token and their weights: (B, L, k) each."""
         if isinstance(self.router, MoEGate):
             return self.router(x)
+        if self.args.router == "sigmoid_linear":  # Kimi: mlx-lm's kimi_linear selection
+            a = self.args
+            bias, groups = self.e_score_correction_bias, (a.n_group, a.topk_group)
+            return kimi_select(self.router(x), bias, self.top_k, *groups,
+                               a.routed_scaling_factor, a.norm_topk_prob, "sigmoid")  # fmt: skip
         if "e_score_correction_bias" in self:  # MiniMax: float32 gates, no groups
             gates = self.router(x.astype(mx.float32))
             bias, k = self.e_score_correction_bias, self.top_k

@@ -28,6 +28,9 @@ feed-forward in some layers, chosen by the args, not by name:
     Nemotron-H  nemotron_h         (HF/MLX only)            one mixer per layer: Mamba-2,
                                                             attention (no RoPE), relu2
                                                             feed-forward or experts
+    Kimi-Linear kimi_linear        kimi-linear              KDA (3 of 4), experts (sigmoid +
+                                                            latent (MLA)  bias, groups) +
+                                                            without RoPE  shared experts
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
@@ -70,6 +73,13 @@ from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
 from .gpt_oss import SinkAttention, gpt_oss_fields
+from .kimi_delta import (
+    KimiDeltaAttention,
+    NopeLatentAttention,
+    kimi_linear_config,
+    kimi_linear_fields,
+    kimi_linear_gguf_fields,
+)
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .mamba import Mamba2Mixer
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
@@ -137,6 +147,12 @@ FAMILIES = {
         config_keys=nemotron_h_config,
         kinds=(NoRopeAttention, Mamba2Mixer),
     ),
+    "kimi_linear": Family(
+        "KimiLinearForCausalLM",
+        kimi_linear_fields,
+        config_keys=kimi_linear_config,
+        kinds=(KimiDeltaAttention,),
+    ),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
     ),
@@ -185,6 +201,7 @@ GGUF_FAMILIES = {
     "qwen3next": GgufFamily(
         "qwen3_next", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen3next")
     ),
+    "kimi-linear": GgufFamily("kimi_linear", fields=kimi_linear_gguf_fields),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
@@ -233,8 +250,12 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
             "attention": GatedDeltaNet if linear else GatedAttention,
             "feed_forward": feed_forward,
         }
-    if "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
-        attention: type[nn.Module] = SparseAttention
+    if "kda_layers" in args.extra:  # Kimi-Linear: KDA, latent attention without RoPE
+        attention: type[nn.Module] = (
+            KimiDeltaAttention if i in args.kda_layers else NopeLatentAttention
+        )
+    elif "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
+        attention = SparseAttention
     elif args.kv_lora_rank:
         attention = LatentAttention
     elif "wide_qk_norm" in args.extra:  # MiniMax-M2: q/k norms across all heads

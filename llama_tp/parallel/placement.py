@@ -73,15 +73,20 @@ class ModelShape:
                     found.setdefault(u.name, u)
         return tuple(found.values())
 
-    def group_size(self, suffix: str | tuple[str, ...], in_dims: int) -> int | None:
+    def group_size(
+        self, suffix: str | tuple[str, ...], in_dims: int, layers: set[int] | None = None
+    ) -> int | None:
         """The quantization group of the modules `layers.*.{suffix}` (any of several
-        suffixes: the kinds' names for one unit; the lcm over layers, so that a split in
-        its units falls on every layer's groups); None: not quantized."""
+        suffixes: the kinds' names for one unit; the lcm over layers, or over `layers`
+        only, so that a split in its units falls on every layer's groups); None: not
+        quantized."""
         ends = tuple(f".{s}.scales" for s in ((suffix,) if isinstance(suffix, str) else suffix))
         sizes = {
             in_dims // shape[-1]
             for name, (shape, _) in self.tensors.items()
-            if name.endswith(ends) and _LAYER.match(name)
+            if name.endswith(ends)
+            and (m := _LAYER.match(name))
+            and (layers is None or int(m.group(1)) in layers)
         }
         return math.lcm(*sizes) if sizes else None
 
@@ -244,7 +249,9 @@ def partition(
 
 def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
     """A quantized wo splits by columns at query-head boundaries: those must be group bounds."""
-    group_size = shape.group_size(("attention.wo", "mixer.wo"), plan.n_heads * plan.head_dim)
+    # the layers whose attention splits by query heads (not a KDA layer's wo: Kimi-Linear)
+    heads = {i for i in range(shape.args.n_layers) if _by_heads(shape.spec(i))}
+    group_size = shape.group_size(("attention.wo", "mixer.wo"), plan.n_heads * plan.head_dim, heads)
     if group_size is None:
         return
     for p in plan.parts:
@@ -255,6 +262,11 @@ def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
                 f"over {plan.n} ranks: rank {p.rank} would start at column {start}, not a "
                 f"multiple of the group size {group_size}"
             )
+
+
+def _by_heads(spec: LayerSpec) -> bool:
+    table = spec.tables.get("attention", spec.tables.get("mixer"))  # (a one-mixer layer's)
+    return table is None or table.module == "heads"
 
 
 def tied_boundaries(shape: ModelShape) -> dict[int, tuple[int, int]]:
