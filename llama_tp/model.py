@@ -24,12 +24,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .kernels import scaled_dot_product_attention  # mlx-lm's, native on the CPU
+from .kernels import merge_heads, scaled_dot_product_attention  # mlx-lm's, native on CPU
+from .kernels.layers import add_norm
 from .model_args import ModelArgs
-from .parallel.fused import fused_glu, fused_heads
+from .parallel.fused import fused_glu, fused_heads, fused_heads_rotated
 from .parallel.llama_plan import table_styles
 from .parallel.parallelize import parallelize
 from .parallel.partition import RankPart
@@ -125,12 +126,19 @@ class Attention(nn.Module):
         v = self.wv(x).reshape(B, L, -1, hd).transpose(0, 2, 1, 3)
         return q, k, v
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
+    def project_rotated(self, x: mx.array, offset: Any) -> tuple[mx.array, mx.array, mx.array]:
+        """`project`, then RoPE on q and k from position `offset` (an int or an int32
+        array): in one native operation when fused and the RoPE is plain."""
+        if type(self).project is Attention.project:
+            heads = fused_heads_rotated(self, x, self.head_dim, self.rope, offset)
+            if heads is not None:
+                return heads
         q, k, v = self.project(x)
+        return self.rope(q, offset=offset), self.rope(k, offset=offset), v
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset=offset)
-        k = self.rope(k, offset=offset)
+        q, k, v = self.project_rotated(x, offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self._kv_index is not None:
@@ -138,12 +146,13 @@ class Attention(nn.Module):
             # its KV head and attend as plain multi-head attention.
             k = mx.take(k, self._kv_index, axis=1)
             v = mx.take(v, self._kv_index, axis=1)
-        out = self._attend(q, k, v, mask, cache)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, nh * hd)
-        return self.wo(out)
+        return self.wo(self._attend(q, k, v, mask, cache, merged=True))  # (B, L, nh * hd)
 
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any) -> mx.array:
-        """Attention of q (B, nh, L, hd) over k, v (B, nkv, S, hd), S = offset + L.
+    def _attend(
+        self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any, merged: bool = False
+    ) -> mx.array:
+        """Attention of q (B, nh, L, hd) over k, v (B, nkv, S, hd), S = offset + L ->
+        (B, nh, L, hd), or (B, L, nh * hd) when `merged`.
 
         With `query_chunk` set and a causal mask, the queries go in blocks of that
         many positions: block [a, b) attends to keys [0, offset + b) under a causal
@@ -158,7 +167,9 @@ class Attention(nn.Module):
         """
         c, L = self.query_chunk, q.shape[2]
         if c is None or L <= c or not isinstance(mask, str) or not isinstance(k, mx.array):
-            return scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+            return scaled_dot_product_attention(
+                q, k, v, cache=cache, scale=self.scale, mask=mask, merged=merged
+            )
         offset = k.shape[2] - L
         blocks = []
         for a in range(0, L, c):
@@ -170,7 +181,8 @@ class Attention(nn.Module):
             if _eval_query_blocks:
                 mx.eval(out)
             blocks.append(out)
-        return mx.concatenate(blocks, axis=2)
+        out = mx.concatenate(blocks, axis=2)
+        return merge_heads(out) if merged else out
 
     def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
         """Split the heads over `group`: wq/wk/wv by output rows, wo by input columns.
@@ -266,8 +278,8 @@ class TransformerBlock(nn.Module):
         return {"attention": self.attention, "feed_forward": self.feed_forward}
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h = x + self.attention(self.attention_norm(x), mask, cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, normed = add_norm(x, self.attention(self.attention_norm(x), mask, cache), self.ffn_norm)
+        return h + self.feed_forward(normed)
 
 
 class MixerBlock(nn.Module):
@@ -301,6 +313,8 @@ def _mask(spec: CacheSpec | None, h: mx.array, cache: Any) -> Any:
         return create_attention_mask(h, cache, window_size=spec.window)
     if spec.mask == "ssm":
         return create_ssm_mask(h, cache)
+    if spec.mask == "chunked":
+        return chunk_mask(h.shape[1], spec.window, cache)
     raise ValueError(f"unknown mask kind {spec.mask!r}")
 
 
@@ -352,15 +366,78 @@ class StateCache(ArraysCache):
         return row
 
 
+class ChunkedCache(ChunkedKVCache):
+    """mlx-lm's ChunkedKVCache of a chunked-attention layer (Llama 4: a query attends to
+    the keys of its own chunk of `chunk_size` positions only), holding the keys from the
+    start of the chunk of the first new token on: it drops the earlier ones when a token
+    enters a new chunk (once a chunk, where mlx-lm's model keeps the last chunk_size keys
+    and drops one at every step). Between decoding steps it holds at most a chunk.
+
+    It steps back `n` tokens only while the chunk it steps back into is still held
+    (`rewinds`, which `engine/caches.py` asks; `is_trimmable` says no to mlx-lm's prompt
+    cache); `state` is mlx-lm's (keys, values, offset, chunk_size, start)."""
+
+    def front(self) -> int:
+        """The first position the cache holds once the next tokens are in."""
+        if self.keys is None:
+            return self.start_position
+        return max(self.start_position, self.offset // self.chunk_size * self.chunk_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        drop = self.front() - self.start_position
+        if drop:
+            end = self.offset - self.start_position
+            self.keys = self.keys[..., drop:end, :]
+            self.values = self.values[..., drop:end, :]
+            self.start_position += drop
+        return super().update_and_fetch(keys, values)
+
+    def maybe_trim_front(self) -> None:
+        """(mlx-lm's model trims before every call; this cache trims in `update_and_fetch`.)"""
+
+    def is_trimmable(self) -> bool:
+        """False for mlx-lm's prompt cache (it would trim any count): the engine's facade
+        asks `rewinds(n)`."""
+        return False
+
+    def rewinds(self, n: int) -> bool:
+        """Whether stepping back `n` tokens leaves the keys the next token attends to."""
+        offset = self.offset - n
+        return offset >= 0 and offset // self.chunk_size * self.chunk_size >= self.start_position
+
+    def trim(self, n: int) -> int:
+        if not self.rewinds(n):
+            raise ValueError(f"a chunked-attention cache cannot step back {n} tokens")
+        self.offset -= n
+        return n
+
+
+def chunk_mask(L: int, chunk: int, cache: ChunkedCache | None) -> mx.array | None:
+    """The (L, S) boolean mask of L new queries over a chunked-attention cache's keys
+    (those it will hold after them, `ChunkedCache.front` on): each query sees the keys of
+    its own chunk up to itself (mlx-lm's llama4 chunk mask). None for one query: every
+    key held is of its chunk."""
+    offset = cache.offset if cache is not None else 0
+    if L == 1 and cache is not None:
+        return None
+    start = cache.front() if cache is not None else 0
+    keys = mx.arange(start, offset + L)
+    queries = mx.arange(offset, offset + L)[:, None]
+    return ((keys // chunk) == (queries // chunk)) & (keys <= queries)
+
+
 def make_layer_cache(spec: CacheSpec | None) -> Any:
     """mlx-lm's cache of the kind `spec` declares: a KVCache, a RotatingKVCache of the
-    window (it never holds more than the window), an ArraysCache of fixed-size arrays
-    (a `StateCache`: it counts its tokens), or a CacheList; a layer that caches nothing
-    still gets a KVCache (unused), as mlx-lm's models give every layer one."""
+    window (it never holds more than the window), a `ChunkedCache` of chunked attention
+    (the current chunk's keys), an ArraysCache of fixed-size arrays (a `StateCache`: it
+    counts its tokens), or a CacheList; a layer that caches nothing still gets a KVCache
+    (unused), as mlx-lm's models give every layer one."""
     if spec is None or spec.kind == "kv":
         return KVCache()
     if spec.kind == "rotating":
         return RotatingKVCache(max_size=spec.window)
+    if spec.kind == "chunked":
+        return ChunkedCache(spec.window)
     if spec.kind == "arrays":
         return StateCache(size=spec.size, what=spec.what)
     if spec.kind == "list":

@@ -49,6 +49,7 @@ class ModelArgs:
     # the best `topk_group` compete; the weights are the sigmoid scores, renormalised with
     # norm_topk_prob, times `routed_scaling_factor`)
     # MiniMax: "sigmoid_bias" (DeepSeek-V3's selection, no groups, behind a linear gate)
+    # Llama 4: "sigmoid_input" (top-1, its sigmoid score scaling the expert's input)
     # Kimi-Linear: "sigmoid_linear" (DeepSeek-V3's selection, groups, behind a linear gate)
     router: str = "softmax_topk"
     sparse_layers: list[int] | None = None  # the layers with experts (None: all of them)
@@ -153,6 +154,7 @@ class ModelArgs:
             "topk_softmax",
             "sigmoid_group",
             "sigmoid_bias",
+            "sigmoid_input",
             "sigmoid_linear",
         ):
             raise ValueError(f"model config: unknown router {self.router!r}")

@@ -125,6 +125,8 @@ def main() -> int:
     )
     _print_shared(ckpt.args)
     _print_indexer(ckpt.args, shape)
+    _print_chunked(ckpt.args)
+    _print_headwise(ckpt.args)
     if args.n > 1:
         _print_wide_qk_norm(ckpt.args)
         _print_mamba(ckpt.args)
@@ -206,6 +208,38 @@ def _print_indexer(a, shape, staged: bool = False) -> None:
         f"indexer ({a.index_n_heads} heads of {a.index_head_dim}) picks; the indexer is "
         f"replicated, so {whom} {human_bytes(held)} of weights and caches its "
         f"{a.index_head_dim} key values per token and layer (in the KV cache above)"
+    )
+
+
+def _print_chunked(a) -> None:
+    """Llama 4's line: its chunked-attention layers and global layers without RoPE."""
+    from .models.registry import layer_specs
+
+    chunked = sum(s.cache is not None and s.cache.kind == "chunked" for s in layer_specs(a))
+    if "rope_layers" not in a.extra:
+        return
+    nope = a.rope_layers.count(0)
+    if chunked:
+        print(
+            f"chunked attention: {chunked} of {a.n_layers} layers attend within chunks of "
+            f"{a.attention_chunk_size} positions (their caches hold the current chunk, in "
+            f"the KV cache above at 1000 tokens); {nope} global layers without RoPE"
+        )
+    else:
+        print(f"{nope} of {a.n_layers} layers attend without RoPE (global attention)")
+
+
+def _print_headwise(a) -> None:
+    """Step-3.5's line: its sliding layers' own heads and the head-wise gates."""
+    if "swa_heads" not in a.extra:
+        return
+    nh, nkv = a.swa_heads
+    n = sum(t == "sliding_attention" for t in a.layer_types)
+    gate = "; each head's output gated by sigmoid(g_proj(x)), split with its heads"
+    print(
+        f"{n} of {a.n_layers} layers slide over {nh} query / {nkv} KV heads of their own, "
+        f"split apart from the global layers' (a KV head two ranks' query heads need is "
+        f"held by both){gate if a.headwise_gate else ''}"
     )
 
 
@@ -323,6 +357,8 @@ def print_mesh(args) -> int:
     print(format_mesh(mp, ckpt.path.name))
     _print_shared(ckpt.args)
     _print_indexer(ckpt.args, model_shape(ckpt), staged=True)
+    _print_chunked(ckpt.args)
+    _print_headwise(ckpt.args)
     _print_wide_qk_norm(ckpt.args)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes

@@ -18,14 +18,23 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              `rope_parameters`, 4 indexer heads, 7 experts
     minimax  minimax: q/k norms over all heads' values, partial RoPE (16 of 32), 5
              experts (sigmoid scores + correction bias), 2 KV heads; 2 layers
+    llama4   llama4 (the wrapper's text model): 3 chunked RoPE layers (chunks of 4, q/k
+             norms after RoPE) and a global NoPE one (temperature tuning from position
+             3: floor_scale 4), 5 experts (top-1, sigmoid, input scaled) + a shared
+             one in every second layer; 4 layers (mlx-lm's llama4 needs the fourth)
+    llama4_text  llama4_text (MobileLLM-R1's): dense, a RoPE and a NoPE layer, q/k norms
+             before RoPE; 2 layers
+    step3p5  step3p5: a global layer (10 / 5 heads, partial RoPE, YaRN) and two sliding
+             ones with their own 8 / 2 heads, gated per head; 5 experts (sigmoid + bias,
+             scaled) + a shared one after a dense layer, clamped SwiGLUs; 3 layers
+    kimi_linear  a KDA layer (5 heads of 32) then latent attention without RoPE (10
+             heads), 5 experts + a shared one after the dense first layer; 2 layers
     nemotron_h  nemotron_h: one mixer per layer, Mamba-2 / experts / attention / relu2
              feed-forward (M E * -): 10 Mamba heads of 32 in 5 groups of 16 state values
              (groups kept whole: 3/2, 2/2/1, 2/1/1/1), 10 query / 5 KV heads without
              RoPE, 5 relu2 experts + a shared one
     nemotron_g1  the same Mamba-2 with one group (M *): 5 heads split anywhere, the
              group's B and C on every rank, its gated norm's sum all-reduced
-    kimi_linear  a KDA layer (5 heads of 32) then latent attention without RoPE (10
-             heads), 5 experts + a shared one after the dense first layer; 2 layers
 """
 
 from __future__ import annotations
@@ -139,6 +148,110 @@ MINIMAX = dict(
     rope_theta=5000000.0,
     **COMMON,
 )
+# Llama 4: 10 query / 5 KV heads, chunks of 4 positions (the 10-12 token prompts span
+# three), the NoPE layer's temperature above 1 from position 3, 5 experts in layers 1, 3
+_LLAMA4_TEXT = dict(
+    model_type="llama4_text",
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    intermediate_size_mlp=160,
+    num_attention_heads=10,
+    num_key_value_heads=5,
+    head_dim=16,
+    num_local_experts=5,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=4,
+    attention_bias=False,
+    use_qk_norm=True,
+    floor_scale=4,
+    attn_scale=0.1,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=64),
+    **COMMON,
+)  # fmt: skip
+LLAMA4 = dict(model_type="llama4", text_config=_LLAMA4_TEXT, **COMMON)
+LLAMA4_TEXT = dict(
+    model_type="llama4_text",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=96,
+    intermediate_size_mlp=128,
+    num_attention_heads=10,
+    num_key_value_heads=5,
+    head_dim=16,
+    no_rope_layers=[1, 0],
+    use_qk_norm=True,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    **COMMON,
+)
+# Step-3.5: a global layer (10 query / 5 KV heads, half of each head rotated, YaRN) then
+# two sliding ones (window 4) of their own 8 query / 2 KV heads, each head's output
+# gated; a dense first layer, then 5 experts (sigmoid + router bias, scaled by 3) beside
+# a shared expert, the SwiGLUs clamped (low limits: the random weights reach them)
+STEP3P5 = dict(
+    model_type="step3p5",
+    hidden_size=64,
+    num_hidden_layers=3,
+    intermediate_size=128,
+    num_attention_heads=10,
+    num_attention_groups=5,
+    head_dim=32,
+    layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    attention_other_setting={"num_attention_heads": 8, "num_attention_groups": 2},
+    sliding_window=4,
+    rope_theta=[5000000.0, 10000.0, 10000.0],
+    partial_rotary_factors=[0.5, 1.0, 1.0],
+    yarn_only_types=["full_attention"],
+    rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=2048),
+    use_head_wise_attn_gate=True,
+    moe_num_experts=5,
+    moe_top_k=2,
+    moe_intermediate_size=128,
+    share_expert_dim=128,
+    moe_layers_enum="1,2",
+    moe_router_scaling_factor=3.0,
+    norm_expert_weight=True,
+    swiglu_limits=[0.0, 0.5, 0.0],
+    swiglu_limits_shared=[0.5, 0.0, 0.5],
+    rms_norm_eps=1e-5,
+    **COMMON,
+)
+# Kimi-Linear: a KDA layer (5 heads of 32: per-channel decay, q/k/v short convs of 4
+# taps) with a dense feed-forward, then latent attention without RoPE (10 heads) with 5
+# experts (sigmoid + correction bias, renormalised, scaled) and a shared one
+KIMI_LINEAR = dict(
+    model_type="kimi_linear",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=160,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    head_dim=32,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    mla_use_nope=True,
+    linear_attn_config=dict(
+        kda_layers=[1], full_attn_layers=[2], num_heads=5, head_dim=32, short_conv_kernel_size=4
+    ),  # fmt: skip
+    model_max_length=4096,
+    num_experts=5,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=128,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.446,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    **COMMON,
+)
 # Nemotron-H: one mixer per layer (Mamba-2, experts, attention without RoPE, relu2)
 NEMOTRON_H = dict(
     model_type="nemotron_h",
@@ -171,48 +284,22 @@ NEMOTRON_H = dict(
     **COMMON,
 )
 NEMOTRON_G1 = dict(NEMOTRON_H, mamba_num_heads=5, n_groups=1, hybrid_override_pattern=["M", "*"])
-# Kimi-Linear: a KDA layer (5 heads of 32: per-channel decay, q/k/v short convs of 4
-# taps) with a dense feed-forward, then latent attention without RoPE (10 heads) with 5
-# experts (sigmoid + correction bias, renormalised, scaled) and a shared one
-KIMI_LINEAR = dict(
-    model_type="kimi_linear",
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=160,
-    num_attention_heads=10,
-    num_key_value_heads=10,
-    head_dim=32,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    mla_use_nope=True,
-    linear_attn_config=dict(
-        kda_layers=[1], full_attn_layers=[2], num_heads=5, head_dim=32, short_conv_kernel_size=4
-    ),  # fmt: skip
-    model_max_length=4096,
-    num_experts=5,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_intermediate_size=128,
-    first_k_dense_replace=1,
-    routed_scaling_factor=2.446,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    **COMMON,
-)
 CONFIGS = {
     "gemma4": GEMMA4,
     "gemma3": GEMMA3,
     "deepseek_v32": DEEPSEEK_V32,
     "glm5": GLM5,
     "minimax": MINIMAX,
+    "llama4": LLAMA4,
+    "llama4_text": LLAMA4_TEXT,
+    "step3p5": STEP3P5,
+    "kimi_linear": KIMI_LINEAR,
     "nemotron_h": NEMOTRON_H,
     "nemotron_g1": NEMOTRON_G1,
-    "kimi_linear": KIMI_LINEAR,
 }
 # the families whose 4-bit copy every launch checks too
-QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "kimi_linear", "nemotron_h")
+QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_linear")
+QUANTIZED += ("nemotron_h",)
 # the families with a float32 GGUF copy too (as llama.cpp's converter writes it)
 GGUF = {"kimi_linear": lambda src, out: gguf_kimi(src, out)}
 

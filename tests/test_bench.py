@@ -332,6 +332,8 @@ SECTIONS = {
     "gpt-oss": ("moe", "section"),
     "glm4-moe": ("moe", "section"),
     "qwen35-moe": ("moe", "section"),
+    "llama4": ("moe", "section"),
+    "step3p5": ("moe", "section"),
     "kimi-linear": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),

@@ -8,7 +8,9 @@ tensor ranks (4 ranks), each check once.
 one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
 `test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
 keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2), `test_kimi.py`
-(Kimi-Linear) and `test_nemotron_h.py` (Nemotron-H); the next family adds its fixture to
+(Kimi-Linear), `test_llama4.py` (Llama 4: chunks of 4, so the 10-token prompt and 8
+steps span five), `test_step3p5.py` (Step-3.5) and `test_nemotron_h.py` (Nemotron-H);
+the next family adds its fixture to
 `flagship_fixtures.CONFIGS` and these launches).
 """
 
@@ -32,6 +34,8 @@ GEMMA = ("gemma4_text", "gemma3_text")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 MINIMAX = ("minimax",)
 KIMI = ("kimi_linear",)
+LLAMA4 = ("llama4", "llama4_text")
+STEP = ("step3p5",)
 NEMOTRON = ("nemotron_h",)
 
 
@@ -62,18 +66,26 @@ def test_two_ranks_and_a_weighted_split(models):
     q/k norms' sums of squares all-reduced), its 4-bit copy, and `--split 3:1` (2/1 KV
     heads: the shared one counted once); Kimi-Linear with `--split 3:1` (4/1 KDA heads,
     8/2 latent heads; its 4-bit copy on 2 ranks is `serve`'s, by expert the mesh's);
-    Nemotron-H by expert (Mamba groups 3/2, their heads 6/4), its 4-bit copy by tensor,
-    and `--split 3:1` (Mamba groups 4/1)."""
+    Llama 4 by expert (3/2 KV heads, each rank's chunked caches), its 4-bit copy by
+    tensor, and `--split 3:1` (4/1 KV heads); Step-3.5 by expert (global 3/2 KV heads,
+    sliding 4/4 query heads over 1/1 KV heads), its 4-bit copy by tensor, and `--split
+    3:1` (sliding 6/2 query heads over 2/1 KV); Nemotron-H by expert (Mamba groups 3/2,
+    their heads 6/4), its 4-bit copy by tensor, and `--split 3:1` (Mamba groups 4/1)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
+    l4, l4q = str(models["llama4"]), str(models["llama4-q4"])
     specs = [g4, f"{q4}#tensor", g3, f"{g4}%3:1#tensor"]
     specs += [ds, f"{dq}#tensor", f"{glm}#expert", f"{ds}%3:1#tensor"]
     km = str(models["kimi_linear"])
-    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
     specs += [mm, f"{mq}#expert", f"{mm}%3:1#tensor", f"{km}%3:1#tensor"]
+    st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
+    specs += [f"{l4}#expert", f"{l4q}#tensor", f"{l4}%3:1#tensor"]
+    specs += [f"{st}#expert", f"{sq}#tensor", f"{st}%3:1#tensor"]
+    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
     lines = _check(2, [*specs, f"{nh}#expert", f"{nq}#tensor", f"{nh}%3:1#tensor"])
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *NEMOTRON} and len(lines) == 18
+    families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
+    assert _families(lines) == families and len(lines) == 24
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
@@ -81,6 +93,8 @@ def test_two_ranks_and_a_weighted_split(models):
     assert weighted["minimax"] == [1024, 512]
     # Kimi-Linear: the latent (64 + 16 values) whole, KDA states of 4/1 heads (5248 bytes each)
     assert weighted["kimi_linear"] == [320 + 4 * 5248, 320 + 5248]
+    assert weighted["llama4"] == [2048, 512]
+    assert weighted["step3p5"] == [2048, 768]
     # Nemotron-H: the attention's 4/1 KV heads (256 bytes a token each), the Mamba layer's
     # conv and scan states of 4/1 groups (2 heads of 32, 16 state values: 5248 bytes each)
     assert weighted["nemotron_h"] == [1024 + 4 * 5248, 256 + 5248]
@@ -95,18 +109,28 @@ def test_three_ranks(models):
     float32 by tensor and 4-bit by expert; Kimi-Linear's 5 KDA heads as 2/2/1 (each
     rank's conv and delta-rule states for its heads only), from its float32 GGUF
     (llama.cpp's layout, read in slices; the folder it was written from is one process's);
-    Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor), and its one-group copy's 5
-    Mamba heads as 2/2/1 (the group's B and C on every rank, its gated norm's sum of
-    squares all-reduced)."""
+    Llama 4's 5 KV heads as 2/2/1 (float32 by tensor, 4-bit's 5 experts as 2/2/1) and
+    llama4_text; Step-3.5's sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the
+    middle rank holds both); Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor), and
+    its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
+    gated norm's sum of squares all-reduced)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
+    l4, l4q, l4t = (str(models[k]) for k in ("llama4", "llama4-q4", "llama4_text"))
     specs = [f"{g4}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
     kg = str(models["kimi_linear-gguf"])
+    specs += [f"{mm}#tensor", f"{mq}#expert", f"{kg}#tensor"]
+    st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
+    specs += [f"{l4}#tensor", f"{l4q}#expert", l4t]
+    specs += [f"{st}#tensor", f"{sq}#expert"]
     nh, g1 = str(models["nemotron_h"]), str(models["nemotron_g1"])
-    specs += [f"{mm}#tensor", f"{mq}#expert", f"{kg}#tensor", f"{nh}#tensor", g1]
-    lines = _check(3, specs)
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *NEMOTRON} and len(lines) == 11
+    lines = _check(3, [*specs, f"{nh}#tensor", g1])
+    families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP, *NEMOTRON}
+    assert _families(lines) == families and len(lines) == 16
+    assert [x["cache_per_token"] for x in lines if x["model_type"] == "step3p5"] == [
+        [1024, 1536, 768]
+    ] * 2
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "minimax"] == [
         [512, 1024, 512]
     ] * 2
@@ -130,20 +154,26 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     indexer caches); MiniMax-M2's 4-bit copy on 4 ranks (KV heads 1/2/1/1) and as 2
     stages of 2 (each stage's tensor group reducing its q/k norms' sums); Kimi-Linear's
     4-bit copy on 4 ranks (KDA heads 2/1/1/1) and as 2 stages of 2 (the KDA layer's states
-    on the first stage, the latent on the second); Nemotron-H's 4-bit copy on 4 ranks
-    (Mamba groups 2/1/1/1) and as 2 stages of 2 (the Mamba layer's state on the first
-    stage's ranks, the attention's cache on the second's)."""
+    on the first stage, the latent on the second); Llama 4's 4-bit copy on 4 ranks (KV
+    heads 2/1/1/1) and as 2 stages of 2 (each stage's chunked caches and masks);
+    Step-3.5's 4-bit copy on 4 ranks and as 2 stages of 2; Nemotron-H's 4-bit copy on 4
+    ranks (Mamba groups 2/1/1/1) and as 2 stages of 2 (the Mamba layer's state on the
+    first stage's ranks, the attention's cache on the second's)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
+    l4, l4q = str(models["llama4"]), str(models["llama4-q4"])
     specs = [f"{q4}#tensor", f"{g4}@2,2#tensor", f"{g3}@2,2", f"{dq}#tensor", f"{glm}@2,2#tensor"]
     km, kq = str(models["kimi_linear"]), str(models["kimi_linear-q4"])
-    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
     specs += [f"{mq}#tensor", f"{mm}@2,2#expert", f"{kq}#tensor", f"{km}@2,2#expert"]
+    st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
+    specs += [f"{l4q}#tensor", f"{l4}@2,2#expert"]
+    specs += [f"{sq}#tensor", f"{st}@2,2#expert"]
+    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
     lines = _check(4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert"])
-    meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
-    assert [x["mesh"] for x in lines] == meshes
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *NEMOTRON}
+    meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
+    assert [x["mesh"] for x in lines] == meshes + [None, [2, 2]] * 3
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
     assert lines[-1]["cache_per_token"] == [15744, 10496, 768, 512]  # Mamba | attention
     # Kimi-Linear's stages: the KDA layer's state (3/2 heads) on the first, the latent on
     # the second; on 4 tensor ranks its 5 KDA heads as 2/1/1/1
@@ -151,17 +181,22 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     assert kimi == [[320 + 2 * 5248] + [320 + 5248] * 3, [3 * 5248, 2 * 5248, 320, 320]]
 
 
+SERVED = ["gemma4-q4", "deepseek_v32-q4", "minimax-q4", "kimi_linear-q4", "step3p5-q4"]
+SERVED += ["nemotron_h-q4"]
+
+
 @pytest.mark.ranks
-@pytest.mark.parametrize(
-    "name", ["gemma4-q4", "deepseek_v32-q4", "minimax-q4", "kimi_linear-q4", "nemotron_h-q4"]
-)
+@pytest.mark.parametrize("name", SERVED)
 def test_serve_concurrent_requests_on_two_ranks(models, tmp_path, name):
     """A family on 2 ranks answers concurrent requests exactly as it answers each alone
     (batches merge each layer's cache kind; Gemma 4's KV-shared layers have none;
     DeepSeek-V3.2's CacheList of the latent and the indexer's keys, each query of a
     left-padded batch over its own top-k keys; MiniMax-M2's q/k norms reduced over a
     batch's rows; Kimi-Linear's KDA states, a left-padded row's short convs fed no padding;
-    Nemotron-H's Mamba states merged, left padding kept out of its conv and scan)."""
+    Step-3.5's sliding layers' windows and their own heads in a batch; Nemotron-H's Mamba
+    states merged, left padding kept out of its conv and scan). Llama 4's (its
+    chunked caches do not merge: one sequence at a time) is `test_generic_drivers.py`'s
+    2-rank server."""
     from serve_client import Server, chat
 
     server = Server(2, models[name], tmp_path, "--max-batch", "8")

@@ -3,11 +3,10 @@ reuse where the caches rewind, prefill again where they cannot), serve (batching
 every cache merges, one sequence at a time otherwise, said in the log and /v1/status),
 perplexity, plan, doctor's path line, convert --shards by stage, bench beside mlx-lm.
 
-Tiny folders of three architectures llama_tp does not implement, each written by
-mlx-lm's own class (tests/generic_models.py): Gemma 3 (KV caches, a sliding window: they
-rewind and merge), Qwen3-Next (gated delta states: they merge but cannot rewind) and
-Llama 4 (a chunked cache: it cannot merge). The 2-rank drivers run in one launch
-(tests/mp_generic_drivers.py) and one 2-rank server.
+Tiny folders of four architectures, each written by mlx-lm's own class
+(tests/generic_models.py): Gemma 2 and Phi-3 and Nemotron-H on mlx-lm's classes, and
+Llama 4 (native since issue 43; its chunked cache cannot merge into a batch). The
+2-rank drivers run in one launch (tests/mp_generic_drivers.py) and one 2-rank server.
 """
 
 from __future__ import annotations
@@ -119,9 +118,10 @@ def test_plan_and_verbose_say_which_path_runs(folders):
 
 def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_path):
     """2 pipeline ranks of Phi-3 answer concurrent requests as they answer each alone;
-    Llama 4's chunked cache cannot merge: one sequence at a time, said in the log and
-    /v1/status, and its answers are still those alone. Gemma 2's attention cannot take a
-    batch's mask (it fails in mlx-lm's own batches): one sequence at a time too."""
+    Llama 4 (native) on 2 tensor ranks: its chunked cache cannot merge, one sequence at a
+    time, said in the log and /v1/status, and its answers are still those alone. Gemma
+    2's attention cannot take a batch's mask (it fails in mlx-lm's own batches): one
+    sequence at a time too."""
     from llama_tp.engine.batch import BatchEngine
     from llama_tp.loading.loader import load
     from llama_tp.server.runner import batching
@@ -132,7 +132,7 @@ def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_
     assert batching(model, None, engine) == why and engine.prompt_cache is None
     two = Server(2, folders["phi3"], tmp_path, "--pp", "2", "--max-batch", "4",
                  launcher="llama_tp")  # fmt: skip
-    alone = Server(1, folders["llama4"], tmp_path, "--max-batch", "4")
+    alone = Server(2, folders["llama4"], tmp_path, "--max-batch", "4")
     try:
         for s in (two, alone):
             s.wait_ready(300)
@@ -147,7 +147,7 @@ def test_serve_batches_where_caches_merge_and_runs_alone_where_not(folders, tmp_
             futures = {p: pool.submit(chat, alone.client(), p, max_tokens=8) for p in PROMPTS}
             assert {p: f.result()[:2] for p, f in futures.items()} == solo
         status = json.loads(http(f"{alone.base}/v1/status", headers=AUTH)[1])
-        why = "one sequence at a time: its ChunkedKVCache cannot merge into a batch"
+        why = "one sequence at a time: its ChunkedCache cannot merge into a batch"
         assert status["batching"] == why and status["max_batch"] == 1, status
         assert f"serve: {why}" in alone.stderr()
     finally:

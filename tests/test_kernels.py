@@ -204,6 +204,84 @@ def test_rope_and_attention_match_mlx(ext, dtype):
         assert mx.allclose(got, ref, atol=tol).item(), (queries, mask)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_fused_layer_operations_equal_the_operations_apart(ext, dtype):
+    """The decode step's fused operations (issue 41) against what they replace: the heads
+    split and q, k rotated in one operation = split then the native RoPE (an int, one
+    array, one position per row); SwiGLU of a fused gate/up output = MLX's
+    nn.silu(gate) * up (float32: to the bit, MLX's exp and sigmoid reproduced); attention
+    written as (B, L, H * D) = its (B, H, L, D) output transposed; a residual sum and the
+    next RMSNorm in one = the add, then the native RMSNorm."""
+    import mlx.nn as nn
+
+    from llama_tp.kernels.layers import RMSNorm, RoPE
+
+    rng = np.random.default_rng(1)
+    tol = {mx.float32: 0, mx.float16: 1e-3, mx.bfloat16: 8e-3}[dtype]
+    B, L, nq, nk, d = 3, 2, 5, 1, 32
+    y = mx.array(rng.normal(size=(B, L, (nq + 2 * nk) * d)).astype(np.float32)).astype(dtype)
+    q0, k0, v0 = ext.split_heads(y, nq, nk, nk, d)
+    for traditional in (True, False):
+        rope = RoPE(24, traditional=traditional, base=10000.0, scale=0.5)
+        kw = dict(rope_dims=24, traditional=traditional, base=10000.0, scale=0.5)
+        for offset in (7, mx.array([7], mx.int32), mx.array([0, 5, 11], mx.int32)):
+            pos = dict(offset=offset) if isinstance(offset, int) else dict(offsets=offset)
+            q, k, v = ext.split_heads(y, nq, nk, nk, d, **kw, **pos)
+            assert mx.array_equal(q, rope(q0, offset=offset)).item()
+            assert mx.array_equal(k, rope(k0, offset=offset)).item()
+            assert mx.array_equal(v, v0).item()
+
+    gu = mx.array(rng.normal(size=(B, L, 2 * 48)).astype(np.float32) * 4).astype(dtype)
+    ref = nn.silu(gu[..., :48]) * gu[..., 48:]
+    got = ext.swiglu(gu)
+    assert got.shape == (B, L, 48) and got.dtype == dtype
+    assert mx.allclose(got, ref, rtol=tol, atol=tol).item()
+    if dtype == mx.float32:
+        assert mx.array_equal(got, ref).item()
+
+    kv = mx.array(rng.normal(size=(B, nk, 9, d)).astype(np.float32)).astype(dtype)
+    ranges = mx.array([[0, 9], [2, 9], [4, 8]], mx.int32)
+    for causal in (False, True):
+        apart = ext.attention(q, kv, kv, scale=0.2, causal=causal, ranges=ranges)
+        merged = ext.attention(q, kv, kv, scale=0.2, causal=causal, ranges=ranges, merged=True)
+        assert mx.array_equal(merged, apart.transpose(0, 2, 1, 3).reshape(B, L, -1)).item()
+
+    norm = RMSNorm(64, eps=1e-5)
+    norm.weight = mx.array(rng.normal(size=(64,)).astype(np.float32)).astype(dtype)
+    x, r = (mx.array(rng.normal(size=(B, L, 64)).astype(np.float32)).astype(dtype) for _ in "xr")
+    h, n = ext.add_rms_norm(x, r, norm.weight, eps=1e-5)
+    assert mx.array_equal(h, x + r).item() and mx.array_equal(n, norm(x + r)).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_products_ending_in_their_next_operation_equal_the_two(ext, dtype):
+    """A quantized product that ends in SwiGLU, or in the heads' split with q and k
+    rotated (one primitive each in the decode step), gives to the bit what the product
+    followed by the separate operation gives: GGUF Q4_K and MLX 4-bit weights, a decode
+    row and a few positions, positions per row."""
+    rng = np.random.default_rng(2)
+    k, nq, nk, d = 256, 3, 1, 16
+    w = rng.normal(size=((nq + 2 * nk) * d, k)).astype(np.float32)
+    wq, sc, bi = mx.quantize(mx.array(w), group_size=64, bits=4)
+    affine = dict(w=wq, scales=sc.astype(dtype), biases=bi.astype(dtype), format=1004)
+    affine["group_size"] = 64
+    gguf = dict(
+        w=mx.array(random_blocks("Q4_K", w.shape[0], k // 256, rng)), format=GGUF_TYPES["Q4_K"][0]
+    )
+    rope = dict(rope_dims=d, traditional=False, base=10000.0, scale=1.0)
+    for weights in (affine, gguf):
+        args = dict(weights)
+        wt = args.pop("w")
+        for rows in (1, 3):
+            x = mx.array(rng.normal(size=(2, rows, k)).astype(np.float32)).astype(dtype)
+            y = ext.qmatmul(x, wt, **args)
+            assert mx.array_equal(ext.qmatmul_swiglu(x, wt, **args), ext.swiglu(y)).item()
+            pos = mx.array([4, 9], mx.int32)
+            got = ext.qmatmul_heads(x, wt, **args, a=nq, b=nk, c=nk, d=d, **rope, offsets=pos)
+            apart = ext.split_heads(y, nq, nk, nk, d, **rope, offsets=pos)
+            assert all(mx.array_equal(g, a).item() for g, a in zip(got, apart, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_float_products_on_streams_equal_mlxs_product(ext, dtype):
     """float16 / bfloat16 products cut by output rows over 3 CPU streams: bit-equal to

@@ -43,6 +43,18 @@ The `minimax-tiny` / `minimax` sizes are MiniMax-M2 models as mlx-lm's own `mini
 class holds them: q/k norms over all heads, partial RoPE, experts behind sigmoid scores
 with a correction bias; `minimax` is MiniMax-M2's layout scaled down (256 -> 64 experts,
 8 per token, 48/8 -> 16/4 heads of 128 -> 64 with half of each rotated, 62 -> 8 layers).
+The `llama4-tiny` / `llama4` sizes are Llama 4 models as mlx-lm's own `llama4` class
+holds them (the wrapper's text model): chunked local attention on three of every four
+layers (q/k norms after RoPE), a global NoPE layer, experts top-1 by sigmoid beside a
+shared expert; `llama4` is Llama 4 Scout's layout scaled down (16 experts in every
+layer, 40/8 -> 16/4 heads of 128 -> 64, 48 -> 8 layers, chunks of 8192 -> 32 positions:
+what a benchmark's prompt passes).
+The `step3p5-tiny` / `step3p5` sizes are Step-3.5 models as mlx-lm's own `step3p5`
+class holds them: a global layer then three sliding ones with heads of their own, each
+head's output gated, experts behind sigmoid scores plus a router bias beside a shared
+expert, clamped SwiGLUs in the last layers; `step3p5` is Step-3.5-Flash's layout scaled
+down (288 -> 64 experts, 8 per token, 64/96 -> 16/24 query heads over 8 -> 2 KV heads of
+128 -> 64, 45 -> 8 layers, window 512 -> 128).
 The `nemotron-tiny` / `nemotron` sizes are Nemotron-H models as mlx-lm's own
 `nemotron_h` class holds them: one mixer per layer (Mamba-2, experts, attention without
 RoPE, relu2 feed-forward); `nemotron` is Nemotron 3 Nano's layout scaled down (52 -> 8

@@ -1,6 +1,6 @@
 """The synthetic models' specs: each size's shape (`SIZES`), the dtypes, the Hugging Face
 `config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, DeepSeek-V3.2, gpt-oss,
-GLM-4.5, Gemma 4, MiniMax-M2, Kimi-Linear or Nemotron-H one)
+GLM-4.5, Gemma 4, MiniMax-M2, Kimi-Linear, Llama 4, Step-3.5 or Nemotron-H one)
 and every tensor it holds, named as Hugging Face names them (`synthetic.py` writes
 them; see its docstring for what each size is)."""
 
@@ -74,6 +74,26 @@ SIZES = {
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=2, hidden_dim=512, vocab=32000,
         experts=64, top_k=6, expert_dim=512, head_dim=64, nemotron="MEMEM*EM",
         mamba=(32, 64, 8, 64), shared=1024,
+    ),
+    # Llama 4: chunked RoPE layers and a global NoPE one in every 4 (llama4: chunk size,
+    # every how many layers the experts, top-1 beside a shared expert, are)
+    "llama4-tiny": dict(
+        dim=64, n_layers=4, n_heads=10, n_kv_heads=2, hidden_dim=128, vocab=512,
+        experts=5, top_k=1, expert_dim=64, head_dim=16, llama4=(8, 2),
+    ),
+    "llama4": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, hidden_dim=2048, vocab=32000,
+        experts=16, top_k=1, expert_dim=1024, head_dim=64, llama4=(32, 1),
+    ),
+    # Step-3.5: a global layer then three sliding ones (window) with their own heads
+    # (step3p5: sliding query heads, sliding KV heads), gated per head; the first layer dense
+    "step3p5-tiny": dict(
+        dim=64, n_layers=4, n_heads=8, n_kv_heads=2, hidden_dim=128, vocab=512,
+        experts=8, top_k=2, expert_dim=64, head_dim=16, window=8, step3p5=(12, 2),
+    ),
+    "step3p5": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=2, hidden_dim=3072, vocab=32000,
+        experts=64, top_k=8, expert_dim=320, head_dim=64, window=128, step3p5=(24, 2),
     ),
     # Kimi-Linear: KDA layers (kimi: heads, head dim) in 3 of 4, latent attention without
     # RoPE (latent: -, kv rank, nope, rope, v head dims) in the 4th, experts + a shared one
@@ -221,6 +241,81 @@ def _nemotron_config(s: dict) -> dict:
     }
 
 
+def _llama4_config(s: dict) -> dict:
+    """The wrapper's config (mlx-lm's llama4 reads `text_config`), Llama 4 Scout's RoPE."""
+    chunk, step = s["llama4"]
+    text = {
+        "model_type": "llama4_text",
+        "hidden_size": s["dim"],
+        "num_hidden_layers": s["n_layers"],
+        "num_attention_heads": s["n_heads"],
+        "num_key_value_heads": s["n_kv_heads"],
+        "head_dim": s["head_dim"],
+        "intermediate_size": s["expert_dim"],
+        "intermediate_size_mlp": s["hidden_dim"],
+        "vocab_size": s["vocab"],
+        "num_local_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "interleave_moe_layer_step": step,
+        "attention_chunk_size": chunk,
+        "attention_bias": False,
+        "use_qk_norm": True,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "max_position_embeddings": 4096,
+    }
+    return {
+        "model_type": "llama4",
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": text,
+    }
+
+
+def _step3p5_config(s: dict) -> dict:
+    """Step-3.5-Flash's layout (a global layer then three sliding ones, partial RoPE on
+    the global ones, YaRN only there, clamps on the last layers' SwiGLUs)."""
+    n, (swa_heads, swa_kv) = s["n_layers"], s["step3p5"]
+    types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    return {
+        "model_type": "step3p5",
+        "architectures": ["Step3p5ForCausalLM"],
+        "num_attention_groups": s["n_kv_heads"],
+        "head_dim": s["head_dim"],
+        "layer_types": types,
+        "attention_other_setting": {
+            "num_attention_heads": swa_heads,
+            "num_attention_groups": swa_kv,
+        },
+        "sliding_window": s["window"],
+        "rope_theta": [5000000.0 if t == "full_attention" else 10000.0 for t in types],
+        "partial_rotary_factors": [0.5 if t == "full_attention" else 1.0 for t in types],
+        "yarn_only_types": ["full_attention"],
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 131072,
+        },
+        "use_head_wise_attn_gate": True,
+        "moe_num_experts": s["experts"],
+        "moe_top_k": s["top_k"],
+        "moe_intermediate_size": s["expert_dim"],
+        "share_expert_dim": s["expert_dim"],
+        "moe_layers_enum": ",".join(str(i) for i in range(1, n)),
+        "moe_router_scaling_factor": 3.0,
+        "norm_expert_weight": True,
+        "swiglu_limits": [0.0] * (n - 2) + [7.0, 7.0],
+        "swiglu_limits_shared": [0.0] * (n - 2) + [16.0, 16.0],
+        "max_position_embeddings": 4096,
+    }
+
+
 def _kimi_config(s: dict) -> dict:
     _, kv_rank, nope, rope, v = s["latent"]
     heads, head_dim = s["kimi"]
@@ -346,6 +441,10 @@ def hf_config(s: dict, dtype_name: str) -> dict:
         moe = _minimax_config(s)
     elif "nemotron" in s:
         moe = _nemotron_config(s)
+    elif "llama4" in s:
+        moe = _llama4_config(s)
+    elif "step3p5" in s:
+        moe = _step3p5_config(s)
     elif "window" in s:
         moe = _gpt_oss_config(s)
     elif "latent" in s:
@@ -398,7 +497,7 @@ def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
     "zeros" a float32 routing bias), in the order the random ones are drawn."""
     # mlx-lm's own class lists their tensors
-    if any(k in s for k in ("gemma4", "dsv32", "minimax", "kimi", "nemotron")):
+    if any(k in s for k in ("gemma4", "dsv32", "minimax", "kimi", "llama4", "step3p5", "nemotron")):
         return _mlx_lm_tensors(hf_config(s, "fp32"))
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]

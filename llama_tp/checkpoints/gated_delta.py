@@ -53,7 +53,7 @@ _TEXT_PREFIXES = [
     (re.compile(r"^model\.language_model\."), "model."),  # Hugging Face releases
     (re.compile(r"^language_model\."), ""),  # language_model.lm_head
 ]
-_VISION = re.compile(r"^(?:vision_tower|model\.visual|visual|multi_modal_projector)\.")
+_VISION = re.compile(r"^(?:vision_tower|model\.visual|visual|multi_modal_projector|vision_model)\.")
 _MTP = re.compile(r"^(?:model\.)?mtp\.")
 
 

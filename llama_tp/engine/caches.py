@@ -9,8 +9,9 @@ caches; it asks here:
     cache = new(model)
     held(cache)                     # tokens the cache holds
     can_rewind(cache, n)            # can it step back n tokens? (a KV cache can; a
-    rewind(cache, n, why)           #   sliding window only until it wraps; a recurrent
-                                    #   state never: CacheError naming the layer kind)
+    rewind(cache, n, why)           #   sliding window only until it wraps, a chunked
+                                    #   layer within its chunk; a recurrent state
+                                    #   never: CacheError naming the layer kind)
     snap = checkpoint(cache)        # a recurrent state kept, to return to later
     restore(cache, snap)            #   (speculative decoding, a chat's next turn)
     why_not_merge(cache)            # None, or which layer's cache cannot join a batch
@@ -42,6 +43,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from ..model import ChunkedCache
+
 Cache = list[Any]  # one mlx-lm cache per layer
 
 
@@ -72,10 +75,17 @@ def held(cache: Sequence[Any]) -> int:
     return max(counts)
 
 
-def why_not_rewind(cache: Sequence[Any]) -> str | None:
-    """What keeps the cache from stepping back (the first such layer, named by its
-    kind), or None when every layer can."""
+def why_not_rewind(cache: Sequence[Any], n: int = 1) -> str | None:
+    """What keeps the cache from stepping back `n` tokens (the first such layer, named by
+    its kind), or None when every layer can."""
     for c in _layers(cache):
+        if isinstance(c, ChunkedCache):
+            if c.rewinds(n):
+                continue
+            return (
+                "a chunked-attention layer's cache cannot step back past the start of the "
+                "chunk it holds (Llama 4)"
+            )
         if c.is_trimmable():
             continue
         if isinstance(c, RotatingKVCache):
@@ -91,15 +101,17 @@ def why_not_rewind(cache: Sequence[Any]) -> str | None:
 
 
 def recurrent(cache: Sequence[Any]) -> bool:
-    """Whether some layer holds a recurrent state (it never steps back: checkpoints
-    serve instead)."""
-    return any(isinstance(c, ArraysCache) for c in _layers(cache))
+    """Whether some layer holds a state it cannot always step back over (a recurrent
+    state; a chunked-attention layer's chunk once it moved on): checkpoints serve
+    instead."""
+    return any(isinstance(c, ArraysCache | ChunkedCache) for c in _layers(cache))
 
 
 def can_rewind(cache: Sequence[Any], n: int = 1) -> bool:
-    """Whether every layer can step back `n` tokens (any n > 0 alike: a KV cache can; a
-    sliding window only until it wraps; a recurrent state never)."""
-    return n <= 0 or why_not_rewind(cache) is None
+    """Whether every layer can step back `n` tokens (a KV cache can; a sliding window only
+    until it wraps; a chunked-attention layer within the chunk it holds; a recurrent
+    state never)."""
+    return n <= 0 or why_not_rewind(cache, n) is None
 
 
 def rewind(cache: Sequence[Any], n: int, why: str = "") -> None:
@@ -107,7 +119,7 @@ def rewind(cache: Sequence[Any], n: int, why: str = "") -> None:
     prefixed with `why` (what asked: 'speculative decoding')."""
     if n <= 0:
         return
-    reason = why_not_rewind(cache)
+    reason = why_not_rewind(cache, n)
     if reason is not None:
         raise CacheError(f"{why}: {reason}" if why else reason)
     for c in cache:

@@ -64,6 +64,8 @@ class StepCache:
         self.offset, self.key_range = offsets, ranges
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        # two MLX updates, not one native one: a primitive of two outputs cannot take
+        # over its inputs' buffers (each output holds the inputs), so it would copy them
         self.keys = mx.slice_update(self.keys, k, self.pos, axes=(2,))
         self.values = mx.slice_update(self.values, v, self.pos, axes=(2,))
         return self.keys, self.values

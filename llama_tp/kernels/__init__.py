@@ -32,7 +32,8 @@ __all__ = [
     "status",
 ]
 
-_AFFINE = {4: 1004, 8: 1008}  # MLX affine bits -> the kernels' format id
+AFFINE_FORMATS = {4: 1004, 8: 1008}  # MLX affine bits -> the kernels' format id
+_AFFINE = AFFINE_FORMATS
 
 
 def on_cpu() -> bool:
@@ -84,15 +85,21 @@ def scaled_dot_product_attention(
     scale: float,
     mask,
     sinks: mx.array | None = None,
+    merged: bool = False,
 ) -> mx.array:
     """mlx-lm's `scaled_dot_product_attention`, through the native kernel (one primitive
     instead of MLX's composed one) for a few query positions on the CPU with no mask or a
-    causal one: queries (B, Hq, L, D), keys and values (B, Hkv, S, D).
+    causal one: queries (B, Hq, L, D), keys and values (B, Hkv, S, D) -> (B, Hq, L, D), or
+    with `merged` (B, L, Hq * D), the heads side by side as the output projection takes
+    them (the native kernel writes them so: no transpose and reshape).
 
     A cache with `key_range` ((B, 2) int32: the compiled step's caches, engine/step.py)
     hands over its whole buffer: row b attends to keys [start, stop) of it only."""
+    from .layers import fusing
+
     e = ext()
     ranges = getattr(cache, "key_range", None)
+    fuse = merged and fusing()  # written merged by the kernel
     if ranges is not None:
         if (
             e is not None
@@ -101,9 +108,13 @@ def scaled_dot_product_attention(
             and _on_cpu()
         ):
             causal = mask is not None
-            return e.attention(queries, keys, values, scale=scale, causal=causal, ranges=ranges)
+            out = e.attention(
+                queries, keys, values, scale=scale, causal=causal, ranges=ranges, merged=fuse
+            )
+            return merge_heads(out) if merged and not fuse else out
         mask = _range_mask(ranges, queries.shape[2], keys.shape[2], mask is not None)
-        return mlx_lm_attention(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
+        out = mlx_lm_attention(queries, keys, values, None, scale=scale, mask=mask, sinks=sinks)
+        return merge_heads(out) if merged else out
     if (
         e is not None
         and (mask is None or (isinstance(mask, str) and mask == "causal"))
@@ -114,8 +125,17 @@ def scaled_dot_product_attention(
         and queries.shape[2] <= ATTENTION_MAX_QUERIES
         and _on_cpu()
     ):
-        return e.attention(queries, keys, values, scale=scale, causal=mask is not None)
-    return mlx_lm_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        causal = mask is not None
+        out = e.attention(queries, keys, values, scale=scale, causal=causal, merged=fuse)
+        return merge_heads(out) if merged and not fuse else out
+    out = mlx_lm_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    return merge_heads(out) if merged else out
+
+
+def merge_heads(x: mx.array) -> mx.array:
+    """(B, H, L, D) -> (B, L, H * D)."""
+    B, _, L, _ = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 def _range_mask(ranges: mx.array, L: int, S: int, causal: bool) -> mx.array:

@@ -14,6 +14,8 @@ shards them).
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
@@ -180,6 +182,34 @@ class RMSNorm(nn.RMSNorm):
         if e is not None and _on_cpu():
             return e.rms_norm(x, self["weight"], eps=self.eps)
         return super().__call__(x)
+
+
+FUSED_ENV = "LLAMA_TP_FUSED"  # "0": every fused operation apart (to measure what they bring)
+
+
+def fusing() -> bool:
+    """Whether operations are fused (products, norms, heads); $LLAMA_TP_FUSED=0 keeps
+    them apart: the decode step as it was before issue 41's fusions."""
+    return os.environ.get(FUSED_ENV, "1") != "0"
+
+
+def add_norm(x: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.array]:
+    """(x + r, norm(x + r)) for x, r (..., dim): one native operation when `norm` is a
+    plain RMSNorm on the CPU (the sum in x's type, as MLX's add; the norm as the native
+    RMSNorm's), else an add and the norm."""
+    e = ext()
+    if (
+        e is not None
+        and fusing()
+        and type(norm) in (nn.RMSNorm, RMSNorm)
+        and r.dtype == x.dtype
+        and r.shape == x.shape
+        and _on_cpu()
+    ):
+        h, n = e.add_rms_norm(x, r, norm["weight"], eps=norm.eps)
+        return h, n
+    h = x + r
+    return h, norm(h)
 
 
 _NATIVE = {

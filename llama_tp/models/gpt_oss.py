@@ -55,9 +55,11 @@ class SinkAttention(Attention):
         self.sinks = mx.zeros((args.n_heads,))
         object.__setattr__(self, "window", window)
 
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any) -> mx.array:
+    def _attend(
+        self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any, merged: bool = False
+    ) -> mx.array:
         return scaled_dot_product_attention(
-            q, k, v, cache=cache, scale=self.scale, mask=mask, sinks=self.sinks
+            q, k, v, cache=cache, scale=self.scale, mask=mask, sinks=self.sinks, merged=merged
         )
 
 

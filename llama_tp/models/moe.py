@@ -17,6 +17,10 @@ when there are many (prefill, batches), as mlx-lm does. Three routers:
     MiniMax:     the same selection without groups, from a linear `router` (quantized
                  as mlx-lm quantizes it) of float32 inputs and the block's own
                  `e_score_correction_bias`, as mlx-lm's `MiniMaxSparseMoeBlock`
+                 (Step-3.5: its `router_bias`, times `routed_scaling_factor`)
+    Llama 4:     top-1 of the router's logits, its sigmoid score scaling the expert's
+                 input (not its output), beside an ungated shared expert (mlx-lm's
+                 llama4 `MoE`)
     Kimi-Linear: DeepSeek-V3's selection (groups, renormalised, scaled) behind a
                  linear `router` and the block's own bias (mlx-lm's `KimiSparseMoE`)
 
@@ -33,6 +37,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import SwigluOAI
 from mlx_lm.models.deepseek_v3 import MoEGate, group_expert_select
 from mlx_lm.models.kimi_linear import _group_expert_select as kimi_select
+from mlx_lm.models.step3p5 import ClampedSwiGLU
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..model import FeedForward
@@ -106,11 +111,17 @@ class MoEFeedForward(nn.Module):
     def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
         return None
 
-    def __init__(self, args: ModelArgs):
+    def __init__(
+        self, args: ModelArgs, clamp: float = 0.0, shared: nn.Module | None = None
+    ) -> None:
+        """`clamp` > 0: the experts' SwiGLU clamped at it (Step-3.5's); `shared`: the
+        shared expert (default a FeedForward of `shared_expert_dim`)."""
         super().__init__()
         object.__setattr__(self, "args", args)
         self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
         self.softmax_first = args.router == "softmax_topk"
+        # Llama 4: the router's sigmoid score scales the expert's input
+        self.scaled_input = args.router == "sigmoid_input"
         self.norm_topk_prob = args.norm_topk_prob
         if args.router == "sigmoid_group":
             self.router = MoEGate(deepseek_v3_args(args))
@@ -120,11 +131,13 @@ class MoEFeedForward(nn.Module):
             self.e_score_correction_bias = mx.zeros((args.n_experts,))
         # gpt-oss: the clamped SwiGLU (mlx-lm's), biases on every expert's projections
         act = SwigluOAI(limit=args.swiglu_limit) if args.activation == "swiglu_oai" else SwiGLU()
+        if clamp > 0:
+            act = ClampedSwiGLU(clamp)
         self.switch_mlp = SwitchGLU(
             args.dim, args.moe_hidden_dim, args.n_experts, activation=act, bias=args.expert_bias
         )
         if args.shared_expert_dim:
-            self.shared_expert = FeedForward(args, args.shared_expert_dim)
+            self.shared_expert = shared or FeedForward(args, args.shared_expert_dim)
             if args.shared_expert_gated:
                 self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
         # Tokens routed to each expert (E,), counted while `record_expert_load` is on.
@@ -143,10 +156,16 @@ class MoEFeedForward(nn.Module):
             gates = self.router(x.astype(mx.float32))
             bias, k = self.e_score_correction_bias, self.top_k
             inds, scores = group_expert_select(gates, bias, k, 1, 1, 1.0, False)
-            scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)  # as mlx-lm's
+            if self.norm_topk_prob:
+                scores = scores / (mx.sum(scores, axis=-1, keepdims=True) + 1e-20)  # as mlx-lm's
+            scores = scores * self.args.routed_scaling_factor  # (Step-3.5's; MiniMax: 1)
             return inds, scores.astype(x.dtype)
         gates = self.router(x)
         k = self.top_k
+        if self.scaled_input:  # Llama 4: top-1, its sigmoid score (in float32)
+            inds = mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k]
+            scores = mx.take_along_axis(gates, inds, axis=-1)
+            return mx.stop_gradient(inds), mx.sigmoid(scores.astype(mx.float32)).astype(x.dtype)
         if self.softmax_first:
             gates = mx.softmax(gates, axis=-1, precise=True)
             inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
@@ -163,8 +182,11 @@ class MoEFeedForward(nn.Module):
         if self.expert_load is not None:
             counts = mx.zeros((self.n_experts,), mx.int32).at[inds.flatten()].add(1)
             object.__setattr__(self, "expert_load", self.expert_load + counts)
-        y = self.switch_mlp(x, inds)  # (B, L, k, dim)
-        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        if self.scaled_input:  # (top-1: scores (B, L, 1) scale x (B, L, dim))
+            y = self.switch_mlp(x * scores, inds).sum(axis=-2)
+        else:
+            y = self.switch_mlp(x, inds)  # (B, L, k, dim)
+            y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
         if "shared_expert_gate" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif "shared_expert" in self:

@@ -21,10 +21,19 @@ feed-forward in some layers, chosen by the args, not by name:
     V3.2, GLM-5 glm_moe_dsa                                 over the
                                                             indexer's
                                                             top-k keys
+    Step-3.5    step3p5            (HF/MLX only)            sliding and   experts (sigmoid +
+                                                            global, own   bias, scaled) +
+                                                            heads, gated  shared expert;
+                                                            per head      clamped SwiGLU
     MiniMax-M2  minimax            (HF/MLX only)            q/k norms     experts (sigmoid +
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
+    Llama 4     llama4,            (HF/MLX only)            chunked on    experts (top-1,
+                llama4_text                                 RoPE layers,  sigmoid, input
+                                                            global NoPE   scaled) + shared
+                                                            layers        expert; dense
+                                                                          (llama4_text)
     Nemotron-H  nemotron_h         (HF/MLX only)            one mixer per layer: Mamba-2,
                                                             attention (no RoPE), relu2
                                                             feed-forward or experts
@@ -68,11 +77,23 @@ import mlx.nn as nn
 from ..model import Attention, FeedForward, MixerBlock, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
-from . import gemma, nemotron_h
+from . import gemma, headwise_gate, nemotron_h
+from .chunked_attention import (
+    ChunkedAttention,
+    Llama4Layer,
+    llama4_fields,
+    llama4_text_fields,
+)
 from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
 from .gpt_oss import SinkAttention, gpt_oss_fields
+from .headwise_gate import (
+    GatedHeadsAttention,
+    SlidingGatedHeadsAttention,
+    StepLayer,
+    step3p5_fields,
+)
 from .kimi_delta import (
     KimiDeltaAttention,
     NopeLatentAttention,
@@ -141,6 +162,9 @@ FAMILIES = {
     "gpt_oss": Family(None, gpt_oss_fields),
     "minimax": Family("MiniMaxM2ForCausalLM", minimax_fields, config_keys=minimax_config),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
+    "llama4": Family(None, llama4_fields, prefix="language_model.", kinds=(Llama4Layer,)),
+    "llama4_text": Family(None, llama4_text_fields, kinds=(Llama4Layer,)),
+    "step3p5": Family(None, step3p5_fields, qk_norm=True, kinds=(StepLayer,)),
     "nemotron_h": Family(
         "NemotronHForCausalLM",
         nemotron_h_fields,
@@ -250,10 +274,14 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
             "attention": GatedDeltaNet if linear else GatedAttention,
             "feed_forward": feed_forward,
         }
-    if "kda_layers" in args.extra:  # Kimi-Linear: KDA, latent attention without RoPE
-        attention: type[nn.Module] = (
-            KimiDeltaAttention if i in args.kda_layers else NopeLatentAttention
-        )
+    if "swa_heads" in args.extra:  # Step-3.5: sliding and global layers, gated heads
+        sliding = args.window(i) is not None
+        attention = SlidingGatedHeadsAttention if sliding else GatedHeadsAttention
+        return {"attention": attention, "feed_forward": feed_forward}
+    if "rope_layers" in args.extra:  # Llama 4: chunked RoPE layers, global NoPE ones
+        attention: type[nn.Module] = ChunkedAttention
+    elif "kda_layers" in args.extra:  # Kimi-Linear: KDA, latent attention without RoPE
+        attention = KimiDeltaAttention if i in args.kda_layers else NopeLatentAttention
     elif "index_topk" in args.extra:  # DeepSeek-V3.2, GLM-5: the indexer's picks
         attention = SparseAttention
     elif args.kv_lora_rank:
@@ -272,8 +300,19 @@ def block(args: ModelArgs, i: int) -> TransformerBlock | MixerBlock:
     kinds = layer_kinds(args, i)
     if "mixer" in kinds:  # one mixer (Nemotron-H)
         return MixerBlock(args, kinds["mixer"](args), layer=i)
+    if "swa_heads" in args.extra:  # Step-3.5: each layer's SwiGLU clamps
+        clamp, shared = headwise_gate.limits(args, i)
+        ff = headwise_gate.feed_forward(args, i, shared)
+        if args.is_sparse(i):
+            ff = MoEFeedForward(args, clamp, ff)
+        return TransformerBlock(args, kinds["attention"](args, i), ff, layer=i)
     attention = kinds["attention"]
-    mixer = attention(args, args.window(i)) if attention is SinkAttention else attention(args)
+    if attention is SinkAttention:
+        mixer = attention(args, args.window(i))
+    elif attention is ChunkedAttention:
+        mixer = attention(args, i)
+    else:
+        mixer = attention(args)
     return TransformerBlock(args, mixer, kinds["feed_forward"](args), layer=i)
 
 

@@ -27,8 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 
+from ..kernels import AFFINE_FORMATS, GGUF_TYPES, gguf_matmul, on_cpu, quantized_matmul
 from ..kernels import ext as native_ext
-from ..kernels import gguf_matmul, on_cpu, quantized_matmul
 from ..kernels import layers as native_layers
 from ..kernels.float_products import float_matmul
 from . import layers as range_layers
@@ -65,6 +65,21 @@ class Fused:
             a += n
         out.append(y[..., a:])
         return out
+
+    def native_args(self) -> dict | None:
+        """The native product's arguments (the weights, format, group size, lead) when
+        this product is one of its formats without a bias, else None: then a product
+        can end in its next operation (SwiGLU, the heads' split) as one primitive."""
+        p, kind = self.params, self.kind
+        if "bias" in p or native_ext() is None or not on_cpu():
+            return None
+        if kind[0] == "gguf":
+            return dict(w=p["weight"], format=GGUF_TYPES[kind[1]][0], lead=kind[2])
+        affine = kind[0] == "affine" and kind[3] == "affine" and "biases" in p
+        if affine and kind[1] in AFFINE_FORMATS and kind[2] in (32, 64, 128):
+            kw = dict(w=p["weight"], scales=p["scales"], biases=p["biases"])
+            return kw | dict(format=AFFINE_FORMATS[kind[1]], group_size=kind[2])
+        return None
 
     def product(self, x: mx.array) -> mx.array:
         """The one product: x (..., in) -> (..., sum of rows), the modules' outputs side
@@ -121,7 +136,8 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> Fused | None:
     return fused
 
 
-ENV = "LLAMA_TP_FUSED"  # "0": keep the products apart (to measure what fusing brings)
+fusing = native_layers.fusing
+ENV = native_layers.FUSED_ENV  # "0": keep the products apart (to measure what fusing brings)
 
 
 def fuse_products(model: nn.Module) -> int:
@@ -181,14 +197,55 @@ def fused_heads(
     return t[:, :nq], t[:, nq : nq + nk], t[:, nq + nk :]
 
 
+_PLAIN_ROPE = (nn.RoPE, native_layers.RoPE)
+_INTS = (mx.int32, mx.int64, mx.uint32)
+
+
+def fused_heads_rotated(
+    module: nn.Module, x: mx.array, head_dim: int, rope: nn.Module, offset: Any
+) -> tuple[mx.array, mx.array, mx.array] | None:
+    """`fused_heads` with q and k rotated by `rope` from position `offset` (an int or an
+    int32 array: one, or one per row), in the one native operation that splits the heads
+    (the native RoPE's code: the same values as rotating after the split), or None when
+    not fused, not native, or `rope` is not plain RoPE (scaled variants)."""
+    e = native_ext()
+    if e is None or not on_cpu() or type(rope) not in _PLAIN_ROPE:
+        return None
+    if not isinstance(offset, int) and not (isinstance(offset, mx.array) and offset.dtype in _INTS):
+        return None
+    f = _live(module, QKV)
+    if f is None:
+        return None
+    nq, nk, nv = (r // head_dim for r in f.rows)
+    kw = dict(rope_dims=rope.dims, traditional=rope.traditional, base=float(rope.base))
+    kw["scale"] = float(rope.scale)
+    if isinstance(offset, int):
+        kw["offset"] = offset
+    else:
+        kw["offsets"] = offset
+    args = f.native_args()
+    if args is not None and fusing():  # the product, split and rotated: one operation
+        w = args.pop("w")
+        q, k, v = e.qmatmul_heads(x, w, a=nq, b=nk, c=nv, d=head_dim, **args, **kw)
+        return q, k, v
+    q, k, v = e.split_heads(f.product(x), nq, nk, nv, head_dim, **kw)
+    return q, k, v
+
+
 def fused_glu(module: nn.Module, x: mx.array) -> mx.array | None:
-    """A feed-forward's silu(w1 x) * (w3 x) from its fused gate/up product (MLX's silu,
-    as the unfused path computes it), or None when not fused."""
+    """A feed-forward's silu(w1 x) * (w3 x) from its fused gate/up product (one native
+    operation on the CPU; else MLX's silu, as the unfused path computes it), or None when
+    not fused."""
     f = _live(module, GATE_UP)
     if f is None:
         return None
+    e, n = native_ext(), f.rows[0]
+    args = f.native_args() if f.rows[1] == n and fusing() else None
+    if args is not None:  # the product and SwiGLU: one operation
+        return e.qmatmul_swiglu(x, args.pop("w"), **args)
     y = f.product(x)
-    n = f.rows[0]
+    if e is not None and on_cpu() and f.rows[1] == n and fusing():
+        return e.swiglu(y)
     return nn.silu(y[..., :n]) * y[..., n:]
 
 

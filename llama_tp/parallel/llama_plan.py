@@ -80,7 +80,8 @@ class AttentionHeads(Style):
     and a module with `take_heads` (full-width q/k norms) is given its heads' ranges and
     which of its KV heads no lower rank holds (it counts those in its norms' sums).
     A module whose KV heads are a unit of its own (`kv_unit`, Gemma 4's global KV heads)
-    takes that unit's range, and its KV map from its query heads."""
+    takes that unit's range, and its KV map from its query heads; one whose query heads
+    are too (`q_unit`, Step-3.5's sliding layers) takes that unit's range of them."""
 
     parts: Parts | None = None
     input_layout: Layout = "replicate"
@@ -114,12 +115,14 @@ class AttentionHeads(Style):
         else:
             part = _by_rank(self.parts)[group.rank()]
             unit = getattr(module, "kv_unit", "kv_heads")
+            q_unit = getattr(module, "q_unit", "q_heads")
+            q = part.q_heads if q_unit == "q_heads" else part.unit(q_unit)
             kv, local = part.kv_heads, part.kv_map
-            if unit != "kv_heads":
+            if unit != "kv_heads" or q_unit != "q_heads":
                 kv = part.unit(unit)
-                local = kv_map(part.q_heads, kv, module.n_heads // module.n_kv_heads)
-            module.n_heads, module.n_kv_heads = len(part.q_heads), len(kv)
-            first = part.q_heads.start
+                local = kv_map(q, kv, module.n_heads // module.n_kv_heads)
+            module.n_heads, module.n_kv_heads = len(q), len(kv)
+            first = q.start
             if local is not None:
                 object.__setattr__(module, "_kv_index", mx.array(local, dtype=mx.int32))
             below = [p.unit(unit).stop for p in _by_rank(self.parts).values() if p.rank < part.rank]

@@ -248,20 +248,38 @@ def partition(
 
 
 def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
-    """A quantized wo splits by columns at query-head boundaries: those must be group bounds."""
-    # the layers whose attention splits by query heads (not a KDA layer's wo: Kimi-Linear)
-    heads = {i for i in range(shape.args.n_layers) if _by_heads(shape.spec(i))}
-    group_size = shape.group_size(("attention.wo", "mixer.wo"), plan.n_heads * plan.head_dim, heads)
-    if group_size is None:
-        return
-    for p in plan.parts:
-        start = p.q_heads.start * plan.head_dim
-        if start % group_size:
-            raise ValueError(
-                f"cannot split {plan.n_heads} query heads of {plan.head_dim} quantized columns "
-                f"over {plan.n} ranks: rank {p.rank} would start at column {start}, not a "
-                f"multiple of the group size {group_size}"
-            )
+    """A quantized wo splits by columns at query-head boundaries: those must be group bounds
+    (each layer's at the bounds of the unit its wo splits by: the core query heads, or a
+    kind's own, Step-3.5's sliding layers' `swa_heads`; not a KDA layer's wo, Kimi-Linear,
+    which does not split by heads)."""
+    totals = {u.name: u.total for u in shape.units()} | {"q_heads": plan.n_heads}
+    groups: dict[tuple[str, int], set[int]] = {}  # (unit, values per unit) -> group sizes
+    for name, (dims, _) in shape.tensors.items():
+        m = _LAYER.match(name)
+        if m is None or not name.endswith((".attention.wo.scales", ".mixer.wo.scales")):
+            continue
+        spec = shape.spec(int(m.group(1)))
+        if not _by_heads(spec):
+            continue
+        table = spec.tables.get("attention", spec.tables.get("mixer"))  # (a one-mixer layer's)
+        e = table.tensors.get("wo") if table is not None else None
+        unit, width = (e.unit, e.width) if e is not None and e.unit else ("q_heads", plan.head_dim)
+        groups.setdefault((unit, width), set()).add(totals[unit] * width // dims[-1])
+    for (unit, width), sizes in groups.items():
+        group_size = math.lcm(*sizes)
+        what = (
+            "query heads"
+            if unit == "q_heads"
+            else next(u.what for u in shape.units() if u.name == unit)
+        )
+        for p in plan.parts:
+            start = (p.q_heads if unit == "q_heads" else p.unit(unit)).start * width
+            if start % group_size:
+                raise ValueError(
+                    f"cannot split {totals[unit]} {what} of {width} quantized columns over "
+                    f"{plan.n} ranks: rank {p.rank} would start at column {start}, not a "
+                    f"multiple of the group size {group_size}"
+                )
 
 
 def _by_heads(spec: LayerSpec) -> bool:

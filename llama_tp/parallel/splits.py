@@ -117,15 +117,17 @@ class CacheSpec:
     """What one layer's cache holds (its kind's declaration).
 
     `kind`: "kv" (mlx-lm's KVCache: grows with the tokens), "rotating" (a
-    RotatingKVCache of `window` tokens at most), "arrays" (an ArraysCache of `size`
-    fixed-size arrays: a recurrent state), "list" (a CacheList of several), "shared"
-    (none of its own: the layer attends over layer `source`'s keys and values, Gemma's
-    KV-shared layers; the model makes no cache for it and a pipeline stage keeps it with
-    its source). `per_token`:
+    RotatingKVCache of `window` tokens at most), "chunked" (chunked attention, Llama 4:
+    the current chunk of `window` positions, `model.ChunkedCache`), "arrays" (an
+    ArraysCache of `size` fixed-size arrays: a recurrent state), "list" (a CacheList of
+    several), "shared" (none of its own: the layer attends over layer `source`'s keys
+    and values, Gemma's KV-shared layers; the model makes no cache for it and a pipeline
+    stage keeps it with its source). `per_token`:
     (unit, values per unit) per cached token (unit "": whole on every rank, e.g. a
     latent); `fixed`: the same per sequence, whatever its length (a recurrent state).
     `mask`: the mask the layer takes: "causal", "window" (the last `window`
-    positions) or "ssm" (mlx-lm's create_ssm_mask: padding only). `fixed32`: fixed
+    positions), "chunked" (each query over its own chunk of `window` positions) or
+    "ssm" (mlx-lm's create_ssm_mask: padding only). `fixed32`: fixed
     values held in float32 whatever the model's dtype (mlx-lm's gated delta keeps its
     recurrent state so); `per_token` and `fixed` are in the activations' dtype.
     """
@@ -146,7 +148,7 @@ class CacheSpec:
         rotating one only until it wraps; a recurrent state cannot)."""
         if self.kind == "list":
             return all(p.rewinds() for p in self.parts)
-        return self.kind in ("kv", "rotating", "shared")
+        return self.kind in ("kv", "rotating", "chunked", "shared")
 
 
 @dataclass(frozen=True)
@@ -313,10 +315,13 @@ def held_bytes(shape: tuple[int, ...], nbytes: int, s: Slice | Segmented | None)
 
 def cache_values(spec: CacheSpec, units: Units, tokens: int) -> int:
     """Values a layer's cache holds on a rank after `tokens` tokens: per token, its units'
-    (at most `window` tokens for a rotating cache), plus the fixed state."""
+    (at most `window` tokens for a rotating cache, the last token's chunk for a chunked
+    one), plus the fixed state."""
     if spec.kind == "list":
         return sum(cache_values(p, units, tokens) for p in spec.parts)
     held = tokens if spec.window is None else min(tokens, spec.window)
+    if spec.kind == "chunked" and tokens:  # after decoding steps: the last token's chunk
+        held = tokens - (tokens - 1) // spec.window * spec.window
 
     def count(unit: str) -> int:
         if not unit:

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace lt {
@@ -80,9 +81,11 @@ void rope(const View4& x, int dims, bool traditional, float base, float scale, i
 // `ranges` (B x 2 int32, or null for every key): row b attends to keys [start, stop) of
 // its S, the causal mask aligned to `stop` (query l sees keys up to stop - L + l). A
 // range over a longer buffer computes what the keys [start, stop) alone would give.
+// `merged`: out is (B, L, Hq * D) row-major instead (the heads side by side, as the
+// output projection takes them: no transpose and reshape after it).
 template <typename T>
 void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, T* out,
-               const int32_t* ranges = nullptr) {
+               const int32_t* ranges = nullptr, bool merged = false) {
   const int64_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], D = q.shape[3];
   const int64_t Hkv = k.shape[1], S = k.shape[2], rep = Hq / Hkv;
   std::vector<float> qv(D), p(S), acc(D);
@@ -94,7 +97,7 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
       for (int64_t l = 0; l < L; l++) {
         const int64_t g = h / rep;
         const int64_t end = causal ? stop - L + l + 1 : stop;  // the mask's lower-right alignment
-        T* o = out + ((b * Hq + h) * L + l) * D;
+        T* o = out + (merged ? (b * L + l) * Hq + h : (b * Hq + h) * L + l) * D;
         if (end <= start) {  // no key (a padding row): zeros, as a fully masked row
           for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(0.f);
           continue;
@@ -117,6 +120,54 @@ void attention(const View4& q, const View4& k, const View4& v, float scale, bool
           for (int64_t d = 0; d < D; d++) acc[d] += p[s] * detail::at<T>(v, b, g, s, d);
         for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(acc[d] / sum);
       }
+  }
+}
+
+// MLX's CPU exp (mlx/backend/cpu/simd/math.h: 2^(x log2 e), its integer part by bit
+// shifting, its fraction by Cephes' polynomial), operation for operation: with it the
+// sigmoid below is MLX's to the bit.
+inline float mlx_exp(float x0) {
+  if (std::isnan(x0)) return x0;
+  if (x0 > 88.0f) return INFINITY;
+  if (x0 < -88.0f) return 0.f;
+  float x = x0 * 1.442695f;
+  float ipart = std::floor(x + 0.5f), fpart = x - ipart;
+  x = 1.535336188319500e-4f;
+  x = std::fma(x, fpart, 1.339887440266574e-3f);
+  x = std::fma(x, fpart, 9.618437357674640e-3f);
+  x = std::fma(x, fpart, 5.550332471162809e-2f);
+  x = std::fma(x, fpart, 2.402264791363012e-1f);
+  x = std::fma(x, fpart, 6.931472028550421e-1f);
+  x = std::fma(x, fpart, 1.000000000000000f);
+  int32_t e = ((int32_t)ipart + 127) << 23;
+  float two;
+  std::memcpy(&two, &e, sizeof two);
+  return two * x;
+}
+
+// MLX's sigmoid (unary_ops.h): 1 / (1 + exp(|x|)), mirrored for x >= 0; each step rounded
+// to T as MLX rounds it.
+template <typename T>
+inline T mlx_sigmoid(T x) {
+  float ax = std::fabs(static_cast<float>(x));
+  T e = static_cast<T>(mlx_exp(ax));
+  T y = static_cast<T>(1.0f / (1.0f + static_cast<float>(e)));
+  return static_cast<float>(x) < 0.f ? y : static_cast<T>(1.0f - static_cast<float>(y));
+}
+
+// silu(a) * b of y's rows [a | b] (rows of 2n values) -> rows of n: SwiGLU on a fused
+// gate/up product's output (MLX: two slices and a fused sigmoid-multiply-multiply), as
+// MLX computes nn.silu(a) * b: (a * sigmoid(a)) * b, rounded to T at each step.
+template <typename T>
+void swiglu(const T* y, int64_t rows, int64_t n, T* out) {
+  for (int64_t r = 0; r < rows; r++) {
+    const T* a = y + r * 2 * n;
+    const T* b = a + n;
+    T* o = out + r * n;
+    for (int64_t i = 0; i < n; i++) {
+      T silu = static_cast<T>(static_cast<float>(a[i]) * static_cast<float>(mlx_sigmoid(a[i])));
+      o[i] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(b[i]));
+    }
   }
 }
 

@@ -37,19 +37,34 @@ NB_MODULE(_ext, m) {
   m.def("qmatmul", &lt::qmatmul, "x"_a, "w"_a, "scales"_a = nb::none(), "biases"_a = nb::none(),
         nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0, "stream"_a = nb::none(),
         "x (..., n) @ W^T for quantized W: GGUF blocks or MLX affine 4/8-bit.");
+  m.def("qmatmul_swiglu", &lt::qmatmul_swiglu, "x"_a, "w"_a, "scales"_a = nb::none(),
+        "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
+        "stream"_a = nb::none(), "qmatmul, then silu(gate) * up of its halves, one primitive.");
+  m.def("qmatmul_heads", &lt::qmatmul_heads, "x"_a, "w"_a, "scales"_a = nb::none(),
+        "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
+        "a"_a, "b"_a, "c"_a, "d"_a, "rope_dims"_a = 0, "traditional"_a = false, "base"_a = 0.f,
+        "scale"_a = 1.f, "offset"_a = 0, "offsets"_a = nb::none(), "stream"_a = nb::none(),
+        "qmatmul of (B, L, n), split into q/k/v heads (q, k rotated), one primitive.");
   m.def("dequantize", &lt::dequantize, "w"_a, nb::kw_only(), "format"_a, "lead"_a, "n"_a,
         "dtype"_a, "stream"_a = nb::none(), "Rows of GGUF blocks -> values [lead, lead + n).");
   m.def("rope", &lt::rope, "x"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a, "scale"_a,
         "offset"_a = 0, "offsets"_a = nb::none(), "stream"_a = nb::none(),
         "mx.fast.rope of (B, H, L, D) from `offset` or an int32 array `offsets`, one primitive.");
   m.def("attention", &lt::attention, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a, "causal"_a,
-        "ranges"_a = nb::none(), "stream"_a = nb::none(),
-        "Attention of (B, Hq, L, D) over (B, Hkv, S, D) [keys ranges (B, 2)], one primitive.");
+        "ranges"_a = nb::none(), "merged"_a = false, "stream"_a = nb::none(),
+        "Attention of (B, Hq, L, D) over (B, Hkv, S, D) [keys ranges (B, 2)], one primitive; "
+        "merged: out (B, L, Hq * D).");
   m.def("split_heads", &lt::split_heads, "y"_a, "a"_a, "b"_a, "c"_a, "d"_a, nb::kw_only(),
-        "stream"_a = nb::none(),
-        "(B, L, (a+b+c)*d) -> heads (B, a, L, d), (B, b, L, d), (B, c, L, d), one primitive.");
+        "rope_dims"_a = 0, "traditional"_a = false, "base"_a = 0.f, "scale"_a = 1.f,
+        "offset"_a = 0, "offsets"_a = nb::none(), "stream"_a = nb::none(),
+        "(B, L, (a+b+c)*d) -> heads (B, a, L, d), (B, b, L, d), (B, c, L, d), one primitive; "
+        "with rope_dims, q and k rotated as rope's.");
+  m.def("swiglu", &lt::swiglu, "y"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(y[..., :n]) * y[..., n:] of (..., 2n), one primitive.");
   m.def("rms_norm", &lt::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "mx.fast.rms_norm of (..., n) with weight (n,), one primitive.");
+  m.def("add_rms_norm", &lt::add_rms_norm, "x"_a, "r"_a, "weight"_a, nb::kw_only(), "eps"_a,
+        "stream"_a = nb::none(), "(x + r, rms_norm(x + r, weight)), one primitive.");
   m.def("isa", &lt::isa, "The instruction set in use.");
   m.def("set_isa", &lt::set_isa, "name"_a, "Use another instruction set this CPU runs.");
   m.def("compiled_isas", [] {
