@@ -46,7 +46,8 @@ def parser():
         "DeltaNet hybrids qwen35-tiny, qwen35, qwen35-moe, qwen3-next, the Gemma 4 "
         "gemma4-tiny, gemma4-moe, the DeepSeek-V3.2 dsv32-tiny, deepseek-v32, the MiniMax-M2 "
         "minimax-tiny, minimax, the Kimi-Linear kimi-tiny, kimi-linear, the Llama 4 "
-        "llama4-tiny, llama4, the Step-3.5 step3p5-tiny, step3p5; "
+        "llama4-tiny, llama4, the Step-3.5 step3p5-tiny, step3p5, the "
+        "Nemotron-H nemotron-tiny, nemotron; "
         "DTYPE fp16, bf16, fp32 or q4)",
     )
     p.add_argument("--prompt-tokens", "-p", type=int, default=512, help="prompt length")

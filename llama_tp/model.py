@@ -328,6 +328,9 @@ def layer_masks(h: mx.array, layers: list[nn.Module], cache: list[Any]) -> list[
     out = []
     for layer, c in zip(layers, cache, strict=True):
         spec = layer.spec.cache
+        if spec is None and isinstance(layer, MixerBlock):
+            out.append(None)  # a feed-forward or experts: no mask
+            continue
         key = (spec.mask, spec.window) if spec is not None else ("causal", None)
         if key not in made:
             made[key] = _mask(spec, h, c)
@@ -443,10 +446,13 @@ def make_layer_cache(spec: CacheSpec | None) -> Any:
 
 
 def shares_cache(layer: nn.Module) -> bool:
-    """Whether `layer` attends over another layer's keys and values (Gemma's KV-shared
-    layers: no cache of its own)."""
+    """Whether `layer` has no cache of its own: it attends over another layer's keys and
+    values (Gemma's KV-shared layers), or its one mixer caches nothing (a `MixerBlock`
+    of a feed-forward or experts: Nemotron-H's, as mlx-lm's make_cache)."""
     spec = layer.spec.cache
-    return spec is not None and spec.kind == "shared"
+    if spec is None:
+        return isinstance(layer, MixerBlock)
+    return spec.kind == "shared"
 
 
 def layer_caches(layers: list[nn.Module]) -> list[Any]:

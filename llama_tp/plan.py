@@ -129,6 +129,7 @@ def main() -> int:
     _print_headwise(ckpt.args)
     if args.n > 1:
         _print_wide_qk_norm(ckpt.args)
+        _print_mamba(ckpt.args)
     if ckpt.format == "gguf":
         from .checkpoints.gguf import split_notes
 
@@ -251,6 +252,25 @@ def _print_wide_qk_norm(a) -> None:
         f"{a.n_kv_heads * a.head_dim} key values): split by heads, each rank's sums of "
         f"squares are all-reduced, 2 float32 values per token in each of {a.n_layers} "
         "layers (one more collective per layer)"
+    )
+
+
+def _print_mamba(a) -> None:
+    """Nemotron-H's line: how its Mamba-2 layers split (whole groups, or one group's norm
+    reduced over the ranks)."""
+    if "ssm_state" not in a.extra or "M" not in a.pattern:
+        return
+    layers, nh, ng = a.pattern.count("M"), a.mamba_num_heads, a.n_groups
+    how = (
+        f"in whole groups of {nh // ng} heads (a group's B, C and gated norm on one rank)"
+        if ng > 1
+        else "anywhere: the one group's B and C on every rank, its gated norm's sum of "
+        "squares all-reduced (one float32 value per token and layer, one more collective)"
+    )
+    print(
+        f"Mamba-2 ({layers} of {a.n_layers} layers): {nh} heads of {a.mamba_head_dim} "
+        f"in {ng} group{'s' if ng > 1 else ''} of {a.ssm_state} state values, split by heads "
+        f"{how}; each rank holds its heads' conv and scan state"
     )
 
 

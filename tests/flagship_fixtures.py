@@ -29,6 +29,12 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              scaled) + a shared one after a dense layer, clamped SwiGLUs; 3 layers
     kimi_linear  a KDA layer (5 heads of 32) then latent attention without RoPE (10
              heads), 5 experts + a shared one after the dense first layer; 2 layers
+    nemotron_h  nemotron_h: one mixer per layer, Mamba-2 / experts / attention / relu2
+             feed-forward (M E * -): 10 Mamba heads of 32 in 5 groups of 16 state values
+             (groups kept whole: 3/2, 2/2/1, 2/1/1/1), 10 query / 5 KV heads without
+             RoPE, 5 relu2 experts + a shared one
+    nemotron_g1  the same Mamba-2 with one group (M *): 5 heads split anywhere, the
+             group's B and C on every rank, its gated norm's sum all-reduced
 """
 
 from __future__ import annotations
@@ -246,6 +252,38 @@ KIMI_LINEAR = dict(
     rope_theta=10000.0,
     **COMMON,
 )
+# Nemotron-H: one mixer per layer (Mamba-2, experts, attention without RoPE, relu2)
+NEMOTRON_H = dict(
+    model_type="nemotron_h",
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=10,
+    num_key_value_heads=5,
+    head_dim=32,
+    attention_bias=False,
+    mamba_num_heads=10,
+    mamba_head_dim=32,
+    mamba_proj_bias=False,
+    ssm_state_size=16,
+    conv_kernel=4,
+    n_groups=5,
+    use_conv_bias=True,
+    mlp_bias=False,
+    use_bias=False,
+    layer_norm_epsilon=1e-5,
+    hybrid_override_pattern=["M", "E", "*", "-"],
+    n_routed_experts=5,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    moe_shared_expert_intermediate_size=128,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    **COMMON,
+)
+NEMOTRON_G1 = dict(NEMOTRON_H, mamba_num_heads=5, n_groups=1, hybrid_override_pattern=["M", "*"])
 CONFIGS = {
     "gemma4": GEMMA4,
     "gemma3": GEMMA3,
@@ -256,9 +294,12 @@ CONFIGS = {
     "llama4_text": LLAMA4_TEXT,
     "step3p5": STEP3P5,
     "kimi_linear": KIMI_LINEAR,
+    "nemotron_h": NEMOTRON_H,
+    "nemotron_g1": NEMOTRON_G1,
 }
 # the families whose 4-bit copy every launch checks too
 QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_linear")
+QUANTIZED += ("nemotron_h",)
 # the families with a float32 GGUF copy too (as llama.cpp's converter writes it)
 GGUF = {"kimi_linear": lambda src, out: gguf_kimi(src, out)}
 

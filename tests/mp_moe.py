@@ -89,7 +89,8 @@ def cache_bytes_per_token(model, x: mx.array) -> int:
     cache = make_prompt_cache(model)
     mx.eval(model(x, cache=cache))
     layers = [p for c in cache for p in (c.caches if isinstance(c, CacheList) else [c])]
-    # a recurrent layer's fixed state (Kimi's KDA), whatever the length: counted whole
+    # a recurrent layer's fixed state (Kimi's KDA, Nemotron-H's Mamba), whatever the
+    # length: counted whole
     states = [c for c in layers if isinstance(c, ArraysCache)]
     state = sum(a.nbytes for c in states for a in c.cache if a is not None)
     held = sum(
@@ -122,12 +123,15 @@ def expected_expert_bytes(whole, sharded, split: str, n: int, i: int) -> int | N
     for ff in (m for layer in layers for m in layer.mixers().values()):
         if "switch_mlp" not in ff:  # the experts: a MoE feed-forward, or Gemma 4's beside it
             continue
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in ("gate_proj", "up_proj", "down_proj", "fc1", "fc2"):  # SwitchGLU, SwitchMLP
+            if proj not in ff.switch_mlp:
+                continue
             w = ff.switch_mlp[proj]
             if "scales" in w:
                 return None  # quantized: columns split in quantization groups
             e, rows, cols = w.weight.shape
-            units = e if split == "expert" else (cols if proj == "down_proj" else rows)
+            down = proj in ("down_proj", "fc2")
+            units = e if split == "expert" else (cols if down else rows)
             out += w.weight.nbytes * share(units, n, i) // units
     return out
 

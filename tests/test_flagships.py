@@ -9,7 +9,8 @@ one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
 `test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
 keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2), `test_kimi.py`
 (Kimi-Linear), `test_llama4.py` (Llama 4: chunks of 4, so the 10-token prompt and 8
-steps span five) and `test_step3p5.py` (Step-3.5); the next family adds its fixture to
+steps span five), `test_step3p5.py` (Step-3.5) and `test_nemotron_h.py` (Nemotron-H);
+the next family adds its fixture to
 `flagship_fixtures.CONFIGS` and these launches).
 """
 
@@ -35,6 +36,7 @@ MINIMAX = ("minimax",)
 KIMI = ("kimi_linear",)
 LLAMA4 = ("llama4", "llama4_text")
 STEP = ("step3p5",)
+NEMOTRON = ("nemotron_h",)
 
 
 def _lines(r) -> list[dict]:
@@ -67,7 +69,8 @@ def test_two_ranks_and_a_weighted_split(models):
     Llama 4 by expert (3/2 KV heads, each rank's chunked caches), its 4-bit copy by
     tensor, and `--split 3:1` (4/1 KV heads); Step-3.5 by expert (global 3/2 KV heads,
     sliding 4/4 query heads over 1/1 KV heads), its 4-bit copy by tensor, and `--split
-    3:1` (sliding 6/2 query heads over 2/1 KV)."""
+    3:1` (sliding 6/2 query heads over 2/1 KV); Nemotron-H by expert (Mamba groups 3/2,
+    their heads 6/4), its 4-bit copy by tensor, and `--split 3:1` (Mamba groups 4/1)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -78,9 +81,11 @@ def test_two_ranks_and_a_weighted_split(models):
     specs += [mm, f"{mq}#expert", f"{mm}%3:1#tensor", f"{km}%3:1#tensor"]
     st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
     specs += [f"{l4}#expert", f"{l4q}#tensor", f"{l4}%3:1#tensor"]
-    lines = _check(2, [*specs, f"{st}#expert", f"{sq}#tensor", f"{st}%3:1#tensor"])
-    families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP}
-    assert _families(lines) == families and len(lines) == 21
+    specs += [f"{st}#expert", f"{sq}#tensor", f"{st}%3:1#tensor"]
+    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
+    lines = _check(2, [*specs, f"{nh}#expert", f"{nq}#tensor", f"{nh}%3:1#tensor"])
+    families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
+    assert _families(lines) == families and len(lines) == 24
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
@@ -90,6 +95,9 @@ def test_two_ranks_and_a_weighted_split(models):
     assert weighted["kimi_linear"] == [320 + 4 * 5248, 320 + 5248]
     assert weighted["llama4"] == [2048, 512]
     assert weighted["step3p5"] == [2048, 768]
+    # Nemotron-H: the attention's 4/1 KV heads (256 bytes a token each), the Mamba layer's
+    # conv and scan states of 4/1 groups (2 heads of 32, 16 state values: 5248 bytes each)
+    assert weighted["nemotron_h"] == [1024 + 4 * 5248, 256 + 5248]
 
 
 def test_three_ranks(models):
@@ -103,7 +111,9 @@ def test_three_ranks(models):
     (llama.cpp's layout, read in slices; the folder it was written from is one process's);
     Llama 4's 5 KV heads as 2/2/1 (float32 by tensor, 4-bit's 5 experts as 2/2/1) and
     llama4_text; Step-3.5's sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the
-    middle rank holds both)."""
+    middle rank holds both); Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor), and
+    its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
+    gated norm's sum of squares all-reduced)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -113,9 +123,11 @@ def test_three_ranks(models):
     specs += [f"{mm}#tensor", f"{mq}#expert", f"{kg}#tensor"]
     st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
     specs += [f"{l4}#tensor", f"{l4q}#expert", l4t]
-    lines = _check(3, [*specs, f"{st}#tensor", f"{sq}#expert"])
-    families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP}
-    assert _families(lines) == families and len(lines) == 14
+    specs += [f"{st}#tensor", f"{sq}#expert"]
+    nh, g1 = str(models["nemotron_h"]), str(models["nemotron_g1"])
+    lines = _check(3, [*specs, f"{nh}#tensor", g1])
+    families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP, *NEMOTRON}
+    assert _families(lines) == families and len(lines) == 16
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "step3p5"] == [
         [1024, 1536, 768]
     ] * 2
@@ -124,6 +136,14 @@ def test_three_ranks(models):
     ] * 2
     kimi = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_linear"]
     assert kimi == [[320 + 2 * 5248, 320 + 2 * 5248, 320 + 5248]]  # 5 KDA heads as 2/2/1
+    # Nemotron-H: KV heads 2/2/1 (256 bytes a token each) and Mamba groups 2/2/1 (5248
+    # bytes of state each); the one-group copy's heads 2/2/1 (2432 bytes each) beside the
+    # group's conv state (384 bytes) on every rank
+    nemotron = [x["cache_per_token"] for x in lines if x["model_type"] == "nemotron_h"]
+    assert nemotron == [
+        [512 + 10496, 512 + 10496, 256 + 5248],
+        [512 + 5248, 512 + 5248, 256 + 2816],
+    ]
 
 
 def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
@@ -136,7 +156,9 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     4-bit copy on 4 ranks (KDA heads 2/1/1/1) and as 2 stages of 2 (the KDA layer's states
     on the first stage, the latent on the second); Llama 4's 4-bit copy on 4 ranks (KV
     heads 2/1/1/1) and as 2 stages of 2 (each stage's chunked caches and masks);
-    Step-3.5's 4-bit copy on 4 ranks and as 2 stages of 2."""
+    Step-3.5's 4-bit copy on 4 ranks and as 2 stages of 2; Nemotron-H's 4-bit copy on 4
+    ranks (Mamba groups 2/1/1/1) and as 2 stages of 2 (the Mamba layer's state on the
+    first stage's ranks, the attention's cache on the second's)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -146,10 +168,13 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     specs += [f"{mq}#tensor", f"{mm}@2,2#expert", f"{kq}#tensor", f"{km}@2,2#expert"]
     st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
     specs += [f"{l4q}#tensor", f"{l4}@2,2#expert"]
-    lines = _check(4, [*specs, f"{sq}#tensor", f"{st}@2,2#expert"])
+    specs += [f"{sq}#tensor", f"{st}@2,2#expert"]
+    nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
+    lines = _check(4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert"])
     meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
-    assert [x["mesh"] for x in lines] == meshes + [None, [2, 2]] * 2
-    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP}
+    assert [x["mesh"] for x in lines] == meshes + [None, [2, 2]] * 3
+    assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
+    assert lines[-1]["cache_per_token"] == [15744, 10496, 768, 512]  # Mamba | attention
     # Kimi-Linear's stages: the KDA layer's state (3/2 heads) on the first, the latent on
     # the second; on 4 tensor ranks its 5 KDA heads as 2/1/1/1
     kimi = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_linear"]
@@ -157,6 +182,7 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
 
 
 SERVED = ["gemma4-q4", "deepseek_v32-q4", "minimax-q4", "kimi_linear-q4", "step3p5-q4"]
+SERVED += ["nemotron_h-q4"]
 
 
 @pytest.mark.ranks
@@ -167,7 +193,8 @@ def test_serve_concurrent_requests_on_two_ranks(models, tmp_path, name):
     DeepSeek-V3.2's CacheList of the latent and the indexer's keys, each query of a
     left-padded batch over its own top-k keys; MiniMax-M2's q/k norms reduced over a
     batch's rows; Kimi-Linear's KDA states, a left-padded row's short convs fed no padding;
-    Step-3.5's sliding layers' windows and their own heads in a batch). Llama 4's (its
+    Step-3.5's sliding layers' windows and their own heads in a batch; Nemotron-H's Mamba
+    states merged, left padding kept out of its conv and scan). Llama 4's (its
     chunked caches do not merge: one sequence at a time) is `test_generic_drivers.py`'s
     2-rank server."""
     from serve_client import Server, chat

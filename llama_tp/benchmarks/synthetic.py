@@ -55,6 +55,11 @@ head's output gated, experts behind sigmoid scores plus a router bias beside a s
 expert, clamped SwiGLUs in the last layers; `step3p5` is Step-3.5-Flash's layout scaled
 down (288 -> 64 experts, 8 per token, 64/96 -> 16/24 query heads over 8 -> 2 KV heads of
 128 -> 64, 45 -> 8 layers, window 512 -> 128).
+The `nemotron-tiny` / `nemotron` sizes are Nemotron-H models as mlx-lm's own
+`nemotron_h` class holds them: one mixer per layer (Mamba-2, experts, attention without
+RoPE, relu2 feed-forward); `nemotron` is Nemotron 3 Nano's layout scaled down (52 -> 8
+layers of its pattern's start, MEMEM*EM; 64 heads of 64 in 8 groups of 128 state values
+-> 32 in 8 of 64; 128 -> 64 relu2 experts, 6 per token, and a shared one; 32/2 heads).
 The `kimi-tiny` / `kimi-linear` sizes are Kimi-Linear models as mlx-lm's own
 `kimi_linear` class holds them: KDA layers (3 of 4) beside latent attention without RoPE,
 experts and a shared one after a dense first layer; `kimi-linear` is Kimi-Linear-48B-A3B's

@@ -1,6 +1,6 @@
 """The synthetic models' specs: each size's shape (`SIZES`), the dtypes, the Hugging Face
 `config.json` of a spec (Llama, or a Qwen3-MoE, DeepSeek-V3, DeepSeek-V3.2, gpt-oss,
-GLM-4.5, Gemma 4, MiniMax-M2, Kimi-Linear, Llama 4 or Step-3.5 one)
+GLM-4.5, Gemma 4, MiniMax-M2, Kimi-Linear, Llama 4, Step-3.5 or Nemotron-H one)
 and every tensor it holds, named as Hugging Face names them (`synthetic.py` writes
 them; see its docstring for what each size is)."""
 
@@ -62,6 +62,18 @@ SIZES = {
     "minimax": dict(
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, hidden_dim=512, vocab=32000,
         experts=64, top_k=8, expert_dim=512, head_dim=64, minimax=32,
+    ),
+    # Nemotron-H: one mixer per layer by its pattern (nemotron), Mamba-2 (mamba: heads, head
+    # dim, groups, state values), attention without RoPE, relu2 experts + a shared one
+    # (shared: its width), relu2 feed-forward layers of hidden_dim
+    "nemotron-tiny": dict(
+        dim=64, n_layers=4, n_heads=10, n_kv_heads=5, hidden_dim=64, vocab=512, experts=5,
+        top_k=2, expert_dim=64, head_dim=16, nemotron="ME*-", mamba=(10, 16, 5, 16), shared=64,
+    ),
+    "nemotron": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=2, hidden_dim=512, vocab=32000,
+        experts=64, top_k=6, expert_dim=512, head_dim=64, nemotron="MEMEM*EM",
+        mamba=(32, 64, 8, 64), shared=1024,
     ),
     # Llama 4: chunked RoPE layers and a global NoPE one in every 4 (llama4: chunk size,
     # every how many layers the experts, top-1 beside a shared expert, are)
@@ -196,6 +208,36 @@ def _minimax_config(s: dict) -> dict:
         "rope_theta": 5000000.0,
         "use_qk_norm": True,
         "scoring_func": "sigmoid",
+    }
+
+
+def _nemotron_config(s: dict) -> dict:
+    nh, hd, ng, ds = s["mamba"]
+    return {
+        "model_type": "nemotron_h",
+        "architectures": ["NemotronHForCausalLM"],
+        "hybrid_override_pattern": list(s["nemotron"]),
+        "head_dim": s["head_dim"],
+        "attention_bias": False,
+        "mamba_num_heads": nh,
+        "mamba_head_dim": hd,
+        "n_groups": ng,
+        "ssm_state_size": ds,
+        "conv_kernel": 4,
+        "mamba_proj_bias": False,
+        "use_conv_bias": True,
+        "mlp_bias": False,
+        "use_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "n_routed_experts": s["experts"],
+        "num_experts_per_tok": s["top_k"],
+        "moe_intermediate_size": s["expert_dim"],
+        "moe_shared_expert_intermediate_size": s["shared"],
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
     }
 
 
@@ -397,6 +439,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
         moe = _deepseek_v32_config(s)
     elif "minimax" in s:
         moe = _minimax_config(s)
+    elif "nemotron" in s:
+        moe = _nemotron_config(s)
     elif "llama4" in s:
         moe = _llama4_config(s)
     elif "step3p5" in s:
@@ -452,7 +496,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
 def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
     "zeros" a float32 routing bias), in the order the random ones are drawn."""
-    if any(k in s for k in ("gemma4", "dsv32", "minimax", "kimi", "llama4", "step3p5")):
+    # mlx-lm's own class lists their tensors
+    if any(k in s for k in ("gemma4", "dsv32", "minimax", "kimi", "llama4", "step3p5", "nemotron")):
         return _mlx_lm_tensors(hf_config(s, "fp32"))
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]

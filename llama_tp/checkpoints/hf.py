@@ -28,6 +28,10 @@ _MODEL_NAMES = [
     (r"^model\.embed_tokens\.", "tok_embeddings."),
     (r"^model\.norm\.", "norm."),
     (r"^lm_head\.", "output."),
+    # Nemotron-H's (`models/nemotron_h.py`): its layers under `backbone.layers.` (as
+    # `model.layers.`, `to_model_name`)
+    (r"^backbone\.embeddings\.", "tok_embeddings."),
+    (r"^backbone\.norm_f\.", "norm."),
     # Gemma 4's per-layer inputs (`models/gemma.py`)
     (r"^model\.embed_tokens_per_layer\.", "per_layer_embeddings."),
     (r"^model\.per_layer_model_projection\.", "per_layer_projection."),
@@ -63,6 +67,7 @@ SIGMOID_GROUP = (*DEEPSEEK_V3, "glm4_moe")
 _RENAMES = renames()
 # Precomputed rotary frequencies some checkpoints carry; the model computes its own.
 _DROP = re.compile(r"rotary_emb\.inv_freq$")
+_BACKBONE = re.compile(r"^backbone\.layers\.")  # Nemotron-H's layers
 # Multimodal wrappers whose language model is a family here (Gemma 3 and 4 as Google
 # releases them): their `text_config`, their language model's tensors under
 # `model.language_model.` (Hugging Face) or `language_model.model.` (mlx-lm, mlx-vlm),
@@ -81,6 +86,7 @@ def to_model_name(name: str, model_type: str | None = None) -> str | None:
     if _DROP.search(name) or _TOWERS.match(name):
         return None
     name = _LANGUAGE.sub("model.", name).replace("language_model.lm_head.", "lm_head.")
+    name = _BACKBONE.sub("model.layers.", name)
     for pattern, repl in renames(model_type):
         new, n = pattern.subn(repl, name)
         if n:
@@ -138,6 +144,8 @@ def args_from_config(config: dict, path: Path) -> ModelArgs:
             f"{path / 'config.json'}: {unsupported('model_type', model_type, MODEL_TYPES)}"
         )
     config = language_model(config)
+    if model_type == "nemotron_h" and "num_hidden_layers" not in config:
+        config = {**config, "num_hidden_layers": 0}  # its pattern's length (its fields)
     if "intermediate_size" not in config and config.get("moe_intermediate_size"):
         # experts in every layer (Qwen3.5-MoE's text_config): no dense width
         config = {**config, "intermediate_size": config["moe_intermediate_size"]}

@@ -39,6 +39,13 @@ def _invert(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, str]:
 
 
 GATED_DELTA = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # the families with linear_attn layers
+# Nemotron-H's model-level names (mlx-lm's `backbone`)
+_NEMOTRON_H = {
+    "model.layers.": "backbone.layers.",
+    "model.embed_tokens.": "backbone.embeddings.",
+    "model.norm.": "backbone.norm_f.",
+}
+_BACKBONE = re.compile("^(?:" + "|".join(map(re.escape, _NEMOTRON_H)) + ")")
 
 
 def hf_name(name: str, model_type: str = "llama") -> str:
@@ -54,6 +61,8 @@ def hf_name(name: str, model_type: str = "llama") -> str:
         if ".linear_attn." in repl and not gated:
             continue
         new, n = pattern.subn(repl, name)
+        if n and model_type == "nemotron_h":  # mlx-lm's names under `backbone.`
+            new = _BACKBONE.sub(lambda m: _NEMOTRON_H[m.group(0)], new)
         if n and to_model_name(new, model_type) == name:
             family = FAMILIES.get(model_type)
             return (family.prefix if family else "") + new

@@ -133,11 +133,17 @@ def _layer_input(model: Any, tokens: mx.array) -> mx.array:
 
 
 def _per_layer(layers: list[Any], cache: list[Any]) -> list[Any]:
-    """One cache per layer: None for a KV-shared layer, which has none of its own
-    (`model.per_layer`; its source runs before it here too)."""
+    """One cache per layer: None for a KV-shared layer, which has none of its own, and a
+    one-mixer layer that caches nothing (`model.per_layer`; a source runs first here too)."""
     it = iter(cache)
-    shared = [getattr(getattr(layer, "spec", None), "cache", None) for layer in layers]
-    return [None if s is not None and s.kind == "shared" else next(it) for s in shared]
+    out = []
+    for layer in layers:
+        spec = getattr(layer, "spec", None)
+        s = getattr(spec, "cache", None)
+        # no cache of its own: KV-shared, or a one-mixer block that caches nothing
+        own = s.kind != "shared" if s is not None else spec is None or "mixer" not in layer
+        out.append(next(it) if own else None)
+    return out
 
 
 def count_collectives(

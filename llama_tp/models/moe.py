@@ -54,6 +54,7 @@ class MoEFeedForward(nn.Module):
     `switch_mlp` (the E experts), and with `shared_expert_dim` a `shared_expert`
     FeedForward and, if `shared_expert_gated`, its `shared_expert_gate` (dim -> 1)."""
 
+    counts_routes = True  # `record_expert_load` counts its routes in `expert_load`
     # Experts stacked as mlx-lm stores them (Mixtral's block after Qwen's; DeepSeek-V3's
     # shared experts one FeedForward of n_shared_experts experts' width; gpt-oss's router
     # and experts as mlx-lm names them)
@@ -202,17 +203,18 @@ class MoEFeedForward(nn.Module):
 
 
 def record_expert_load(model: nn.Module, on: bool = True) -> None:
-    """Count the tokens routed to each expert of every MoE layer from now on (`on`), or
-    stop counting; the counts start at zero."""
+    """Count the tokens routed to each expert of every MoE layer (a kind with
+    `counts_routes`: its `expert_load` of `n_experts`) from now on (`on`), or stop
+    counting; the counts start at zero."""
     for _, m in model.named_modules():
-        if isinstance(m, MoEFeedForward):
+        if getattr(m, "counts_routes", False):
             zeros = mx.zeros((m.n_experts,), mx.int32) if on else None
             object.__setattr__(m, "expert_load", zeros)
 
 
 def expert_load(model: nn.Module) -> list[list[int]]:
     """The counts `record_expert_load` has gathered: per MoE layer, tokens per expert."""
-    layers = [m.expert_load for _, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+    layers = [m.expert_load for _, m in model.named_modules() if getattr(m, "counts_routes", False)]
     layers = [c for c in layers if c is not None]
     mx.eval(layers)
     return [c.tolist() for c in layers]

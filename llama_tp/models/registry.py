@@ -34,6 +34,9 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             global NoPE   scaled) + shared
                                                             layers        expert; dense
                                                                           (llama4_text)
+    Nemotron-H  nemotron_h         (HF/MLX only)            one mixer per layer: Mamba-2,
+                                                            attention (no RoPE), relu2
+                                                            feed-forward or experts
     Kimi-Linear kimi_linear        kimi-linear              KDA (3 of 4), experts (sigmoid +
                                                             latent (MLA)  bias, groups) +
                                                             without RoPE  shared experts
@@ -71,10 +74,10 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..model import Attention, FeedForward, Transformer, TransformerBlock
+from ..model import Attention, FeedForward, MixerBlock, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
-from . import gemma, headwise_gate
+from . import gemma, headwise_gate, nemotron_h
 from .chunked_attention import (
     ChunkedAttention,
     Llama4Layer,
@@ -99,7 +102,9 @@ from .kimi_delta import (
     kimi_linear_gguf_fields,
 )
 from .latent_attention import LatentAttention, deepseek_v3_fields
+from .mamba import Mamba2Mixer
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
+from .nemotron_h import NoRopeAttention, nemotron_h_config, nemotron_h_fields
 from .qk_norm import QKNormAttention
 from .sparse_attention import SparseAttention, deepseek_v32_fields, glm_moe_dsa_fields
 from .wide_qk_norm import WideQKNormAttention, minimax_config, minimax_fields
@@ -160,6 +165,12 @@ FAMILIES = {
     "llama4": Family(None, llama4_fields, prefix="language_model.", kinds=(Llama4Layer,)),
     "llama4_text": Family(None, llama4_text_fields, kinds=(Llama4Layer,)),
     "step3p5": Family(None, step3p5_fields, qk_norm=True, kinds=(StepLayer,)),
+    "nemotron_h": Family(
+        "NemotronHForCausalLM",
+        nemotron_h_fields,
+        config_keys=nemotron_h_config,
+        kinds=(NoRopeAttention, Mamba2Mixer),
+    ),
     "kimi_linear": Family(
         "KimiLinearForCausalLM",
         kimi_linear_fields,
@@ -254,6 +265,8 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
     """The mixer kinds of layer `i` of the family `args` describe, by path in the layer."""
     if args.model_type in ("gemma3_text", "gemma4_text"):
         return gemma.layer_kinds(args, i)
+    if args.model_type == "nemotron_h":  # one mixer per layer, by its pattern
+        return nemotron_h.layer_kinds(args, i)
     feed_forward = MoEFeedForward if args.is_sparse(i) else FeedForward
     if "linear_layers" in args.extra:  # Qwen3.5 / Qwen3-Next: 3 of 4 layers linear
         linear = i in args.linear_layers
@@ -282,9 +295,11 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
     return {"attention": attention, "feed_forward": feed_forward}
 
 
-def block(args: ModelArgs, i: int) -> TransformerBlock:
+def block(args: ModelArgs, i: int) -> TransformerBlock | MixerBlock:
     """Layer `i` of the family `args` describe."""
     kinds = layer_kinds(args, i)
+    if "mixer" in kinds:  # one mixer (Nemotron-H)
+        return MixerBlock(args, kinds["mixer"](args), layer=i)
     if "swa_heads" in args.extra:  # Step-3.5: each layer's SwiGLU clamps
         clamp, shared = headwise_gate.limits(args, i)
         ff = headwise_gate.feed_forward(args, i, shared)

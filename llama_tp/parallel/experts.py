@@ -136,17 +136,19 @@ class ShardInPlace(Style):
 
 @dataclass(frozen=True)
 class ExpertRouting(Style):
-    """`switch_mlp` (mlx-lm's SwitchGLU) holding experts `ranges[r]` (its projections
-    split with `ShardInPlace("experts", ...)`): called with the router's global indices
-    (..., k), the slots on this rank's experts run with their local index and the others
-    weigh zero: (..., k, dim), summed over the ranks by `MoEParallel`."""
+    """`switch_mlp` (mlx-lm's SwitchGLU, or SwitchMLP: Nemotron-H's) holding experts
+    `ranges[r]` (its projections split with `ShardInPlace("experts", ...)`): called with
+    the router's global indices (..., k), the slots on this rank's experts run with their
+    local index and the others weigh zero: (..., k, dim), summed over the ranks by `MoEParallel`."""
 
     ranges: Ranges
 
     def split(self, module: nn.Module, path: str, n: int) -> None:
-        if not all(k in module for k in ("gate_proj", "up_proj", "down_proj")):
+        glu, mlp = ("gate_proj", "up_proj", "down_proj"), ("fc1", "fc2")  # SwitchGLU, SwitchMLP
+        found = next((ps for ps in (glu, mlp) if all(k in module for k in ps)), None)
+        if found is None:
             raise PlanError(f"{path}: ExpertRouting applies to a SwitchGLU, not {type(module)}")
-        total = module["gate_proj"]["weight"].shape[0]
+        total = module[found[0]]["weight"].shape[0]
         _ranges(self.ranges, total, n, path, "experts", 1)
         return None
 

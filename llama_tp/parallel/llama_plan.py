@@ -144,8 +144,9 @@ class LocalUnits(Style):
     rank's count of each unit times its width (e.g. `num_k_heads`, `key_dim`, a conv's
     `conv1d.groups` = 2 key dims + the value dim), and its 1-D parameters `vectors`
     (parameter, unit, width) keep this rank's values (e.g. `A_log`, `dt_bias` per value
-    head). `parts` None: N equal blocks. `input_layout="sequence"` gathers the sequence
-    chunks first."""
+    head; a path under it: `norm.weight`); a module with `take_units(group)` is told
+    its group once split. `parts` None: N equal blocks. `input_layout="sequence"` gathers
+    the sequence chunks first."""
 
     local: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
     vectors: tuple[tuple[str, str, int], ...] = ()
@@ -160,7 +161,7 @@ class LocalUnits(Style):
             if self.parts is None and getattr(target, attr.rpartition(".")[2]) % n:
                 raise PlanError(f"{path}: cannot split {attr} evenly over {n} ranks")
         for name, _, _ in self.vectors:
-            if name not in module:
+            if _owner(module, name) is None:
                 raise PlanError(f"{path}: {type(module).__name__} has no parameter {name!r}")
         return None
 
@@ -175,14 +176,17 @@ class LocalUnits(Style):
             target, name = _owner(module, attr), attr.rpartition(".")[2]
             setattr(target, name, self._count(terms, getattr(target, name), group))
         for name, unit, width in self.vectors:
-            v = module[name]
+            owner, key = _owner(module, name), name.rpartition(".")[2]  # ("norm.weight")
+            v = owner[key]
             if self.parts is None:
                 b = v.shape[0] // group.size()
                 a, b = group.rank() * b, (group.rank() + 1) * b
             else:
                 r = _by_rank(self.parts)[group.rank()].unit(unit)
                 a, b = r.start * width, r.stop * width
-            module[name] = mx.contiguous(v[a:b])
+            owner[key] = mx.contiguous(v[a:b])
+        if hasattr(module, "take_units"):  # after the split (Mamba-2's norm over the ranks)
+            module.take_units(group)
         if self.input_layout == "sequence":
             gather_input(module, ctx)
         return module

@@ -73,14 +73,18 @@ class ModelShape:
                     found.setdefault(u.name, u)
         return tuple(found.values())
 
-    def group_size(self, suffix: str, in_dims: int, layers: set[int] | None = None) -> int | None:
-        """The quantization group of the modules `layers.*.{suffix}` (the lcm over layers,
-        or over `layers` only, so that a split in its units falls on every layer's groups);
-        None: not quantized."""
+    def group_size(
+        self, suffix: str | tuple[str, ...], in_dims: int, layers: set[int] | None = None
+    ) -> int | None:
+        """The quantization group of the modules `layers.*.{suffix}` (any of several
+        suffixes: the kinds' names for one unit; the lcm over layers, or over `layers`
+        only, so that a split in its units falls on every layer's groups); None: not
+        quantized."""
+        ends = tuple(f".{s}.scales" for s in ((suffix,) if isinstance(suffix, str) else suffix))
         sizes = {
             in_dims // shape[-1]
             for name, (shape, _) in self.tensors.items()
-            if name.endswith(f".{suffix}.scales")
+            if name.endswith(ends)
             and (m := _LAYER.match(name))
             and (layers is None or int(m.group(1)) in layers)
         }
@@ -140,7 +144,7 @@ def _itemsize(shape: ModelShape) -> int:
     dtype (its scales' when quantized) and the first layer norm's (MLX promotes)."""
     t = shape.tensors
     names = ["tok_embeddings.scales" if "tok_embeddings.scales" in t else "tok_embeddings.weight"]
-    names.append("layers.0.attention_norm.weight")
+    names += ["layers.0.attention_norm.weight", "layers.0.norm.weight"]  # (a MixerBlock's)
     return max(t[n][1] // math.prod(t[n][0]) for n in names if n in t)
 
 
@@ -175,7 +179,11 @@ def state_bytes(shape: ModelShape, mine: RankPlacement) -> int:
 
 
 def _unit(
-    shape: ModelShape, suffix: str, width: int, n: int, weights: Weights | None = None
+    shape: ModelShape,
+    suffix: str | tuple[str, ...],
+    width: int,
+    n: int,
+    weights: Weights | None = None,
 ) -> int | None:
     """The split unit of a feed-forward's columns: the down projection's quantization
     group, widened to the file's own block (`ffn_block`) where the columns still split
@@ -191,6 +199,13 @@ def _unit(
     return group
 
 
+# The down projections whose input columns a plan splits (quantization groups): the
+# kinds' names (Nemotron-H's one-mixer layers: `mixer.*`, its experts mlx-lm's SwitchMLP)
+_DENSE_DOWN = ("feed_forward.w2", "mixer.down_proj")
+_EXPERT_DOWN = ("switch_mlp.down_proj", "switch_mlp.fc2")
+_SHARED_DOWN = ("feed_forward.shared_expert.w2", "mixer.shared_experts.down_proj")
+
+
 def partition(
     shape: ModelShape, n: int, moe_split: str = DEFAULT_MOE_SPLIT, weights: Weights | None = None
 ) -> Plan:
@@ -204,9 +219,9 @@ def partition(
             a.n_experts,
             a.moe_hidden_dim,
             moe_split,
-            _unit(shape, "switch_mlp.down_proj", a.moe_hidden_dim, n, weights),
+            _unit(shape, _EXPERT_DOWN, a.moe_hidden_dim, n, weights),
             a.shared_expert_dim,
-            _unit(shape, "feed_forward.shared_expert.w2", a.shared_expert_dim, n, weights)
+            _unit(shape, _SHARED_DOWN, a.shared_expert_dim, n, weights)
             if a.shared_expert_dim
             else None,
         )
@@ -221,7 +236,7 @@ def partition(
         a.dim,
         a.hidden_dim if dense else 0,  # 0: no dense feed-forward to split
         n,
-        group_size=_unit(shape, "feed_forward.w2", a.hidden_dim, n, weights) if dense else None,
+        group_size=_unit(shape, _DENSE_DOWN, a.hidden_dim, n, weights) if dense else None,
         experts=experts,
         weights=weights,
         layers=shape.layers,
@@ -241,12 +256,12 @@ def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
     groups: dict[tuple[str, int], set[int]] = {}  # (unit, values per unit) -> group sizes
     for name, (dims, _) in shape.tensors.items():
         m = _LAYER.match(name)
-        if m is None or not name.endswith(".attention.wo.scales"):
+        if m is None or not name.endswith((".attention.wo.scales", ".mixer.wo.scales")):
             continue
         spec = shape.spec(int(m.group(1)))
         if not _by_heads(spec):
             continue
-        table = spec.tables.get("attention")
+        table = spec.tables.get("attention", spec.tables.get("mixer"))  # (a one-mixer layer's)
         e = table.tensors.get("wo") if table is not None else None
         unit, width = (e.unit, e.width) if e is not None and e.unit else ("q_heads", plan.head_dim)
         groups.setdefault((unit, width), set()).add(totals[unit] * width // dims[-1])
@@ -268,7 +283,7 @@ def _check_quantized_heads(shape: ModelShape, plan: Plan) -> None:
 
 
 def _by_heads(spec: LayerSpec) -> bool:
-    table = spec.tables.get("attention")
+    table = spec.tables.get("attention", spec.tables.get("mixer"))  # (a one-mixer layer's)
     return table is None or table.module == "heads"
 
 

@@ -112,14 +112,14 @@ def cache_line(
     )
 
 
-def state_line(state_per_rank: list[int]) -> str:
-    """'Recurrent state per sequence: rank 0 1.50 MiB, ...': what a rank's linear-attention
-    layers hold whatever the length (their heads' conv and delta-rule states)."""
+def state_line(
+    state_per_rank: list[int], what: str = "conv and delta-rule states of its linear-attention"
+) -> str:
+    """'Recurrent state per sequence: rank 0 1.50 MiB, ...': what a rank's recurrent
+    layers hold whatever the length (`what`: their heads' conv and delta-rule states, or
+    a Mamba-2 layer's conv and scan states)."""
     ranks = ", ".join(f"rank {i} {human_bytes(b)}" for i, b in enumerate(state_per_rank))
-    return (
-        f"Recurrent state per sequence: {ranks} (the conv and delta-rule states of its "
-        "linear-attention heads, whatever the length)"
-    )
+    return f"Recurrent state per sequence: {ranks} (the {what} heads, whatever the length)"
 
 
 def format_plan(
@@ -192,6 +192,8 @@ def format_plan(
         if state:  # the KV cache line: what grows with the tokens
             cache_per_rank = [c - s for c, s in zip(cache_per_rank, state, strict=True)]
         lines.append(cache_line(cache_per_rank, latent, sliding))
-        if state:
+        if state and any(u.name == "ssm_heads" for u in plan.units):
+            lines.append(state_line(state, "conv and scan states of its Mamba-2"))
+        elif state:
             lines.append(state_line(state))
     return "\n".join(lines)
