@@ -248,7 +248,7 @@ def test_chat_second_turn_prefills_only_its_new_tokens(models):
 
 
 def test_serve_on_two_ranks(models, tmp_path):
-    """`serve` on 2 ranks: 8 concurrent requests answered exactly as each alone (rows
+    """`serve` on 2 ranks: 5 concurrent requests answered exactly as each alone (rows
     joining and leaving a batch of recurrent states); a chat's second turn takes the first
     turn's state from the prompt cache and prefills only what it lacks."""
     from serve_client import Server, chat
@@ -263,8 +263,8 @@ def test_serve_on_two_ranks(models, tmp_path):
     try:
         server.wait_ready(300)
         c = server.client(timeout=300)
-        prompts = ["hello", "The quick brown fox", "Tensor parallel", "abc", "xyz 0123",
-                   "Où est la gare?", "one two three", "Hello world!"]  # fmt: skip
+        # 5 rows of different lengths: rows join and leave the batch (8 cost 104 s in CI)
+        prompts = ["hello", "The quick brown fox", "abc", "Où est la gare?", "one two three"]
         alone = [chat(c, p, max_tokens=8)[0] for p in prompts]
         with ThreadPoolExecutor(8) as pool:
             together = list(pool.map(lambda p: chat(c, p, stream=True, max_tokens=8)[0], prompts))
