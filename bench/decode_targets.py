@@ -2,6 +2,7 @@
 
     python bench/decode_targets.py                      # 5 rounds, 64 tokens
     python bench/decode_targets.py --rounds 9 -g 128 --base /path/to/older/checkout
+    python bench/decode_targets.py --quiet 0.1   # on a shared machine: runs no one disturbed
 
 Every configuration generates `-g` tokens greedily after a 16-token prompt (end of
 sequence ignored) once per round, the order reversed every other round, and each target
@@ -32,9 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +93,42 @@ def configs(g: int, base: str | None) -> dict:
     return out
 
 
+def _busy_jiffies() -> int:
+    """The machine's CPU time so far, every process's (clock ticks, /proc/stat)."""
+    with open("/proc/stat") as f:
+        user, nice, system = (int(x) for x in f.readline().split()[1:4])
+    return user + nice + system
+
+
+def _own_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def quiet_run(fn, max_other: float, tries: int = 20) -> tuple[float, float]:
+    """fn() while the rest of the machine is idle: waits for a second in which other
+    processes used less than `max_other` of a core, runs fn, and runs it again when
+    others used more than `max_other` cores on average meanwhile (a shared machine's
+    jobs would otherwise slow one side of a ratio). Returns (fn's value, the others'
+    cores during it)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    for _ in range(tries):
+        for _ in range(600):  # up to 10 minutes for an idle second
+            b = _busy_jiffies()
+            time.sleep(1.0)
+            if (_busy_jiffies() - b) / hz < max_other:
+                break
+        b, own, t = _busy_jiffies(), _own_seconds(), time.perf_counter()
+        value = fn()
+        wall = time.perf_counter() - t
+        other = ((_busy_jiffies() - b) / hz - (_own_seconds() - own)) / wall
+        if other < max_other:
+            return value, other
+    raise RuntimeError(
+        f"the machine was not quiet in {tries} tries (others used {other:.2f} cores)"
+    )
+
+
 def _fp16(g: int, base: str | None) -> float:
     """llama_tp / mlx-lm generation tokens/s on the synthetic 0.5B float16, one process."""
     res = _bench([], ["--synthetic", "0.5b-fp16", "--compare", "mlx-lm"], min(g, 16), base)
@@ -116,20 +155,38 @@ def main() -> None:
     p.add_argument("--base", help="another checkout's root, its llama_tp rows side by side")
     p.add_argument("--only", nargs="+", help="run these configurations only")
     p.add_argument("--progress", action="store_true", help="each figure on stderr as measured")
+    p.add_argument(
+        "--quiet",
+        type=float,
+        metavar="CORES",
+        help="run each configuration while other processes use less than CORES cores (on a "
+        "shared machine: waits for an idle second, reruns a run others disturbed)",
+    )
     args = p.parse_args()
     runs = configs(args.g, args.base)
     if args.only:
         runs = {k: v for k, v in runs.items() if k in args.only}
     load = [os.getloadavg()[0]]
     res: dict[str, list[float]] = {k: [] for k in runs}
+    others: list[float] = []  # with --quiet: other processes' cores during each run
     for i in range(args.rounds):
         for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:
-            res[name].append(runs[name]())
+            other = None
+            if args.quiet is None:
+                res[name].append(runs[name]())
+            else:
+                value, other = quiet_run(runs[name], args.quiet)
+                res[name].append(value)
+                others.append(other)
             if args.progress:
-                print(f"round {i + 1}: {name}: {res[name][-1]:.2f}", file=sys.stderr, flush=True)
+                note = "" if other is None else f" (others: {other:.2f} cores)"
+                print(
+                    f"round {i + 1}: {name}: {res[name][-1]:.2f}{note}", file=sys.stderr, flush=True
+                )
     load.append(os.getloadavg()[0])
     print(
         f"load average {load[0]:.1f} before, {load[1]:.1f} after; {args.rounds} rounds, -g {args.g}"
+        + (f"; other processes used at most {max(others):.2f} cores during a run" if others else "")
     )
     print("| configuration | tokens/s (median) | rounds |\n| --- | --- | --- |")
     for name, xs in res.items():
