@@ -293,6 +293,31 @@ def test_products_ending_in_their_next_operation_equal_the_two(ext, dtype):
         ext.qmatmul_add_norm(x, wt, **args, r=r, weight=nw[:-1], eps=1e-5)
 
 
+def test_kv_write_is_mlxs_slice_update(ext):
+    """The decode step's cache update (one primitive) = mx.slice_update at a position
+    given as an array: one and several rows, a buffer held elsewhere too (copied, the
+    holder's values unchanged) and a transposed (non-contiguous) one, the last position;
+    rows that do not fit are refused in one line."""
+    rng = np.random.default_rng(5)
+    for dtype in (mx.float32, mx.float16):
+        buf = mx.array(rng.normal(size=(2, 3, 16, 8)).astype(np.float32)).astype(dtype)
+        held = mx.array(buf)
+        before = np.array(held.astype(mx.float32))
+        for rows, at in ((1, 5), (4, 12), (3, 0), (1, 15)):
+            upd = mx.array(rng.normal(size=(2, 3, rows, 8)).astype(np.float32)).astype(dtype)
+            pos = mx.array([at], mx.int32)
+            ref = mx.slice_update(held, upd, pos, axes=(2,))
+            assert mx.array_equal(ext.kv_write(held, upd, pos), ref).item()
+        assert np.array_equal(np.array(held.astype(mx.float32)), before)
+        t = buf.transpose(0, 1, 3, 2)  # (2, 3, 8, 16): strided
+        upd = mx.array(rng.normal(size=(2, 3, 2, 16)).astype(np.float32)).astype(dtype)
+        pos = mx.array([3], mx.int32)
+        ref = mx.slice_update(t, upd, pos, axes=(2,))
+        assert mx.array_equal(ext.kv_write(t, upd, pos), ref).item()
+    with pytest.raises(ValueError, match="kv_write's rows do not fit the buffer"):
+        ext.kv_write(buf, mx.zeros((2, 3, 17, 8), dtype), mx.array([0], mx.int32))
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_float_products_on_streams_equal_mlxs_product(ext, dtype):
     """float16 / bfloat16 products cut by output rows over 3 CPU streams: bit-equal to

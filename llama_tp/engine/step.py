@@ -37,6 +37,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import ext as native_ext
+from ..kernels import fusing, on_cpu
 from . import caches
 
 ENV = "LLAMA_TP_COMPILE"  # "0": run the decode step eagerly
@@ -64,10 +66,16 @@ class StepCache:
         self.offset, self.key_range = offsets, ranges
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        # two MLX updates, not one native one: a primitive of two outputs cannot take
-        # over its inputs' buffers (each output holds the inputs), so it would copy them
-        self.keys = mx.slice_update(self.keys, k, self.pos, axes=(2,))
-        self.values = mx.slice_update(self.values, v, self.pos, axes=(2,))
+        # two updates, not one: a primitive of two outputs cannot take over its inputs'
+        # buffers (each output holds the inputs), so it would copy them; each one native
+        # primitive on the CPU (MLX's slice_update is three tasks there)
+        e = native_ext()
+        if e is not None and on_cpu() and fusing():
+            self.keys = e.kv_write(self.keys, k, self.pos)
+            self.values = e.kv_write(self.values, v, self.pos)
+        else:
+            self.keys = mx.slice_update(self.keys, k, self.pos, axes=(2,))
+            self.values = mx.slice_update(self.values, v, self.pos, axes=(2,))
         return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Any = None) -> None:

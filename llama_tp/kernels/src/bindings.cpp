@@ -44,6 +44,9 @@ NB_MODULE(_ext, m) {
         "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
         "r"_a, "weight"_a, "eps"_a, "stream"_a = nb::none(),
         "qmatmul, then add_rms_norm(r, product): [r + product, its norm], one primitive.");
+  m.def("kv_write", &lt::kv_write, "buf"_a, "upd"_a, "pos"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "mx.slice_update(buf, upd, pos, axes=(2,)) for (B, H, S, D) buffers, one primitive.");
   m.def("qmatmul_heads", &lt::qmatmul_heads, "x"_a, "w"_a, "scales"_a = nb::none(),
         "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
         "a"_a, "b"_a, "c"_a, "d"_a, "rope_dims"_a = 0, "traditional"_a = false, "base"_a = 0.f,

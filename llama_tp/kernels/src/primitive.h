@@ -218,6 +218,20 @@ class Attention : public mx::Primitive {
   bool causal_, merged_;
 };
 
+// buf (B, H, S, D) with upd (B, H, L, D) written at [p, p + L) of axis 2, p the value of
+// `pos` (one int) when the step runs: mx.slice_update as one primitive (kv_write.cpp).
+mx::array kv_write(const mx::array& buf, const mx::array& upd, const mx::array& pos,
+                   mx::StreamOrDevice s = {});
+
+class KVWrite : public mx::Primitive {
+ public:
+  explicit KVWrite(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "LlamaTpKVWrite"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 // The instruction set in use ("avx512", "avx2", "neon", "scalar"); set_isa picks another
 // one this CPU runs (false if it does not).
 const char* isa();
