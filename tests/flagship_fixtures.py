@@ -35,6 +35,11 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              RoPE, 5 relu2 experts + a shared one
     nemotron_g1  the same Mamba-2 with one group (M *): 5 heads split anywhere, the
              group's B and C on every rank, its gated norm's sum all-reduced
+    kimi_k3  kimi_k3: fused KDA layers (5 heads of 32, a lower-bounded decay, a
+             full-rank output gate) around gated latent attention (10 heads, queries
+             through a rank of 64); SiTU everywhere; 5 latent experts (in 32 values, RMS
+             normed after their sum) + a shared one after a dense layer; attention
+             residuals over blocks of 2 layers; 3 layers
 """
 
 from __future__ import annotations
@@ -283,6 +288,49 @@ NEMOTRON_H = dict(
     routed_scaling_factor=2.5,
     **COMMON,
 )
+# Kimi K3: fused KDA (q | k | v in one projection and one conv, the decay bounded below,
+# a full-rank output gate) in layers 1 and 3, gated latent attention (queries through
+# q_lora_rank) in layer 2; SiTU in the dense layer, the shared and the routed experts;
+# the routed experts in a latent width of 32, normed after their sum; every layer's input
+# a softmax mix of the block states so far (blocks of 2 layers)
+KIMI_K3 = dict(
+    model_type="kimi_k3",
+    hidden_size=64,
+    num_hidden_layers=3,
+    intermediate_size=160,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    mla_use_nope=True,
+    mla_use_output_gate=True,
+    linear_attn_config=dict(
+        kda_layers=[1, 3],
+        full_attn_layers=[2],
+        num_heads=5,
+        head_dim=32,
+        short_conv_kernel_size=4,
+        gate_lower_bound=-5.0,
+        use_full_rank_gate=True,
+    ),
+    hidden_act="situ",
+    activation_situ_beta=2.0,
+    activation_situ_linear_beta=4.0,
+    attn_res_block_size=2,
+    num_experts=5,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=64,
+    routed_expert_hidden_size=32,
+    latent_moe_use_norm=True,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.446,
+    rms_norm_eps=1e-5,
+    **COMMON,
+)
 NEMOTRON_G1 = dict(NEMOTRON_H, mamba_num_heads=5, n_groups=1, hybrid_override_pattern=["M", "*"])
 CONFIGS = {
     "gemma4": GEMMA4,
@@ -296,10 +344,11 @@ CONFIGS = {
     "kimi_linear": KIMI_LINEAR,
     "nemotron_h": NEMOTRON_H,
     "nemotron_g1": NEMOTRON_G1,
+    "kimi_k3": KIMI_K3,
 }
 # the families whose 4-bit copy every launch checks too
 QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_linear")
-QUANTIZED += ("nemotron_h",)
+QUANTIZED += ("nemotron_h", "kimi_k3")
 # the families with a float32 GGUF copy too (as llama.cpp's converter writes it)
 GGUF = {"kimi_linear": lambda src, out: gguf_kimi(src, out)}
 

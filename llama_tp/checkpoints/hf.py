@@ -36,6 +36,8 @@ _MODEL_NAMES = [
     (r"^model\.embed_tokens_per_layer\.", "per_layer_embeddings."),
     (r"^model\.per_layer_model_projection\.", "per_layer_projection."),
     (r"^model\.per_layer_projection_norm\.", "per_layer_norm."),
+    # Kimi K3's attention residuals' output mix (`models/kimi_k3.py`)
+    (r"^model\.output_attn_res_", "output_attn_res_"),
 ]
 
 

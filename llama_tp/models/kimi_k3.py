@@ -1,0 +1,401 @@
+"""Kimi K3 (`kimi_k3`): fused Kimi delta attention, gated latent attention, SiTU, latent
+experts and attention residuals: mlx-lm's `kimi_k3` under the model's names, with each
+kind's split table.
+
+What K3 adds to Kimi-Linear (`kimi_delta.py`, docs/kimi-linear.md):
+
+    fused KDA         one `qkv_proj` and one short conv `qkv_conv` over q | k | v (split
+                      by heads as segments, as Gated DeltaNet's in_proj_qkv / conv1d:
+                      an ArraysCache of two), the decay bounded below
+                      (`gated_delta_update(lower_bound=...)`), a full-rank output gate
+                      `g_proj` (dim -> heads x d, split by rows) in place of g_a / g_b
+    latent attention  queries through `q_lora_rank`, no RoPE, and an output gate:
+                      sigmoid(g_proj(x)) times the merged heads before `wo` (g_proj's
+                      rows split with the query heads)
+    SiTU              beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up /
+                      linear_beta) in place of SiLU, in the dense feed-forward, the shared
+                      experts and the routed ones (mlx-lm's `SiTU` in SwitchGLU's slot)
+    latent experts    the routed experts run in `routed_expert_hidden_size` values
+                      between `routed_expert_down_proj` and `routed_expert_up_proj`, RMS
+                      normed after the routed sum: split (by tensor or by expert), the
+                      routed and shared partial sums are all-reduced together (the
+                      experts' one all-reduce) *before* that norm (`LatentExperts`: its
+                      call gives the partial sums, `finish` the rest)
+    attention         every layer's input is a softmax mix of the block-start hidden
+    residuals         states so far and the running partial sum (mlx-lm's
+                      `ResidualBlocks`, `_attn_res_mix`), blocks of `attn_res_block_size`
+                      layers; the model's output too. The block states go from layer to
+                      layer as the layers' side input (`KimiK3Transformer.side_inputs`)
+
+Nothing here knows about ranks: the styles the split tables give do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.kimi_k3 import ResidualBlocks, SiTU, _attn_res_mix, _situ
+from mlx_lm.models.kimi_k3 import _group_expert_select as k3_select
+from mlx_lm.models.kimi_linear import ShortConv1d
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from ..model import FeedForward, Transformer, TransformerBlock, run_layers
+from ..model_args import ModelArgs
+from ..parallel.fused import GATE_UP, fused
+from ..parallel.splits import (
+    CHANNELS,
+    COLUMNS,
+    ROWS,
+    VECTOR,
+    CacheSpec,
+    Segment,
+    SplitTable,
+    TensorSplit,
+    Unit,
+)
+from .kimi_delta import _NoRope, kimi_linear_fields
+from .latent_attention import LatentAttention
+from .moe import MoEFeedForward
+
+
+class FusedKimiDeltaAttention(nn.Module):
+    """x (B, L, dim) -> (B, L, dim), over an ArraysCache [q | k | v conv state (B, K - 1,
+    3 H d), delta-rule state (B, H, d, d) float32]: mlx-lm's `KimiK3DeltaAttention`."""
+
+    # its tensors under the attention slot (`self_attn.` -> `attention.`, o_proj -> wo:
+    # every attention's names)
+    hf_names = ()
+    gguf_names = ()
+
+    @classmethod
+    def split_table(cls, args: ModelArgs) -> SplitTable:
+        d = args.kda_head_dim
+        qkv = (Segment("kda_heads", d),) * 3
+        tensors = {
+            "qkv_proj": TensorSplit(segments=qkv),
+            "qkv_conv.conv": TensorSplit(segments=qkv, dim=CHANNELS),
+            "f_b_proj": TensorSplit("kda_heads", ROWS, d),
+            "g_proj" if args.kda_full_rank_gate else "g_b_proj": TensorSplit("kda_heads", ROWS, d),
+            "b_proj": TensorSplit("kda_heads", ROWS),
+            "A_log": TensorSplit("kda_heads", VECTOR),
+            "dt_bias": TensorSplit("kda_heads", VECTOR, d),
+            "wo": TensorSplit("kda_heads", COLUMNS, d),
+        }
+        local = {
+            "num_heads": (("kda_heads", 1),),
+            "projection_dim": (("kda_heads", d),),
+            "qkv_conv.conv.groups": (("kda_heads", 3 * d),),
+        }
+        return SplitTable(
+            "Kimi delta attention",
+            tensors,
+            module="units",
+            units=(Unit("kda_heads", args.kda_heads, "Kimi delta attention heads"),),
+            local=local,
+        )
+
+    @classmethod
+    def cache_spec(cls, args: ModelArgs, layer: int) -> CacheSpec | None:
+        d, taps = args.kda_head_dim, args.kda_conv_kernel - 1
+        return CacheSpec(
+            "arrays",
+            fixed=(("kda_heads", 3 * d * taps),),
+            fixed32=(("kda_heads", d * d),),
+            size=2,
+            mask="ssm",
+            what="Kimi delta attention",
+        )
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim = args.dim
+        self.num_heads, self.head_dim = h, d = args.kda_heads, args.kda_head_dim
+        self.projection_dim = p = h * d
+        self.conv_kernel = args.kda_conv_kernel
+        self.lower_bound = args.kda_lower_bound
+        self.qkv_proj = nn.Linear(dim, 3 * p, bias=False)
+        self.qkv_conv = ShortConv1d(3 * p, self.conv_kernel)
+        self.f_a_proj = nn.Linear(dim, d, bias=False)
+        self.f_b_proj = nn.Linear(d, p, bias=False)
+        self.b_proj = nn.Linear(dim, h, bias=False)
+        if args.kda_full_rank_gate:
+            self.g_proj = nn.Linear(dim, p, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(dim, d, bias=False)
+            self.g_b_proj = nn.Linear(d, p, bias=False)
+        self.A_log = mx.zeros((h,))
+        self.dt_bias = mx.zeros((p,))
+        self.o_norm = nn.RMSNorm(d, eps=args.norm_eps)
+        self.wo = nn.Linear(p, dim, bias=False)
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        B, T, _ = x.shape
+        h, d, p = self.num_heads, self.head_dim, self.projection_dim
+        lengths = cache.lengths if cache is not None else None
+        state = cache[0] if cache is not None else None
+        if state is None:
+            state = mx.zeros((B, self.conv_kernel - 1, 3 * p), x.dtype)
+        qkv, state = self.qkv_conv(self.qkv_proj(x), state, mask, lengths)
+        if cache is not None:
+            cache[0] = state
+        q, k, v = (qkv[..., i * p : (i + 1) * p].reshape(B, T, h, d) for i in range(3))
+        q, k = normalize_qk(q, k, inv_scale=d**-0.5, eps=1e-6)
+        a = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, h, d)
+        out, state = gated_delta_update(
+            q,
+            k,
+            v,
+            a,
+            self.b_proj(x),
+            self.A_log.reshape(h, 1),
+            self.dt_bias.reshape(h, d),
+            state=cache[1] if cache is not None else None,
+            mask=mask,
+            use_kernel=not self.training,
+            lower_bound=self.lower_bound,
+        )
+        if cache is not None:
+            cache[1] = state
+            cache.advance(T)
+        gate = self.g_proj(x) if "g_proj" in self else self.g_b_proj(self.g_a_proj(x))
+        gate = mx.sigmoid(gate.reshape(B, T, h, d))
+        return self.wo((self.o_norm(out.reshape(B, T, h, d)) * gate).reshape(B, T, -1))
+
+
+class GatedLatentAttention(LatentAttention):
+    """K3's latent attention: `LatentAttention` without RoPE (mlx-lm's `KimiK3MLAAttention`,
+    `mla_use_nope`), queries through `q_lora_rank`, and with `mla_use_output_gate` the
+    merged heads times sigmoid(g_proj(x)) before `wo`."""
+
+    hf_names = ()
+    gguf_names = ()
+
+    @classmethod
+    def split_table(cls, args: ModelArgs) -> SplitTable:
+        table = LatentAttention.split_table(args)
+        if not args.mla_output_gate:
+            return table
+        gate = TensorSplit("q_heads", ROWS, args.v_head_dim)  # with the heads' outputs
+        return replace(table, tensors={**table.tensors, "g_proj": gate})
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.rope = _NoRope()
+        if args.mla_output_gate:
+            self.g_proj = nn.Linear(args.dim, args.n_heads * args.v_head_dim, bias=False)
+
+    def gate(self, x: mx.array) -> mx.array | None:
+        return mx.sigmoid(self.g_proj(x)) if "g_proj" in self else None
+
+
+class SituFeedForward(FeedForward):
+    """x (B, L, dim) -> (B, L, dim): the gated feed-forward with SiTU (mlx-lm's `_situ`)
+    in place of SiLU; split as the core's (`FeedForward`)."""
+
+    hf_names = ()
+    gguf_names = ()
+
+    def __init__(self, args: ModelArgs, hidden_dim: int | None = None):
+        super().__init__(args, hidden_dim)
+        self.beta, self.linear_beta = args.situ_beta, args.situ_linear_beta
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate_up = fused(self, GATE_UP, x)  # one product when fused (parallel/fused.py)
+        gate, up = gate_up if gate_up is not None else (self.w1(x), self.w3(x))
+        return self.w2(_situ(up, gate, self.beta, self.linear_beta))
+
+
+class LatentExperts(MoEFeedForward):
+    """x (B, L, dim) -> the experts' partial sums (B, L, latent [+ dim]): the routed
+    experts' weighted sum in the latent width (after `routed_expert_down_proj`) beside
+    the shared experts' output, which the experts' style sums over the ranks; `finish`
+    then norms the routed part (`routed_expert_norm`), projects it up and adds the
+    shared part. Routing as mlx-lm's `KimiK3SparseMoE` (sigmoid + correction bias,
+    groups, renormalised, scaled); SiTU experts. Without a latent width it is the plain
+    routed sum plus the shared experts."""
+
+    hf_names = tuple(
+        (f"mlp.{n}", f"feed_forward.{n}")
+        for n in ("routed_expert_down_proj", "routed_expert_up_proj", "routed_expert_norm")
+    )
+    gguf_names = ()
+
+    def __init__(self, args: ModelArgs):
+        nn.Module.__init__(self)
+        object.__setattr__(self, "args", args)
+        dim, latent = args.dim, args.routed_expert_hidden_size
+        self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
+        self.router = nn.Linear(dim, args.n_experts, bias=False)
+        self.e_score_correction_bias = mx.zeros((args.n_experts,))
+        act = SiTU(args.situ_beta, args.situ_linear_beta)
+        self.switch_mlp = SwitchGLU(latent or dim, args.moe_hidden_dim, args.n_experts, act)
+        if latent:
+            self.routed_expert_down_proj = nn.Linear(dim, latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent, dim, bias=False)
+            if args.latent_moe_norm:
+                self.routed_expert_norm = nn.RMSNorm(latent, eps=args.norm_eps)
+        if args.shared_expert_dim:
+            self.shared_expert = SituFeedForward(args, args.shared_expert_dim)
+        object.__setattr__(self, "expert_load", None)
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        a = self.args
+        return k3_select(self.router(x), self.e_score_correction_bias, self.top_k, a.n_group,
+                         a.topk_group, a.routed_scaling_factor, a.norm_topk_prob)  # fmt: skip
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, scores = self.route(x)
+        if self.expert_load is not None:
+            counts = mx.zeros((self.n_experts,), mx.int32).at[inds.flatten()].add(1)
+            object.__setattr__(self, "expert_load", self.expert_load + counts)
+        y = self.routed_expert_down_proj(x) if "routed_expert_down_proj" in self else x
+        y = (self.switch_mlp(y, inds) * scores[..., None]).sum(axis=-2)
+        if "shared_expert" not in self:
+            return y
+        return mx.concatenate([y, self.shared_expert(x)], axis=-1)
+
+    def finish(self, y: mx.array) -> mx.array:
+        """The summed partials (B, L, latent [+ dim]) -> the block's output (B, L, dim)."""
+        shared = None
+        if "shared_expert" in self:
+            y, shared = mx.split(y, [self.args.routed_expert_hidden_size or self.args.dim], -1)
+        if "routed_expert_norm" in self:
+            y = self.routed_expert_norm(y)
+        if "routed_expert_up_proj" in self:
+            y = self.routed_expert_up_proj(y)
+        return y if shared is None else y + shared
+
+
+def _w_eff(norm: nn.RMSNorm, proj: nn.Linear) -> mx.array:
+    """A residual mix's query: the norm's weight times the projection's (dim,), float32."""
+    return norm.weight.astype(mx.float32) * proj.weight.reshape(-1)
+
+
+class KimiK3Layer(TransformerBlock):
+    """Attention (fused KDA or gated latent) then SiTU feed-forward or latent experts;
+    with `attn_res_block_size`, each half's input is mlx-lm's attention-residual mix of
+    the block states so far (`blocks`, the layers' side input) and the running partial
+    sum, and a block's first layer adds the partial sum it was given to the blocks."""
+
+    hf_names = tuple(
+        (n, n)
+        for n in (
+            "self_attention_res_proj",
+            "self_attention_res_norm",
+            "mlp_res_proj",
+            "mlp_res_norm",
+        )
+    )
+    gguf_names = ()
+
+    def __init__(self, args: ModelArgs, i: int):
+        kinds = layer_kinds(args, i)
+        super().__init__(args, kinds["attention"](args), kinds["feed_forward"](args), layer=i)
+        self.eps = args.norm_eps
+        size = args.attn_res_block_size
+        self.is_block_start = bool(size) and i % size == 0
+        if size:
+            self.self_attention_res_proj = nn.Linear(args.dim, 1, bias=False)
+            self.self_attention_res_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+            self.mlp_res_proj = nn.Linear(args.dim, 1, bias=False)
+            self.mlp_res_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def _feed_forward(self, x: mx.array) -> mx.array:
+        ff = self.feed_forward
+        return ff.finish(ff(x)) if isinstance(ff, LatentExperts) else ff(x)
+
+    def __call__(
+        self, x: mx.array, mask: Any = None, cache: Any = None, blocks: Any = None
+    ) -> mx.array:
+        if blocks is None:
+            h = x + self.attention(self.attention_norm(x), mask, cache)
+            return h + self._feed_forward(self.ffn_norm(h))
+        w = _w_eff(self.self_attention_res_norm, self.self_attention_res_proj)
+        h = _attn_res_mix(blocks, x, w, self.eps)
+        partial = x
+        if self.is_block_start:
+            blocks.append(x)
+            partial = None
+        y = self.attention(self.attention_norm(h), mask, cache)
+        partial = y if partial is None else partial + y
+        w = _w_eff(self.mlp_res_norm, self.mlp_res_proj)
+        h = _attn_res_mix(blocks, partial, w, self.eps)
+        return partial + self._feed_forward(self.ffn_norm(h))
+
+
+class KimiK3Transformer(Transformer):
+    """The K3 model: the layers' side input is the attention residuals' block states
+    (`side_inputs`: empty ones, filled by the layers), and the final norm's input their
+    mix with the last partial sum (`finish`, `output_attn_res_*`)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, [KimiK3Layer(args, i) for i in range(args.n_layers)])
+        if args.attn_res_block_size:
+            self.output_attn_res_proj = nn.Linear(args.dim, 1, bias=False)
+            self.output_attn_res_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def side_inputs(self, tokens: mx.array, h: mx.array) -> Any:
+        return ResidualBlocks(self.args.norm_eps) if self.args.attn_res_block_size else None
+
+    def finish(self, h: mx.array, blocks: Any) -> mx.array:
+        """The last layer's partial sum h (B, L, dim) -> the final norm's input."""
+        if blocks is None:
+            return h
+        w = _w_eff(self.output_attn_res_norm, self.output_attn_res_proj)
+        return _attn_res_mix(blocks, h, w, self.args.norm_eps)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None = None,
+        input_embeddings: mx.array | None = None,
+    ) -> mx.array:
+        h = self.embed(tokens, input_embeddings)
+        blocks = self.side_inputs(tokens, h)
+        h = run_layers(self.layers, h, cache, blocks)
+        return self.head(self.norm(self.finish(h, blocks)))
+
+
+def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
+    """Layer `i`'s kinds: fused KDA in `kda_layers`, gated latent attention elsewhere;
+    latent experts in the sparse layers, the SiTU feed-forward in the others."""
+    attention = FusedKimiDeltaAttention if i in args.kda_layers else GatedLatentAttention
+    feed_forward = LatentExperts if args.is_sparse(i) else SituFeedForward
+    return {"attention": attention, "feed_forward": feed_forward}
+
+
+# -- config fields (the family's registry row reads them) --------------------------
+
+
+def kimi_k3_fields(config: dict) -> dict:
+    """Kimi K3's fields from its config.json (or its `text_config`; mlx-lm's kimi_k3
+    defaults): Kimi-Linear's (`kimi_linear_fields`) plus the queries' rank, the KDA
+    decay's lower bound and full-rank gate, the latent attention's output gate, SiTU's
+    betas, the latent experts' width and norm, the attention residuals' block size."""
+    act = config.get("hidden_act", "situ")
+    if act != "situ":
+        raise ValueError(f"model config: hidden_act {act!r} (Kimi K3's is 'situ')")
+    if not config.get("mla_use_nope", True):
+        raise ValueError("model config: mla_use_nope false (Kimi K3's latent attention has none)")
+    lin = config.get("linear_attn_config") or {}
+    out = kimi_linear_fields({"num_experts_per_token": 16, **config})
+    latent = config.get("routed_expert_hidden_size") or 0
+    block = config.get("attn_res_block_size") or 0
+    if block < 0:
+        raise ValueError(f"model config: attn_res_block_size {block} (need a positive count)")
+    out["q_lora_rank"] = config.get("q_lora_rank") or 0
+    out["extra"] |= {
+        "kda_lower_bound": lin.get("gate_lower_bound"),
+        "kda_full_rank_gate": bool(lin.get("use_full_rank_gate", False)),
+        "mla_output_gate": bool(config.get("mla_use_output_gate", False)),
+        "situ_beta": float(config.get("activation_situ_beta") or 1.0),
+        "situ_linear_beta": config.get("activation_situ_linear_beta"),
+        "routed_expert_hidden_size": latent,
+        "latent_moe_norm": bool(latent and config.get("latent_moe_use_norm", False)),
+        "attn_res_block_size": block,
+    }
+    return out

@@ -1,0 +1,74 @@
+"""Kimi K3 in one process (issue 43): mlx-lm's own kimi_k3 on the same folders is the
+oracle (`flagship_fixtures.py`: float32 and mlx-lm's 4-bit convert: fused KDA with a
+lower-bounded decay and a full-rank gate, gated latent attention through q_lora_rank,
+SiTU, latent experts normed after their sum, attention residuals over blocks of 2). The
+ranks (2, 3, 4, --split 3:1, tp2 x pp2, serve) are `test_flagships.py`'s launches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from flagship_fixtures import flagship_models
+from test_kimi import _held
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return flagship_models(tmp_path_factory.mktemp("kimi_k3"), ("kimi_k3",))
+
+
+def test_one_process_equals_mlx_lm(models):
+    """Logits within 1e-4 of mlx-lm's model on the same folder (float32 and 4-bit), whole
+    and as a cached prefill then single steps, the same 32 greedy tokens, the caches (the
+    latent per token, the fused KDA's two state arrays per sequence) holding what `plan`
+    says."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+    from test_sparse_attention import _greedy, _greedy_mlx_lm
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.slices import model_shape
+    from llama_tp.parallel.placement import kv_cache_bytes, place
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    assert set(models) == {"kimi_k3", "kimi_k3-q4"}
+    for name, path in models.items():
+        ckpt = open_checkpoint(path)
+        ours, theirs = build_model(ckpt), load_model(path)[0]
+        assert type(theirs).__module__.endswith("kimi_k3") and ckpt.args.kda_layers == [0, 2]
+        kinds = [(type(x.attention).__name__, type(x.feed_forward).__name__) for x in ours.layers]
+        assert kinds == [
+            ("FusedKimiDeltaAttention", "SituFeedForward"),
+            ("GatedLatentAttention", "LatentExperts"),
+            ("FusedKimiDeltaAttention", "LatentExperts"),
+        ]
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, name
+        mine, ref = make_prompt_cache(ours), make_prompt_cache(theirs)
+        for a, b in [(0, 8), (8, 9), (9, 12)]:
+            got = ours(x[:, a:b], cache=mine) - theirs(x[:, a:b], cache=ref)
+            assert mx.abs(got).max().item() <= ATOL, (name, a)
+        prompt = x[0].tolist()
+        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        shape = model_shape(ckpt)
+        assert _held(mine) == kv_cache_bytes(shape, place(shape).ranks[0], tokens=12), name
+
+
+def test_chat_second_turn_reuses_the_cache(models):
+    """A chat's second turn prefills only what the first did not leave in the cache (the
+    KDA states checkpointed, not rewound)."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.tokenizer import load_tokenizer
+    from llama_tp.conversation.chat import Chat
+
+    ckpt = open_checkpoint(models["kimi_k3"])
+    chat = Chat(build_model(ckpt), load_tokenizer(ckpt), max_tokens=6)
+    chat.send("hi there")
+    chat.send("again")
+    assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
