@@ -332,6 +332,8 @@ class KimiK3Transformer(Transformer):
     (`side_inputs`: empty ones, filled by the layers), and the final norm's input their
     mix with the last partial sum (`finish`, `output_attn_res_*`)."""
 
+    head_modules = ("output_attn_res_proj", "output_attn_res_norm")  # the last stage's
+
     def __init__(self, args: ModelArgs):
         super().__init__(args, [KimiK3Layer(args, i) for i in range(args.n_layers)])
         if args.attn_res_block_size:
@@ -340,6 +342,32 @@ class KimiK3Transformer(Transformer):
 
     def side_inputs(self, tokens: mx.array, h: mx.array) -> Any:
         return ResidualBlocks(self.args.norm_eps) if self.args.attn_res_block_size else None
+
+    # A pipeline stage hands on h and every block state so far, (B, L, (1 + K) dim) as
+    # mlx-lm packs them (its (K + 1, B, L, dim) send), K = the blocks begun before the
+    # next stage's first layer; the receiver recomputes their inverse RMS, as mlx-lm's.
+
+    def hand_off_width(self, layer: int) -> int:
+        size = self.args.attn_res_block_size
+        return -(-layer // size) * self.args.dim if size else 0
+
+    def hand_off(self, h: mx.array, blocks: Any) -> mx.array:
+        if blocks is None or blocks.raw is None:
+            return h
+        K, B, L, dim = blocks.raw.shape
+        raw = blocks.raw.astype(h.dtype).moveaxis(0, 2).reshape(B, L, K * dim)
+        return mx.concatenate([h, raw], axis=-1)
+
+    def take_over(self, x: mx.array) -> tuple[mx.array, Any]:
+        a = self.args
+        if not a.attn_res_block_size:
+            return x, None
+        blocks, (B, L, width) = ResidualBlocks(a.norm_eps), x.shape
+        if width > a.dim:
+            raw = x[..., a.dim :].reshape(B, L, width // a.dim - 1, a.dim).moveaxis(2, 0)
+            xf = raw.astype(mx.float32)
+            blocks.raw, blocks.inv_rms = raw, mx.rsqrt((xf * xf).mean(axis=-1) + a.norm_eps)
+        return x[..., : a.dim], blocks
 
     def finish(self, h: mx.array, blocks: Any) -> mx.array:
         """The last layer's partial sum h (B, L, dim) -> the final norm's input."""
