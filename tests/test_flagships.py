@@ -33,7 +33,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 GEMMA = ("gemma4_text", "gemma3_text")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 MINIMAX = ("minimax",)
-KIMI = ("kimi_linear",)
+KIMI = ("kimi_linear", "kimi_k3")
 LLAMA4 = ("llama4", "llama4_text")
 STEP = ("step3p5",)
 NEMOTRON = ("nemotron_h",)
@@ -83,9 +83,10 @@ def test_two_ranks_and_a_weighted_split(models):
     specs += [f"{l4}#expert", f"{l4q}#tensor", f"{l4}%3:1#tensor"]
     specs += [f"{st}#expert", f"{sq}#tensor", f"{st}%3:1#tensor"]
     nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
-    lines = _check(2, [*specs, f"{nh}#expert", f"{nq}#tensor", f"{nh}%3:1#tensor"])
+    specs += [f"{nh}#expert", f"{nq}#tensor", f"{nh}%3:1#tensor"]
+    lines = _check(2, [*specs, f"{models['kimi_k3']}%3:1#tensor"])
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
-    assert _families(lines) == families and len(lines) == 24
+    assert _families(lines) == families and len(lines) == 25
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
@@ -98,6 +99,8 @@ def test_two_ranks_and_a_weighted_split(models):
     # Nemotron-H: the attention's 4/1 KV heads (256 bytes a token each), the Mamba layer's
     # conv and scan states of 4/1 groups (2 heads of 32, 16 state values: 5248 bytes each)
     assert weighted["nemotron_h"] == [1024 + 4 * 5248, 256 + 5248]
+    # Kimi K3: the latent whole, the fused KDA states of 4/1 heads in each of its 2 layers
+    assert weighted["kimi_k3"] == [320 + 8 * 5248, 320 + 2 * 5248]
 
 
 def test_three_ranks(models):
@@ -125,9 +128,9 @@ def test_three_ranks(models):
     specs += [f"{l4}#tensor", f"{l4q}#expert", l4t]
     specs += [f"{st}#tensor", f"{sq}#expert"]
     nh, g1 = str(models["nemotron_h"]), str(models["nemotron_g1"])
-    lines = _check(3, [*specs, f"{nh}#tensor", g1])
+    lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{models['kimi_k3']}#expert"])
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP, *NEMOTRON}
-    assert _families(lines) == families and len(lines) == 16
+    assert _families(lines) == families and len(lines) == 17
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "step3p5"] == [
         [1024, 1536, 768]
     ] * 2
@@ -144,6 +147,8 @@ def test_three_ranks(models):
         [512 + 10496, 512 + 10496, 256 + 5248],
         [512 + 5248, 512 + 5248, 256 + 2816],
     ]
+    k3 = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_k3"]
+    assert k3 == [[320 + 4 * 5248, 320 + 4 * 5248, 320 + 2 * 5248]]  # 2/2/1 heads, 2 layers
 
 
 def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
@@ -170,19 +175,28 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     specs += [f"{l4q}#tensor", f"{l4}@2,2#expert"]
     specs += [f"{sq}#tensor", f"{st}@2,2#expert"]
     nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
-    lines = _check(4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert"])
+    k3, k3q = str(models["kimi_k3"]), str(models["kimi_k3-q4"])
+    lines = _check(
+        4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert", f"{k3q}#tensor", f"{k3}@2,2#expert"]
+    )
     meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
-    assert [x["mesh"] for x in lines] == meshes + [None, [2, 2]] * 3
+    assert [x["mesh"] for x in lines] == meshes + [None, [2, 2]] * 4
     assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
-    assert lines[-1]["cache_per_token"] == [15744, 10496, 768, 512]  # Mamba | attention
+    assert lines[-3]["cache_per_token"] == [15744, 10496, 768, 512]  # Mamba | attention
     # Kimi-Linear's stages: the KDA layer's state (3/2 heads) on the first, the latent on
     # the second; on 4 tensor ranks its 5 KDA heads as 2/1/1/1
     kimi = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_linear"]
     assert kimi == [[320 + 2 * 5248] + [320 + 5248] * 3, [3 * 5248, 2 * 5248, 320, 320]]
+    # Kimi K3 on 4 ranks (KDA heads 2/1/1/1 in both KDA layers), and as 2 stages of 2 (the
+    # first KDA and the latent layer on the first stage, the second KDA layer on the
+    # second, which receives the attention residuals' first block state beside h)
+    k3 = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_k3"]
+    mesh = [320 + 3 * 5248, 320 + 2 * 5248, 3 * 5248, 2 * 5248]
+    assert k3 == [[320 + 4 * 5248] + [320 + 2 * 5248] * 3, mesh]
 
 
 SERVED = ["gemma4-q4", "deepseek_v32-q4", "minimax-q4", "kimi_linear-q4", "step3p5-q4"]
-SERVED += ["nemotron_h-q4"]
+SERVED += ["nemotron_h-q4", "kimi_k3-q4"]
 
 
 @pytest.mark.ranks
