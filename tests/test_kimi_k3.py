@@ -72,3 +72,44 @@ def test_chat_second_turn_reuses_the_cache(models):
     chat.send("hi there")
     chat.send("again")
     assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
+
+
+def test_synthetic_kimi_k3_is_mlx_lms(tmp_path):
+    """`bench --synthetic kimi-k3-*`: the tensors mlx-lm's own class holds (its residual
+    queries kept float in the 4-bit copy, as mlx-lm's convert keeps them), so that mlx-lm
+    loads the same folder and gives the same logits."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.benchmarks.synthetic import write_synthetic
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
+    for spec in ("kimi-k3-tiny-fp32", "kimi-k3-tiny-q4"):
+        path = write_synthetic(spec, tmp_path / spec)
+        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+        assert ours.args.model_type == "kimi_k3" and ours.args.kda_layers == [0, 1, 2]
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+
+
+def test_plan_of_kimi_k3(models):
+    """`plan` on 3 ranks (--split 2:2:1, by expert): 10 latent heads as 4/4/2, 5 KDA heads
+    as 2/2/1 (each rank's states for its heads), 5 experts as 2/2/1, and K3's own line."""
+    from conftest import run_python
+
+    out = run_python(
+        ["-m", "llama_tp.plan", "-n", "3", "--split", "2:2:1", "--moe-split", "expert"]
+        + ["--model", str(models["kimi_k3"])]
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line[:2] in ("0 ", "1 ", "2 ")]
+    assert [r[1:3] + r[5:7] + r[11:13] for r in rows[-3:]] == [
+        ["0-3", "[4]", "0-1", "[2]", "0-1", "[2]"],
+        ["4-7", "[4]", "2-3", "[2]", "2-3", "[2]"],
+        ["8-9", "[2]", "4-4", "[1]", "4-4", "[1]"],
+    ]
+    assert "Recurrent state per sequence: rank 0 20.50 KiB, rank 1 20.50 KiB, rank 2 10.25 KiB" in (
+        out.stdout
+    )
+    assert "Kimi K3: fused KDA" in out.stdout and "before the latent's norm" in out.stdout
+    assert "model_type 'kimi_k3' is implemented natively" in out.stdout
