@@ -12,15 +12,13 @@ What K3 adds to Kimi-Linear (`kimi_delta.py`, docs/kimi-linear.md):
     latent attention  queries through `q_lora_rank`, no RoPE, and an output gate:
                       sigmoid(g_proj(x)) times the merged heads before `wo` (g_proj's
                       rows split with the query heads)
-    SiTU              beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up /
-                      linear_beta) in place of SiLU, in the dense feed-forward, the shared
-                      experts and the routed ones (mlx-lm's `SiTU` in SwitchGLU's slot)
+    SiTU              in place of SiLU in every feed-forward and expert
+                      (`latent_experts.py`)
     latent experts    the routed experts run in `routed_expert_hidden_size` values
                       between `routed_expert_down_proj` and `routed_expert_up_proj`, RMS
                       normed after the routed sum: split (by tensor or by expert), the
                       routed and shared partial sums are all-reduced together (the
-                      experts' one all-reduce) *before* that norm (`LatentExperts`: its
-                      call gives the partial sums, `finish` the rest)
+                      experts' one all-reduce) *before* that norm (`latent_experts.py`)
     attention         every layer's input is a softmax mix of the block-start hidden
     residuals         states so far and the running partial sum (mlx-lm's
                       `ResidualBlocks`, `_attn_res_mix`), blocks of `attn_res_block_size`
@@ -38,14 +36,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
-from mlx_lm.models.kimi_k3 import ResidualBlocks, SiTU, _attn_res_mix, _situ
-from mlx_lm.models.kimi_k3 import _group_expert_select as k3_select
+from mlx_lm.models.kimi_k3 import ResidualBlocks, _attn_res_mix
 from mlx_lm.models.kimi_linear import ShortConv1d
-from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..model import FeedForward, Transformer, TransformerBlock, run_layers
+from ..model import Transformer, TransformerBlock, run_layers
 from ..model_args import ModelArgs
-from ..parallel.fused import GATE_UP, fused
 from ..parallel.splits import (
     CHANNELS,
     COLUMNS,
@@ -59,7 +54,7 @@ from ..parallel.splits import (
 )
 from .kimi_delta import _NoRope, kimi_linear_fields
 from .latent_attention import LatentAttention
-from .moe import MoEFeedForward
+from .latent_experts import LatentExperts, SituFeedForward
 
 
 class FusedKimiDeltaAttention(nn.Module):
@@ -190,84 +185,6 @@ class GatedLatentAttention(LatentAttention):
 
     def gate(self, x: mx.array) -> mx.array | None:
         return mx.sigmoid(self.g_proj(x)) if "g_proj" in self else None
-
-
-class SituFeedForward(FeedForward):
-    """x (B, L, dim) -> (B, L, dim): the gated feed-forward with SiTU (mlx-lm's `_situ`)
-    in place of SiLU; split as the core's (`FeedForward`)."""
-
-    hf_names = ()
-    gguf_names = ()
-
-    def __init__(self, args: ModelArgs, hidden_dim: int | None = None):
-        super().__init__(args, hidden_dim)
-        self.beta, self.linear_beta = args.situ_beta, args.situ_linear_beta
-
-    def __call__(self, x: mx.array) -> mx.array:
-        gate_up = fused(self, GATE_UP, x)  # one product when fused (parallel/fused.py)
-        gate, up = gate_up if gate_up is not None else (self.w1(x), self.w3(x))
-        return self.w2(_situ(up, gate, self.beta, self.linear_beta))
-
-
-class LatentExperts(MoEFeedForward):
-    """x (B, L, dim) -> the experts' partial sums (B, L, latent [+ dim]): the routed
-    experts' weighted sum in the latent width (after `routed_expert_down_proj`) beside
-    the shared experts' output, which the experts' style sums over the ranks; `finish`
-    then norms the routed part (`routed_expert_norm`), projects it up and adds the
-    shared part. Routing as mlx-lm's `KimiK3SparseMoE` (sigmoid + correction bias,
-    groups, renormalised, scaled); SiTU experts. Without a latent width it is the plain
-    routed sum plus the shared experts."""
-
-    hf_names = tuple(
-        (f"mlp.{n}", f"feed_forward.{n}")
-        for n in ("routed_expert_down_proj", "routed_expert_up_proj", "routed_expert_norm")
-    )
-    gguf_names = ()
-
-    def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        object.__setattr__(self, "args", args)
-        dim, latent = args.dim, args.routed_expert_hidden_size
-        self.n_experts, self.top_k = args.n_experts, args.n_experts_per_tok
-        self.router = nn.Linear(dim, args.n_experts, bias=False)
-        self.e_score_correction_bias = mx.zeros((args.n_experts,))
-        act = SiTU(args.situ_beta, args.situ_linear_beta)
-        self.switch_mlp = SwitchGLU(latent or dim, args.moe_hidden_dim, args.n_experts, act)
-        if latent:
-            self.routed_expert_down_proj = nn.Linear(dim, latent, bias=False)
-            self.routed_expert_up_proj = nn.Linear(latent, dim, bias=False)
-            if args.latent_moe_norm:
-                self.routed_expert_norm = nn.RMSNorm(latent, eps=args.norm_eps)
-        if args.shared_expert_dim:
-            self.shared_expert = SituFeedForward(args, args.shared_expert_dim)
-        object.__setattr__(self, "expert_load", None)
-
-    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        a = self.args
-        return k3_select(self.router(x), self.e_score_correction_bias, self.top_k, a.n_group,
-                         a.topk_group, a.routed_scaling_factor, a.norm_topk_prob)  # fmt: skip
-
-    def __call__(self, x: mx.array) -> mx.array:
-        inds, scores = self.route(x)
-        if self.expert_load is not None:
-            counts = mx.zeros((self.n_experts,), mx.int32).at[inds.flatten()].add(1)
-            object.__setattr__(self, "expert_load", self.expert_load + counts)
-        y = self.routed_expert_down_proj(x) if "routed_expert_down_proj" in self else x
-        y = (self.switch_mlp(y, inds) * scores[..., None]).sum(axis=-2)
-        if "shared_expert" not in self:
-            return y
-        return mx.concatenate([y, self.shared_expert(x)], axis=-1)
-
-    def finish(self, y: mx.array) -> mx.array:
-        """The summed partials (B, L, latent [+ dim]) -> the block's output (B, L, dim)."""
-        shared = None
-        if "shared_expert" in self:
-            y, shared = mx.split(y, [self.args.routed_expert_hidden_size or self.args.dim], -1)
-        if "routed_expert_norm" in self:
-            y = self.routed_expert_norm(y)
-        if "routed_expert_up_proj" in self:
-            y = self.routed_expert_up_proj(y)
-        return y if shared is None else y + shared
 
 
 def _w_eff(norm: nn.RMSNorm, proj: nn.Linear) -> mx.array:

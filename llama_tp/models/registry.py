@@ -105,8 +105,9 @@ from .kimi_delta import (
     kimi_linear_fields,
     kimi_linear_gguf_fields,
 )
-from .kimi_k3 import KimiK3Layer, KimiK3Transformer, LatentExperts, kimi_k3_fields
+from .kimi_k3 import KimiK3Layer, KimiK3Transformer, kimi_k3_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
+from .latent_experts import LatentExperts
 from .mamba import Mamba2Mixer
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .nemotron_h import NoRopeAttention, nemotron_h_config, nemotron_h_fields
