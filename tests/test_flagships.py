@@ -8,7 +8,7 @@ tensor ranks (4 ranks), each check once.
 one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
 `test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
 keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2), `test_kimi.py`
-(Kimi-Linear), `test_llama4.py` (Llama 4: chunks of 4, so the 10-token prompt and 8
+(Kimi-Linear), `test_kimi_k3.py` (Kimi K3), `test_llama4.py` (Llama 4: chunks of 4, so the 10-token prompt and 8
 steps span five), `test_step3p5.py` (Step-3.5) and `test_nemotron_h.py` (Nemotron-H);
 the next family adds its fixture to
 `flagship_fixtures.CONFIGS` and these launches).
@@ -70,7 +70,9 @@ def test_two_ranks_and_a_weighted_split(models):
     tensor, and `--split 3:1` (4/1 KV heads); Step-3.5 by expert (global 3/2 KV heads,
     sliding 4/4 query heads over 1/1 KV heads), its 4-bit copy by tensor, and `--split
     3:1` (sliding 6/2 query heads over 2/1 KV); Nemotron-H by expert (Mamba groups 3/2,
-    their heads 6/4), its 4-bit copy by tensor, and `--split 3:1` (Mamba groups 4/1)."""
+    their heads 6/4), its 4-bit copy by tensor, and `--split 3:1` (Mamba groups 4/1);
+    Kimi K3 with `--split 3:1` by tensor (4/1 fused KDA heads, 8/2 latent heads, the
+    latent experts' partial sums reduced before their norm)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -116,7 +118,7 @@ def test_three_ranks(models):
     llama4_text; Step-3.5's sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the
     middle rank holds both); Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor), and
     its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
-    gated norm's sum of squares all-reduced)."""
+    gated norm's sum of squares all-reduced); Kimi K3 by expert (5 KDA heads as 2/2/1)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -163,7 +165,9 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     heads 2/1/1/1) and as 2 stages of 2 (each stage's chunked caches and masks);
     Step-3.5's 4-bit copy on 4 ranks and as 2 stages of 2; Nemotron-H's 4-bit copy on 4
     ranks (Mamba groups 2/1/1/1) and as 2 stages of 2 (the Mamba layer's state on the
-    first stage's ranks, the attention's cache on the second's)."""
+    first stage's ranks, the attention's cache on the second's); Kimi K3's 4-bit copy on 4
+    ranks (KDA heads 2/1/1/1) and as 2 stages of 2 (its attention residuals' first block
+    state handed on beside h)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -208,7 +212,8 @@ def test_serve_concurrent_requests_on_two_ranks(models, tmp_path, name):
     left-padded batch over its own top-k keys; MiniMax-M2's q/k norms reduced over a
     batch's rows; Kimi-Linear's KDA states, a left-padded row's short convs fed no padding;
     Step-3.5's sliding layers' windows and their own heads in a batch; Nemotron-H's Mamba
-    states merged, left padding kept out of its conv and scan). Llama 4's (its
+    states merged, left padding kept out of its conv and scan; Kimi K3's fused KDA states
+    and attention residuals over a batch's rows). Llama 4's (its
     chunked caches do not merge: one sequence at a time) is `test_generic_drivers.py`'s
     2-rank server."""
     from serve_client import Server, chat
