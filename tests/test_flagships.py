@@ -8,9 +8,9 @@ tensor ranks (4 ranks), each check once.
 one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
 `test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
 keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2), `test_kimi.py`
-(Kimi-Linear), `test_kimi_k3.py` (Kimi K3), `test_llama4.py` (Llama 4: chunks of 4, so the 10-token prompt and 8
-steps span five), `test_step3p5.py` (Step-3.5) and `test_nemotron_h.py` (Nemotron-H);
-the next family adds its fixture to
+(Kimi-Linear), `test_kimi_k3.py` (Kimi K3), `test_llama4.py` (Llama 4: chunks of 4, so
+the 10-token prompt and 8 steps span five), `test_step3p5.py` (Step-3.5) and
+`test_nemotron_h.py` (Nemotron-H); the next family adds its fixture to
 `flagship_fixtures.CONFIGS` and these launches).
 """
 
