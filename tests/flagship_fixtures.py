@@ -351,6 +351,8 @@ QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_lin
 QUANTIZED += ("nemotron_h", "kimi_k3")
 # the families with a float32 GGUF copy too (as llama.cpp's converter writes it)
 GGUF = {"kimi_linear": lambda src, out: gguf_kimi(src, out)}
+# the families with a float32 copy in their release's own layout too
+RELEASE = {"kimi_k3": lambda src, out: release_k3(src, out)}
 
 
 def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:
@@ -393,6 +395,60 @@ def flagship_models(root: Path, names=tuple(CONFIGS)) -> dict[str, Path]:
             out[f"{name}-q4"] = quantized(out[name], root / f"{name}-q4")
         if name in GGUF:
             out[f"{name}-gguf"] = GGUF[name](out[name], root / f"{name}.gguf")
+        if name in RELEASE:
+            out[f"{name}-release"] = RELEASE[name](out[name], root / f"{name}-release")
+    return out
+
+
+def release_k3(src: Path, out: Path) -> Path:
+    """Kimi K3's release layout of mlx-lm's float32 folder `src` (what mlx-lm's sanitize
+    undoes): the names at the top (not under `language_model.`), per-expert w1/w2/w3 under
+    `block_sparse_moe` with the routing bias in its gate, q/k/v projections and convs
+    (C, 1, K) apart, A_log 3 values longer than the heads, the latent's `kv_b_proj`, the
+    residual queries as `*_res.proj_weight` / `*_res.norm_weight`."""
+    import shutil
+
+    config = json.loads((src / "config.json").read_text())
+    first = config["first_k_dense_replace"]
+    names = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+    rel = {}
+    for k, v in mx.load(str(src / "model.safetensors")).items():
+        k = k.removeprefix("language_model.")
+        layer = int(k.split(".")[2]) if k.startswith("model.layers.") else -1
+        if layer >= first:
+            k = k.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+            k = k.replace(".mlp.", ".block_sparse_moe.")
+        if ".switch_mlp." in k:
+            proj = k.split(".")[-2]
+            for e in range(v.shape[0]):
+                expert = k.replace("switch_mlp", f"experts.{e}").replace(proj, names[proj])
+                rel[expert] = v[e]
+            continue
+        if ".qkv_proj." in k or ".qkv_conv." in k:
+            for c, part in zip("qkv", mx.split(v, 3), strict=True):
+                if ".qkv_proj." in k:
+                    rel[k.replace("qkv_proj", f"{c}_proj")] = part
+                else:  # (C, K, 1) -> the release's (C, 1, K)
+                    rel[k.replace("qkv_conv.conv", f"{c}_conv1d")] = part.swapaxes(1, 2)
+            continue
+        if k.endswith("A_log"):
+            v = mx.concatenate([v, mx.zeros((3,), v.dtype)])
+        if k.endswith("embed_q.weight") and "unembed" not in k:  # (H, rank, nope)
+            up = mx.load(str(src / "model.safetensors"))[
+                "language_model." + k.replace("embed_q", "unembed_out")
+            ]  # (H, v, rank)
+            k, v = (
+                k.replace("embed_q", "kv_b_proj"),
+                mx.concatenate([v.swapaxes(1, 2), up], axis=1).reshape(-1, v.shape[1]),
+            )
+        elif k.endswith("unembed_out.weight"):
+            continue
+        for r in ("self_attention_res", "mlp_res", "output_attn_res"):
+            for x in ("proj", "norm"):
+                k = k.replace(f"{r}_{x}.weight", f"{r}.{x}_weight")
+        rel[k] = v
+    shutil.copytree(src, out)
+    mx.save_safetensors(str(out / "model.safetensors"), rel)
     return out
 
 

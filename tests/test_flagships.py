@@ -118,7 +118,9 @@ def test_three_ranks(models):
     llama4_text; Step-3.5's sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the
     middle rank holds both); Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor), and
     its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
-    gated norm's sum of squares all-reduced); Kimi K3 by expert (5 KDA heads as 2/2/1)."""
+    gated norm's sum of squares all-reduced); Kimi K3 by expert (5 KDA heads as 2/2/1),
+    from its release's layout (q, k, v projections and convs apart, read in slices as the
+    fused ones; per-expert tensors)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -130,7 +132,7 @@ def test_three_ranks(models):
     specs += [f"{l4}#tensor", f"{l4q}#expert", l4t]
     specs += [f"{st}#tensor", f"{sq}#expert"]
     nh, g1 = str(models["nemotron_h"]), str(models["nemotron_g1"])
-    lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{models['kimi_k3']}#expert"])
+    lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{models['kimi_k3-release']}#expert"])
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP, *NEMOTRON}
     assert _families(lines) == families and len(lines) == 17
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "step3p5"] == [

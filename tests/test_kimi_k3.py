@@ -37,8 +37,9 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"kimi_k3", "kimi_k3-q4"}
-    for name, path in models.items():
+    assert set(models) == {"kimi_k3", "kimi_k3-q4", "kimi_k3-release"}
+    for name in ("kimi_k3", "kimi_k3-q4"):
+        path = models[name]
         ckpt = open_checkpoint(path)
         ours, theirs = build_model(ckpt), load_model(path)[0]
         assert type(theirs).__module__.endswith("kimi_k3") and ckpt.args.kda_layers == [0, 2]
@@ -113,3 +114,31 @@ def test_plan_of_kimi_k3(models):
     )
     assert "Kimi K3: fused KDA" in out.stdout and "before the latent's norm" in out.stdout
     assert "model_type 'kimi_k3' is implemented natively" in out.stdout
+
+
+def test_release_layout_equals_mlx_lm(models, tmp_path):
+    """The release's layout (`flagship_fixtures.release_k3`: q/k/v projections and convs
+    apart, per-expert w1/w2/w3, A_log longer than the heads, kv_b_proj, `*_res.proj_weight`)
+    reads as the model holds it and gives mlx-lm's logits (its sanitize undoing the same;
+    on 3 ranks, read in slices: test_flagships); its packed int4 experts are refused in one
+    line."""
+    import shutil
+
+    from mlx_lm.utils import load_model
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.base import CheckpointError
+    from llama_tp.checkpoints.build import build_model
+
+    path = models["kimi_k3-release"]
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+    assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL
+    packed = tmp_path / "packed"
+    shutil.copytree(path, packed)
+    weights = mx.load(str(packed / "model.safetensors"))
+    name = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
+    weights[name] = mx.zeros((128, 8), mx.int32)
+    mx.save_safetensors(str(packed / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError, match=f"{name}: the release's packed int4 experts"):
+        open_checkpoint(packed)

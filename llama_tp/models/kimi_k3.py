@@ -198,14 +198,12 @@ class KimiK3Layer(TransformerBlock):
     the block states so far (`blocks`, the layers' side input) and the running partial
     sum, and a block's first layer adds the partial sum it was given to the blocks."""
 
+    # mlx-lm's names, and the release's (`self_attention_res.proj_weight`)
     hf_names = tuple(
-        (n, n)
-        for n in (
-            "self_attention_res_proj",
-            "self_attention_res_norm",
-            "mlp_res_proj",
-            "mlp_res_norm",
-        )
+        pair
+        for r in ("self_attention_res", "mlp_res")
+        for x in ("proj", "norm")
+        for pair in ((f"{r}_{x}", f"{r}_{x}"), (f"{r}.{x}_weight$", f"{r}_{x}.weight"))
     )
     gguf_names = ()
 

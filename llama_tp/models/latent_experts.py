@@ -55,9 +55,15 @@ class LatentExperts(MoEFeedForward):
     groups, renormalised, scaled); SiTU experts. Without a latent width it is the plain
     routed sum plus the shared experts."""
 
-    hf_names = tuple(
-        (f"mlp.{n}", f"feed_forward.{n}")
-        for n in ("routed_expert_down_proj", "routed_expert_up_proj", "routed_expert_norm")
+    # under `mlp.` (mlx-lm's) or `block_sparse_moe.` (the release's; its routing bias in
+    # its gate; the rest of the release's names are `MoEFeedForward`'s)
+    hf_names = (
+        ("block_sparse_moe.gate.e_score_correction_bias$", "feed_forward.e_score_correction_bias"),
+        *(
+            (f"{block}.{n}", f"feed_forward.{n}")
+            for block in ("mlp", "block_sparse_moe")
+            for n in ("routed_expert_down_proj", "routed_expert_up_proj", "routed_expert_norm")
+        ),
     )
     gguf_names = ()
 
