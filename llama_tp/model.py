@@ -28,7 +28,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache,
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .kernels import merge_heads, scaled_dot_product_attention  # mlx-lm's, native on CPU
-from .kernels.layers import add_norm
+from .kernels.layers import Pending, add_norm, product_add_norm, settle, settle_add_norm
 from .model_args import ModelArgs
 from .parallel.fused import fused_glu, fused_heads, fused_heads_rotated
 from .parallel.llama_plan import table_styles
@@ -137,6 +137,10 @@ class Attention(nn.Module):
         return self.rope(q, offset=offset), self.rope(k, offset=offset), v
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        return self.wo(self.mixed(x, mask, cache))
+
+    def mixed(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        """The heads' outputs side by side before `wo`: x (B, L, dim) -> (B, L, nh * hd)."""
         offset = cache.offset if cache is not None else 0
         q, k, v = self.project_rotated(x, offset)
         if cache is not None:
@@ -146,7 +150,7 @@ class Attention(nn.Module):
             # its KV head and attend as plain multi-head attention.
             k = mx.take(k, self._kv_index, axis=1)
             v = mx.take(v, self._kv_index, axis=1)
-        return self.wo(self._attend(q, k, v, mask, cache, merged=True))  # (B, L, nh * hd)
+        return self._attend(q, k, v, mask, cache, merged=True)
 
     def _attend(
         self, q: mx.array, k: mx.array, v: mx.array, mask: Any, cache: Any, merged: bool = False
@@ -231,10 +235,14 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, hidden, bias=args.mlp_bias)  # up
 
     def __call__(self, x: mx.array) -> mx.array:
+        return self.w2(self.glu(x))
+
+    def glu(self, x: mx.array) -> mx.array:
+        """silu(w1 x) * w3 x, before `w2`: x (B, L, dim) -> (B, L, hidden)."""
         glu = fused_glu(self, x)  # one product (parallel/fused.py)
         if glu is None:
             glu = nn.silu(self.w1(x)) * self.w3(x)
-        return self.w2(glu)
+        return glu
 
     def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
         """Split the intermediate columns over `group`: w1/w3 by rows, w2 by columns
@@ -278,8 +286,28 @@ class TransformerBlock(nn.Module):
         return {"attention": self.attention, "feed_forward": self.feed_forward}
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        h, normed = add_norm(x, self.attention(self.attention_norm(x), mask, cache), self.ffn_norm)
-        return h + self.feed_forward(normed)
+        h, f = self.parts(x, None, mask, cache)
+        return h + settle(f)
+
+    def parts(
+        self, x: mx.array, r: Pending | None, mask: Any = None, cache: Any = None
+    ) -> tuple[mx.array, Pending]:
+        """(h, f): h + f is the block's output (B, L, dim), for the input x + r (r None:
+        x). The block's last sum, and its last product where it can, are left to the next
+        block, whose norm takes them in one native operation (`run_layers`): f is an
+        array, or (linear, y) for linear(y)."""
+        if r is None:
+            normed = self.attention_norm(x)
+        else:
+            x, normed = settle_add_norm(x, r, self.attention_norm)
+        a, ff = self.attention, self.feed_forward
+        if type(a).__call__ is Attention.__call__:  # wo's product, the sum and the norm
+            h, normed = product_add_norm(a.wo, a.mixed(normed, mask, cache), x, self.ffn_norm)
+        else:
+            h, normed = add_norm(x, a(normed, mask, cache), self.ffn_norm)
+        if type(ff).__call__ is FeedForward.__call__:
+            return h, (ff.w2, ff.glu(normed))
+        return h, ff(normed)
 
 
 class MixerBlock(nn.Module):
@@ -481,9 +509,15 @@ def run_layers(
     to each layer as its fourth argument (each takes its own part)."""
     cache = per_layer(layers, cache)
     masks = layer_masks(h, layers, cache)
+    pending = None  # the last core block's feed-forward output, not yet added to h
     for layer, c, mask in zip(layers, cache, masks, strict=True):
+        if side is None and type(layer) is TransformerBlock:
+            h, pending = layer.parts(h, pending, mask, c)
+            continue
+        if pending is not None:
+            h, pending = h + settle(pending), None
         h = layer(h, mask, c) if side is None else layer(h, mask, c, side)
-    return h
+    return h if pending is None else h + settle(pending)
 
 
 class Transformer(nn.Module):

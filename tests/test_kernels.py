@@ -255,10 +255,11 @@ def test_fused_layer_operations_equal_the_operations_apart(ext, dtype):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_products_ending_in_their_next_operation_equal_the_two(ext, dtype):
-    """A quantized product that ends in SwiGLU, or in the heads' split with q and k
-    rotated (one primitive each in the decode step), gives to the bit what the product
-    followed by the separate operation gives: GGUF Q4_K and MLX 4-bit weights, a decode
-    row and a few positions, positions per row."""
+    """A quantized product that ends in SwiGLU, in the heads' split with q and k
+    rotated, or in the residual sum and the next RMSNorm (one primitive each in the
+    decode step), gives to the bit what the product followed by the separate operation
+    gives: GGUF Q4_K and MLX 4-bit weights, a decode row and a few positions, positions
+    per row; its inputs are checked."""
     rng = np.random.default_rng(2)
     k, nq, nk, d = 256, 3, 1, 16
     w = rng.normal(size=((nq + 2 * nk) * d, k)).astype(np.float32)
@@ -280,6 +281,16 @@ def test_products_ending_in_their_next_operation_equal_the_two(ext, dtype):
             got = ext.qmatmul_heads(x, wt, **args, a=nq, b=nk, c=nk, d=d, **rope, offsets=pos)
             apart = ext.split_heads(y, nq, nk, nk, d, **rope, offsets=pos)
             assert all(mx.array_equal(g, a).item() for g, a in zip(got, apart, strict=True))
+            r = mx.array(rng.normal(size=y.shape).astype(np.float32)).astype(dtype)
+            nw = mx.array(rng.normal(size=(y.shape[-1],)).astype(np.float32)).astype(dtype)
+            h, n = ext.qmatmul_add_norm(x, wt, **args, r=r, weight=nw, eps=1e-5)
+            h0, n0 = ext.add_rms_norm(r, y, nw, eps=1e-5)
+            assert mx.array_equal(h, h0).item() and mx.array_equal(n, n0).item()
+            assert h.dtype == n.dtype == dtype
+    with pytest.raises(ValueError, match="residual differs from the product"):
+        ext.qmatmul_add_norm(x, wt, **args, r=r[..., :-1], weight=nw, eps=1e-5)
+    with pytest.raises(ValueError, match=f"rms_norm weight must be \\({y.shape[-1]},\\)"):
+        ext.qmatmul_add_norm(x, wt, **args, r=r, weight=nw[:-1], eps=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers import distributed as dist
 
-from . import _on_cpu, ext, fusing, gguf_dequantize, gguf_matmul, quantized_matmul
+from . import AFFINE_FORMATS, _on_cpu, ext, fusing, gguf_dequantize, gguf_matmul, quantized_matmul
 from .blocks import GGUF_TYPES, row_bytes
 from .float_products import float_matmul
 
@@ -199,6 +199,59 @@ def add_norm(x: mx.array, r: mx.array, norm: nn.Module) -> tuple[mx.array, mx.ar
         return h, n
     h = x + r
     return h, norm(h)
+
+
+def _product_args(linear: nn.Module) -> dict | None:
+    """The native product's arguments of a whole (unsharded) quantized linear without a
+    bias, or None: a sharded one's product is followed by its all-reduce."""
+    if "bias" in linear:
+        return None
+    if type(linear) is GGUFLinear:
+        return dict(w=linear["weight"], format=GGUF_TYPES[linear.type_name][0], lead=linear.lead)
+    if (
+        type(linear) is QuantizedLinear
+        and linear.mode == "affine"
+        and linear.bits in AFFINE_FORMATS
+        and linear.group_size in (32, 64, 128)
+        and "biases" in linear
+    ):
+        kw = dict(w=linear["weight"], scales=linear["scales"], biases=linear["biases"])
+        return kw | dict(format=AFFINE_FORMATS[linear.bits], group_size=linear.group_size)
+    return None
+
+
+def product_add_norm(
+    linear: nn.Module, y: mx.array, x: mx.array, norm: nn.Module
+) -> tuple[mx.array, mx.array]:
+    """`add_norm(x, linear(y), norm)` for y (..., in), x (..., dim): the product, the
+    residual sum and the norm in one native operation (the same values) when `linear`
+    is a whole native quantized linear without a bias and `norm` a plain RMSNorm."""
+    e = ext()
+    if e is not None and fusing() and type(norm) in (nn.RMSNorm, RMSNorm) and _on_cpu():
+        args = _product_args(linear)
+        same = y.dtype == x.dtype and x.shape[:-1] == y.shape[:-1]
+        if args is not None and same and x.shape[-1] == linear["weight"].shape[0]:
+            w = args.pop("w")
+            h, n = e.qmatmul_add_norm(y, w, **args, r=x, weight=norm["weight"], eps=norm.eps)
+            return h, n
+    return add_norm(x, linear(y), norm)
+
+
+# A block's output not yet added to the residual stream: an array, or (linear, y) for
+# linear(y), a product not yet computed (`TransformerBlock.parts`)
+Pending = mx.array | tuple[nn.Module, mx.array]
+
+
+def settle(p: Pending) -> mx.array:
+    """The array a `Pending` stands for."""
+    return p[0](p[1]) if isinstance(p, tuple) else p
+
+
+def settle_add_norm(x: mx.array, p: Pending, norm: nn.Module) -> tuple[mx.array, mx.array]:
+    """(x + p, norm(x + p)) for a `Pending` p: `product_add_norm` or `add_norm`."""
+    if isinstance(p, tuple):
+        return product_add_norm(p[0], p[1], x, norm)
+    return add_norm(x, p, norm)
 
 
 _NATIVE = {

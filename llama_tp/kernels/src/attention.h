@@ -78,49 +78,89 @@ void rope(const View4& x, int dims, bool traditional, float base, float scale, i
   }
 }
 
+namespace detail {
+
+// sum_d a[d] * b[d] in 8 independent partial sums (the compiler keeps them in vector
+// registers; one running sum would serialize every addition).
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8)
+    for (int j = 0; j < 8; j++) part[j] += a[d + j] * static_cast<float>(b[d + j]);
+  float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+  for (; d < n; d++) s += a[d] * static_cast<float>(b[d]);
+  return s;
+}
+
+}  // namespace detail
+
 // `ranges` (B x 2 int32, or null for every key): row b attends to keys [start, stop) of
 // its S, the causal mask aligned to `stop` (query l sees keys up to stop - L + l). A
 // range over a longer buffer computes what the keys [start, stop) alone would give.
 // `merged`: out is (B, L, Hq * D) row-major instead (the heads side by side, as the
 // output projection takes them: no transpose and reshape after it).
+// attention_unit computes one unit u = b * Hq + h (every query of row b's head h), so that
+// the units can be shared among threads; `scratch` holds 2 D + S floats.
+template <typename T>
+void attention_unit(const View4& q, const View4& k, const View4& v, float scale, bool causal,
+                    T* out, const int32_t* ranges, bool merged, int64_t u, float* scratch) {
+  const int64_t Hq = q.shape[1], L = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], S = k.shape[2], rep = Hq / Hkv;
+  const int64_t b = u / Hq, h = u % Hq, g = h / rep;
+  float *qv = scratch, *acc = scratch + D, *p = scratch + 2 * D;
+  int64_t start = ranges ? ranges[2 * b] : 0, stop = ranges ? ranges[2 * b + 1] : S;
+  start = start < 0 ? 0 : start;
+  stop = stop > S ? S : stop;
+  // rows of D contiguous values (a cache's usual layout) are read through pointers
+  const bool rows = k.strides[3] == 1 && v.strides[3] == 1;
+  const T* kb = static_cast<const T*>(k.data) + b * k.strides[0] + g * k.strides[1];
+  const T* vb = static_cast<const T*>(v.data) + b * v.strides[0] + g * v.strides[1];
+  for (int64_t l = 0; l < L; l++) {
+    const int64_t end = causal ? stop - L + l + 1 : stop;  // the mask's lower-right alignment
+    T* o = out + (merged ? (b * L + l) * Hq + h : (b * Hq + h) * L + l) * D;
+    if (end <= start) {  // no key (a padding row): zeros, as a fully masked row
+      for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(0.f);
+      continue;
+    }
+    for (int64_t d = 0; d < D; d++) qv[d] = detail::at<T>(q, b, h, l, d) * scale;
+    float mx = -INFINITY;
+    for (int64_t s = start; s < end; s++) {
+      float dot = 0.f;
+      if (rows) {
+        dot = detail::dot(qv, kb + s * k.strides[2], D);
+      } else {
+        for (int64_t d = 0; d < D; d++) dot += qv[d] * detail::at<T>(k, b, g, s, d);
+      }
+      p[s] = dot;
+      mx = std::fmax(mx, dot);
+    }
+    float sum = 0.f;
+    for (int64_t s = start; s < end; s++) {
+      p[s] = std::exp(p[s] - mx);
+      sum += p[s];
+    }
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+    for (int64_t s = start; s < end; s++) {
+      const float ps = p[s];
+      if (rows) {
+        const T* vr = vb + s * v.strides[2];
+        for (int64_t d = 0; d < D; d++) acc[d] += ps * static_cast<float>(vr[d]);
+      } else {
+        for (int64_t d = 0; d < D; d++) acc[d] += ps * detail::at<T>(v, b, g, s, d);
+      }
+    }
+    for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(acc[d] / sum);
+  }
+}
+
+// Every unit in turn on the calling thread.
 template <typename T>
 void attention(const View4& q, const View4& k, const View4& v, float scale, bool causal, T* out,
                const int32_t* ranges = nullptr, bool merged = false) {
-  const int64_t B = q.shape[0], Hq = q.shape[1], L = q.shape[2], D = q.shape[3];
-  const int64_t Hkv = k.shape[1], S = k.shape[2], rep = Hq / Hkv;
-  std::vector<float> qv(D), p(S), acc(D);
-  for (int64_t b = 0; b < B; b++) {
-    int64_t start = ranges ? ranges[2 * b] : 0, stop = ranges ? ranges[2 * b + 1] : S;
-    start = start < 0 ? 0 : start;
-    stop = stop > S ? S : stop;
-    for (int64_t h = 0; h < Hq; h++)
-      for (int64_t l = 0; l < L; l++) {
-        const int64_t g = h / rep;
-        const int64_t end = causal ? stop - L + l + 1 : stop;  // the mask's lower-right alignment
-        T* o = out + (merged ? (b * L + l) * Hq + h : (b * Hq + h) * L + l) * D;
-        if (end <= start) {  // no key (a padding row): zeros, as a fully masked row
-          for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(0.f);
-          continue;
-        }
-        for (int64_t d = 0; d < D; d++) qv[d] = detail::at<T>(q, b, h, l, d) * scale;
-        float mx = -INFINITY;
-        for (int64_t s = start; s < end; s++) {
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; d++) dot += qv[d] * detail::at<T>(k, b, g, s, d);
-          p[s] = dot;
-          mx = std::fmax(mx, dot);
-        }
-        float sum = 0.f;
-        for (int64_t s = start; s < end; s++) {
-          p[s] = std::exp(p[s] - mx);
-          sum += p[s];
-        }
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-        for (int64_t s = start; s < end; s++)
-          for (int64_t d = 0; d < D; d++) acc[d] += p[s] * detail::at<T>(v, b, g, s, d);
-        for (int64_t d = 0; d < D; d++) o[d] = static_cast<T>(acc[d] / sum);
-      }
-  }
+  std::vector<float> scratch(2 * q.shape[3] + k.shape[2]);
+  for (int64_t u = 0; u < q.shape[0] * q.shape[1]; u++)
+    attention_unit<T>(q, k, v, scale, causal, out, ranges, merged, u, scratch.data());
 }
 
 // MLX's CPU exp (mlx/backend/cpu/simd/math.h: 2^(x log2 e), its integer part by bit

@@ -40,6 +40,10 @@ NB_MODULE(_ext, m) {
   m.def("qmatmul_swiglu", &lt::qmatmul_swiglu, "x"_a, "w"_a, "scales"_a = nb::none(),
         "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
         "stream"_a = nb::none(), "qmatmul, then silu(gate) * up of its halves, one primitive.");
+  m.def("qmatmul_add_norm", &lt::qmatmul_add_norm, "x"_a, "w"_a, "scales"_a = nb::none(),
+        "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
+        "r"_a, "weight"_a, "eps"_a, "stream"_a = nb::none(),
+        "qmatmul, then add_rms_norm(r, product): [r + product, its norm], one primitive.");
   m.def("qmatmul_heads", &lt::qmatmul_heads, "x"_a, "w"_a, "scales"_a = nb::none(),
         "biases"_a = nb::none(), nb::kw_only(), "format"_a, "group_size"_a = 0, "lead"_a = 0,
         "a"_a, "b"_a, "c"_a, "d"_a, "rope_dims"_a = 0, "traditional"_a = false, "base"_a = 0.f,

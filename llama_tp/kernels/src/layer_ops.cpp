@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "pool.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "primitive.h"
 #include "primitive_util.h"
@@ -94,6 +95,27 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
          scale_ == o.scale_ && offset_ == o.offset_;
 }
 
+namespace {
+
+template <typename T>
+struct AttentionJob {
+  lt::View4 q, k, v;
+  float scale;
+  bool causal;
+  T* out;
+  const int32_t* ranges;
+  bool merged;
+  static void unit(void* ctx, int u) {
+    auto& j = *static_cast<AttentionJob*>(ctx);
+    thread_local std::vector<float> scratch;
+    scratch.resize(2 * j.q.shape[3] + j.k.shape[2]);
+    lt::attention_unit<T>(j.q, j.k, j.v, j.scale, j.causal, j.out, j.ranges, j.merged, u,
+                          scratch.data());
+  }
+};
+
+}  // namespace
+
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     bool causal, const std::optional<mx::array>& ranges, bool merged,
                     mx::StreamOrDevice s) {
@@ -139,7 +161,10 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     prof::Scope timed(prof::ATTENTION);
     by_type(dtype, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
-      lt::attention<T>(q, k, v, scale, causal, static_cast<T*>(o), ranges, merged);
+      AttentionJob<T> job{q, k, v, scale, causal, static_cast<T*>(o), ranges, merged};
+      // the heads are independent: the pool's threads take them (decode's only
+      // single-threaded stretch between products was this one)
+      lt::Pool::get().run((int)(q.shape[0] * q.shape[1]), AttentionJob<T>::unit, &job);
     });
   });
 }
@@ -306,19 +331,24 @@ void AddRMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     x.floats(xf.data());
     r.floats(rf.data());
     w.floats(wf.data());
-    // the sum in x's type (as MLX's add), then the norm of those values
-    by_type(x.dtype, [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      T* hp = static_cast<T*>(h);
-      for (size_t i = 0; i < x.size; i++) {
-        hp[i] = static_cast<T>(xf[i] + rf[i]);
-        xf[i] = static_cast<float>(hp[i]);
-      }
-    });
-    by_type(ot, [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      lt::rms_norm<T>(xf.data(), wf.data(), rows, n, eps, static_cast<T*>(o));
-    });
+    add_rms_norm_into(xf.data(), rf.data(), wf.data(), x.dtype, ot, rows, n, eps, h, o);
+  });
+}
+
+void add_rms_norm_into(float* xf, const float* rf, const float* wf, mx::Dtype x_type,
+                       mx::Dtype ot, int64_t rows, int64_t n, float eps, void* h, void* o) {
+  // the sum in x's type (as MLX's add), then the norm of those values
+  by_type(x_type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* hp = static_cast<T*>(h);
+    for (int64_t i = 0; i < rows * n; i++) {
+      hp[i] = static_cast<T>(xf[i] + rf[i]);
+      xf[i] = static_cast<float>(hp[i]);
+    }
+  });
+  by_type(ot, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    lt::rms_norm<T>(xf, wf, rows, n, eps, static_cast<T*>(o));
   });
 }
 

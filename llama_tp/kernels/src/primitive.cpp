@@ -154,6 +154,33 @@ std::vector<mx::array> qmatmul_heads(const mx::array& x, const mx::array& w,
       std::move(inputs));
 }
 
+std::vector<mx::array> qmatmul_add_norm(const mx::array& x, const mx::array& w,
+                                        const std::optional<mx::array>& scales,
+                                        const std::optional<mx::array>& biases, int format,
+                                        int group_size, int lead, const mx::array& r,
+                                        const mx::array& weight, float eps, mx::StreamOrDevice s) {
+  int k;
+  auto inputs = qmatmul_inputs(x, w, scales, biases, format, group_size, lead, &k);
+  mx::Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  check_float(weight, "weight");
+  if (r.shape() != shape || r.dtype() != x.dtype())
+    throw std::invalid_argument("llama_tp kernels: qmatmul_add_norm's residual differs from the "
+                                "product in type or shape");
+  if (weight.ndim() != 1 || weight.shape(0) != w.shape(0))
+    throw std::invalid_argument("llama_tp kernels: rms_norm weight must be (" +
+                                std::to_string(w.shape(0)) + ",)");
+  inputs.push_back(r);
+  inputs.push_back(weight);
+  Epilogue ep;
+  ep.kind = Epilogue::ADD_NORM;
+  ep.eps = eps;
+  return mx::array::make_arrays(
+      {shape, shape}, {x.dtype(), mx::promote_types(x.dtype(), weight.dtype())},
+      std::make_shared<QMatmul>(mx::to_stream(s), format, group_size, lead, k, ep),
+      std::move(inputs));
+}
+
 void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
@@ -167,7 +194,7 @@ void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   size_t held = affine ? 4 : 2;  // then the rotation's positions, if any
   const int32_t* offsets = nullptr;
   bool per_row = false;
-  if (inputs.size() > held) {
+  if (inputs.size() > held && epilogue_.kind == Epilogue::HEADS) {
     if (!inputs[held].flags().row_contiguous)
       throw std::invalid_argument("llama_tp kernels: rope offsets must be contiguous");
     offsets = inputs[held].data<int32_t>();
@@ -178,8 +205,13 @@ void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
   int Bx = inputs[0].ndim() == 3 ? inputs[0].shape(0) : 0, L = inputs[0].ndim() == 3 ? inputs[0].shape(1) : 0;
   size_t row_bytes = inputs[1].shape(1) * inputs[1].itemsize();
   int stype = affine ? scale_type(inputs[2].dtype()) : F16;
+  // ADD_NORM's residual and norm weight (else placeholders: not read)
+  bool add_norm = epilogue_.kind == Epilogue::ADD_NORM;
+  const mx::array& res = inputs[add_norm ? held : 0];
+  const mx::array& nw = inputs[add_norm ? held + 1 : 0];
   enc.dispatch([x = View(inputs[0]), w = View(inputs[1]), s = View(inputs[affine ? 2 : 1]),
-                b = View(inputs[affine ? 3 : 1]), outs, y_dtype = outputs[0].dtype(), affine, n,
+                b = View(inputs[affine ? 3 : 1]), r = View(res), nw = View(nw),
+                normed_dtype = outputs.back().dtype(), outs, y_dtype = outputs[0].dtype(), affine, n,
                 N, B, Bx, L, row_bytes, stype, format = format_, gs = group_size_, lead = lead_,
                 k = k_, ep = epilogue_, offsets, per_row]() {
     prof::Scope timed(prof::QMATMUL);
@@ -225,7 +257,21 @@ void QMatmul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
       store_floats(yp, (size_t)B * N, y_dtype, typed.data());
       yt = typed.data();
     }
-    if (ep.kind == Epilogue::SWIGLU) {
+    if (ep.kind == Epilogue::ADD_NORM) {  // as add_rms_norm(r, product)
+      thread_local std::vector<float> rf, yf, wf;
+      rf.resize(r.size);
+      yf.resize((size_t)B * N);
+      wf.resize(nw.size);
+      r.floats(rf.data());
+      nw.floats(wf.data());
+      if (y_dtype == mx::float32) {
+        std::memcpy(yf.data(), yp, yf.size() * sizeof(float));
+      } else {
+        View(yt, y_dtype, yf.size()).floats(yf.data());
+      }
+      add_rms_norm_into(rf.data(), yf.data(), wf.data(), y_dtype, normed_dtype, B, N, ep.eps,
+                        outs[0], outs[1]);
+    } else if (ep.kind == Epilogue::SWIGLU) {
       by_type(y_dtype, [&](auto* tag) {
         using T = std::remove_pointer_t<decltype(tag)>;
         lt::swiglu<T>(reinterpret_cast<const T*>(yt), B, N / 2, reinterpret_cast<T*>(outs[0]));

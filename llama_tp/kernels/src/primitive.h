@@ -20,12 +20,14 @@ struct RopeParams {
 };
 
 // What a product does with its values before storing them: nothing, SwiGLU of its two
-// halves (gate | up), or split into q/k/v heads (a, b, c heads of d, q and k rotated
-// when rope.dims > 0). One primitive then does the work of two or three.
+// halves (gate | up), split into q/k/v heads (a, b, c heads of d, q and k rotated
+// when rope.dims > 0), or added to a residual and normed (RMSNorm of epsilon `eps`).
+// One primitive then does the work of two or three.
 struct Epilogue {
-  enum Kind : int { NONE = 0, SWIGLU = 1, HEADS = 2 } kind = NONE;
+  enum Kind : int { NONE = 0, SWIGLU = 1, HEADS = 2, ADD_NORM = 3 } kind = NONE;
   int a = 0, b = 0, c = 0, d = 0;
   RopeParams rope;
+  float eps = 0.f;  // ADD_NORM's
   bool operator==(const Epilogue&) const = default;
 };
 
@@ -55,6 +57,15 @@ std::vector<mx::array> qmatmul_heads(const mx::array& x, const mx::array& w,
 // Rows of GGUF blocks w (..., blocks * bytes) -> values [lead, lead + n) of each, (..., n).
 mx::array dequantize(const mx::array& w, int format, int lead, int n, mx::Dtype dtype,
                      mx::StreamOrDevice s = {});
+
+// qmatmul, then the residual sum and the next norm (`add_rms_norm` of r and the
+// product): x (..., n), r (..., N) -> [h = r + x W^T, rms_norm(h) * weight].
+std::vector<mx::array> qmatmul_add_norm(const mx::array& x, const mx::array& w,
+                                        const std::optional<mx::array>& scales,
+                                        const std::optional<mx::array>& biases, int format,
+                                        int group_size, int lead, const mx::array& r,
+                                        const mx::array& weight, float eps,
+                                        mx::StreamOrDevice s = {});
 
 class QMatmul : public mx::Primitive {
  public:

@@ -26,6 +26,9 @@ struct View {
   explicit View(const mx::array& a)
       : data(a.data<uint8_t>()), shape(a.shape()), strides(a.strides()),
         flat(a.flags().row_contiguous), item(a.itemsize()), size(a.size()), dtype(a.dtype()) {}
+  // `size` row-major values of type `dtype` at `bytes`
+  View(const uint8_t* bytes, mx::Dtype dtype, size_t size)
+      : data(bytes), flat(true), item(mx::size_of(dtype)), size(size), dtype(dtype) {}
   int64_t at(size_t i) const { return flat ? (int64_t)i : mx::elem_to_loc((int)i, shape, strides); }
   // Row-major bytes: the array's own, or a copy kept in `keep`.
   const uint8_t* bytes(std::vector<uint8_t>& keep) const {
@@ -105,5 +108,11 @@ void by_type(mx::Dtype dtype, F&& f) {
 void split_heads_into(const uint8_t* src, mx::Dtype dtype, int B, int L,
                       const std::array<int, 3>& heads, int d, const RopeParams& rope,
                       const int32_t* offsets, bool per_row, const std::vector<uint8_t*>& outs);
+
+// h = x + r in x's type (as MLX's add), then rms_norm(h) * w as type `ot` into o, for
+// `rows` rows of n values; xf, rf (float32, row-major) are x's and r's values, wf the
+// norm's weight; xf is overwritten with h's values (layer_ops.cpp).
+void add_rms_norm_into(float* xf, const float* rf, const float* wf, mx::Dtype x_type,
+                       mx::Dtype ot, int64_t rows, int64_t n, float eps, void* h, void* o);
 
 }  // namespace lt
