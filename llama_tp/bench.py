@@ -45,7 +45,8 @@ def parser():
         "DeepSeek-V3 deepseek-tiny, deepseek-v3, the GLM-4.5 glm-tiny, glm4-moe, the Gated "
         "DeltaNet hybrids qwen35-tiny, qwen35, qwen35-moe, qwen3-next, the Gemma 4 "
         "gemma4-tiny, gemma4-moe, the DeepSeek-V3.2 dsv32-tiny, deepseek-v32, the MiniMax-M2 "
-        "minimax-tiny, minimax, the Kimi-Linear kimi-tiny, kimi-linear, the Llama 4 "
+        "minimax-tiny, minimax, the Kimi-Linear kimi-tiny, kimi-linear, the Kimi K3 "
+        "kimi-k3-tiny, kimi-k3, the Llama 4 "
         "llama4-tiny, llama4, the Step-3.5 step3p5-tiny, step3p5, the "
         "Nemotron-H nemotron-tiny, nemotron; "
         "DTYPE fp16, bf16, fp32 or q4)",

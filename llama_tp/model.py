@@ -550,6 +550,26 @@ class Transformer(nn.Module):
         `side_width`), or None (the Llama core: nothing)."""
         return None
 
+    def hand_off_width(self, layer: int) -> int:
+        """Values per position beside h that a pipeline stage starting at layer `layer`
+        receives (the side inputs': `side_width`; Kimi K3's block states: more the later)."""
+        return self.side_width
+
+    def hand_off(self, h: mx.array, side: Any) -> mx.array:
+        """What a pipeline stage sends on after its layers: h (B, L, dim) and the side
+        input beside it, (B, L, dim + `hand_off_width`)."""
+        return h if side is None else mx.concatenate([h, side.astype(h.dtype)], axis=-1)
+
+    def take_over(self, x: mx.array) -> tuple[mx.array, Any]:
+        """What a pipeline stage received (`hand_off`'s) -> (h, the side input)."""
+        dim = self.args.dim
+        return (x, None) if x.shape[-1] == dim else (x[..., :dim], x[..., dim:])
+
+    def finish(self, h: mx.array, side: Any) -> mx.array:
+        """The last layer's output h (B, L, dim) -> the final norm's input (the Llama
+        core: h itself; Kimi K3 mixes in its block states)."""
+        return h
+
     def head(self, h: mx.array) -> mx.array:
         """The final-normed h (B, L, dim) -> logits (B, L, V[_local])."""
         if self.args.tie_word_embeddings:

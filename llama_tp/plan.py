@@ -127,6 +127,7 @@ def main() -> int:
     _print_indexer(ckpt.args, shape)
     _print_chunked(ckpt.args)
     _print_headwise(ckpt.args)
+    _print_kimi_k3(ckpt.args)
     if args.n > 1:
         _print_wide_qk_norm(ckpt.args)
         _print_mamba(ckpt.args)
@@ -240,6 +241,30 @@ def _print_headwise(a) -> None:
         f"{n} of {a.n_layers} layers slide over {nh} query / {nkv} KV heads of their own, "
         f"split apart from the global layers' (a KV head two ranks' query heads need is "
         f"held by both){gate if a.headwise_gate else ''}"
+    )
+
+
+def _print_kimi_k3(a) -> None:
+    """Kimi K3's line: its fused KDA, its latent experts' sum before their norm, the
+    attention residuals' block states."""
+    if a.model_type != "kimi_k3":
+        return
+    latent, size = a.routed_expert_hidden_size, a.attn_res_block_size
+    experts = (
+        f"experts in a latent width of {latent}: the routed and shared partial sums "
+        f"all-reduced together before the latent's norm (one all-reduce per layer)"
+        if latent
+        else "experts summed once per layer"
+    )
+    blocks = (
+        f"attention residuals over blocks of {size} layers: a pipeline stage hands on "
+        f"the block states begun before it beside h ({a.dim} values each, per position)"
+        if size
+        else "no attention residuals"
+    )
+    print(
+        f"Kimi K3: fused KDA (q | k | v in one projection and one conv, split by heads as "
+        f"3 segments; {a.kda_heads} heads of {a.kda_head_dim}); {experts}; {blocks}"
     )
 
 

@@ -35,6 +35,11 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
              RoPE, 5 relu2 experts + a shared one
     nemotron_g1  the same Mamba-2 with one group (M *): 5 heads split anywhere, the
              group's B and C on every rank, its gated norm's sum all-reduced
+    kimi_k3  kimi_k3: fused KDA layers (5 heads of 32, a lower-bounded decay, a
+             full-rank output gate) around gated latent attention (10 heads, queries
+             through a rank of 64); SiTU everywhere; 5 latent experts (in 32 values, RMS
+             normed after their sum) + a shared one after a dense layer; attention
+             residuals over blocks of 2 layers; 3 layers
 """
 
 from __future__ import annotations
@@ -283,6 +288,49 @@ NEMOTRON_H = dict(
     routed_scaling_factor=2.5,
     **COMMON,
 )
+# Kimi K3: fused KDA (q | k | v in one projection and one conv, the decay bounded below,
+# a full-rank output gate) in layers 1 and 3, gated latent attention (queries through
+# q_lora_rank) in layer 2; SiTU in the dense layer, the shared and the routed experts;
+# the routed experts in a latent width of 32, normed after their sum; every layer's input
+# a softmax mix of the block states so far (blocks of 2 layers)
+KIMI_K3 = dict(
+    model_type="kimi_k3",
+    hidden_size=64,
+    num_hidden_layers=3,
+    intermediate_size=160,
+    num_attention_heads=10,
+    num_key_value_heads=10,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    mla_use_nope=True,
+    mla_use_output_gate=True,
+    linear_attn_config=dict(
+        kda_layers=[1, 3],
+        full_attn_layers=[2],
+        num_heads=5,
+        head_dim=32,
+        short_conv_kernel_size=4,
+        gate_lower_bound=-5.0,
+        use_full_rank_gate=True,
+    ),
+    hidden_act="situ",
+    activation_situ_beta=2.0,
+    activation_situ_linear_beta=4.0,
+    attn_res_block_size=2,
+    num_experts=5,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=128,
+    routed_expert_hidden_size=32,
+    latent_moe_use_norm=True,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.446,
+    rms_norm_eps=1e-5,
+    **COMMON,
+)
 NEMOTRON_G1 = dict(NEMOTRON_H, mamba_num_heads=5, n_groups=1, hybrid_override_pattern=["M", "*"])
 CONFIGS = {
     "gemma4": GEMMA4,
@@ -296,12 +344,15 @@ CONFIGS = {
     "kimi_linear": KIMI_LINEAR,
     "nemotron_h": NEMOTRON_H,
     "nemotron_g1": NEMOTRON_G1,
+    "kimi_k3": KIMI_K3,
 }
 # the families whose 4-bit copy every launch checks too
 QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_linear")
-QUANTIZED += ("nemotron_h",)
+QUANTIZED += ("nemotron_h", "kimi_k3")
 # the families with a float32 GGUF copy too (as llama.cpp's converter writes it)
 GGUF = {"kimi_linear": lambda src, out: gguf_kimi(src, out)}
+# the families with a float32 copy in their release's own layout too
+RELEASE = {"kimi_k3": lambda src, out: release_k3(src, out)}
 
 
 def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:
@@ -344,6 +395,60 @@ def flagship_models(root: Path, names=tuple(CONFIGS)) -> dict[str, Path]:
             out[f"{name}-q4"] = quantized(out[name], root / f"{name}-q4")
         if name in GGUF:
             out[f"{name}-gguf"] = GGUF[name](out[name], root / f"{name}.gguf")
+        if name in RELEASE:
+            out[f"{name}-release"] = RELEASE[name](out[name], root / f"{name}-release")
+    return out
+
+
+def release_k3(src: Path, out: Path) -> Path:
+    """Kimi K3's release layout of mlx-lm's float32 folder `src` (what mlx-lm's sanitize
+    undoes): the names at the top (not under `language_model.`), per-expert w1/w2/w3 under
+    `block_sparse_moe` with the routing bias in its gate, q/k/v projections and convs
+    (C, 1, K) apart, A_log 3 values longer than the heads, the latent's `kv_b_proj`, the
+    residual queries as `*_res.proj_weight` / `*_res.norm_weight`."""
+    import shutil
+
+    config = json.loads((src / "config.json").read_text())
+    first = config["first_k_dense_replace"]
+    names = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+    rel = {}
+    for k, v in mx.load(str(src / "model.safetensors")).items():
+        k = k.removeprefix("language_model.")
+        layer = int(k.split(".")[2]) if k.startswith("model.layers.") else -1
+        if layer >= first:
+            k = k.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+            k = k.replace(".mlp.", ".block_sparse_moe.")
+        if ".switch_mlp." in k:
+            proj = k.split(".")[-2]
+            for e in range(v.shape[0]):
+                expert = k.replace("switch_mlp", f"experts.{e}").replace(proj, names[proj])
+                rel[expert] = v[e]
+            continue
+        if ".qkv_proj." in k or ".qkv_conv." in k:
+            for c, part in zip("qkv", mx.split(v, 3), strict=True):
+                if ".qkv_proj." in k:
+                    rel[k.replace("qkv_proj", f"{c}_proj")] = part
+                else:  # (C, K, 1) -> the release's (C, 1, K)
+                    rel[k.replace("qkv_conv.conv", f"{c}_conv1d")] = part.swapaxes(1, 2)
+            continue
+        if k.endswith("A_log"):
+            v = mx.concatenate([v, mx.zeros((3,), v.dtype)])
+        if k.endswith("embed_q.weight") and "unembed" not in k:  # (H, rank, nope)
+            up = mx.load(str(src / "model.safetensors"))[
+                "language_model." + k.replace("embed_q", "unembed_out")
+            ]  # (H, v, rank)
+            k, v = (
+                k.replace("embed_q", "kv_b_proj"),
+                mx.concatenate([v.swapaxes(1, 2), up], axis=1).reshape(-1, v.shape[1]),
+            )
+        elif k.endswith("unembed_out.weight"):
+            continue
+        for r in ("self_attention_res", "mlp_res", "output_attn_res"):
+            for x in ("proj", "norm"):
+                k = k.replace(f"{r}_{x}.weight", f"{r}.{x}_weight")
+        rel[k] = v
+    shutil.copytree(src, out)
+    mx.save_safetensors(str(out / "model.safetensors"), rel)
     return out
 
 

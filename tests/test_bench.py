@@ -335,6 +335,7 @@ SECTIONS = {
     "llama4": ("moe", "section"),
     "step3p5": ("moe", "section"),
     "kimi-linear": ("moe", "section"),
+    "kimi-k3": ("moe", "section"),
     "weighted-split": ("weighted_split", "section"),
     "cpu-kernels": ("cpu_kernels", "section"),
     "constrained-decoding": ("constrained_decoding", "section"),

@@ -8,9 +8,9 @@ tensor ranks (4 ranks), each check once.
 one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
 `test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
 keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2), `test_kimi.py`
-(Kimi-Linear), `test_llama4.py` (Llama 4: chunks of 4, so the 10-token prompt and 8
-steps span five), `test_step3p5.py` (Step-3.5) and `test_nemotron_h.py` (Nemotron-H);
-the next family adds its fixture to
+(Kimi-Linear), `test_kimi_k3.py` (Kimi K3), `test_llama4.py` (Llama 4: chunks of 4, so
+the 10-token prompt and 8 steps span five), `test_step3p5.py` (Step-3.5) and
+`test_nemotron_h.py` (Nemotron-H); the next family adds its fixture to
 `flagship_fixtures.CONFIGS` and these launches).
 """
 
@@ -33,7 +33,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 GEMMA = ("gemma4_text", "gemma3_text")
 SPARSE = ("deepseek_v32", "glm_moe_dsa")
 MINIMAX = ("minimax",)
-KIMI = ("kimi_linear",)
+KIMI = ("kimi_linear", "kimi_k3")
 LLAMA4 = ("llama4", "llama4_text")
 STEP = ("step3p5",)
 NEMOTRON = ("nemotron_h",)
@@ -70,7 +70,9 @@ def test_two_ranks_and_a_weighted_split(models):
     tensor, and `--split 3:1` (4/1 KV heads); Step-3.5 by expert (global 3/2 KV heads,
     sliding 4/4 query heads over 1/1 KV heads), its 4-bit copy by tensor, and `--split
     3:1` (sliding 6/2 query heads over 2/1 KV); Nemotron-H by expert (Mamba groups 3/2,
-    their heads 6/4), its 4-bit copy by tensor, and `--split 3:1` (Mamba groups 4/1)."""
+    their heads 6/4), its 4-bit copy by tensor, and `--split 3:1` (Mamba groups 4/1);
+    Kimi K3 with `--split 3:1` by tensor (4/1 fused KDA heads, 8/2 latent heads, the
+    latent experts' partial sums reduced before their norm)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -83,9 +85,10 @@ def test_two_ranks_and_a_weighted_split(models):
     specs += [f"{l4}#expert", f"{l4q}#tensor", f"{l4}%3:1#tensor"]
     specs += [f"{st}#expert", f"{sq}#tensor", f"{st}%3:1#tensor"]
     nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
-    lines = _check(2, [*specs, f"{nh}#expert", f"{nq}#tensor", f"{nh}%3:1#tensor"])
+    specs += [f"{nh}#expert", f"{nq}#tensor", f"{nh}%3:1#tensor"]
+    lines = _check(2, [*specs, f"{models['kimi_k3']}%3:1#tensor"])
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
-    assert _families(lines) == families and len(lines) == 24
+    assert _families(lines) == families and len(lines) == 25
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
@@ -98,6 +101,8 @@ def test_two_ranks_and_a_weighted_split(models):
     # Nemotron-H: the attention's 4/1 KV heads (256 bytes a token each), the Mamba layer's
     # conv and scan states of 4/1 groups (2 heads of 32, 16 state values: 5248 bytes each)
     assert weighted["nemotron_h"] == [1024 + 4 * 5248, 256 + 5248]
+    # Kimi K3: the latent whole, the fused KDA states of 4/1 heads in each of its 2 layers
+    assert weighted["kimi_k3"] == [320 + 8 * 5248, 320 + 2 * 5248]
 
 
 def test_three_ranks(models):
@@ -113,7 +118,9 @@ def test_three_ranks(models):
     llama4_text; Step-3.5's sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the
     middle rank holds both); Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor), and
     its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
-    gated norm's sum of squares all-reduced)."""
+    gated norm's sum of squares all-reduced); Kimi K3 by expert (5 KDA heads as 2/2/1),
+    from its release's layout (q, k, v projections and convs apart, read in slices as the
+    fused ones; per-expert tensors)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -125,9 +132,9 @@ def test_three_ranks(models):
     specs += [f"{l4}#tensor", f"{l4q}#expert", l4t]
     specs += [f"{st}#tensor", f"{sq}#expert"]
     nh, g1 = str(models["nemotron_h"]), str(models["nemotron_g1"])
-    lines = _check(3, [*specs, f"{nh}#tensor", g1])
+    lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{models['kimi_k3-release']}#expert"])
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP, *NEMOTRON}
-    assert _families(lines) == families and len(lines) == 16
+    assert _families(lines) == families and len(lines) == 17
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "step3p5"] == [
         [1024, 1536, 768]
     ] * 2
@@ -144,6 +151,8 @@ def test_three_ranks(models):
         [512 + 10496, 512 + 10496, 256 + 5248],
         [512 + 5248, 512 + 5248, 256 + 2816],
     ]
+    k3 = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_k3"]
+    assert k3 == [[320 + 4 * 5248, 320 + 4 * 5248, 320 + 2 * 5248]]  # 2/2/1 heads, 2 layers
 
 
 def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
@@ -158,7 +167,9 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     heads 2/1/1/1) and as 2 stages of 2 (each stage's chunked caches and masks);
     Step-3.5's 4-bit copy on 4 ranks and as 2 stages of 2; Nemotron-H's 4-bit copy on 4
     ranks (Mamba groups 2/1/1/1) and as 2 stages of 2 (the Mamba layer's state on the
-    first stage's ranks, the attention's cache on the second's)."""
+    first stage's ranks, the attention's cache on the second's); Kimi K3's 4-bit copy on 4
+    ranks (KDA heads 2/1/1/1) and as 2 stages of 2 (its attention residuals' first block
+    state handed on beside h)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -170,19 +181,28 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     specs += [f"{l4q}#tensor", f"{l4}@2,2#expert"]
     specs += [f"{sq}#tensor", f"{st}@2,2#expert"]
     nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
-    lines = _check(4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert"])
+    k3, k3q = str(models["kimi_k3"]), str(models["kimi_k3-q4"])
+    lines = _check(
+        4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert", f"{k3q}#tensor", f"{k3}@2,2#expert"]
+    )
     meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
-    assert [x["mesh"] for x in lines] == meshes + [None, [2, 2]] * 3
+    assert [x["mesh"] for x in lines] == meshes + [None, [2, 2]] * 4
     assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
-    assert lines[-1]["cache_per_token"] == [15744, 10496, 768, 512]  # Mamba | attention
+    assert lines[-3]["cache_per_token"] == [15744, 10496, 768, 512]  # Mamba | attention
     # Kimi-Linear's stages: the KDA layer's state (3/2 heads) on the first, the latent on
     # the second; on 4 tensor ranks its 5 KDA heads as 2/1/1/1
     kimi = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_linear"]
     assert kimi == [[320 + 2 * 5248] + [320 + 5248] * 3, [3 * 5248, 2 * 5248, 320, 320]]
+    # Kimi K3 on 4 ranks (KDA heads 2/1/1/1 in both KDA layers), and as 2 stages of 2 (the
+    # first KDA and the latent layer on the first stage, the second KDA layer on the
+    # second, which receives the attention residuals' first block state beside h)
+    k3 = [x["cache_per_token"] for x in lines if x["model_type"] == "kimi_k3"]
+    mesh = [320 + 3 * 5248, 320 + 2 * 5248, 3 * 5248, 2 * 5248]
+    assert k3 == [[320 + 4 * 5248] + [320 + 2 * 5248] * 3, mesh]
 
 
 SERVED = ["gemma4-q4", "deepseek_v32-q4", "minimax-q4", "kimi_linear-q4", "step3p5-q4"]
-SERVED += ["nemotron_h-q4"]
+SERVED += ["nemotron_h-q4", "kimi_k3-q4"]
 
 
 @pytest.mark.ranks
@@ -194,7 +214,8 @@ def test_serve_concurrent_requests_on_two_ranks(models, tmp_path, name):
     left-padded batch over its own top-k keys; MiniMax-M2's q/k norms reduced over a
     batch's rows; Kimi-Linear's KDA states, a left-padded row's short convs fed no padding;
     Step-3.5's sliding layers' windows and their own heads in a batch; Nemotron-H's Mamba
-    states merged, left padding kept out of its conv and scan). Llama 4's (its
+    states merged, left padding kept out of its conv and scan; Kimi K3's fused KDA states
+    and attention residuals over a batch's rows). Llama 4's (its
     chunked caches do not merge: one sequence at a time) is `test_generic_drivers.py`'s
     2-rank server."""
     from serve_client import Server, chat

@@ -65,6 +65,12 @@ The `kimi-tiny` / `kimi-linear` sizes are Kimi-Linear models as mlx-lm's own
 experts and a shared one after a dense first layer; `kimi-linear` is Kimi-Linear-48B-A3B's
 layout scaled down (256 -> 64 experts, 8 per token, 32 KDA heads of 128 -> 16 of 64,
 32 latent heads -> 16 with kv rank 512 -> 256, 27 -> 8 layers).
+The `kimi-k3-tiny` / `kimi-k3` sizes are Kimi K3 models as mlx-lm's own `kimi_k3` class
+holds them: fused KDA layers (3 of 4, a lower-bounded decay, a full-rank gate) beside
+gated latent attention through q_lora_rank, SiTU, latent experts (normed after their sum)
+and a shared one after a dense first layer, attention residuals over blocks of layers;
+`kimi-k3` is the kimi-linear size with K3's parts (experts in 512 latent values, blocks
+of 4 layers).
 `synthetic_dir(spec)` writes one into the cache once and reuses it.
 """
 
@@ -115,6 +121,7 @@ def _stored(
     routers = {n.removesuffix(".e_score_correction_bias") for n, _, i in tensors if i == "zeros"}
     for name, shape, init in tensors:
         router = name.removesuffix(".weight") in routers  # DeepSeek's gate: float, as _quantized
+        router = router or name.endswith(_FLOAT)
         if init == "zeros":
             out[name] = (shape, mx.float32)
         elif mxfp4 and _expert_weight(name, shape):
@@ -144,12 +151,17 @@ def _write_shapes_only(tensors: dict[str, tuple[tuple[int, ...], mx.Dtype]], pat
         f.truncate(len(start) + nbytes)
 
 
+# Kept float as mlx-lm's quant_predicate keeps them (Kimi K3's attention-residual queries)
+_FLOAT = ("res_proj.weight",)
+
+
 def _quantized(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """MLX affine 4-bit (group 64) of every projection, expert and embedding table whose
     width is a multiple of the group, as mlx-lm's convert does; norms stay as they are."""
     out = {}
     for name, v in weights.items():
         router = f"{name.removesuffix('.weight')}.e_score_correction_bias" in weights
+        router = router or name.endswith(_FLOAT)
         if v.ndim >= 2 and v.shape[-1] % Q4_GROUP == 0 and not router:  # DeepSeek's: float
             base = name.removesuffix(".weight")
             out[name], out[f"{base}.scales"], out[f"{base}.biases"] = mx.quantize(v, Q4_GROUP, 4)

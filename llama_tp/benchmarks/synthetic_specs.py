@@ -106,6 +106,18 @@ SIZES = {
         dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
         experts=64, top_k=8, expert_dim=256, latent=(0, 256, 64, 32, 64), kimi=(16, 64),
     ),
+    # Kimi K3: fused KDA (k3: heads, head dim, the experts' latent width, attention-residual
+    # block size) in 3 of 4 layers, gated latent attention through q_lora_rank (latent: q
+    # rank, kv rank, nope, rope, v head dims) in the 4th, SiTU, latent experts + a shared one
+    # after a dense first layer, attention residuals
+    "kimi-k3-tiny": dict(
+        dim=64, n_layers=4, n_heads=5, n_kv_heads=5, hidden_dim=96, vocab=512,
+        experts=8, top_k=2, expert_dim=32, latent=(32, 32, 16, 8, 16), k3=(5, 16, 32, 2),
+    ),
+    "kimi-k3": dict(
+        dim=1024, n_layers=8, n_heads=16, n_kv_heads=16, hidden_dim=2560, vocab=32000,
+        experts=64, top_k=8, expert_dim=256, latent=(384, 256, 64, 32, 64), k3=(16, 64, 512, 4),
+    ),
     # gpt-oss: sinks, sliding-window layers (window), biased experts behind the clamped SwiGLU
     "gpt-oss-tiny": dict(
         dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=64, vocab=512,
@@ -316,6 +328,44 @@ def _step3p5_config(s: dict) -> dict:
     }
 
 
+def _kimi_k3_config(s: dict) -> dict:
+    q_rank, kv_rank, nope, rope, v = s["latent"]
+    heads, head_dim, latent, block = s["k3"]
+    layers = range(1, s["n_layers"] + 1)
+    return {
+        "model_type": "kimi_k3",
+        "q_lora_rank": q_rank,
+        "kv_lora_rank": kv_rank,
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v,
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "linear_attn_config": {
+            "kda_layers": [i for i in layers if i % 4],
+            "full_attn_layers": [i for i in layers if i % 4 == 0],
+            "num_heads": heads,
+            "head_dim": head_dim,
+            "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0,
+            "use_full_rank_gate": True,
+        },
+        "hidden_act": "situ",
+        "activation_situ_beta": 2.0,
+        "activation_situ_linear_beta": 4.0,
+        "attn_res_block_size": block,
+        "num_experts": s["experts"],
+        "num_experts_per_token": s["top_k"],
+        "num_shared_experts": 1,
+        "moe_intermediate_size": s["expert_dim"],
+        "routed_expert_hidden_size": latent,
+        "latent_moe_use_norm": True,
+        "first_k_dense_replace": 1,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.5,
+    }
+
+
 def _kimi_config(s: dict) -> dict:
     _, kv_rank, nope, rope, v = s["latent"]
     heads, head_dim = s["kimi"]
@@ -433,6 +483,8 @@ def hf_config(s: dict, dtype_name: str) -> dict:
     moe = {}
     if "gemma4" in s:
         moe = _gemma4_config(s)
+    elif "k3" in s:
+        moe = _kimi_k3_config(s)
     elif "kimi" in s:
         moe = _kimi_config(s)
     elif "dsv32" in s:
@@ -497,7 +549,8 @@ def tensor_list(s: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """Every Hugging Face-named tensor: (name, shape, init: "normal" random, "ones" a norm,
     "zeros" a float32 routing bias), in the order the random ones are drawn."""
     # mlx-lm's own class lists their tensors
-    if any(k in s for k in ("gemma4", "dsv32", "minimax", "kimi", "llama4", "step3p5", "nemotron")):
+    own = ("gemma4", "dsv32", "minimax", "kimi", "k3", "llama4", "step3p5", "nemotron")
+    if any(k in s for k in own):
         return _mlx_lm_tensors(hf_config(s, "fp32"))
     d, h, hd = s["dim"], s["hidden_dim"], s.get("head_dim") or s["dim"] // s["n_heads"]
     nh, nkv = s["n_heads"], s["n_kv_heads"]

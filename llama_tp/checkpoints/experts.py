@@ -111,9 +111,12 @@ def check_experts(
             raise CheckpointError(
                 f"{where}: {label} holds {held} experts but {count} is {args.n_experts}"
             )
-        rows = args.dim if m.group(2) == "down_proj" else args.moe_hidden_dim
+        # (Kimi K3's latent experts run in their own width, not the model's)
+        width = args.extra.get("routed_expert_hidden_size") or args.dim
+        rows = width if m.group(2) == "down_proj" else args.moe_hidden_dim
         if shape[1] != rows:
-            what = "model width" if m.group(2) == "down_proj" else "expert width"
+            what = "model width" if width == args.dim else "experts' latent width"
+            what = what if m.group(2) == "down_proj" else "expert width"
             raise CheckpointError(
                 f"{where}: {label} has {shape[1]} rows per expert but the {what} is {rows}"
             )

@@ -18,6 +18,7 @@ from ..models.registry import FAMILIES, MODEL_TYPES, checkpoint_names, unsupport
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts
 from .gated_delta import SKIPPED, from_release, is_release, kda_tensors, say_once, text_name
+from .kimi_k3 import k3_release
 from .latent import split_kv_b
 from .mxfp4 import mxfp4_experts, stored_part
 from .safetensors import SafetensorsFile
@@ -36,6 +37,10 @@ _MODEL_NAMES = [
     (r"^model\.embed_tokens_per_layer\.", "per_layer_embeddings."),
     (r"^model\.per_layer_model_projection\.", "per_layer_projection."),
     (r"^model\.per_layer_projection_norm\.", "per_layer_norm."),
+    # Kimi K3's attention residuals' output mix (`models/kimi_k3.py`)
+    (r"^model\.output_attn_res_", "output_attn_res_"),
+    (r"^model\.output_attn_res\.proj_weight$", "output_attn_res_proj.weight"),  # the release's
+    (r"^model\.output_attn_res\.norm_weight$", "output_attn_res_norm.weight"),
 ]
 
 
@@ -288,6 +293,8 @@ def read(path: Path) -> Checkpoint:
     if "kda_layers" in args.extra:
         kda_tensors(weights, sources)  # Kimi's A_log (1, 1, H, 1) flat, release convs
         split_kv_b(weights, sources, args, str(path))  # a release's latent attention
+    if args.model_type == "kimi_k3":
+        k3_release(weights, sources, args, str(path))  # fused q|k|v, A_log, packed int4
     if args.model_type in SIGMOID_GROUP:
         _sigmoid_group(weights, sources, args, path)
     shared = [i for i, s in enumerate(args.extra.get("kv_sources") or ()) if s is not None]

@@ -61,9 +61,12 @@ class PipelineModel(nn.Module):
         layers: list[nn.Module],
         family: type[Transformer] = Transformer,
     ):
-        """`family`: the whole model's class, whose `embed`, `side_inputs` and `head` the
-        stage runs on what it holds (Gemma scales its embeddings, caps its logits and
-        hands its per-layer inputs on beside h: `side_width` values per position)."""
+        """`family`: the whole model's class, whose `embed`, `side_inputs`, hand-off
+        (`hand_off`, `take_over`), `finish` and `head` the stage runs on what it holds
+        (Gemma scales its embeddings, caps its logits and hands its per-layer inputs on
+        beside h: `side_width` values per position; Kimi K3 hands on its attention
+        residuals' block states, more for a later stage, and mixes them into the last
+        layer's output)."""
         super().__init__()
         self.args = args
         self.layers = layers
@@ -99,24 +102,23 @@ class PipelineModel(nn.Module):
         mesh, (B, L) = self.mesh, tokens.shape
         split = cache is not None and not every_position and L >= 2 * MIN_MICRO
         bounds = micro_batches(L, mesh.pp) if split else [(0, L)]
-        dim, side = self.args.dim, None
+        family, side = self.family, None
+        width = self.args.dim + family.hand_off_width(self, self.first_layer)
         for a, b in bounds:
             if not mesh.first:
                 h = mx.distributed.recv(
-                    (B, b - a, dim + self.side_width),
-                    self.in_dtype,
-                    mesh.stage - 1,
-                    group=mesh.pp_group,
+                    (B, b - a, width), self.in_dtype, mesh.stage - 1, group=mesh.pp_group
                 )
-                if self.side_width:  # the per-layer inputs, handed on beside h
-                    h, side = h[..., :dim], h[..., dim:]
+                # the side inputs handed on beside h (Gemma's per-layer inputs, Kimi K3's
+                # block states)
+                h, side = family.take_over(self, h)
             else:
                 rows = None if input_embeddings is None else input_embeddings[:, a:b]
                 h = self.family.embed(self, tokens[:, a:b], rows)
                 side = self.family.side_inputs(self, tokens[:, a:b], h)
             h = run_layers(self.layers, h, cache, side)
             if not mesh.last:
-                out = h if side is None else mx.concatenate([h, side.astype(h.dtype)], axis=-1)
+                out = family.hand_off(self, h, side)
                 # Evaluated here: the next micro-batch starts only once this one is sent
                 # (and a stage's cache update would not wait for a lazy send).
                 mx.eval(mx.distributed.send(out, mesh.stage + 1, group=mesh.pp_group))
@@ -126,6 +128,7 @@ class PipelineModel(nn.Module):
                 mx.eval(h)
         n = L if every_position else 1
         if mesh.last:
+            h = family.finish(self, h, side)
             logits = self._head(self.norm(h[:, -n:, :]))
         else:
             logits = mx.zeros((B, n, len(self.vocab)), self.logits_dtype)
@@ -229,6 +232,9 @@ def stage_module(full: nn.Module, mesh: Mesh) -> PipelineModel:
             if name in full:  # a family's optional parts (Gemma 3 has no per-layer inputs)
                 setattr(model, name, full[name])
     if mesh.last:
+        for name in getattr(full, "head_modules", ()):  # what `finish` uses (Kimi K3's)
+            if name in full:
+                setattr(model, name, full[name])
         model.norm = full.norm
         if not tied:
             model.output = full.output

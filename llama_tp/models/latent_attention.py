@@ -118,7 +118,12 @@ class LatentAttention(DeepseekV3Attention):
             mask = create_causal_mask(L, offset)
         if cache is not None:
             latent, k_pe = cache.update_and_fetch(latent, k_pe)
-        return self.attend(q_nope, q_pe, latent, k_pe, mask, cache)
+        return self.attend(q_nope, q_pe, latent, k_pe, mask, cache, self.gate(x))
+
+    def gate(self, x: mx.array) -> mx.array | None:
+        """What the heads' merged output is multiplied by before `wo` (None: nothing;
+        Kimi K3's output gate: `models/kimi_k3.py`)."""
+        return None
 
     def attend(
         self,
@@ -128,10 +133,12 @@ class LatentAttention(DeepseekV3Attention):
         k_pe: mx.array,
         mask: Any,
         cache: Any,
+        gate: mx.array | None = None,
     ) -> mx.array:
         """The heads' output (B, L, dim) from their queries (B, heads, L, *) and the cached
         latent (B, 1, S, rank) and RoPE keys (B, 1, S, rope), under `mask` (an array or
-        None): RoPE scores added to the latent attention's, decoding in the latent space."""
+        None): RoPE scores added to the latent attention's, decoding in the latent space;
+        the merged heads times `gate` (B, L, heads * v_head_dim) when given."""
         B, _, L, _ = q_nope.shape
         pe_scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
         if mask is not None:
@@ -148,7 +155,8 @@ class LatentAttention(DeepseekV3Attention):
         )
         if L == 1:
             out = self.unembed_out(out)
-        return self.wo(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.wo(out if gate is None else out * gate)
 
     def shard(self, group: mx.distributed.Group, part: RankPart) -> None:
         """Keep the heads `part.q_heads` (any count per rank), the latent replicated."""

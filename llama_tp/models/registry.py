@@ -40,6 +40,10 @@ feed-forward in some layers, chosen by the args, not by name:
     Kimi-Linear kimi_linear        kimi-linear              KDA (3 of 4), experts (sigmoid +
                                                             latent (MLA)  bias, groups) +
                                                             without RoPE  shared experts
+    Kimi K3     kimi_k3            (HF/MLX only)            fused KDA,    SiTU; latent
+                                                            gated latent  experts + shared;
+                                                            attention;    attention
+                                                            no RoPE       residuals
     GLM-4.5     glm4_moe           glm4moe                  + q/k/v bias, as DeepSeek-V3
                                                             partial RoPE,
                                                             qk-norm if set
@@ -77,7 +81,7 @@ import mlx.nn as nn
 from ..model import Attention, FeedForward, MixerBlock, Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
-from . import gemma, headwise_gate, nemotron_h
+from . import gemma, headwise_gate, kimi_k3, nemotron_h
 from .chunked_attention import (
     ChunkedAttention,
     Llama4Layer,
@@ -101,7 +105,9 @@ from .kimi_delta import (
     kimi_linear_fields,
     kimi_linear_gguf_fields,
 )
+from .kimi_k3 import KimiK3Layer, KimiK3Transformer, kimi_k3_fields
 from .latent_attention import LatentAttention, deepseek_v3_fields
+from .latent_experts import LatentExperts
 from .mamba import Mamba2Mixer
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
 from .nemotron_h import NoRopeAttention, nemotron_h_config, nemotron_h_fields
@@ -176,6 +182,13 @@ FAMILIES = {
         kimi_linear_fields,
         config_keys=kimi_linear_config,
         kinds=(KimiDeltaAttention,),
+    ),
+    "kimi_k3": Family(
+        None,
+        kimi_k3_fields,
+        prefix="language_model.",
+        kinds=(KimiK3Layer, LatentExperts),
+        model=KimiK3Transformer,
     ),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
@@ -267,6 +280,8 @@ def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:
         return gemma.layer_kinds(args, i)
     if args.model_type == "nemotron_h":  # one mixer per layer, by its pattern
         return nemotron_h.layer_kinds(args, i)
+    if args.model_type == "kimi_k3":  # fused KDA, gated latent attention, latent experts
+        return kimi_k3.layer_kinds(args, i)
     feed_forward = MoEFeedForward if args.is_sparse(i) else FeedForward
     if "linear_layers" in args.extra:  # Qwen3.5 / Qwen3-Next: 3 of 4 layers linear
         linear = i in args.linear_layers

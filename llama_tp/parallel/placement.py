@@ -337,7 +337,7 @@ def _on_stage(name: str, stage: int, layers: range, pp: int, tied: bool) -> bool
         return stage == 0 or (last and tied)
     if name.startswith("per_layer_"):  # Gemma's per-layer inputs: made on the first stage
         return stage == 0
-    if name.startswith(("norm.", "output.")):
+    if name.startswith(("norm.", "output.", "output_attn_res_")):  # (Kimi K3's output mix)
         return last
     return True
 

@@ -1,0 +1,107 @@
+"""Kimi K3's release layout in the readers: what mlx-lm's `kimi_k3` sanitize does to it,
+done by sources that read any slice (so a rank reads only its bytes).
+
+    q_proj, k_proj, v_proj of a KDA layer      -> qkv_proj (q | k | v rows, `Joined`)
+    q_conv1d, k_conv1d, v_conv1d (C, 1, K)     -> qkv_conv.conv (the convs turned by
+                                                  `kda_tensors`, then joined)
+    A_log stored longer than the heads         -> its first `num_heads` values
+    layers after num_hidden_layers              -> left out (the prediction layers)
+    packed int4 experts (weight_packed / weight_scale) -> refused in one line
+
+The per-expert `block_sparse_moe.experts.N.w1/w2/w3` are stacked as every release's
+(`experts.py`); the `*_res.proj_weight` / `*_res.norm_weight` names and the
+`block_sparse_moe` names are the kinds' own (`models/kimi_k3.py`,
+`models/latent_experts.py`); `kv_b_proj` is split as DeepSeek-V3's (`latent.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .base import CheckpointError
+from .gated_delta import say_once
+
+
+@dataclass(frozen=True)
+class _Info:
+    shape: tuple[int, ...]
+
+
+class Joined:
+    """Tensors stored apart, read as their concatenation along axis 0: a slice of rows
+    reads only the parts it covers; a slice along another axis, that slice of each."""
+
+    def __init__(self, parts: list[tuple[Any, str]]):
+        self.parts = [(f, s, tuple(f.tensors[s].shape)) for f, s in parts]
+        self.stored = parts[0][1]
+        self.path = getattr(parts[0][0], "path", None)
+        rows = sum(shape[0] for _, _, shape in self.parts)
+        self.tensors = {self.stored: _Info((rows, *self.parts[0][2][1:]))}
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
+        if axis not in (None, 0):
+            return mx.concatenate([f.read(s, axis, start, stop) for f, s, _ in self.parts])
+        if axis is None:
+            start, stop = 0, self.tensors[self.stored].shape[0]
+        out, at = [], 0
+        for f, s, shape in self.parts:
+            a, b = max(start, at) - at, min(stop, at + shape[0]) - at
+            if a < b:
+                out.append(f.read(s) if (a, b) == (0, shape[0]) else f.read(s, 0, a, b))
+            at += shape[0]
+        return out[0] if len(out) == 1 else mx.concatenate(out)
+
+
+class Leading:
+    """The first `n` values of a 1-D stored tensor (a release's A_log, longer than the
+    heads)."""
+
+    def __init__(self, file: Any, stored: str, n: int):
+        self.file, self.stored = file, stored
+        self.path = getattr(file, "path", None)
+        self.tensors = {stored: _Info((n,))}
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
+        if axis is None:
+            start, stop = 0, self.tensors[self.stored].shape[0]
+        return self.file.read(self.stored, 0, start, stop)
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_PARTS = ("weight", "scales", "biases")
+
+
+def k3_release(weights: dict, sources: dict, args: Any, where: str) -> None:
+    """A Kimi K3 release's tensors as the model holds them, in place (see the module
+    docstring); mlx-lm's folders pass through unchanged."""
+    for _, stored in sources.values():
+        if stored.endswith(("weight_packed", "weight_scale")):
+            raise CheckpointError(
+                f"{where}: {stored}: the release's packed int4 experts are not read; "
+                "convert the checkpoint with mlx_lm.convert first"
+            )
+    extra = [k for k in weights if (m := _LAYER.match(k)) and int(m.group(1)) >= args.n_layers]
+    for name in extra:
+        del weights[name]
+        sources.pop(name, None)
+    if extra:
+        say_once(where, "its layers after num_hidden_layers (prediction layers) are not used")
+    for i in args.kda_layers:
+        p = f"layers.{i}.attention."
+        joins = {f"qkv_proj.{x}": [f"w{c}.{x}" for c in "qkv"] for x in _PARTS}
+        joins["qkv_conv.conv.weight"] = [f"{c}_conv.conv.weight" for c in "qkv"]
+        for new, parts in joins.items():
+            parts = [p + x for x in parts]
+            if p + new in weights or not all(x in weights for x in parts):
+                continue
+            joined = Joined([sources.pop(x) for x in parts])
+            sources[p + new] = (joined, joined.stored)
+            weights[p + new] = mx.concatenate([weights.pop(x) for x in parts])
+        a, h = p + "A_log", args.kda_heads
+        if a in weights and weights[a].shape[0] > h:
+            file, stored = sources[a]
+            weights[a], sources[a] = weights[a][:h], (Leading(file, stored, h), stored)

@@ -1,0 +1,144 @@
+"""Kimi K3 in one process (issue 43): mlx-lm's own kimi_k3 on the same folders is the
+oracle (`flagship_fixtures.py`: float32 and mlx-lm's 4-bit convert: fused KDA with a
+lower-bounded decay and a full-rank gate, gated latent attention through q_lora_rank,
+SiTU, latent experts normed after their sum, attention residuals over blocks of 2). The
+ranks (2, 3, 4, --split 3:1, tp2 x pp2, serve) are `test_flagships.py`'s launches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from flagship_fixtures import flagship_models
+from test_kimi import _held
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return flagship_models(tmp_path_factory.mktemp("kimi_k3"), ("kimi_k3",))
+
+
+def test_one_process_equals_mlx_lm(models):
+    """Logits within 1e-4 of mlx-lm's model on the same folder (float32 and 4-bit), whole
+    and as a cached prefill then single steps, the same 32 greedy tokens, the caches (the
+    latent per token, the fused KDA's two state arrays per sequence) holding what `plan`
+    says."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+    from test_sparse_attention import _greedy, _greedy_mlx_lm
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.slices import model_shape
+    from llama_tp.parallel.placement import kv_cache_bytes, place
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    assert set(models) == {"kimi_k3", "kimi_k3-q4", "kimi_k3-release"}
+    for name in ("kimi_k3", "kimi_k3-q4"):
+        path = models[name]
+        ckpt = open_checkpoint(path)
+        ours, theirs = build_model(ckpt), load_model(path)[0]
+        assert type(theirs).__module__.endswith("kimi_k3") and ckpt.args.kda_layers == [0, 2]
+        kinds = [(type(x.attention).__name__, type(x.feed_forward).__name__) for x in ours.layers]
+        assert kinds == [
+            ("FusedKimiDeltaAttention", "SituFeedForward"),
+            ("GatedLatentAttention", "LatentExperts"),
+            ("FusedKimiDeltaAttention", "LatentExperts"),
+        ]
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, name
+        mine, ref = make_prompt_cache(ours), make_prompt_cache(theirs)
+        for a, b in [(0, 8), (8, 9), (9, 12)]:
+            got = ours(x[:, a:b], cache=mine) - theirs(x[:, a:b], cache=ref)
+            assert mx.abs(got).max().item() <= ATOL, (name, a)
+        prompt = x[0].tolist()
+        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        shape = model_shape(ckpt)
+        assert _held(mine) == kv_cache_bytes(shape, place(shape).ranks[0], tokens=12), name
+
+
+def test_chat_second_turn_reuses_the_cache(models):
+    """A chat's second turn prefills only what the first did not leave in the cache (the
+    KDA states checkpointed, not rewound)."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.tokenizer import load_tokenizer
+    from llama_tp.conversation.chat import Chat
+
+    ckpt = open_checkpoint(models["kimi_k3"])
+    chat = Chat(build_model(ckpt), load_tokenizer(ckpt), max_tokens=6)
+    chat.send("hi there")
+    chat.send("again")
+    assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
+
+
+def test_synthetic_kimi_k3_is_mlx_lms(tmp_path):
+    """`bench --synthetic kimi-k3-*`: the tensors mlx-lm's own class holds (its residual
+    queries kept float in the 4-bit copy, as mlx-lm's convert keeps them), so that mlx-lm
+    loads the same folder and gives the same logits."""
+    from mlx_lm.utils import load_model
+
+    from llama_tp.benchmarks.synthetic import write_synthetic
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
+    for spec in ("kimi-k3-tiny-fp32", "kimi-k3-tiny-q4"):
+        path = write_synthetic(spec, tmp_path / spec)
+        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+        assert ours.args.model_type == "kimi_k3" and ours.args.kda_layers == [0, 1, 2]
+        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+
+
+def test_plan_of_kimi_k3(models):
+    """`plan` on 3 ranks (--split 2:2:1, by expert): 10 latent heads as 4/4/2, 5 KDA heads
+    as 2/2/1 (each rank's states for its heads), 5 experts as 2/2/1, and K3's own line."""
+    from conftest import run_python
+
+    out = run_python(
+        ["-m", "llama_tp.plan", "-n", "3", "--split", "2:2:1", "--moe-split", "expert"]
+        + ["--model", str(models["kimi_k3"])]
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line[:2] in ("0 ", "1 ", "2 ")]
+    assert [r[1:3] + r[5:7] + r[11:13] for r in rows[-3:]] == [
+        ["0-3", "[4]", "0-1", "[2]", "0-1", "[2]"],
+        ["4-7", "[4]", "2-3", "[2]", "2-3", "[2]"],
+        ["8-9", "[2]", "4-4", "[1]", "4-4", "[1]"],
+    ]
+    assert "Recurrent state per sequence: rank 0 20.50 KiB, rank 1 20.50 KiB, rank 2 10.25 KiB" in (
+        out.stdout
+    )
+    assert "Kimi K3: fused KDA" in out.stdout and "before the latent's norm" in out.stdout
+    assert "model_type 'kimi_k3' is implemented natively" in out.stdout
+
+
+def test_release_layout_equals_mlx_lm(models, tmp_path):
+    """The release's layout (`flagship_fixtures.release_k3`: q/k/v projections and convs
+    apart, per-expert w1/w2/w3, A_log longer than the heads, kv_b_proj, `*_res.proj_weight`)
+    reads as the model holds it and gives mlx-lm's logits (its sanitize undoing the same;
+    on 3 ranks, read in slices: test_flagships); its packed int4 experts are refused in one
+    line."""
+    import shutil
+
+    from mlx_lm.utils import load_model
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.base import CheckpointError
+    from llama_tp.checkpoints.build import build_model
+
+    path = models["kimi_k3-release"]
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
+    assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL
+    packed = tmp_path / "packed"
+    shutil.copytree(path, packed)
+    weights = mx.load(str(packed / "model.safetensors"))
+    name = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
+    weights[name] = mx.zeros((128, 8), mx.int32)
+    mx.save_safetensors(str(packed / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError, match=f"{name}: the release's packed int4 experts"):
+        open_checkpoint(packed)
