@@ -351,6 +351,8 @@ QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_lin
 QUANTIZED += ("nemotron_h", "kimi_k3")
 # the families with a float32 GGUF copy too (as llama.cpp's converter writes it)
 GGUF = {"kimi_linear": lambda src, out: gguf_kimi(src, out)}
+GGUF |= {"nemotron_h": lambda src, out: gguf_nemotron(src, out)}
+GGUF |= {"nemotron_g1": lambda src, out: gguf_nemotron(src, out)}
 # the families with a float32 copy in their release's own layout too
 RELEASE = {"kimi_k3": lambda src, out: release_k3(src, out)}
 
@@ -546,6 +548,124 @@ def gguf_kimi(src: Path, out: Path, quantized: int | None = None, stored: bool =
         a = np.ascontiguousarray(a)
         block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
         if quantized and a.ndim >= 2 and a.shape[-1] % block == 0 and "ssm_conv1d" not in name:
+            qtype = gguf.GGMLQuantizationType(quantized)
+            q = gguf.quants.quantize(a, qtype)
+            if stored:
+                w.add_tensor(name, q, raw_dtype=qtype)
+            else:
+                w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+# -- Nemotron-H as llama.cpp's converter writes it (conversion/nemotron.py's NemotronHModel)
+_NEMOTRON_GGUF = [
+    (r"^backbone\.embeddings\.", "token_embd."),
+    (r"^backbone\.norm_f\.", "output_norm."),
+    (r"^lm_head\.", "output."),
+    (r"\.mixer\.norm\.", ".ssm_norm."),  # the gated norm's, then the block's
+    (r"\.norm\.weight$", ".attn_norm.weight"),
+    (r"\.mixer\.in_proj\.", ".ssm_in."),
+    (r"\.mixer\.conv1d\.", ".ssm_conv1d."),
+    (r"\.mixer\.dt_bias$", ".ssm_dt.bias"),
+    (r"\.mixer\.A_log$", ".ssm_a"),
+    (r"\.mixer\.D$", ".ssm_d"),
+    (r"\.mixer\.out_proj\.", ".ssm_out."),
+    (r"\.mixer\.([qkv])_proj\.", r".attn_\1."),
+    (r"\.mixer\.o_proj\.", ".attn_output."),
+    (r"\.mixer\.shared_experts\.(up|down)_proj\.", r".ffn_\1_shexp."),
+    (r"\.mixer\.(up|down)_proj\.", r".ffn_\1."),
+    (r"\.mixer\.gate\.e_score_correction_bias$", ".exp_probs_b.bias"),
+    (r"\.mixer\.gate\.", ".ffn_gate_inp."),
+    (r"\.mixer\.switch_mlp\.fc1\.", ".ffn_up_exps."),
+    (r"\.mixer\.switch_mlp\.fc2\.", ".ffn_down_exps."),
+    (r"^backbone\.layers\.(\d+)\.", r"blk.\1."),
+]
+# kept float by llama.cpp's quantizer (or by ours: the Mamba-only small tensors)
+_NEMOTRON_FLOAT = ("ssm_conv1d", "ssm_norm", "ffn_gate_inp", "ssm_a", "ssm_d")
+
+
+def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+    """mlx-lm's float32 Nemotron-H folder `src` as llama.cpp's converter writes its GGUF
+    (`nemotron_h_moe` with experts, else `nemotron_h`): the conv (C, K), ssm_a = -exp(A_log)
+    and D as (nh, 1), the gated norm as (groups, width), dt_bias as ssm_dt.bias, the
+    experts stacked; per-layer KV head counts (0 but in "*" layers) and feed-forward widths
+    (the experts' in "E" layers with experts, the dense one's in "-" layers without; 0
+    elsewhere); float32, or with `quantized` (a ggml type) the projections in its blocks
+    (`stored` False: the same values dequantized, as float32)."""
+    import re
+
+    import gguf
+    import numpy as np
+    from gguf_writer import llama_vocabulary
+
+    c = json.loads((src / "config.json").read_text())
+    # the converter writes nemotron_h_moe for a config with experts; a pattern without "E"
+    # here stands for one without (Nemotron-H 8B's, as its `nemotron_h`)
+    pattern = "".join(c["hybrid_override_pattern"])
+    moe = "E" in pattern
+    arch = "nemotron_h_moe" if moe else "nemotron_h"
+    w = gguf.GGUFWriter(str(out), arch)
+    nh, hd, ng = c["mamba_num_heads"], c["mamba_head_dim"], c["n_groups"]
+    ints = {
+        "block_count": len(pattern),
+        "context_length": c["max_position_embeddings"],
+        "embedding_length": c["hidden_size"],
+        "attention.head_count": c["num_attention_heads"],
+        "attention.key_length": c["head_dim"],
+        "attention.value_length": c["head_dim"],
+        "ssm.conv_kernel": c["conv_kernel"],
+        "ssm.state_size": c["ssm_state_size"],
+        "ssm.group_count": ng,
+        "ssm.inner_size": nh * hd,
+        "ssm.time_step_rank": nh,
+    }
+    ff = c["moe_intermediate_size"] if moe else c["intermediate_size"]
+    if moe:
+        ints |= {
+            "expert_used_count": c["num_experts_per_tok"],
+            "expert_feed_forward_length": c["moe_intermediate_size"],
+            "expert_shared_feed_forward_length": c["moe_shared_expert_intermediate_size"],
+            "expert_count": c["n_routed_experts"],
+            "expert_shared_count": c["n_shared_experts"],
+            "expert_group_count": c["n_group"],
+        }
+        w.add_bool(f"{arch}.expert_weights_norm", c["norm_topk_prob"])
+        w.add_float32(f"{arch}.expert_weights_scale", c["routed_scaling_factor"])
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    mlp = "E" if moe else "-"
+    w.add_array(f"{arch}.feed_forward_length", [ff if p == mlp else 0 for p in pattern])
+    kv = [c["num_key_value_heads"] if p == "*" else 0 for p in pattern]
+    w.add_array(f"{arch}.attention.head_count_kv", kv)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["layer_norm_epsilon"])
+    vocab = llama_vocabulary(c["vocab_size"])
+    w.add_string("tokenizer.ggml.model", "llama")
+    for key in ("tokens", "scores", "token_type"):
+        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
+    for key in ("bos", "eos", "unknown"):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
+    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
+        a = np.array(v.astype(mx.float32))
+        if name.endswith("A_log"):
+            a = -np.exp(a)
+        if name.endswith(("A_log", ".D")):
+            a = a.reshape(-1, 1)
+        elif name.endswith("mixer.norm.weight"):
+            a = a.reshape(ng, -1)
+        elif name.endswith("conv1d.weight"):  # (C, K, 1) -> (C, K)
+            a = a[..., 0]
+        for pattern_, repl in _NEMOTRON_GGUF:
+            name = re.sub(pattern_, repl, name)
+        a = np.ascontiguousarray(a)
+        small = any(k in name for k in _NEMOTRON_FLOAT)
+        if quantized and a.ndim >= 2 and a.shape[-1] % block == 0 and not small:
             qtype = gguf.GGMLQuantizationType(quantized)
             q = gguf.quants.quantize(a, qtype)
             if stored:

@@ -37,8 +37,10 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place, state_bytes
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"nemotron_h", "nemotron_h-q4", "nemotron_g1"}
-    for name, path in models.items():
+    folders = ("nemotron_h", "nemotron_h-q4", "nemotron_g1")
+    assert set(models) == {*folders, "nemotron_h-gguf", "nemotron_g1-gguf"}
+    for name in folders:
+        path = models[name]
         ckpt = open_checkpoint(path)
         ours, theirs = build_model(ckpt), load_model(path)[0]
         assert type(theirs).__module__.endswith("nemotron_h")
@@ -140,3 +142,31 @@ def test_plan_of_nemotron_3_nano_config():
     )
     assert "Mamba-2 (23 of 52 layers): 64 heads of 64 in 8 groups" in out.stdout
     assert "model_type 'nemotron_h' is implemented natively" in out.stdout
+
+
+def test_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `nemotron_h_moe` and `nemotron_h` GGUF layouts (`flagship_fixtures.
+    gguf_nemotron`: the conv (C, K), ssm_a = -exp(A_log), D (nh, 1), the gated norm by
+    groups, the experts stacked; the layers' kinds from per-layer arrays, a "-" layer beside
+    experts from its tensors): float32 gives the folder's logits and 32 greedy tokens (five
+    groups and one); Q8_0 the next tokens of its own values dequantized, its logits within
+    0.05 (0.0071: measured)."""
+    from flagship_fixtures import gguf_nemotron
+    from test_sparse_attention import _greedy
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    for name in ("nemotron_h", "nemotron_g1"):
+        ckpt = open_checkpoint(models[f"{name}-gguf"])
+        assert ckpt.args.pattern == ("ME*-" if name == "nemotron_h" else "M*"), name
+        gguf, folder = build_model(ckpt), build_model(open_checkpoint(models[name]))
+        assert mx.abs(gguf(x) - folder(x)).max().item() <= ATOL, name
+        assert _greedy(gguf, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32), name
+    src = models["nemotron_h"]
+    q8 = open_checkpoint(gguf_nemotron(src, tmp_path / "q8.gguf", 8))
+    values = gguf_nemotron(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).all().item()

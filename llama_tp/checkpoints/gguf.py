@@ -30,6 +30,8 @@ from .base import Checkpoint, CheckpointError
 from .experts import check_experts
 from .gated_delta import SKIPPED, from_gguf, kda_gguf, say_once
 from .gguf_header import GGUFHeader, read_header
+from .gguf_mamba import ARCHITECTURES as _MAMBA
+from .gguf_mamba import mamba_gguf
 from .gguf_reader import _MX, GGUFFile
 from .latent import split_kv_b
 
@@ -87,7 +89,7 @@ def _experts(arch: str, get, weights: dict[str, mx.array], n_layers: int) -> dic
     )
     model_type = _MODEL_TYPES[arch] if arch != "llama" or not n_experts else "mixtral"
     out: dict = {"model_type": model_type, "qk_norm": "layers.0.attention.q_norm.weight" in weights}
-    if not n_experts and not sparse:
+    if not sparse and (not n_experts or arch in _MAMBA):  # Nemotron-H: its fields' own
         return out
     gate = weights.get(f"layers.{sparse[0]}.feed_forward.switch_mlp.gate_proj.weight")
     shared = weights.get(f"layers.{sparse[0]}.feed_forward.shared_expert.w1.weight")
@@ -146,7 +148,9 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
             n_heads=n_heads,
             n_kv_heads=_most(get("attention.head_count_kv")) or n_heads,
             # Without dense layers (Qwen3-MoE files may say 0): the experts' width
-            hidden_dim=get("feed_forward_length") or experts.get("moe_hidden_dim", 0),
+            hidden_dim=experts.pop("hidden_dim", 0)  # a family's fields' own
+            or _most(get("feed_forward_length"))
+            or experts.get("moe_hidden_dim", 0),
             vocab_size=vocab,
             head_dim=get("attention.key_length") or dim // n_heads,
             norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
@@ -163,8 +167,8 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
 
 
 def _most(count):
-    """A KV head count, or the largest of a per-layer array's (Kimi-Linear's: 0 in a KDA
-    layer)."""
+    """A KV head count or feed-forward width, or the largest of a per-layer array's
+    (Kimi-Linear's, Nemotron-H's: 0 in a layer without)."""
     return max(int(c) for c in count) if hasattr(count, "__len__") else count
 
 
@@ -355,6 +359,8 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         from_gguf(weights, sources, args, tiled=arch in _TILED)
     if "kda_layers" in args.extra:  # Kimi-Linear: llama.cpp's conv and ssm_a, undone
         kda_gguf(weights, sources, args)
+    if arch in _MAMBA:  # Nemotron-H: llama.cpp's Mamba tensors undone, the pattern checked
+        mamba_gguf(weights, sources, args)
     if args.kv_lora_rank:
         _latent(weights, sources, args, path)
     check_experts(

@@ -72,7 +72,19 @@ class Mamba2Mixer(NemotronHMamba2Mixer):
     # model names them (this and the family's other one-mixer kinds: mlx-lm's names;
     # tried after the attention's own, `Family.kinds`)
     hf_names = (("mixer", "mixer"), ("norm", "norm"))
-    gguf_names = ()
+    # llama.cpp's (gguf-py's NEMOTRON_H tensors); the reader turns ssm_conv1d (C, K),
+    # ssm_a (-exp(A_log)) and ssm_d (nh, 1) and ssm_norm (groups, width) back
+    # (`checkpoints/gguf_mamba.py`)
+    gguf_names = (
+        ("attn_norm", "norm"),
+        ("ssm_in", "mixer.in_proj"),
+        ("ssm_conv1d", "mixer.conv1d"),
+        ("ssm_dt.bias$", "mixer.dt_bias"),
+        ("ssm_a$", "mixer.A_log"),
+        ("ssm_d$", "mixer.D"),
+        ("ssm_norm", "mixer.norm"),
+        ("ssm_out", "mixer.out_proj"),
+    )
 
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:

@@ -45,7 +45,12 @@ class NoRopeAttention(Attention):
         ("mixer.v_proj", "mixer.wv"),
         ("mixer.o_proj", "mixer.wo"),
     )
-    gguf_names = ()
+    gguf_names = (
+        ("attn_q", "mixer.wq"),
+        ("attn_k", "mixer.wk"),
+        ("attn_v", "mixer.wv"),
+        ("attn_output", "mixer.wo"),
+    )
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
@@ -54,6 +59,8 @@ class NoRopeAttention(Attention):
 
 class Relu2FeedForward(NemotronHMLP):
     """x (B, L, dim) -> (B, L, dim): down_proj(relu(up_proj(x))^2), split by its columns."""
+
+    gguf_names = (("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj"))
 
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
@@ -71,6 +78,16 @@ class Relu2FeedForward(NemotronHMLP):
 class Relu2Experts(NemotronHMoE):
     """x (B, L, dim) -> (B, L, dim): mlx-lm's `NemotronHMoE` (its gate replicated), the
     experts' and shared expert's partial outputs summed once when split."""
+
+    # llama.cpp's (gguf-py's NEMOTRON_H_MOE tensors: the experts stacked)
+    gguf_names = (
+        ("ffn_gate_inp", "mixer.gate"),
+        ("exp_probs_b.bias$", "mixer.gate.e_score_correction_bias"),
+        ("ffn_up_exps", "mixer.switch_mlp.fc1"),
+        ("ffn_down_exps", "mixer.switch_mlp.fc2"),
+        ("ffn_up_shexp", "mixer.shared_experts.up_proj"),
+        ("ffn_down_shexp", "mixer.shared_experts.down_proj"),
+    )
 
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
@@ -166,6 +183,59 @@ def nemotron_h_fields(config: dict) -> dict:
             "n_group": config.get("n_group") or 1,
             "topk_group": config.get("topk_group") or 1,
             "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0),
+            "sparse_layers": [i for i, c in enumerate(pattern) if c == "E"],
+        }
+    return out
+
+
+def nemotron_h_gguf_fields(get) -> dict:
+    """The same fields from a GGUF file's `nemotron_h.*` / `nemotron_h_moe.*` metadata
+    (llama.cpp's converter): the pattern from the per-layer arrays (a KV head count: "*";
+    a feed-forward width: "-", or "E" with experts; neither: "M"; the reader checks it
+    against the tensors, `checkpoints/gguf_mamba.py`), the Mamba sizes from `ssm.*`
+    (time_step_rank heads of inner_size / heads), the experts' count, widths, scale and
+    groups."""
+    n = get("block_count") or 0
+    kv, ff = get("attention.head_count_kv"), get("feed_forward_length")
+    kv = [int(k) for k in kv] if hasattr(kv, "__len__") else [int(kv or 0)] * n
+    ff = [int(f) for f in ff] if hasattr(ff, "__len__") else [int(ff or 0)] * n
+    experts = get("expert_count") or 0
+    pattern = "".join(
+        "*" if kv[i] else ("E" if experts else "-") if ff[i] else "M" for i in range(n)
+    )
+    nh, inner = get("ssm.time_step_rank") or 0, get("ssm.inner_size") or 0
+    ng = get("ssm.group_count") or 1
+    if "M" in pattern and (nh < 1 or inner % nh or nh % ng):
+        raise ValueError(f"ssm: {inner} values in {nh} Mamba heads in {ng} groups")
+    out = {
+        # the dense feed-forward's width (the reader takes it from a "-" layer's tensors);
+        # with no feed-forward at all, the model's width (unused)
+        "hidden_dim": max(ff) or get("embedding_length") or 0,
+        "extra": {
+            "pattern": pattern,
+            "mamba_num_heads": nh,
+            "mamba_head_dim": inner // max(nh, 1),
+            "mamba_proj_bias": False,
+            "ssm_state": get("ssm.state_size") or 0,
+            "conv_kernel": get("ssm.conv_kernel") or 0,
+            "n_groups": ng,
+            "use_conv_bias": True,
+            "time_step_limit": [0.0, float("inf")],  # llama.cpp clamps none
+        },
+    }
+    if experts:
+        shared = get("expert_shared_feed_forward_length") or 0
+        out |= {
+            "n_experts": experts,
+            "n_experts_per_tok": get("expert_used_count") or 0,
+            "moe_hidden_dim": get("expert_feed_forward_length") or 0,
+            "shared_expert_dim": shared if get("expert_shared_count") else 0,
+            "shared_expert_gated": False,
+            "norm_topk_prob": bool(get("expert_weights_norm", True)),
+            "router": "sigmoid_group",
+            "n_group": get("expert_group_count") or 1,
+            "topk_group": get("expert_group_used_count") or 1,
+            "routed_scaling_factor": float(get("expert_weights_scale") or 1.0),
             "sparse_layers": [i for i, c in enumerate(pattern) if c == "E"],
         }
     return out

@@ -34,8 +34,8 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             global NoPE   scaled) + shared
                                                             layers        expert; dense
                                                                           (llama4_text)
-    Nemotron-H  nemotron_h         (HF/MLX only)            one mixer per layer: Mamba-2,
-                                                            attention (no RoPE), relu2
+    Nemotron-H  nemotron_h         nemotron_h,              one mixer per layer: Mamba-2,
+                                   nemotron_h_moe           attention (no RoPE), relu2
                                                             feed-forward or experts
     Kimi-Linear kimi_linear        kimi-linear              KDA (3 of 4), experts (sigmoid +
                                                             latent (MLA)  bias, groups) +
@@ -110,7 +110,14 @@ from .latent_attention import LatentAttention, deepseek_v3_fields
 from .latent_experts import LatentExperts
 from .mamba import Mamba2Mixer
 from .moe import MoEFeedForward, glm4_moe_fields, mixtral_fields, qwen_moe_fields
-from .nemotron_h import NoRopeAttention, nemotron_h_config, nemotron_h_fields
+from .nemotron_h import (
+    NoRopeAttention,
+    Relu2Experts,
+    Relu2FeedForward,
+    nemotron_h_config,
+    nemotron_h_fields,
+    nemotron_h_gguf_fields,
+)
 from .qk_norm import QKNormAttention
 from .sparse_attention import SparseAttention, deepseek_v32_fields, glm_moe_dsa_fields
 from .wide_qk_norm import WideQKNormAttention, minimax_config, minimax_fields
@@ -175,7 +182,7 @@ FAMILIES = {
         "NemotronHForCausalLM",
         nemotron_h_fields,
         config_keys=nemotron_h_config,
-        kinds=(NoRopeAttention, Mamba2Mixer),
+        kinds=(NoRopeAttention, Mamba2Mixer, Relu2FeedForward, Relu2Experts),
     ),
     "kimi_linear": Family(
         "KimiLinearForCausalLM",
@@ -239,6 +246,8 @@ GGUF_FAMILIES = {
         "qwen3_next", neox=True, fields=lambda get: qwen3_5_gguf_fields(get, "qwen3next")
     ),
     "kimi-linear": GgufFamily("kimi_linear", fields=kimi_linear_gguf_fields),
+    "nemotron_h": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
+    "nemotron_h_moe": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
