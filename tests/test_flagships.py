@@ -116,7 +116,8 @@ def test_three_ranks(models):
     (llama.cpp's layout, read in slices; the folder it was written from is one process's);
     Llama 4's 5 KV heads as 2/2/1 (float32 by tensor, 4-bit's 5 experts as 2/2/1) and
     llama4_text; Step-3.5's sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the
-    middle rank holds both); Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor), and
+    middle rank holds both); Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor, from
+    its `nemotron_h_moe` GGUF: llama.cpp's layout, read in slices), and
     its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
     gated norm's sum of squares all-reduced); Kimi K3 by expert (5 KDA heads as 2/2/1),
     from its release's layout (q, k, v projections and convs apart, read in slices as the
@@ -131,7 +132,7 @@ def test_three_ranks(models):
     st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
     specs += [f"{l4}#tensor", f"{l4q}#expert", l4t]
     specs += [f"{st}#tensor", f"{sq}#expert"]
-    nh, g1 = str(models["nemotron_h"]), str(models["nemotron_g1"])
+    nh, g1 = str(models["nemotron_h-gguf"]), str(models["nemotron_g1"])
     lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{models['kimi_k3-release']}#expert"])
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP, *NEMOTRON}
     assert _families(lines) == families and len(lines) == 17
