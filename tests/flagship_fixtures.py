@@ -643,7 +643,8 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
     w.add_array(f"{arch}.feed_forward_length", [ff if p == mlp else 0 for p in pattern])
     kv = [c["num_key_value_heads"] if p == "*" else 0 for p in pattern]
     w.add_array(f"{arch}.attention.head_count_kv", kv)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["layer_norm_epsilon"])
+    # the config's layer_norm_epsilon as the plain norm's (the converter's base class)
+    w.add_float32(f"{arch}.attention.layer_norm_epsilon", c["layer_norm_epsilon"])
     vocab = llama_vocabulary(c["vocab_size"])
     w.add_string("tokenizer.ggml.model", "llama")
     for key in ("tokens", "scores", "token_type"):

@@ -153,7 +153,7 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
             or experts.get("moe_hidden_dim", 0),
             vocab_size=vocab,
             head_dim=get("attention.key_length") or dim // n_heads,
-            norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
+            norm_eps=experts.pop("norm_eps", None) or get("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=get("rope.freq_base", 10000.0),
             rope_traditional=arch not in _NEOX,
             rope_scaling=scaling,

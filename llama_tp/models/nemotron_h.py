@@ -195,10 +195,12 @@ def nemotron_h_gguf_fields(get) -> dict:
     against the tensors, `checkpoints/gguf_mamba.py`), the Mamba sizes from `ssm.*`
     (time_step_rank heads of inner_size / heads), the experts' count, widths, scale and
     groups."""
-    n = get("block_count") or 0
+    n = (get("block_count") or 0) - (get("nextn_predict_layers") or 0)  # less the MTP's
     kv, ff = get("attention.head_count_kv"), get("feed_forward_length")
-    kv = [int(k) for k in kv] if hasattr(kv, "__len__") else [int(kv or 0)] * n
-    ff = [int(f) for f in ff] if hasattr(ff, "__len__") else [int(ff or 0)] * n
+    kv = [int(k) for k in kv[:n]] if hasattr(kv, "__len__") else [int(kv or 0)] * n
+    ff = [int(f) for f in ff[:n]] if hasattr(ff, "__len__") else [int(ff or 0)] * n
+    if len(kv) < n or len(ff) < n:
+        raise ValueError(f"attention.head_count_kv / feed_forward_length: not one per layer of {n}")
     experts = get("expert_count") or 0
     pattern = "".join(
         "*" if kv[i] else ("E" if experts else "-") if ff[i] else "M" for i in range(n)
@@ -208,6 +210,10 @@ def nemotron_h_gguf_fields(get) -> dict:
     if "M" in pattern and (nh < 1 or inner % nh or nh % ng):
         raise ValueError(f"ssm: {inner} values in {nh} Mamba heads in {ng} groups")
     out = {
+        # the converter writes the config's layer_norm_epsilon as the plain norm's epsilon
+        "norm_eps": get("attention.layer_norm_rms_epsilon")
+        or get("attention.layer_norm_epsilon")
+        or 1e-5,
         # the dense feed-forward's width (the reader takes it from a "-" layer's tensors);
         # with no feed-forward at all, the model's width (unused)
         "hidden_dim": max(ff) or get("embedding_length") or 0,
@@ -227,8 +233,8 @@ def nemotron_h_gguf_fields(get) -> dict:
         shared = get("expert_shared_feed_forward_length") or 0
         out |= {
             "n_experts": experts,
-            "n_experts_per_tok": get("expert_used_count") or 0,
-            "moe_hidden_dim": get("expert_feed_forward_length") or 0,
+            "n_experts_per_tok": _one(get, "expert_used_count", pattern),
+            "moe_hidden_dim": _one(get, "expert_feed_forward_length", pattern),
             "shared_expert_dim": shared if get("expert_shared_count") else 0,
             "shared_expert_gated": False,
             "norm_topk_prob": bool(get("expert_weights_norm", True)),
@@ -239,6 +245,18 @@ def nemotron_h_gguf_fields(get) -> dict:
             "sparse_layers": [i for i, c in enumerate(pattern) if c == "E"],
         }
     return out
+
+
+def _one(get, key: str, pattern: str) -> int:
+    """A count the experts' layers share: a number, or a per-layer array's (Nemotron 3
+    Puzzle's, one per layer: refused when the experts' layers differ)."""
+    value = get(key) or 0
+    if not hasattr(value, "__len__"):
+        return int(value)
+    found = {int(v) for v, c in zip(value[: len(pattern)], pattern, strict=True) if c == "E"}
+    if len(found) > 1:
+        raise ValueError(f"{key} {sorted(found)}: experts of different sizes per layer")
+    return found.pop() if found else 0
 
 
 # the keys mlx-lm's ModelArgs requires that Nemotron-H configs may leave to their defaults
