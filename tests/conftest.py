@@ -100,6 +100,15 @@ _ZYGOTE = Zygote()
 _WARM = True  # this test's processes may come from the zygote (not an exclusive test's)
 
 
+def python_cmd(args: list[str]) -> list[str]:
+    """The command line of `python args` for a process a test starts itself (a server, a
+    rank of `Ranks`, a documented command): a stand-in that forks it from the warm
+    interpreter (tests/zygote.py) where it can, as `launch`'s ranks are, else Python."""
+    if _WARM and usable(args) and _ZYGOTE.start():
+        return [sys.executable, str(ROOT / "tests" / "zygote.py"), "exec", *args]
+    return [sys.executable, *args]
+
+
 def run_python(args: list[str], timeout: float = 300, input: str | None = None):
     """Run `python args...` as a single process (bounded by `timeout`): forked from a
     warm interpreter where it can (tests/zygote.py), else started afresh."""

@@ -9,7 +9,11 @@ which would hide what they do on their own).
 
 Each rank gets MLX_RANK and MLX_HOSTFILE (a JSON list of "ip:port" lists, one per
 rank, as mlx.launch writes for the ring backend); `hosts` puts ranks on other
-addresses and `prefix` runs them through e.g. `ip netns exec NS`.
+addresses and `prefix` runs them through e.g. `ip netns exec NS`. Outside exclusive
+tests (whose ranks start as users start them: a stopped stand-in would not stop its
+rank) and without a prefix, each rank is forked from the warm interpreter by a
+stand-in, as `launch`'s ranks are (conftest.python_cmd); SIGKILL of the stand-in ends
+its rank too.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import _PORTS, ROOT
+from conftest import _PORTS, ROOT, python_cmd
 
 
 @dataclass
@@ -63,7 +67,9 @@ class Ranks:
         for rank in range(n):
             extra = {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
             extra.update((env or {}).get(rank, {}))
-            cmd = [sys.executable, *(args(rank) if callable(args) else args)]
+            argv = args(rank) if callable(args) else args
+            # forked from the warm interpreter outside exclusive tests (not through a prefix)
+            cmd = [sys.executable, *argv] if prefix else python_cmd(argv)
             if prefix:  # e.g. ip netns exec NS env MLX_RANK=r ... python ...
                 cmd = [*prefix(rank), "env", *[f"{k}={v}" for k, v in extra.items()], *cmd]
             p = subprocess.Popen(

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
-from conftest import _PORTS, BIN, ROOT, TIMEOUT_SCALE
+from conftest import _PORTS, BIN, ROOT, TIMEOUT_SCALE, python_cmd
 
 KEY = "test-key"
 REPEAT = "abc abc abc abc abc abc abc abc"  # prompt lookup finds drafts the model accepts
@@ -50,14 +50,15 @@ class Server:
         self.port, self.model = free_port(), model
         args = ["-m", "llama_tp.serve", "--model", str(model), "--port", str(self.port)]
         args += ["--api-key", KEY, *flags]
+        run = python_cmd(args)  # forked from the warm interpreter where it can
         if ranks == 1:
-            cmd = [sys.executable, *args]
+            cmd = run
         elif launcher == "llama_tp":  # blocks instead of spinning (--no-openblas: as one process)
             cmd = [sys.executable, "-m", "llama_tp.launch", "--no-openblas", "-n", str(ranks)]
-            cmd += ["--starting-port", str(next(_PORTS)), "--", sys.executable, *args]
+            cmd += ["--starting-port", str(next(_PORTS)), "--", *run]
         else:
             cmd = [str(BIN / "mlx.launch"), "-n", str(ranks), "--starting-port", str(next(_PORTS))]
-            cmd += ["--", sys.executable, *args]
+            cmd += ["--", *run]
         self.err_path = tmp / f"serve-{ranks}-{self.port}.err"
         # mlx.launch spins once its stdin ends: give it a pipe that stays open.
         self.read_end, self.write_end = os.pipe()

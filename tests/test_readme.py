@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import _PORTS, BIN, ROOT
+from conftest import _PORTS, BIN, ROOT, python_cmd
 from doc_blocks import DRIVER, PAGES, Command, command, lines_of, parse, simple_commands
 
 WARN = "exited with code"
@@ -72,8 +72,14 @@ def shorter(c: Command, tiny: Path) -> list[str]:
     return args
 
 
-def argv(c: Command, args: list[str]) -> list[str]:
+def argv(c: Command, args: list[str], warm: bool = False) -> list[str]:
+    """The command line of `c`; `warm`: its llama_tp process (or llama_tp.launch's ranks,
+    not the launcher) forked from the warm interpreter, as `launch` (conftest.py) starts
+    them: the same command without importing MLX, mlx-lm and transformers again (about
+    2 s of CPU a process)."""
     run = [sys.executable, "-m", f"llama_tp.{c.name}", *args]
+    if warm and (c.launcher is None or c.via == "llama_tp.launch"):
+        run = python_cmd(run[1:])
     if c.launcher is None:
         return run
     port = ["--starting-port", str(next(_PORTS))]
@@ -102,6 +108,7 @@ def run_line(c: Command, cwd: Path, tiny: Path, timeout: float = 300):
     key = shlex.join(cmd[3:] if c.launcher is not None else cmd) + c.feed + c.via
     if key in _RESULTS:
         return _RESULTS[key]
+    cmd = argv(c, shorter(c, tiny), warm=True)
     line = (c.feed + " | " if c.feed else "") + shlex.join(cmd)
     stdin = "hi\n/quit\n" if c.name == "chat" else ""
     # mlx.launch spins on a CPU core at the end of its input: keep the pipe open.
@@ -182,7 +189,7 @@ def test_python_block(block, tmp_path, request):
     try:
         if code not in _PY_RESULTS:  # the same block on two pages runs once
             _PY_RESULTS[code] = subprocess.run(
-                [sys.executable, "-c", code],
+                python_cmd(["-c", code]),
                 cwd=tmp_path,
                 capture_output=True,
                 text=True,
@@ -207,7 +214,7 @@ def start_server(c: Command, tiny: Path) -> tuple[subprocess.Popen, int]:
         port = sock.getsockname()[1]
     c = Command(c.name, _set(c.args, ("--port",), str(port)), c.launcher, c.feed, c.via)
     p = subprocess.Popen(
-        argv(c, shorter(c, tiny)),
+        argv(c, shorter(c, tiny), warm=True),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
