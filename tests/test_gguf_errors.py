@@ -35,7 +35,8 @@ def bad_ggufs(default_gguf, tmp_path_factory):
         "gemma.gguf",
         data[:at] + b"gemma" + data[at + 5 :],
         "unsupported GGUF architecture 'gemma' (supported: llama, qwen2, qwen3, qwen2moe, "
-        "qwen3moe, deepseek2, glm4moe, gpt-oss, qwen35, qwen35moe, qwen3next, kimi-linear)",
+        "qwen3moe, deepseek2, glm4moe, gpt-oss, qwen35, qwen35moe, qwen3next, kimi-linear, "
+        "minimax-m2)",
     )
     return files
 
