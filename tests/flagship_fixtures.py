@@ -350,7 +350,10 @@ CONFIGS = {
 QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_linear")
 QUANTIZED += ("nemotron_h", "kimi_k3")
 # the families with a float32 GGUF copy too (as llama.cpp's converter writes it)
-GGUF = {"kimi_linear": lambda src, out: gguf_kimi(src, out)}
+GGUF = {
+    "kimi_linear": lambda src, out: gguf_kimi(src, out),
+    "minimax": lambda src, out: gguf_minimax(src, out),
+}
 GGUF |= {"nemotron_h": lambda src, out: gguf_nemotron(src, out)}
 GGUF |= {"nemotron_g1": lambda src, out: gguf_nemotron(src, out)}
 # the families with a float32 copy in their release's own layout too
@@ -598,6 +601,23 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
     (the experts' in "E" layers with experts, the dense one's in "-" layers without; 0
     elsewhere); float32, or with `quantized` (a ggml type) the projections in its blocks
     (`stored` False: the same values dequantized, as float32)."""
+
+
+# -- MiniMax-M2 as llama.cpp's converter writes it (conversion/minimax.py's MiniMaxM2Model)
+_MINIMAX_GGUF = [
+    (r"\.self_attn\.([qk])_norm\.", r".attn_\1_norm."),
+    (r"\.block_sparse_moe\.", ".mlp."),
+    *_KIMI_GGUF,
+]
+
+
+def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+    """mlx-lm's float32 MiniMax-M2 folder `src` as llama.cpp's converter writes its GGUF
+    (`minimax-m2`): q/k/v as the folder's (NEOX RoPE: no permutation), attn_q_norm /
+    attn_k_norm one vector of all heads' values each, the experts stacked, the routing
+    bias as exp_probs_b.bias; rope.dimension_count = rotary_dim, expert_gating_func 2
+    (sigmoid). float32, or with `quantized` (a ggml type) every matrix whose rows take its
+    blocks (`stored` False: the same values dequantized, as float32)."""
     import re
 
     import gguf
@@ -645,6 +665,29 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
     w.add_array(f"{arch}.attention.head_count_kv", kv)
     # the config's layer_norm_epsilon as the plain norm's (the converter's base class)
     w.add_float32(f"{arch}.attention.layer_norm_epsilon", c["layer_norm_epsilon"])
+
+    arch = "minimax-m2"
+    w = gguf.GGUFWriter(str(out), arch)
+    ints = {
+        "block_count": c["num_hidden_layers"],
+        "context_length": c.get("max_position_embeddings", 4096),
+        "embedding_length": c["hidden_size"],
+        "feed_forward_length": c["intermediate_size"],
+        "attention.head_count": c["num_attention_heads"],
+        "attention.head_count_kv": c["num_key_value_heads"],
+        "attention.key_length": c["head_dim"],
+        "attention.value_length": c["head_dim"],
+        "vocab_size": c["vocab_size"],
+        "expert_count": c["num_local_experts"],
+        "expert_used_count": c["num_experts_per_tok"],
+        "expert_gating_func": 2,
+        "expert_feed_forward_length": c["intermediate_size"],
+        "rope.dimension_count": c["rotary_dim"],
+    }
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", c["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
     vocab = llama_vocabulary(c["vocab_size"])
     w.add_string("tokenizer.ggml.model", "llama")
     for key in ("tokens", "scores", "token_type"):
@@ -668,6 +711,13 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
         small = any(k in name for k in _NEMOTRON_FLOAT)
         if quantized and a.ndim >= 2 and a.shape[-1] % block == 0 and not small:
             qtype = gguf.GGMLQuantizationType(quantized)
+
+    qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
+    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
+        a = np.ascontiguousarray(np.array(v.astype(mx.float32)))
+        for pattern, repl in _MINIMAX_GGUF:
+            name = re.sub(pattern, repl, name)
+        if qtype is not None and a.ndim >= 2 and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             q = gguf.quants.quantize(a, qtype)
             if stored:
                 w.add_tensor(name, q, raw_dtype=qtype)

@@ -111,7 +111,8 @@ def test_three_ranks(models):
     DeepSeek-V3.2's 10 latent heads as 4/3/3, its 4-bit copy's 5 experts as 2/2/1,
     GLM-5's 7 as 3/2/2; MiniMax-M2's 10 query heads over 2 KV heads as 4/3/3 (the middle
     rank holds both KV heads, each counted in the k norm's sum by its first rank only),
-    float32 by tensor and 4-bit by expert; Kimi-Linear's 5 KDA heads as 2/2/1 (each
+    float32 by tensor from its GGUF (llama.cpp's `minimax-m2` layout, read in slices) and
+    4-bit by expert; Kimi-Linear's 5 KDA heads as 2/2/1 (each
     rank's conv and delta-rule states for its heads only), from its float32 GGUF
     (llama.cpp's layout, read in slices; the folder it was written from is one process's);
     Llama 4's 5 KV heads as 2/2/1 (float32 by tensor, 4-bit's 5 experts as 2/2/1) and
@@ -124,11 +125,11 @@ def test_three_ranks(models):
     fused ones; per-expert tensors)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
-    mm, mq = str(models["minimax"]), str(models["minimax-q4"])
+    mq = str(models["minimax-q4"])
     l4, l4q, l4t = (str(models[k]) for k in ("llama4", "llama4-q4", "llama4_text"))
     specs = [f"{g4}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
-    kg = str(models["kimi_linear-gguf"])
-    specs += [f"{mm}#tensor", f"{mq}#expert", f"{kg}#tensor"]
+    kg, mg = str(models["kimi_linear-gguf"]), str(models["minimax-gguf"])
+    specs += [f"{mg}#tensor", f"{mq}#expert", f"{kg}#tensor"]
     st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
     specs += [f"{l4}#tensor", f"{l4q}#expert", l4t]
     specs += [f"{st}#tensor", f"{sq}#expert"]

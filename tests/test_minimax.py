@@ -37,8 +37,9 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"minimax", "minimax-q4"}
-    for name, path in models.items():
+    assert set(models) == {"minimax", "minimax-q4", "minimax-gguf"}
+    for name in ("minimax", "minimax-q4"):
+        path = models[name]
         ckpt = open_checkpoint(path)
         ours, theirs = build_model(ckpt), load_model(path)[0]
         assert type(theirs).__module__.endswith("minimax") and ckpt.args.rope_dims == 16
@@ -114,3 +115,31 @@ def test_plan_of_minimax_m2_config():
     assert [r[-2:] for r in rows] == [["48.18", "GiB"], ["47.72", "GiB"], ["23.96", "GiB"]]
     assert "q/k norms over all heads (6144 query, 1024 key values)" in out.stdout
     assert "model_type 'minimax' is implemented natively" in out.stdout
+
+
+def test_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `minimax-m2` GGUF layout (`flagship_fixtures.gguf_minimax`: q/k norms
+    over all heads as attn_q_norm / attn_k_norm, exp_probs_b, rope.dimension_count):
+    float32 gives the folder's logits and 32 greedy tokens; Q8_0 the next tokens of its own
+    values dequantized, its logits within 0.05 (held as MLX 8-bit: 0.0054, measured)."""
+    from flagship_fixtures import gguf_minimax
+    from test_sparse_attention import _greedy
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src = models["minimax"]
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    folder = build_model(open_checkpoint(src))
+    ckpt = open_checkpoint(models["minimax-gguf"])
+    assert (
+        ckpt.args.rope_dims == 16 and not ckpt.args.qk_norm and ckpt.args.router == "sigmoid_bias"
+    )
+    f32 = build_model(ckpt)
+    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
+    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    q8 = open_checkpoint(gguf_minimax(src, tmp_path / "q8.gguf", 8))
+    values = gguf_minimax(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).all().item()

@@ -25,7 +25,7 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             global, own   bias, scaled) +
                                                             heads, gated  shared expert;
                                                             per head      clamped SwiGLU
-    MiniMax-M2  minimax            (HF/MLX only)            q/k norms     experts (sigmoid +
+    MiniMax-M2  minimax            minimax-m2               q/k norms     experts (sigmoid +
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
@@ -120,7 +120,12 @@ from .nemotron_h import (
 )
 from .qk_norm import QKNormAttention
 from .sparse_attention import SparseAttention, deepseek_v32_fields, glm_moe_dsa_fields
-from .wide_qk_norm import WideQKNormAttention, minimax_config, minimax_fields
+from .wide_qk_norm import (
+    WideQKNormAttention,
+    minimax_config,
+    minimax_fields,
+    minimax_gguf_fields,
+)
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,12 @@ FAMILIES = {
     "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields),
     "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields),
     "gpt_oss": Family(None, gpt_oss_fields),
-    "minimax": Family("MiniMaxM2ForCausalLM", minimax_fields, config_keys=minimax_config),
+    "minimax": Family(
+        "MiniMaxM2ForCausalLM",
+        minimax_fields,
+        config_keys=minimax_config,
+        kinds=(WideQKNormAttention,),
+    ),
     "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
     "llama4": Family(None, llama4_fields, prefix="language_model.", kinds=(Llama4Layer,)),
     "llama4_text": Family(None, llama4_text_fields, kinds=(Llama4Layer,)),
@@ -248,6 +258,7 @@ GGUF_FAMILIES = {
     "kimi-linear": GgufFamily("kimi_linear", fields=kimi_linear_gguf_fields),
     "nemotron_h": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "nemotron_h_moe": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
+    "minimax-m2": GgufFamily("minimax", neox=True, fields=minimax_gguf_fields),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are

@@ -37,7 +37,10 @@ class WideQKNormAttention(Attention):
     heads' values (`q_norm`, `k_norm`): across ranks once split (`take_heads`)."""
 
     hf_names = ()  # Qwen3's names (`qk_norm.py`): self_attn.q_norm / k_norm
-    gguf_names = ()
+    # llama.cpp's `minimax-m2` names are every attention's and expert's (attn_q_norm /
+    # attn_k_norm as Qwen3's, one vector of all heads' values each); its routing bias,
+    # exp_probs_b, is the feed-forward's own (mlx-lm's), not the router's (DeepSeek's)
+    gguf_names = (("exp_probs_b.bias$", "feed_forward.e_score_correction_bias"),)
 
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
@@ -117,6 +120,32 @@ def minimax_fields(config: dict) -> dict:
         "moe_hidden_dim": config["intermediate_size"],
         "norm_topk_prob": True,
         "router": "sigmoid_bias",
+        "extra": {"wide_qk_norm": True},
+    }
+
+
+def minimax_gguf_fields(get) -> dict:
+    """The same fields from a GGUF file's `minimax-m2.*` metadata (llama.cpp's converter:
+    rope.dimension_count is `rotary_dim`, expert_feed_forward_length the experts' width,
+    expert_gating_func 2 (sigmoid) when the config said so; the q/k norms are the wide
+    ones, not Qwen3's per-head norms the tensors' names alone would suggest)."""
+    gating = get("expert_gating_func")
+    if gating not in (None, 2):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ValueError(f"expert_gating_func {gating} (MiniMax's is 2, sigmoid)")
+    experts, width = get("expert_count") or 0, get("expert_feed_forward_length") or 0
+    if not experts or not width:
+        raise ValueError(f"{experts} experts of width {width}")
+    return {
+        "rope_dims": get("rope.dimension_count") or 0,
+        "rope_scaling": None,  # as `minimax_fields`
+        "qk_norm": False,
+        "n_experts": experts,
+        "n_experts_per_tok": get("expert_used_count") or 0,
+        "moe_hidden_dim": width,
+        "shared_expert_dim": 0,
+        "norm_topk_prob": True,
+        "router": "sigmoid_bias",
+        "sparse_layers": None,
         "extra": {"wide_qk_norm": True},
     }
 
