@@ -601,23 +601,6 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
     (the experts' in "E" layers with experts, the dense one's in "-" layers without; 0
     elsewhere); float32, or with `quantized` (a ggml type) the projections in its blocks
     (`stored` False: the same values dequantized, as float32)."""
-
-
-# -- MiniMax-M2 as llama.cpp's converter writes it (conversion/minimax.py's MiniMaxM2Model)
-_MINIMAX_GGUF = [
-    (r"\.self_attn\.([qk])_norm\.", r".attn_\1_norm."),
-    (r"\.block_sparse_moe\.", ".mlp."),
-    *_KIMI_GGUF,
-]
-
-
-def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
-    """mlx-lm's float32 MiniMax-M2 folder `src` as llama.cpp's converter writes its GGUF
-    (`minimax-m2`): q/k/v as the folder's (NEOX RoPE: no permutation), attn_q_norm /
-    attn_k_norm one vector of all heads' values each, the experts stacked, the routing
-    bias as exp_probs_b.bias; rope.dimension_count = rotary_dim, expert_gating_func 2
-    (sigmoid). float32, or with `quantized` (a ggml type) every matrix whose rows take its
-    blocks (`stored` False: the same values dequantized, as float32)."""
     import re
 
     import gguf
@@ -665,7 +648,65 @@ def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: boo
     w.add_array(f"{arch}.attention.head_count_kv", kv)
     # the config's layer_norm_epsilon as the plain norm's (the converter's base class)
     w.add_float32(f"{arch}.attention.layer_norm_epsilon", c["layer_norm_epsilon"])
+    vocab = llama_vocabulary(c["vocab_size"])
+    w.add_string("tokenizer.ggml.model", "llama")
+    for key in ("tokens", "scores", "token_type"):
+        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
+    for key in ("bos", "eos", "unknown"):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
+    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
+        a = np.array(v.astype(mx.float32))
+        if name.endswith("A_log"):
+            a = -np.exp(a)
+        if name.endswith(("A_log", ".D")):
+            a = a.reshape(-1, 1)
+        elif name.endswith("mixer.norm.weight"):
+            a = a.reshape(ng, -1)
+        elif name.endswith("conv1d.weight"):  # (C, K, 1) -> (C, K)
+            a = a[..., 0]
+        for pattern_, repl in _NEMOTRON_GGUF:
+            name = re.sub(pattern_, repl, name)
+        a = np.ascontiguousarray(a)
+        small = any(k in name for k in _NEMOTRON_FLOAT)
+        if quantized and a.ndim >= 2 and a.shape[-1] % block == 0 and not small:
+            qtype = gguf.GGMLQuantizationType(quantized)
+            q = gguf.quants.quantize(a, qtype)
+            if stored:
+                w.add_tensor(name, q, raw_dtype=qtype)
+            else:
+                w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
 
+
+# -- MiniMax-M2 as llama.cpp's converter writes it (conversion/minimax.py's MiniMaxM2Model)
+_MINIMAX_GGUF = [
+    (r"\.self_attn\.([qk])_norm\.", r".attn_\1_norm."),
+    (r"\.block_sparse_moe\.", ".mlp."),
+    *_KIMI_GGUF,
+]
+
+
+def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+    """mlx-lm's float32 MiniMax-M2 folder `src` as llama.cpp's converter writes its GGUF
+    (`minimax-m2`): q/k/v as the folder's (NEOX RoPE: no permutation), attn_q_norm /
+    attn_k_norm one vector of all heads' values each, the experts stacked, the routing
+    bias as exp_probs_b.bias; rope.dimension_count = rotary_dim, expert_gating_func 2
+    (sigmoid). float32, or with `quantized` (a ggml type) every matrix whose rows take its
+    blocks (`stored` False: the same values dequantized, as float32)."""
+    import re
+
+    import gguf
+    import numpy as np
+    from gguf_writer import llama_vocabulary
+
+    c = json.loads((src / "config.json").read_text())
     arch = "minimax-m2"
     w = gguf.GGUFWriter(str(out), arch)
     ints = {
@@ -694,24 +735,6 @@ def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: boo
         w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
     for key in ("bos", "eos", "unknown"):
         w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
-    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
-    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
-        a = np.array(v.astype(mx.float32))
-        if name.endswith("A_log"):
-            a = -np.exp(a)
-        if name.endswith(("A_log", ".D")):
-            a = a.reshape(-1, 1)
-        elif name.endswith("mixer.norm.weight"):
-            a = a.reshape(ng, -1)
-        elif name.endswith("conv1d.weight"):  # (C, K, 1) -> (C, K)
-            a = a[..., 0]
-        for pattern_, repl in _NEMOTRON_GGUF:
-            name = re.sub(pattern_, repl, name)
-        a = np.ascontiguousarray(a)
-        small = any(k in name for k in _NEMOTRON_FLOAT)
-        if quantized and a.ndim >= 2 and a.shape[-1] % block == 0 and not small:
-            qtype = gguf.GGMLQuantizationType(quantized)
-
     qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
     for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
         a = np.ascontiguousarray(np.array(v.astype(mx.float32)))
