@@ -535,11 +535,7 @@ def gguf_kimi(src: Path, out: Path, quantized: int | None = None, stored: bool =
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
     w.add_float32(f"{arch}.expert_weights_scale", c["routed_scaling_factor"])
     vocab = llama_vocabulary(c["vocab_size"])
-    w.add_string("tokenizer.ggml.model", "llama")
-    for key in ("tokens", "scores", "token_type"):
-        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
-    for key in ("bos", "eos", "unknown"):
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    _gguf_vocabulary(w, vocab)
     for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
         a = np.array(v.astype(mx.float32))
         if name.endswith("A_log"):
@@ -550,20 +546,14 @@ def gguf_kimi(src: Path, out: Path, quantized: int | None = None, stored: bool =
             name = re.sub(pattern, repl, name)
         a = np.ascontiguousarray(a)
         block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
-        if quantized and a.ndim >= 2 and a.shape[-1] % block == 0 and "ssm_conv1d" not in name:
-            qtype = gguf.GGMLQuantizationType(quantized)
-            q = gguf.quants.quantize(a, qtype)
-            if stored:
-                w.add_tensor(name, q, raw_dtype=qtype)
-            else:
-                w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
-        else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+        fits = (
+            bool(quantized)
+            and a.ndim >= 2
+            and a.shape[-1] % block == 0
+            and "ssm_conv1d" not in name
+        )
+        _gguf_tensor(w, name, a, quantized if fits else None, stored)
+    return _gguf_finish(w, out)
 
 
 # -- Nemotron-H as llama.cpp's converter writes it (conversion/nemotron.py's NemotronHModel)
@@ -649,11 +639,7 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
     # the config's layer_norm_epsilon as the plain norm's (the converter's base class)
     w.add_float32(f"{arch}.attention.layer_norm_epsilon", c["layer_norm_epsilon"])
     vocab = llama_vocabulary(c["vocab_size"])
-    w.add_string("tokenizer.ggml.model", "llama")
-    for key in ("tokens", "scores", "token_type"):
-        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
-    for key in ("bos", "eos", "unknown"):
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    _gguf_vocabulary(w, vocab)
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
     for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
         a = np.array(v.astype(mx.float32))
@@ -669,20 +655,9 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
             name = re.sub(pattern_, repl, name)
         a = np.ascontiguousarray(a)
         small = any(k in name for k in _NEMOTRON_FLOAT)
-        if quantized and a.ndim >= 2 and a.shape[-1] % block == 0 and not small:
-            qtype = gguf.GGMLQuantizationType(quantized)
-            q = gguf.quants.quantize(a, qtype)
-            if stored:
-                w.add_tensor(name, q, raw_dtype=qtype)
-            else:
-                w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
-        else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+        fits = bool(quantized) and a.ndim >= 2 and a.shape[-1] % block == 0 and not small
+        _gguf_tensor(w, name, a, quantized if fits else None, stored)
+    return _gguf_finish(w, out)
 
 
 # -- MiniMax-M2 as llama.cpp's converter writes it (conversion/minimax.py's MiniMaxM2Model)
@@ -730,24 +705,46 @@ def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: boo
     w.add_float32(f"{arch}.rope.freq_base", c["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
     vocab = llama_vocabulary(c["vocab_size"])
-    w.add_string("tokenizer.ggml.model", "llama")
-    for key in ("tokens", "scores", "token_type"):
-        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
-    for key in ("bos", "eos", "unknown"):
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    _gguf_vocabulary(w, vocab)
     qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
     for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
         a = np.ascontiguousarray(np.array(v.astype(mx.float32)))
         for pattern, repl in _MINIMAX_GGUF:
             name = re.sub(pattern, repl, name)
-        if qtype is not None and a.ndim >= 2 and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
-            q = gguf.quants.quantize(a, qtype)
-            if stored:
-                w.add_tensor(name, q, raw_dtype=qtype)
-            else:
-                w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
-        else:
-            w.add_tensor(name, a)
+        fits = (
+            qtype is not None and a.ndim >= 2 and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+        )
+        _gguf_tensor(w, name, a, quantized if fits else None, stored)
+    return _gguf_finish(w, out)
+
+
+def _gguf_vocabulary(w, vocab: dict) -> None:
+    """The llama-style tokenizer fields of `gguf_writer.llama_vocabulary`'s `vocab`."""
+    w.add_string("tokenizer.ggml.model", "llama")
+    for key in ("tokens", "scores", "token_type"):
+        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
+    for key in ("bos", "eos", "unknown"):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+
+
+def _gguf_tensor(w, name: str, a, quantized: int | None, stored: bool) -> None:
+    """Tensor `a` as float32, or in ggml type `quantized` (`stored` False: its values
+    dequantized back to float32)."""
+    import gguf
+    import numpy as np
+
+    if not quantized:
+        w.add_tensor(name, a)
+        return
+    qtype = gguf.GGMLQuantizationType(quantized)
+    q = gguf.quants.quantize(a, qtype)
+    if stored:
+        w.add_tensor(name, q, raw_dtype=qtype)
+    else:
+        w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
+
+
+def _gguf_finish(w, out: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
