@@ -198,7 +198,7 @@ def test_gguf_equals_the_folder(models, tmp_path):
     the folder's logits and 32 greedy tokens; Q8_0 the next tokens of its own values
     dequantized, its logits within 0.05 (held as MLX 8-bit, its weights differ from the
     dequantized values by up to 2.4e-4, these logits by 0.011: measured)."""
-    from flagship_fixtures import gguf_kimi
+    from flagship_gguf import gguf_kimi
     from test_sparse_attention import _greedy
 
     from llama_tp.checkpoints import open_checkpoint

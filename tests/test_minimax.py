@@ -122,7 +122,7 @@ def test_gguf_equals_the_folder(models, tmp_path):
     over all heads as attn_q_norm / attn_k_norm, exp_probs_b, rope.dimension_count):
     float32 gives the folder's logits and 32 greedy tokens; Q8_0 the next tokens of its own
     values dequantized, its logits within 0.05 (held as MLX 8-bit: 0.0054, measured)."""
-    from flagship_fixtures import gguf_minimax
+    from flagship_gguf import gguf_minimax
     from test_sparse_attention import _greedy
 
     from llama_tp.checkpoints import open_checkpoint

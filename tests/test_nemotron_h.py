@@ -152,7 +152,7 @@ def test_gguf_equals_the_folder(models, tmp_path):
     groups and one); Q8_0 (the dense file's blocks kept for the native kernels) the next
     tokens of its own values dequantized, its logits within 0.05 (0.0071 and 0.0025:
     measured)."""
-    from flagship_fixtures import gguf_nemotron
+    from flagship_gguf import gguf_nemotron
     from test_sparse_attention import _greedy
 
     from llama_tp.checkpoints import open_checkpoint
