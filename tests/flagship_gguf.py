@@ -274,6 +274,99 @@ def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: boo
     return _gguf_finish(w, out)
 
 
+# -- GLM-5 / DeepSeek-V3.2 as llama.cpp's converter writes them (conversion/glm.py's
+# GlmMoeDsaModel, conversion/deepseek.py's DeepseekV32Model: DeepseekV2Model's layout)
+_SPARSE_GGUF = [
+    (r"\.self_attn\.q_a_proj\.", ".attn_q_a."),
+    (r"\.self_attn\.q_a_layernorm\.", ".attn_q_a_norm."),
+    (r"\.self_attn\.q_b_proj\.", ".attn_q_b."),
+    (r"\.self_attn\.indexer\.wq_b\.", ".indexer.attn_q_b."),
+    (r"\.self_attn\.indexer\.wk\.", ".indexer.attn_k."),
+    (r"\.self_attn\.indexer\.k_norm\.", ".indexer.k_norm."),
+    (r"\.self_attn\.indexer\.weights_proj\.", ".indexer.proj."),
+    (r"\.mlp\.gate\.e_score_correction_bias$", ".exp_probs_b.bias"),
+    *_KIMI_GGUF,
+]
+
+
+def gguf_sparse(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+    """mlx-lm's float32 GLM-5 (`glm-dsa`) or DeepSeek-V3.2 (`deepseek32`) folder `src` as
+    llama.cpp's converter writes its GGUF: deepseek2's newer layout (the latent as MQA over
+    kv_lora_rank + rope values, attn_k_b / attn_v_b per head, the experts stacked, the
+    routing bias as exp_probs_b.bias) plus the indexer's four tensors as stored and
+    `attention.indexer.{head_count,key_length,top_k}`; YaRN as rope.scaling.* (the log
+    multiplier 0.1 * mscale_all_dim). deepseek32 is not in the installed gguf package's
+    names: its keys are written literally. float32, or with `quantized` (a ggml type)
+    every matrix whose rows take its blocks but the routers, as llama.cpp's quantizer
+    (`stored` False: the same values dequantized)."""
+    import re
+
+    import gguf
+    import numpy as np
+    from gguf_writer import llama_vocabulary
+
+    c = json.loads((src / "config.json").read_text())
+    arch = {"glm_moe_dsa": "glm-dsa", "deepseek_v32": "deepseek32"}[c["model_type"]]
+    rope = c.get("rope_parameters") or {"rope_theta": c["rope_theta"]}
+    w = gguf.GGUFWriter(str(out), arch)
+    rank, rope_dim = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    ints = {
+        "block_count": c["num_hidden_layers"],
+        "context_length": c["max_position_embeddings"],
+        "embedding_length": c["hidden_size"],
+        "feed_forward_length": c["intermediate_size"],
+        "attention.head_count": c["num_attention_heads"],
+        "attention.head_count_kv": 1,  # MQA over the latent
+        "attention.key_length": rank + rope_dim,
+        "attention.value_length": rank,
+        "attention.key_length_mla": c["qk_nope_head_dim"] + rope_dim,
+        "attention.value_length_mla": c["v_head_dim"],
+        "attention.q_lora_rank": c["q_lora_rank"],
+        "attention.kv_lora_rank": rank,
+        "rope.dimension_count": rope_dim,
+        "vocab_size": c["vocab_size"],
+        "leading_dense_block_count": c["first_k_dense_replace"],
+        "expert_count": c["n_routed_experts"],
+        "expert_used_count": c["num_experts_per_tok"],
+        "expert_feed_forward_length": c["moe_intermediate_size"],
+        "expert_shared_count": c["n_shared_experts"],
+        "expert_group_count": c["n_group"],
+        "expert_group_used_count": c["topk_group"],
+        "expert_gating_func": 2,  # scoring_func sigmoid
+        "attention.indexer.head_count": c["index_n_heads"],
+        "attention.indexer.key_length": c["index_head_dim"],
+        "attention.indexer.top_k": c["index_topk"],
+    }
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
+    w.add_float32(f"{arch}.expert_weights_scale", c["routed_scaling_factor"])
+    if c["norm_topk_prob"]:
+        w.add_bool(f"{arch}.expert_weights_norm", True)
+    yarn = c.get("rope_scaling") or {}
+    if yarn.get("type", yarn.get("rope_type")) == "yarn":
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", yarn["factor"])
+        orig = yarn["original_max_position_embeddings"]
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
+        w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * yarn["mscale_all_dim"])
+    _gguf_vocabulary(w, llama_vocabulary(c["vocab_size"]))
+    qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
+    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
+        a = np.ascontiguousarray(np.array(v.astype(mx.float32)))
+        for pattern, repl in _SPARSE_GGUF:
+            name = re.sub(pattern, repl, name)
+        fits = (  # llama.cpp's quantizer keeps the routers (ffn_gate_inp) and norms
+            qtype is not None
+            and a.ndim >= 2
+            and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+            and "ffn_gate_inp" not in name
+        )
+        _gguf_tensor(w, name, a, quantized if fits else None, stored)
+    return _gguf_finish(w, out)
+
+
 def _gguf_vocabulary(w, vocab: dict) -> None:
     """The llama-style tokenizer fields of `gguf_writer.llama_vocabulary`'s `vocab`."""
     w.add_string("tokenizer.ggml.model", "llama")
@@ -315,3 +408,4 @@ GGUF = {
 }
 GGUF |= {"nemotron_h": lambda src, out: gguf_nemotron(src, out)}
 GGUF |= {"nemotron_g1": lambda src, out: gguf_nemotron(src, out)}
+GGUF |= {"glm5": lambda src, out: gguf_sparse(src, out)}

@@ -17,7 +17,7 @@ feed-forward in some layers, chosen by the args, not by name:
     gpt-oss     gpt_oss            gpt-oss                  sinks, bias,  experts (top-k,
                                                             sliding window softmax), biased,
                                                             layers        clamped SwiGLU
-    DeepSeek-   deepseek_v32,      (HF/MLX only)            sparse: MLA   as DeepSeek-V3
+    DeepSeek-   deepseek_v32,      deepseek32, glm-dsa      sparse: MLA   as DeepSeek-V3
     V3.2, GLM-5 glm_moe_dsa                                 over the
                                                             indexer's
                                                             top-k keys
@@ -175,8 +175,8 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", qwen_moe_fields, qk_norm=True),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
     "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
-    "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields),
-    "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields),
+    "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields, kinds=(SparseAttention,)),
+    "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields, kinds=(SparseAttention,)),
     "gpt_oss": Family(None, gpt_oss_fields),
     "minimax": Family(
         "MiniMaxM2ForCausalLM",
@@ -260,6 +260,8 @@ GGUF_FAMILIES = {
     "nemotron_h_moe": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "minimax-m2": GgufFamily("minimax", neox=True, fields=minimax_gguf_fields),
 }
+# deepseek2's reader and the indexer's names (`checkpoints/gguf_routed.py`, SparseAttention)
+GGUF_FAMILIES |= {"glm-dsa": GgufFamily("glm_moe_dsa"), "deepseek32": GgufFamily("deepseek_v32")}
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
 # tried: a kind's later, broader names (latent attention's) after the others'.
