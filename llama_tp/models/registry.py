@@ -29,7 +29,7 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
-    Llama 4     llama4,            (HF/MLX only)            chunked on    experts (top-1,
+    Llama 4     llama4,            llama4 (the text model)  chunked on    experts (top-1,
                 llama4_text                                 RoPE layers,  sigmoid, input
                                                             global NoPE   scaled) + shared
                                                             layers        expert; dense
@@ -86,6 +86,7 @@ from .chunked_attention import (
     ChunkedAttention,
     Llama4Layer,
     llama4_fields,
+    llama4_gguf_fields,
     llama4_text_fields,
 )
 from .gated_attention import GatedAttention
@@ -260,6 +261,7 @@ GGUF_FAMILIES = {
     "nemotron_h_moe": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "minimax-m2": GgufFamily("minimax", neox=True, fields=minimax_gguf_fields),
 }
+GGUF_FAMILIES |= {"llama4": GgufFamily("llama4", fields=llama4_gguf_fields)}
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
 # tried: a kind's later, broader names (latent attention's) after the others'.
