@@ -141,8 +141,11 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
         return ModelArgs(
             dim=dim,
             n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=_most(get("attention.head_count_kv")) or n_heads,
+            # per-layer head counts (Step-3.5's): the family's fields say which are n_heads'
+            n_heads=experts.pop("n_heads", n_heads),
+            n_kv_heads=experts.pop("n_kv_heads", None)
+            or _most(get("attention.head_count_kv"))
+            or n_heads,
             # Without dense layers (Qwen3-MoE files may say 0): the experts' width
             hidden_dim=experts.pop("hidden_dim", 0)  # a family's fields' own
             or _most(get("feed_forward_length"))
