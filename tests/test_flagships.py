@@ -117,7 +117,8 @@ def test_three_ranks(models):
     (llama.cpp's layout, read in slices; the folder it was written from is one process's);
     Llama 4's 5 KV heads as 2/2/1 (float32 by tensor from its `llama4` GGUF: llama.cpp's
     layout, read in slices; 4-bit's 5 experts as 2/2/1) and llama4_text; Step-3.5's
-    sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the middle rank holds both);
+    sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the middle rank holds both;
+    float32 by tensor from its `step35` GGUF, read in slices);
     Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor, from its `nemotron_h_moe`
     GGUF: llama.cpp's layout, read in slices), and
     its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
@@ -131,7 +132,7 @@ def test_three_ranks(models):
     specs = [f"{g4}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
     kg, mg = str(models["kimi_linear-gguf"]), str(models["minimax-gguf"])
     specs += [f"{mg}#tensor", f"{mq}#expert", f"{kg}#tensor"]
-    st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
+    st, sq = str(models["step3p5-gguf"]), str(models["step3p5-q4"])
     specs += [f"{models['llama4-gguf']}#tensor", f"{l4q}#expert", l4t]
     specs += [f"{st}#tensor", f"{sq}#expert"]
     nh, g1 = str(models["nemotron_h-gguf"]), str(models["nemotron_g1"])
