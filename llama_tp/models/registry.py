@@ -21,7 +21,7 @@ feed-forward in some layers, chosen by the args, not by name:
     V3.2, GLM-5 glm_moe_dsa                                 over the
                                                             indexer's
                                                             top-k keys
-    Step-3.5    step3p5            (HF/MLX only)            sliding and   experts (sigmoid +
+    Step-3.5    step3p5            step35                   sliding and   experts (sigmoid +
                                                             global, own   bias, scaled) +
                                                             heads, gated  shared expert;
                                                             per head      clamped SwiGLU
@@ -29,7 +29,7 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
-    Llama 4     llama4,            (HF/MLX only)            chunked on    experts (top-1,
+    Llama 4     llama4,            llama4 (the text model)  chunked on    experts (top-1,
                 llama4_text                                 RoPE layers,  sigmoid, input
                                                             global NoPE   scaled) + shared
                                                             layers        expert; dense
@@ -86,6 +86,7 @@ from .chunked_attention import (
     ChunkedAttention,
     Llama4Layer,
     llama4_fields,
+    llama4_gguf_fields,
     llama4_text_fields,
 )
 from .gated_attention import GatedAttention
@@ -97,6 +98,7 @@ from .headwise_gate import (
     SlidingGatedHeadsAttention,
     StepLayer,
     step3p5_fields,
+    step3p5_gguf_fields,
 )
 from .kimi_delta import (
     KimiDeltaAttention,
@@ -262,6 +264,8 @@ GGUF_FAMILIES = {
 }
 # deepseek2's reader and the indexer's names (`checkpoints/gguf_routed.py`, SparseAttention)
 GGUF_FAMILIES |= {"glm-dsa": GgufFamily("glm_moe_dsa"), "deepseek32": GgufFamily("deepseek_v32")}
+GGUF_FAMILIES |= {"llama4": GgufFamily("llama4", fields=llama4_gguf_fields)}
+GGUF_FAMILIES |= {"step35": GgufFamily("step3p5", neox=True, fields=step3p5_gguf_fields)}
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
 # tried: a kind's later, broader names (latent attention's) after the others'.
