@@ -42,7 +42,7 @@ def report(name: str, ok: bool, **detail) -> None:
     RESULTS[name] = {"ok": ok, **detail}
 
 
-def tokens_of(model, tok, ids, max_tokens=32, **kw) -> tuple[list[int], object]:
+def tokens_of(model, tok, ids, max_tokens=16, **kw) -> tuple[list[int], object]:
     out, stats = [], None
     for r in stream_generate(model, tok, ids, max_tokens=max_tokens, eos_token_ids=set(), **kw):
         out.append(r.token)
@@ -73,13 +73,13 @@ def check_greedy(target_dir: str, draft_dir: str) -> None:
             report(f"greedy_{name}_{i}", spec == plain, **detail)
     # The target as its own draft accepts everything: K + 1 tokens per forward.
     ids = encode_prompt(tok, PROMPTS[0], None, False)
-    _, stats = tokens_of(model, tok, ids, max_tokens=36, draft=self_draft, num_draft_tokens=5)
+    _, stats = tokens_of(model, tok, ids, max_tokens=18, draft=self_draft, num_draft_tokens=5)
     report("self_draft_accepts_all", stats.acceptance_rate == 1.0, tpf=stats.tokens_per_forward)
     # Chat: three turns, replies identical to plain chat's, cache reused across turns.
     turns = ["Hello world!", "The quick brown fox", "Tensor parallel inference"]
     for name, (draft, k) in [("ngram", ("ngram", 3)), ("replicated", (replicated, 3))]:
-        plain_chat = Chat(model, tok, max_tokens=24)
-        spec_chat = Chat(model, tok, max_tokens=24, draft=draft, num_draft_tokens=k)
+        plain_chat = Chat(model, tok, max_tokens=12)
+        spec_chat = Chat(model, tok, max_tokens=12, draft=draft, num_draft_tokens=k)
         same, reused = True, []
         for t in turns:
             a, b = plain_chat.send(t), spec_chat.send(t)
