@@ -83,12 +83,22 @@ def _text_and_head_bytes(r) -> tuple[str, list[float]]:
     return r.stdout, [float(v) for v in re.findall(r"rank \d+ ([\d.]+) MB", head)]
 
 
-def test_float32_on_1_and_2_ranks_gives_one_text(default_gguf):
+# the built-in model asked one question, in float32 at load (`--dtype`)
+FLOAT32 = ["-m", "llama_tp.generate", "--prompt", "Name a color.", "--max-tokens", "8"]
+FLOAT32 += ["--dtype", "float32", "--verbose"]
+
+
+@pytest.fixture(scope="module")
+def float32_one(default_gguf):
+    """One process's `FLOAT32` run (shared by the two tests that compare with it)."""
+    return run_python(FLOAT32, timeout=300)
+
+
+def test_float32_on_1_and_2_ranks_gives_one_text(float32_one):
     """The built-in Q4_1 model: 2 ranks split its 9/3 heads unevenly (range layers) and
     hold float32 slices. (Even splits in float: test_sharded's float models.)"""
-    args = ["-m", "llama_tp.generate", "--prompt", "Name a color.", "--max-tokens", "12"]
-    args += ["--dtype", "float32", "--verbose"]
-    one, (head1,) = _text_and_head_bytes(run_python(args, timeout=300))
+    args = FLOAT32
+    one, (head1,) = _text_and_head_bytes(float32_one)
     assert head1 == pytest.approx(49152 * 576 * 4 / 1e6, rel=0.01)  # float32, tied
     for n in (2,):
         text, heads = _text_and_head_bytes(launch(n, args, timeout=400))
@@ -101,7 +111,7 @@ def test_bad_dtype_is_a_usage_error():
     assert r.returncode == 2 and "invalid choice: 'float8'" in r.stderr
 
 
-def test_convert_dtype_writes_the_same_float_model(default_gguf, tiny_dir, tmp_path):
+def test_convert_dtype_writes_the_same_float_model(float32_one, tmp_path):
     """`convert --dtype float32` of the Q4_1 GGUF = `--dtype float32` at load; mlx-lm loads it."""
     out = tmp_path / "f32"
     r = run_python(["-m", "llama_tp.convert", "--out", str(out), "--dtype", "float32"])
@@ -109,10 +119,9 @@ def test_convert_dtype_writes_the_same_float_model(default_gguf, tiny_dir, tmp_p
     import json
 
     assert "quantization" not in json.loads((out / "config.json").read_text())
-    args = ["-m", "llama_tp.generate", "--prompt", "Name a color.", "--max-tokens", "8"]
-    converted = run_python([*args, "--model", str(out)])
-    at_load = run_python([*args, "--dtype", "float32"])
-    assert converted.returncode == 0 and converted.stdout == at_load.stdout, converted.stderr
+    converted = run_python([*FLOAT32, "--model", str(out)])
+    assert converted.returncode == 0 and float32_one.returncode == 0, converted.stderr
+    assert converted.stdout == float32_one.stdout and converted.stdout.strip()
     from mlx_lm import load as mlx_lm_load
 
     model, _ = mlx_lm_load(str(out))
