@@ -53,7 +53,9 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    for name, path in models.items():
+    assert set(models) == {"gemma4", "gemma4-q4", "gemma4-gguf", "gemma3"}
+    for name in ("gemma4", "gemma4-q4", "gemma3"):
+        path = models[name]
         ckpt = open_checkpoint(path)
         ours, theirs = build_model(ckpt), load_model(path)[0]
         assert type(theirs).__module__.endswith(ckpt.args.model_type)
@@ -182,3 +184,32 @@ def test_multimodal_folder_reads_its_language_model(models, tmp_path):
     assert ckpt.args.model_type == "gemma4_text"
     ours = build_model(ckpt)(x)
     assert mx.abs(ours - build_model(open_checkpoint(src))(x)).max().item() == 0.0
+
+
+def test_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `gemma4` GGUF layout (`flagship_gguf.gguf_gemma4`: the experts' gate
+    and up stacked in ffn_gate_up_exps, the router's scales, per-layer KV heads and
+    feed-forward widths, the sliding-window flags, rope_freqs for the global layers'
+    partial RoPE, no attn_v where keys = values): float32 gives the folder's logits and
+    32 greedy tokens; Q8_0 the next tokens of its own values dequantized, its logits
+    within 0.05."""
+    from flagship_gguf import gguf_gemma4
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src = models["gemma4"]
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    folder = build_model(open_checkpoint(src))
+    ckpt = open_checkpoint(models["gemma4-gguf"])
+    a = ckpt.args
+    assert a.k_eq_v and a.global_kv_heads == 2 and a.kv_sources == [None] * 4 + [3, 2]
+    assert a.rope["full_attention"][1]["partial_rotary_factor"] == 0.25
+    f32 = build_model(ckpt)
+    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
+    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    q8 = open_checkpoint(gguf_gemma4(src, tmp_path / "q8.gguf", 8))
+    values = gguf_gemma4(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).all().item()

@@ -90,7 +90,14 @@ from .chunked_attention import (
 )
 from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
-from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
+from .gemma import (
+    GemmaBlock,
+    GemmaTransformer,
+    gemma3_fields,
+    gemma4_fields,
+    gemma4_gguf_fields,
+    gemma_config_keys,
+)
 from .gpt_oss import SinkAttention, gpt_oss_fields
 from .headwise_gate import (
     GatedHeadsAttention,
@@ -259,6 +266,7 @@ GGUF_FAMILIES = {
     "nemotron_h": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "nemotron_h_moe": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "minimax-m2": GgufFamily("minimax", neox=True, fields=minimax_gguf_fields),
+    "gemma4": GgufFamily("gemma4_text", neox=True, fields=gemma4_gguf_fields),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
