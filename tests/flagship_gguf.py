@@ -377,6 +377,56 @@ def gguf_gemma4(src: Path, out: Path, quantized: int | None = None, stored: bool
     return _gguf_finish(w, out)
 
 
+def gguf_gemma3(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+    """mlx-lm's float32 Gemma 3 folder `src` as llama.cpp's converter writes its GGUF
+    (`gemma3`): every norm + 1 (Gemma 3's norms scale by 1 + w), rope.freq_base (global)
+    and freq_base_swa (sliding), the window, and the layer types as flags per layer
+    (attention.sliding_window_pattern: llama.cpp reads them; the converter leaves it out,
+    llama.cpp's default being every sixth layer global). Its queries are scaled by
+    1/sqrt(head_dim) in llama.cpp: a folder whose query_pre_attn_scalar is another
+    number has no such file. float32, or with `quantized` (a ggml type) every matrix
+    whose rows take its blocks (`stored` False: the same values dequantized)."""
+    import re
+
+    import gguf
+    import numpy as np
+    from gguf_writer import llama_vocabulary
+    from mlx_lm.models.gemma3_text import ModelArgs
+
+    d = ModelArgs.from_dict(json.loads((src / "config.json").read_text()))
+    arch, n, p = "gemma3", d.num_hidden_layers, d.sliding_window_pattern
+    w = gguf.GGUFWriter(str(out), arch)
+    ints = {
+        "block_count": n,
+        "context_length": d.max_position_embeddings,
+        "embedding_length": d.hidden_size,
+        "feed_forward_length": d.intermediate_size,
+        "attention.head_count": d.num_attention_heads,
+        "attention.head_count_kv": d.num_key_value_heads,
+        "attention.key_length": d.head_dim,
+        "attention.value_length": d.head_dim,
+        "attention.sliding_window": d.sliding_window,
+    }
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_array(f"{arch}.attention.sliding_window_pattern", [(i + 1) % p != 0 for i in range(n)])
+    w.add_float32(f"{arch}.rope.freq_base", d.rope_theta)
+    w.add_float32(f"{arch}.rope.freq_base_swa", d.rope_local_base_freq)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", d.rms_norm_eps)
+    _gguf_vocabulary(w, llama_vocabulary(d.vocab_size))
+    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
+        a = np.array(v.astype(mx.float32))
+        if name.endswith("norm.weight"):
+            a = a + 1.0
+        for pattern, repl in _GEMMA4_GGUF:
+            name = re.sub(pattern, repl, name)
+        a = np.ascontiguousarray(a)
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
+        fits = bool(quantized) and a.ndim >= 2 and a.shape[-1] % block == 0
+        _gguf_tensor(w, name, a, quantized if fits else None, stored)
+    return _gguf_finish(w, out)
+
+
 def _gguf_vocabulary(w, vocab: dict) -> None:
     """The llama-style tokenizer fields of `gguf_writer.llama_vocabulary`'s `vocab`."""
     w.add_string("tokenizer.ggml.model", "llama")

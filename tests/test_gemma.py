@@ -192,7 +192,7 @@ def test_gguf_equals_the_folder(models, tmp_path):
     feed-forward widths, the sliding-window flags, rope_freqs for the global layers'
     partial RoPE, no attn_v where keys = values): float32 gives the folder's logits and
     32 greedy tokens; Q8_0 the next tokens of its own values dequantized, its logits
-    within 0.05."""
+    within 0.05 (0.021, measured)."""
     from flagship_gguf import gguf_gemma4
 
     from llama_tp.checkpoints import open_checkpoint
@@ -210,6 +210,35 @@ def test_gguf_equals_the_folder(models, tmp_path):
     assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
     q8 = open_checkpoint(gguf_gemma4(src, tmp_path / "q8.gguf", 8))
     values = gguf_gemma4(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).all().item()
+
+
+def test_gemma3_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `gemma3` GGUF layout (`flagship_gguf.gguf_gemma3`: every norm + 1, the
+    layer types as flags per layer, both RoPE bases) of the folder with its queries scaled
+    as llama.cpp scales them (query_pre_attn_scalar = head_dim, 32: the fixture's 24 has no
+    GGUF): float32 gives the folder's logits and 32 greedy tokens; Q8_0 the next tokens of
+    its own values dequantized, its logits within 0.05 (0.033, measured)."""
+    from flagship_gguf import gguf_gemma3
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src = tmp_path / "gemma3"
+    shutil.copytree(models["gemma3"], src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": 32}))
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    folder = build_model(open_checkpoint(src))
+    ckpt = open_checkpoint(gguf_gemma3(src, tmp_path / "gemma3.gguf"))
+    assert ckpt.args.layer_types == open_checkpoint(src).args.layer_types
+    f32 = build_model(ckpt)
+    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
+    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    q8 = open_checkpoint(gguf_gemma3(src, tmp_path / "q8.gguf", 8))
+    values = gguf_gemma3(src, tmp_path / "q8-values.gguf", 8, stored=False)
     got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
     assert mx.abs(got - want).max().item() <= 0.05
     assert (got.argmax(-1) == want.argmax(-1)).all().item()

@@ -1,5 +1,6 @@
-"""Gemma 4's GGUF files (`gemma4`: llama.cpp's converter's layout) as the model holds
-them, each tensor still read in slices:
+"""Gemma 3's and Gemma 4's GGUF files (`gemma3`, `gemma4`: llama.cpp's converter's
+layout) as the model holds them, each tensor still read in slices. Gemma 3: every norm
+as stored less 1 (the converter adds the 1 of Gemma 3's 1 + w norms). Gemma 4:
 
     ffn_gate_up_exps  (E, 2 I, dim) -> experts.switch_mlp.gate_proj / up_proj (E, I, dim):
                       each expert's first / second I rows (`GGUFFile.read_piece`)
@@ -15,11 +16,15 @@ the metadata and the fields: `models/gemma.py` (`gemma4_gguf_fields`, `GemmaBloc
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-ARCHITECTURES = ("gemma4",)
+from .gated_delta import Mapped
+
+ARCHITECTURES = ("gemma3", "gemma4")
 _GATE_UP = ".experts.switch_mlp.gate_up_proj."
 
 
@@ -37,7 +42,14 @@ class _Piece:
 
 def gemma_gguf(weights: dict, sources: dict, args: Any, kv: list[int], path: str) -> None:
     """In place: the tensors as above; `args`' keys = values and global RoPE from the
-    tensors (`kv`: the metadata's KV heads per layer)."""
+    tensors (`kv`: the metadata's KV heads per layer). Gemma 3: every norm less the 1
+    the converter added (the model's norms scale by 1 + w, as mlx-lm's)."""
+    if args.gemma == 3:
+        for name in [k for k in weights if k.endswith("norm.weight") and k in sources]:
+            file, stored = sources[name]
+            shape = tuple(weights[name].shape)
+            sources[name] = (Mapped(file, stored, shape, lambda x: x - 1.0), stored)
+        return
     for name in [k for k in weights if _GATE_UP in k]:
         file, stored = sources.pop(name)
         v = weights.pop(name)
@@ -67,8 +79,12 @@ def gemma_gguf(weights: dict, sources: dict, args: Any, kv: list[int], path: str
             )
     if "rope_freqs.weight" in sources:
         file, stored = sources["rope_freqs.weight"]
-        freqs = file.read(stored)
-        rotated = int((freqs < 1e10).sum().item())
+        t = file.gguf[stored]
+        if t.type_name != "F32":
+            raise ValueError(f"{path}: rope_freqs is {t.type_name}, not F32")
+        # read as the header is (metadata, not a weight held: not counted in READ)
+        freqs = np.fromfile(file.path, np.float32, math.prod(t.shape), offset=t.offset)
+        rotated = int((freqs < 1e10).sum())
         theta, params = x["rope"]["full_attention"]
         factor = 2 * rotated / x["global_head_dim"]
         x["rope"]["full_attention"] = (theta, dict(params, partial_rotary_factor=factor))

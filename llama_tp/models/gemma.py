@@ -440,3 +440,49 @@ def gemma4_gguf_fields(get) -> dict:
     out = gemma4_fields({k: v for k, v in config.items() if v is not None})
     del out["tie_word_embeddings"], out["norm_eps"]  # the reader's: from the tensors
     return out | {"model_type": "gemma4_text", "hidden_dim": width, "qk_norm": True}
+
+
+def gemma3_gguf_fields(get) -> dict:
+    """The same fields from a GGUF file's `gemma3.*` metadata as llama.cpp reads them: the
+    layer types from attention.sliding_window_pattern (flags per layer, or every n-th
+    layer global; 6 when absent, as llama.cpp), the sliding layers' RoPE base
+    rope.freq_base_swa (10000 when absent), the global ones' rope.freq_base and linear
+    scaling; queries scaled by 1/sqrt(head_dim) (the 62-layer 27B: 1/sqrt(dim / heads)),
+    llama.cpp's rule for what the config's query_pre_attn_scalar said. The norms' +1 the
+    converter added: `checkpoints/gguf_gemma.py`."""
+    n, dim, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
+    head = get("attention.key_length") or dim // heads
+    pattern = get("attention.sliding_window_pattern", 6)
+    if hasattr(pattern, "__len__"):
+        if len(pattern) != n:
+            raise ValueError(
+                f"attention.sliding_window_pattern {pattern} is not one flag per layer"
+            )
+        flags = [bool(s) for s in pattern]
+    else:
+        flags = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+    if get("attention.sliding_window") is None:
+        flags = [False] * n  # llama.cpp: no window, every layer global
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
+    config = {
+        "model_type": "gemma3_text",
+        "hidden_size": dim,
+        "num_hidden_layers": n,
+        "intermediate_size": get("feed_forward_length"),
+        "num_attention_heads": heads,
+        "head_dim": head,
+        "num_key_value_heads": get("attention.head_count_kv") or heads,
+        "sliding_window": get("attention.sliding_window") or 0,
+        "query_pre_attn_scalar": dim // heads if n == 62 else head,
+        "rope_theta": get("rope.freq_base", 1e6),
+        "rope_local_base_freq": get("rope.freq_base_swa", 1e4),
+        "rope_scaling": scaling,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": get("context_length", 4096),
+    }
+    out = gemma3_fields(config)
+    del out["norm_eps"]
+    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in flags]
+    return out | {"model_type": "gemma3_text", "qk_norm": True}

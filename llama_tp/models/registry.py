@@ -94,6 +94,7 @@ from .gemma import (
     GemmaBlock,
     GemmaTransformer,
     gemma3_fields,
+    gemma3_gguf_fields,
     gemma4_fields,
     gemma4_gguf_fields,
     gemma_config_keys,
@@ -266,6 +267,7 @@ GGUF_FAMILIES = {
     "nemotron_h": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "nemotron_h_moe": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "minimax-m2": GgufFamily("minimax", neox=True, fields=minimax_gguf_fields),
+    "gemma3": GgufFamily("gemma3_text", neox=True, fields=gemma3_gguf_fields),
     "gemma4": GgufFamily("gemma4_text", neox=True, fields=gemma4_gguf_fields),
 }
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
