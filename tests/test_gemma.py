@@ -205,6 +205,16 @@ def test_gguf_equals_the_folder(models, tmp_path):
     a = ckpt.args
     assert a.k_eq_v and a.global_kv_heads == 2 and a.kv_sources == [None] * 4 + [3, 2]
     assert a.rope["full_attention"][1]["partial_rotary_factor"] == 0.25
+    for proj in ("gate_proj", "up_proj"):  # the fused rows' halves, sliced any way
+        src_, stored = ckpt.sources[f"layers.1.experts.switch_mlp.{proj}.weight"]
+        whole = src_.read(stored)
+        assert whole.shape == (5, 128, 128)
+        for axis, cut in (
+            (0, (slice(1, 3),)),
+            (1, (slice(None), slice(1, 3))),
+            (2, (..., slice(1, 3))),
+        ):
+            assert mx.array_equal(src_.read(stored, axis, 1, 3), whole[cut]), (proj, axis)
     f32 = build_model(ckpt)
     assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
     assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
