@@ -35,7 +35,7 @@ from llama_tp.loading.loader import load_model
 
 WORLD = mx.distributed.init()
 PROMPTS = ["Ranks share", "abc abc abc abc abc abc"]
-MAX_TOKENS = 16
+MAX_TOKENS = 8
 SETTINGS = {  # stream_generate's names; "stop" is filled in from the greedy text
     "greedy": {},
     "temperature": {"temp": 0.9, "seed": 11},

@@ -111,30 +111,34 @@ def test_three_ranks(models):
     llama.cpp's layout, the experts' fused gate and up rows read in slices); the 4-bit
     copy's 5 experts as 2/2/1;
     DeepSeek-V3.2's 10 latent heads as 4/3/3, its 4-bit copy's 5 experts as 2/2/1,
-    GLM-5's 7 as 3/2/2; MiniMax-M2's 10 query heads over 2 KV heads as 4/3/3 (the middle
-    rank holds both KV heads, each counted in the k norm's sum by its first rank only),
+    GLM-5's 7 as 3/2/2 (from its float32 GGUF: llama.cpp's `glm-dsa` layout, the latent
+    and indexer read whole, the heads and experts in slices); MiniMax-M2's 10 query heads
+    over 2 KV heads as 4/3/3 (the middle rank holds both KV heads, each counted in the k
+    norm's sum by its first rank only),
     float32 by tensor from its GGUF (llama.cpp's `minimax-m2` layout, read in slices) and
     4-bit by expert; Kimi-Linear's 5 KDA heads as 2/2/1 (each
     rank's conv and delta-rule states for its heads only), from its float32 GGUF
     (llama.cpp's layout, read in slices; the folder it was written from is one process's);
-    Llama 4's 5 KV heads as 2/2/1 (float32 by tensor, 4-bit's 5 experts as 2/2/1) and
-    llama4_text; Step-3.5's sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the
-    middle rank holds both); Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor, from
-    its `nemotron_h_moe` GGUF: llama.cpp's layout, read in slices), and
+    Llama 4's 5 KV heads as 2/2/1 (float32 by tensor from its `llama4` GGUF: llama.cpp's
+    layout, read in slices; 4-bit's 5 experts as 2/2/1) and llama4_text; Step-3.5's
+    sliding layers' 8 query heads as 3/3/2 over 2 KV heads (the middle rank holds both;
+    float32 by tensor from its `step35` GGUF, read in slices);
+    Nemotron-H's 5 Mamba groups as 2/2/1 (float32 by tensor, from its `nemotron_h_moe`
+    GGUF: llama.cpp's layout, read in slices), and
     its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
     gated norm's sum of squares all-reduced); Kimi K3 by expert (5 KDA heads as 2/2/1),
     from its release's layout (q, k, v projections and convs apart, read in slices as the
     fused ones; per-expert tensors)."""
     q4, g3 = (str(models[k]) for k in ("gemma4-q4", "gemma3"))
-    ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5"))
+    ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5-gguf"))
     mq = str(models["minimax-q4"])
-    l4, l4q, l4t = (str(models[k]) for k in ("llama4", "llama4-q4", "llama4_text"))
+    l4q, l4t = (str(models[k]) for k in ("llama4-q4", "llama4_text"))
     g4g = str(models["gemma4-gguf"])
     specs = [f"{g4g}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
     kg, mg = str(models["kimi_linear-gguf"]), str(models["minimax-gguf"])
     specs += [f"{mg}#tensor", f"{mq}#expert", f"{kg}#tensor"]
-    st, sq = str(models["step3p5"]), str(models["step3p5-q4"])
-    specs += [f"{l4}#tensor", f"{l4q}#expert", l4t]
+    st, sq = str(models["step3p5-gguf"]), str(models["step3p5-q4"])
+    specs += [f"{models['llama4-gguf']}#tensor", f"{l4q}#expert", l4t]
     specs += [f"{st}#tensor", f"{sq}#expert"]
     nh, g1 = str(models["nemotron_h-gguf"]), str(models["nemotron_g1"])
     lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{models['kimi_k3-release']}#expert"])

@@ -48,8 +48,8 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"llama4", "llama4-q4", "llama4_text"}
-    for name, path in models.items():
+    assert set(models) == {"llama4", "llama4-q4", "llama4_text", "llama4-gguf"}
+    for name, path in [(k, v) for k, v in models.items() if k != "llama4-gguf"]:
         ckpt = open_checkpoint(path)
         ours, theirs = build_model(ckpt), load_model(path)[0]
         assert type(theirs).__module__.split(".")[-1] == ckpt.args.model_type
@@ -140,3 +140,31 @@ def test_plan_of_llama4_maverick_config():
     assert [r[-2:] for r in rows] == [["83.62", "GiB"], ["83.61", "GiB"], ["42.71", "GiB"]]
     assert "36 of 48 layers attend within chunks of 8192 positions" in out.stdout
     assert "model_type 'llama4' is implemented natively" in out.stdout
+
+
+def test_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `llama4` GGUF layout (`flagship_gguf.gguf_llama4`: q/k as stored, the
+    experts stacked beside the shared expert, the llama3 scaling as rope_freqs, the chunked
+    layers by the sliding-window pattern): float32 gives the folder's logits and 32 greedy
+    tokens; Q8_0 the next tokens of its own values dequantized, its logits within 0.05."""
+    from flagship_gguf import gguf_llama4
+    from test_sparse_attention import _greedy
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src = models["llama4"]
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    folder = build_model(open_checkpoint(src))
+    ckpt = open_checkpoint(models["llama4-gguf"])
+    assert ckpt.args.rope_scaling == open_checkpoint(src).args.rope_scaling  # from rope_freqs
+    assert ckpt.args.extra == open_checkpoint(src).args.extra
+    f32 = build_model(ckpt)
+    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
+    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    q8 = open_checkpoint(gguf_llama4(src, tmp_path / "q8.gguf", 8))
+    values = gguf_llama4(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    print("Q8_0 logits", mx.abs(got - want).max().item())
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).all().item()

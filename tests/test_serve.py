@@ -292,7 +292,7 @@ def test_spec_concurrent_request_gets_its_own_text(servers):
 
 
 def _rank_pids(launcher: subprocess.Popen) -> dict[int, int]:
-    """{rank: pid} of the ranks mlx.launch started (in its process group)."""
+    """{rank: pid} of the ranks the launcher started (in its process group)."""
     ranks = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -337,7 +337,7 @@ def test_killing_rank_1_mid_stream_ends_with_an_error(servers):
     t.join(60)
     assert not t.is_alive(), "the client hangs"
     assert errors, "the stream ended without an error"
-    s.proc.wait(60)  # mlx.launch returns once every rank has exited
+    s.proc.wait(60)  # the launcher returns once every rank has exited
     assert "lost the connection to a peer" in s.stderr() or "peer" in s.stderr(), s.stderr()
     assert _rank_pids(s.proc) == {}
 
@@ -350,7 +350,7 @@ def test_sigterm_stops_the_server_cleanly(servers):
 
 
 def test_sigint_on_rank_0_stops_every_rank(model_dir, tmp_path):
-    s = Server(2, model_dir, tmp_path)
+    s = Server(2, model_dir, tmp_path, launcher="mlx")  # serve under mlx.launch itself
     try:
         s.wait_ready()
         c = s.client()

@@ -54,8 +54,9 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"deepseek_v32", "deepseek_v32-q4", "glm5"}
-    for name, path in models.items():
+    assert set(models) == {"deepseek_v32", "deepseek_v32-q4", "glm5", "glm5-gguf"}
+    for name in ("deepseek_v32", "deepseek_v32-q4", "glm5"):
+        path = models[name]
         ckpt = open_checkpoint(path)
         ours, theirs = build_model(ckpt), load_model(path)[0]
         assert type(theirs).__module__.endswith(ckpt.args.model_type)
@@ -133,3 +134,63 @@ def test_synthetic_deepseek_v32_is_mlx_lms(tmp_path):
         ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
         assert ours.args.model_type == "deepseek_v32" and ours.args.index_topk == 4
         assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+
+
+def test_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `glm-dsa` and `deepseek32` layouts (`flagship_gguf.gguf_sparse`:
+    deepseek2's latent attention and experts plus blk.N.indexer.{attn_q_b,attn_k,k_norm,
+    proj} and attention.indexer.*; DeepSeek-V3.2's YaRN as rope.scaling.*): float32 gives
+    the folder's logits and 32 greedy tokens (the indexer's keys rotated on pairs in GLM-5,
+    on halves in DeepSeek-V3.2, as llama.cpp rotates them); Q8_0 the next tokens of its own
+    values dequantized, its logits within 0.05."""
+    from flagship_gguf import gguf_sparse
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    dsv32 = gguf_sparse(models["deepseek_v32"], tmp_path / "dsv32.gguf")
+    for name, path, interleave in (
+        ("glm5", models["glm5-gguf"], True),
+        ("deepseek_v32", dsv32, False),
+    ):
+        folder = build_model(open_checkpoint(models[name]))
+        ckpt = open_checkpoint(path)
+        assert ckpt.args.extra["indexer_rope_interleave"] is interleave, name
+        assert ckpt.args.index_topk == 4 and ckpt.args.index_n_heads in (4, 5), name
+        f32 = build_model(ckpt)
+        assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL, name
+        assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32), name
+    src = models["glm5"]
+    q8 = open_checkpoint(gguf_sparse(src, tmp_path / "q8.gguf", 8))
+    values = gguf_sparse(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= 0.05  # 0.0097 measured
+    assert (got[0, -1].argmax() == want[0, -1].argmax()).item()
+
+
+def test_gguf_refusals():
+    """A glm-dsa / deepseek32 file without the indexer's sizes, or whose layers reuse an
+    earlier layer's top-k (GLM-5.2's attention.indexer.types; llama.cpp's default pattern
+    for a 1M-token glm-dsa file that does not say), is refused in one line."""
+    from llama_tp.checkpoints.base import CheckpointError
+    from llama_tp.checkpoints.gguf_routed import indexer_fields
+
+    sizes = {f"attention.indexer.{k}": 4 for k in ("head_count", "key_length", "top_k")}
+    for arch, meta, message in (
+        ("deepseek32", {}, "needs attention.indexer.head_count"),
+        ("glm-dsa", sizes | {"attention.indexer.types": [True, False]}, "GLM-5.2's"),
+        ("glm-dsa", sizes | {"context_length": 1 << 20}, "GLM-5.2's"),
+    ):
+        with pytest.raises(CheckpointError, match=message):
+            indexer_fields(arch, lambda k, d=None, m=meta: m.get(k, d), Path("x.gguf"))
+    ok = indexer_fields(
+        "glm-dsa",
+        lambda k, d=None: (
+            (sizes | {"context_length": 1 << 20}).get(k, d)
+            if k != "attention.indexer.types"
+            else [True, True]
+        ),
+        Path("x.gguf"),
+    )
+    assert ok["extra"]["index_topk"] == 4

@@ -37,8 +37,8 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"step3p5", "step3p5-q4"}
-    for name, path in models.items():
+    assert set(models) == {"step3p5", "step3p5-q4", "step3p5-gguf"}
+    for name, path in [(k, v) for k, v in models.items() if k != "step3p5-gguf"]:
         ckpt = open_checkpoint(path)
         ours, theirs = build_model(ckpt), load_model(path)[0]
         assert type(theirs).__module__.endswith("step3p5")
@@ -122,3 +122,37 @@ def test_plan_of_step3p5_flash_config():
     assert [r[-2:] for r in rows] == [["41.23", "GiB"], ["41.21", "GiB"], ["20.82", "GiB"]]
     assert "33 of 45 layers slide over 96 query / 8 KV heads of their own" in out.stdout
     assert "model_type 'step3p5' is implemented natively" in out.stdout
+
+
+def test_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `step35` GGUF layout (`flagship_gguf.gguf_step`: per-layer head counts,
+    the sliding-window pattern, freq_base / freq_base_swa, the global layers' half RoPE,
+    attn_gate, exp_probs_b, the per-layer clamps): float32 gives the folder's fields,
+    logits and 32 greedy tokens; Q8_0 the next tokens of its own values dequantized, its
+    logits within 0.05."""
+    from flagship_gguf import gguf_step
+    from test_sparse_attention import _greedy
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src = models["step3p5"]
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    want = open_checkpoint(src)
+    folder = build_model(want)
+    ckpt = open_checkpoint(models["step3p5-gguf"])
+    assert ckpt.args.extra == want.args.extra
+    assert (ckpt.args.n_heads, ckpt.args.n_kv_heads, ckpt.args.layer_types) == (
+        10,
+        5,
+        want.args.layer_types,
+    )
+    f32 = build_model(ckpt)
+    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
+    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    q8 = open_checkpoint(gguf_step(src, tmp_path / "q8.gguf", 8))
+    values = gguf_step(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    print("Q8_0 logits", mx.abs(got - want).max().item())
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).all().item()

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from ..model_args import ModelArgs
 from ..models.registry import GGUF_ARCHITECTURES, GGUF_FAMILIES, checkpoint_names, unsupported
@@ -35,6 +36,7 @@ from .gguf_header import GGUFHeader, read_header
 from .gguf_mamba import ARCHITECTURES as _MAMBA
 from .gguf_mamba import mamba_gguf
 from .gguf_reader import _MX, GGUFFile
+from .gguf_rope import llama3_scaling
 from .latent import split_kv_b
 
 # llama.cpp rotates the halves of each head (NEOX) in these: their q/k rows are not
@@ -129,12 +131,6 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
     scaling = None
     if get("rope.scaling.type") == "linear":
         scaling = {"type": "linear", "factor": get("rope.scaling.factor", 1.0)}
-    if "rope_freqs.weight" in weights and arch not in _GEMMA:  # Gemma 4's: gguf_gemma.py
-        warnings.warn(
-            f"{path.name}: per-frequency RoPE factors (rope_freqs) are not applied yet; "
-            "long-context outputs of Llama-3.1-style models may differ",
-            stacklevel=2,
-        )
     n_layers = routed.main_layers(arch, get)  # less the multi-token prediction layers
     experts = _experts(arch, get, weights, n_layers)
     if arch in routed.ARCHITECTURES:
@@ -147,27 +143,31 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
     scaling = experts.pop("rope_scaling", scaling)
-    common = dict(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=_most(get("attention.head_count_kv")) or n_heads,
-        # Without dense layers (Qwen3-MoE files may say 0): the experts' width
-        hidden_dim=experts.pop("hidden_dim", 0)  # a family's fields' own
-        or _most(get("feed_forward_length"))
-        or experts.get("moe_hidden_dim", 0),
-        vocab_size=vocab,
-        head_dim=get("attention.key_length") or dim // n_heads,
-        norm_eps=experts.pop("norm_eps", None) or get("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=get("rope.freq_base", 10000.0),
-        rope_traditional=arch not in _NEOX,
-        rope_scaling=scaling,
-        max_position_embeddings=get("context_length", 4096),
-        tie_word_embeddings="output.weight" not in weights,
-        qkv_bias="layers.0.attention.wq.bias" in weights,
-    )
-    try:  # a family's own fields over these (Gemma 4: its sliding layers' KV heads, heads)
-        return ModelArgs(**(common | experts))
+    try:
+        return ModelArgs(
+            dim=dim,
+            n_layers=n_layers,
+            # per-layer head counts (Step-3.5's): the family's fields say which are n_heads'
+            n_heads=experts.pop("n_heads", n_heads),
+            n_kv_heads=experts.pop("n_kv_heads", None)
+            or _most(get("attention.head_count_kv"))
+            or n_heads,
+            # Without dense layers (Qwen3-MoE files may say 0): the experts' width
+            hidden_dim=experts.pop("hidden_dim", 0)  # a family's fields' own
+            or _most(get("feed_forward_length"))
+            or experts.get("moe_hidden_dim", 0),
+            vocab_size=vocab,
+            # Gemma 4's: its sliding layers' heads (key_length is the global ones')
+            head_dim=experts.pop("head_dim", None) or get("attention.key_length") or dim // n_heads,
+            norm_eps=experts.pop("norm_eps", None) or get("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=get("rope.freq_base", 10000.0),
+            rope_traditional=arch not in _NEOX,
+            rope_scaling=scaling,
+            max_position_embeddings=get("context_length", 4096),
+            tie_word_embeddings="output.weight" not in weights,
+            qkv_bias="layers.0.attention.wq.bias" in weights,
+            **experts,
+        )
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: {e}") from None
 
@@ -299,6 +299,24 @@ def _latent(weights: dict, sources: dict, args: ModelArgs, path: Path) -> None:
     split_kv_b(weights, sources, args, str(path))
 
 
+def _rope_freqs(args: ModelArgs, file: GGUFFile, stored: str, path: Path) -> None:
+    """Llama 3's scaling (mlx-lm's `rope_scaling`) from llama.cpp's per-frequency factors
+    (`gguf_rope.py`), or a warning when no llama3 scaling gives them."""
+    t = file.gguf[stored]  # a few float32 values read as metadata (not counted as weights)
+    n = math.prod(t.shape)
+    scaling = None
+    if t.type_name == "F32":
+        values = np.fromfile(path, np.float32, count=n, offset=t.offset)
+        scaling = llama3_scaling(values, args.rope_theta, args.rope_dims or args.head_dim)
+    if scaling is None:
+        warnings.warn(
+            f"{path.name}: per-frequency RoPE factors (rope_freqs) that no llama3 scaling "
+            "gives are not applied; long-context outputs may differ",
+            stacklevel=3,
+        )
+    args.rope_scaling = scaling
+
+
 def _check_layers(header: GGUFHeader, weights: dict, path: Path) -> None:
     """Refuse a file whose `blk.N` tensors are not layers 0 .. block_count - 1 (less the
     multi-token prediction layers, dropped before)."""
@@ -383,6 +401,8 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         {k: stored for k, (_, stored) in sources.items()},
         f"{header.architecture}.expert_count",
     )
+    if "rope_freqs.weight" in weights and args.rope_scaling is None and arch not in _GEMMA:
+        _rope_freqs(args, *sources["rope_freqs.weight"], path)
     for name in [k for k in weights if k.startswith("rope_freqs.")]:
         del weights[name], sources[name]
     ckpt = Checkpoint(path, "gguf", args, weights, header.metadata, [path], sources)

@@ -150,6 +150,50 @@ def llama4_fields(config: dict) -> dict:
     }
 
 
+def llama4_gguf_fields(get) -> dict:
+    """The wrapper's text model's fields from a GGUF file's `llama4.*` metadata, as llama.cpp
+    reads them (`src/models/llama4.cpp`): chunked RoPE layers by the sliding-window pattern
+    (every fourth layer global and without RoPE unless `attention.sliding_window_pattern`
+    says otherwise), chunks of 8192 and temperature tuning (floor_scale 8192, attn_scale
+    0.1) unless `attention.sliding_window` / `attention.temperature_length` /
+    `attention.temperature_scale` say otherwise (llama.cpp itself takes the constants);
+    q/k norms but with 128 experts (Maverick's `use_qk_norm` false); the experts in every
+    `interleave_moe_layer_step`-th layer (the tensors say which), top-1, sigmoid, the
+    input scaled, beside a shared expert of the experts' width. The q/k rows are the
+    checkpoint's (the converter does not permute them: interleaved pairs already)."""
+    n = get("block_count")
+    if get("expert_used_count") not in (None, 1):
+        raise ValueError(f"expert_used_count {get('expert_used_count')} (Llama 4 routes 1)")
+    chunk = get("attention.sliding_window", 8192)
+    if not chunk:  # llama.cpp's MobileLLM switch: every layer global, with RoPE
+        raise ValueError("attention.sliding_window 0 (MobileLLM's layout) is not read")
+    pattern = get("attention.sliding_window_pattern", 4)
+    if hasattr(pattern, "__len__"):  # per layer: True where chunked (with RoPE)
+        rope = [int(bool(v)) for v in pattern]
+    else:
+        rope = [int((i + 1) % pattern != 0) for i in range(n)]
+    if len(rope) != n:
+        raise ValueError(f"attention.sliding_window_pattern has {len(rope)} layers, not {n}")
+    width = get("expert_feed_forward_length") or 0
+    return {
+        "n_experts_per_tok": 1,
+        "moe_hidden_dim": width,
+        "shared_expert_dim": width,
+        "shared_expert_gated": False,
+        "norm_topk_prob": False,
+        "router": "sigmoid_input",
+        "extra": {
+            "rope_layers": rope,
+            "attention_chunk_size": int(chunk),
+            "qk_l2_norm": None if get("expert_count") == 128 else "after",
+            "attn_temperature": (
+                float(get("attention.temperature_length", 8192)),
+                float(f"{get('attention.temperature_scale', 0.1):.7g}"),  # float32 stored
+            ),
+        },
+    }
+
+
 def llama4_text_fields(config: dict) -> dict:
     """mlx-lm's `llama4_text` (MobileLLM-R1): dense (`intermediate_size_mlp`), global
     attention, RoPE on the layers `no_rope_layers` marks 1, q/k norms before RoPE."""

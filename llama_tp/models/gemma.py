@@ -375,6 +375,10 @@ def gemma_config_keys(a: ModelArgs) -> dict:
     }
 
 
+# what the GGUF reader sets from the metadata and tensors itself (`checkpoints/gguf.py`)
+_READERS = ("tie_word_embeddings", "norm_eps", "max_position_embeddings", "rope_traditional")
+
+
 def gemma4_gguf_fields(get) -> dict:
     """The same fields from a GGUF file's `gemma4.*` metadata (llama.cpp's converter): the
     layer types from attention.sliding_window_pattern (true: sliding), the sliding
@@ -438,7 +442,8 @@ def gemma4_gguf_fields(get) -> dict:
         },
     }
     out = gemma4_fields({k: v for k, v in config.items() if v is not None})
-    del out["tie_word_embeddings"], out["norm_eps"]  # the reader's: from the tensors
+    for key in _READERS:
+        out.pop(key, None)
     return out | {"model_type": "gemma4_text", "hidden_dim": width, "qk_norm": True}
 
 
@@ -483,6 +488,7 @@ def gemma3_gguf_fields(get) -> dict:
         "max_position_embeddings": get("context_length", 4096),
     }
     out = gemma3_fields(config)
-    del out["norm_eps"]
+    for key in _READERS:
+        out.pop(key, None)
     out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in flags]
     return out | {"model_type": "gemma3_text", "qk_norm": True}

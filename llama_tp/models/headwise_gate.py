@@ -173,7 +173,9 @@ def limits(args: ModelArgs, layer: int) -> tuple[float, float]:
 
 class StepLayer:
     """The names of Step-3.5's feed-forward in mlx-lm's folders (`mlp.gate.gate`: the
-    router, `mlp.gate.router_bias`, `mlp.share_expert`), which only this family reads."""
+    router, `mlp.gate.router_bias`, `mlp.share_expert`), which only this family reads;
+    in llama.cpp's `step35` files the heads' gate and the routing bias (the feed-forward's
+    own, mlx-lm's, not DeepSeek's router's)."""
 
     hf_names = (
         ("mlp.gate.gate", "feed_forward.router"),
@@ -182,7 +184,10 @@ class StepLayer:
         ("mlp.share_expert.down_proj", "feed_forward.shared_expert.w2"),
         ("mlp.share_expert.up_proj", "feed_forward.shared_expert.w3"),
     )
-    gguf_names = ()
+    gguf_names = (
+        ("attn_gate", "attention.g_proj"),
+        ("exp_probs_b.bias$", "feed_forward.e_score_correction_bias"),
+    )
 
 
 def step3p5_fields(config: dict) -> dict:
@@ -226,5 +231,76 @@ def step3p5_fields(config: dict) -> dict:
             "headwise_gate": bool(config.get("use_head_wise_attn_gate", True)),
             "swiglu_limits": list(config.get("swiglu_limits") or []),
             "swiglu_limits_shared": list(config.get("swiglu_limits_shared") or []),
+        },
+    }
+
+
+def step3p5_gguf_fields(get) -> dict:
+    """The same fields from a GGUF file's `step35.*` metadata (llama.cpp's converter,
+    conversion/step3.py): per-layer head and KV head counts (the global layers' as
+    n_heads / n_kv_heads, the sliding ones' as `swa_heads`), the sliding layers from
+    `attention.sliding_window_pattern`, their base `rope.freq_base_swa`; llama.cpp's
+    partial RoPE (the global layers rotate half of each head, the sliding ones all: the
+    converter checks the config says so), YaRN on the global layers (Step's
+    `yarn_only_types`); the experts (sigmoid + exp_probs_b, renormalised as
+    expert_weights_norm says, times expert_weights_scale) and the per-layer SwiGLU clamps
+    (swiglu_clamp_exp / swiglu_clamp_shexp); the heads gated (attn_gate)."""
+    n = get("block_count") - (get("nextn_predict_layers") or 0)  # less the MTP layers
+    heads, kv = get("attention.head_count"), get("attention.head_count_kv")
+    heads = [int(h) for h in heads] if hasattr(heads, "__len__") else [heads] * n
+    kv = [int(h) for h in kv] if hasattr(kv, "__len__") else [kv] * n
+    pattern = get("attention.sliding_window_pattern")
+    sliding = [bool(s) for s in (() if pattern is None else pattern)][:n]
+    if len(sliding) != n or len(heads) < n or len(kv) < n:
+        raise ValueError(f"per-layer head counts / sliding_window_pattern short of {n} layers")
+    gating = get("expert_gating_func")
+    if gating not in (None, 0, 2):  # none (llama.cpp's default for step35: sigmoid), sigmoid
+        raise ValueError(f"expert_gating_func {gating} (Step-3.5's is 2, sigmoid)")
+    g = next((i for i in range(n) if not sliding[i]), 0)  # a global layer's heads
+    s = next((i for i in range(n) if sliding[i]), g)  # a sliding one's
+    hd = get("attention.key_length")
+    rot = get("rope.dimension_count") or hd
+    rot_swa = get("rope.dimension_count_swa") or rot
+    base, base_swa = get("rope.freq_base", 10000.0), get("rope.freq_base_swa")
+    scaling = None
+    if get("rope.scaling.type") == "yarn":
+        scaling = {
+            "rope_type": "yarn",
+            "factor": get("rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
+        }
+    elif get("rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"rope.scaling.type {get('rope.scaling.type')!r} (Step-3.5's: yarn)")
+
+    def per_layer(key: str) -> list[float]:
+        values = get(key)
+        values = [0.0] if values is None else values  # no clamps
+        values = list(values) if hasattr(values, "__len__") else [values] * n
+        return [float(f"{v:.7g}") for v in values[:n]]  # float32 stored
+
+    return {
+        "n_heads": heads[g],
+        "n_kv_heads": kv[g],
+        "rope_scaling": scaling,
+        "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding],
+        "sliding_window": get("attention.sliding_window"),
+        "n_experts": get("expert_count"),
+        "n_experts_per_tok": get("expert_used_count"),
+        "moe_hidden_dim": get("expert_feed_forward_length"),
+        "shared_expert_dim": get("expert_shared_feed_forward_length"),
+        "shared_expert_gated": False,
+        "router": "sigmoid_bias",
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "routed_scaling_factor": float(f"{get('expert_weights_scale', 1.0):.7g}"),
+        "extra": {
+            "swa_heads": (heads[s], kv[s]),
+            "rope_thetas": [float(base_swa or base) if x else float(base) for x in sliding],
+            "rope_factors": [rot_swa / hd if x else rot / 2 / hd for x in sliding],
+            "yarn_only_types": ["full_attention"],
+            "headwise_gate": True,
+            "swiglu_limits": per_layer("swiglu_clamp_exp"),
+            "swiglu_limits_shared": per_layer("swiglu_clamp_shexp"),
         },
     }

@@ -17,11 +17,11 @@ feed-forward in some layers, chosen by the args, not by name:
     gpt-oss     gpt_oss            gpt-oss                  sinks, bias,  experts (top-k,
                                                             sliding window softmax), biased,
                                                             layers        clamped SwiGLU
-    DeepSeek-   deepseek_v32,      (HF/MLX only)            sparse: MLA   as DeepSeek-V3
+    DeepSeek-   deepseek_v32,      deepseek32, glm-dsa      sparse: MLA   as DeepSeek-V3
     V3.2, GLM-5 glm_moe_dsa                                 over the
                                                             indexer's
                                                             top-k keys
-    Step-3.5    step3p5            (HF/MLX only)            sliding and   experts (sigmoid +
+    Step-3.5    step3p5            step35                   sliding and   experts (sigmoid +
                                                             global, own   bias, scaled) +
                                                             heads, gated  shared expert;
                                                             per head      clamped SwiGLU
@@ -29,7 +29,7 @@ feed-forward in some layers, chosen by the args, not by name:
                                                             over all      bias, no groups)
                                                             heads,
                                                             partial RoPE
-    Llama 4     llama4,            (HF/MLX only)            chunked on    experts (top-1,
+    Llama 4     llama4,            llama4 (the text model)  chunked on    experts (top-1,
                 llama4_text                                 RoPE layers,  sigmoid, input
                                                             global NoPE   scaled) + shared
                                                             layers        expert; dense
@@ -86,6 +86,7 @@ from .chunked_attention import (
     ChunkedAttention,
     Llama4Layer,
     llama4_fields,
+    llama4_gguf_fields,
     llama4_text_fields,
 )
 from .gated_attention import GatedAttention
@@ -105,6 +106,7 @@ from .headwise_gate import (
     SlidingGatedHeadsAttention,
     StepLayer,
     step3p5_fields,
+    step3p5_gguf_fields,
 )
 from .kimi_delta import (
     KimiDeltaAttention,
@@ -183,8 +185,8 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", qwen_moe_fields, qk_norm=True),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
     "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
-    "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields),
-    "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields),
+    "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields, kinds=(SparseAttention,)),
+    "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields, kinds=(SparseAttention,)),
     "gpt_oss": Family(None, gpt_oss_fields),
     "minimax": Family(
         "MiniMaxM2ForCausalLM",
@@ -267,6 +269,12 @@ GGUF_FAMILIES = {
     "nemotron_h": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "nemotron_h_moe": GgufFamily("nemotron_h", fields=nemotron_h_gguf_fields),
     "minimax-m2": GgufFamily("minimax", neox=True, fields=minimax_gguf_fields),
+}
+# deepseek2's reader and the indexer's names (`checkpoints/gguf_routed.py`, SparseAttention)
+GGUF_FAMILIES |= {"glm-dsa": GgufFamily("glm_moe_dsa"), "deepseek32": GgufFamily("deepseek_v32")}
+GGUF_FAMILIES |= {"llama4": GgufFamily("llama4", fields=llama4_gguf_fields)}
+GGUF_FAMILIES |= {"step35": GgufFamily("step3p5", neox=True, fields=step3p5_gguf_fields)}
+GGUF_FAMILIES |= {
     "gemma3": GgufFamily("gemma3_text", neox=True, fields=gemma3_gguf_fields),
     "gemma4": GgufFamily("gemma4_text", neox=True, fields=gemma4_gguf_fields),
 }

@@ -86,6 +86,15 @@ class SparseAttention(LatentAttention):
     """x (B, L, dim) -> (B, L, dim): latent attention over the keys the `indexer` picks
     for each query (mlx-lm's `DeepseekV32Attention`), `n_heads` local."""
 
+    # llama.cpp's glm-dsa / deepseek32 names of the indexer (the latent's are
+    # LatentAttention's): k_norm's weight and bias, the rest as stored
+    gguf_names = (
+        ("indexer.attn_q_b", "attention.indexer.wq_b"),
+        ("indexer.attn_k", "attention.indexer.wk"),
+        ("indexer.k_norm", "attention.indexer.k_norm"),
+        ("indexer.proj", "attention.indexer.weights_proj"),
+    )
+
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
         """Latent attention's: the query heads split, the latent and the indexer whole."""
