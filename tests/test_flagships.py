@@ -107,7 +107,9 @@ def test_two_ranks_and_a_weighted_split(models):
 
 def test_three_ranks(models):
     """10 query heads in 5 KV groups as 4/4/2, Gemma 4's 2 global KV heads as 1/2/1 (the
-    middle rank's query heads straddle both); the 4-bit copy's 5 experts as 2/2/1;
+    middle rank's query heads straddle both; float32 by tensor from its `gemma4` GGUF:
+    llama.cpp's layout, the experts' fused gate and up rows read in slices); the 4-bit
+    copy's 5 experts as 2/2/1;
     DeepSeek-V3.2's 10 latent heads as 4/3/3, its 4-bit copy's 5 experts as 2/2/1,
     GLM-5's 7 as 3/2/2 (from its float32 GGUF: llama.cpp's `glm-dsa` layout, the latent
     and indexer read whole, the heads and experts in slices); MiniMax-M2's 10 query heads
@@ -127,11 +129,12 @@ def test_three_ranks(models):
     gated norm's sum of squares all-reduced); Kimi K3 by expert (5 KDA heads as 2/2/1),
     from its release's layout (q, k, v projections and convs apart, read in slices as the
     fused ones; per-expert tensors)."""
-    g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
+    q4, g3 = (str(models[k]) for k in ("gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5-gguf"))
     mq = str(models["minimax-q4"])
     l4q, l4t = (str(models[k]) for k in ("llama4-q4", "llama4_text"))
-    specs = [f"{g4}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
+    g4g = str(models["gemma4-gguf"])
+    specs = [f"{g4g}#tensor", f"{q4}#expert", g3, f"{ds}#tensor", f"{dq}#expert", f"{glm}#expert"]
     kg, mg = str(models["kimi_linear-gguf"]), str(models["minimax-gguf"])
     specs += [f"{mg}#tensor", f"{mq}#expert", f"{kg}#tensor"]
     st, sq = str(models["step3p5-gguf"]), str(models["step3p5-q4"])

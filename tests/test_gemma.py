@@ -53,7 +53,9 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    for name, path in models.items():
+    assert set(models) == {"gemma4", "gemma4-q4", "gemma4-gguf", "gemma3"}
+    for name in ("gemma4", "gemma4-q4", "gemma3"):
+        path = models[name]
         ckpt = open_checkpoint(path)
         ours, theirs = build_model(ckpt), load_model(path)[0]
         assert type(theirs).__module__.endswith(ckpt.args.model_type)
@@ -182,3 +184,71 @@ def test_multimodal_folder_reads_its_language_model(models, tmp_path):
     assert ckpt.args.model_type == "gemma4_text"
     ours = build_model(ckpt)(x)
     assert mx.abs(ours - build_model(open_checkpoint(src))(x)).max().item() == 0.0
+
+
+def test_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `gemma4` GGUF layout (`flagship_gguf.gguf_gemma4`: the experts' gate
+    and up stacked in ffn_gate_up_exps, the router's scales, per-layer KV heads and
+    feed-forward widths, the sliding-window flags, rope_freqs for the global layers'
+    partial RoPE, no attn_v where keys = values): float32 gives the folder's logits and
+    32 greedy tokens; Q8_0 the next tokens of its own values dequantized, its logits
+    within 0.05 (0.021, measured)."""
+    from flagship_gguf import gguf_gemma4
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src = models["gemma4"]
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    folder = build_model(open_checkpoint(src))
+    ckpt = open_checkpoint(models["gemma4-gguf"])
+    a = ckpt.args
+    assert a.k_eq_v and a.global_kv_heads == 2 and a.kv_sources == [None] * 4 + [3, 2]
+    assert a.rope["full_attention"][1]["partial_rotary_factor"] == 0.25
+    for proj in ("gate_proj", "up_proj"):  # the fused rows' halves, sliced any way
+        src_, stored = ckpt.sources[f"layers.1.experts.switch_mlp.{proj}.weight"]
+        whole = src_.read(stored)
+        assert whole.shape == (5, 128, 128)
+        for axis, cut in (
+            (0, (slice(1, 3),)),
+            (1, (slice(None), slice(1, 3))),
+            (2, (..., slice(1, 3))),
+        ):
+            assert mx.array_equal(src_.read(stored, axis, 1, 3), whole[cut]), (proj, axis)
+    f32 = build_model(ckpt)
+    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
+    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    q8 = open_checkpoint(gguf_gemma4(src, tmp_path / "q8.gguf", 8))
+    values = gguf_gemma4(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).all().item()
+
+
+def test_gemma3_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `gemma3` GGUF layout (`flagship_gguf.gguf_gemma3`: every norm + 1, the
+    layer types as flags per layer, both RoPE bases) of the folder with its queries scaled
+    as llama.cpp scales them (query_pre_attn_scalar = head_dim, 32: the fixture's 24 has no
+    GGUF): float32 gives the folder's logits and 32 greedy tokens; Q8_0 the next tokens of
+    its own values dequantized, its logits within 0.05 (0.033, measured)."""
+    from flagship_gguf import gguf_gemma3
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src = tmp_path / "gemma3"
+    shutil.copytree(models["gemma3"], src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": 32}))
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    folder = build_model(open_checkpoint(src))
+    ckpt = open_checkpoint(gguf_gemma3(src, tmp_path / "gemma3.gguf"))
+    assert ckpt.args.layer_types == open_checkpoint(src).args.layer_types
+    f32 = build_model(ckpt)
+    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
+    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    q8 = open_checkpoint(gguf_gemma3(src, tmp_path / "q8.gguf", 8))
+    values = gguf_gemma3(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).all().item()

@@ -30,6 +30,8 @@ from . import gguf_routed as routed
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts
 from .gated_delta import SKIPPED, from_gguf, kda_gguf, say_once
+from .gguf_gemma import ARCHITECTURES as _GEMMA
+from .gguf_gemma import gemma_gguf
 from .gguf_header import GGUFHeader, read_header
 from .gguf_mamba import ARCHITECTURES as _MAMBA
 from .gguf_mamba import mamba_gguf
@@ -52,6 +54,10 @@ _MODEL_NAMES = [
     (r"^token_embd\.", "tok_embeddings."),
     (r"^output_norm\.", "norm."),
     (r"^output\.", "output."),
+    # Gemma 4's per-layer inputs (`models/gemma.py`)
+    (r"^per_layer_token_embd\.", "per_layer_embeddings."),
+    (r"^per_layer_model_proj\.", "per_layer_projection."),
+    (r"^per_layer_proj_norm\.", "per_layer_norm."),
 ]
 
 
@@ -91,7 +97,7 @@ def _experts(arch: str, get, weights: dict[str, mx.array], n_layers: int) -> dic
     )
     model_type = _MODEL_TYPES[arch] if arch != "llama" or not n_experts else "mixtral"
     out: dict = {"model_type": model_type, "qk_norm": "layers.0.attention.q_norm.weight" in weights}
-    if not sparse and (not n_experts or arch in _MAMBA):  # Nemotron-H: its fields' own
+    if not sparse and (not n_experts or arch in (*_MAMBA, *_GEMMA)):  # their fields' own
         return out
     gate = weights.get(f"layers.{sparse[0]}.feed_forward.switch_mlp.gate_proj.weight")
     shared = weights.get(f"layers.{sparse[0]}.feed_forward.shared_expert.w1.weight")
@@ -151,7 +157,8 @@ def args_from_metadata(meta: dict, weights: dict[str, mx.array], path: Path) -> 
             or _most(get("feed_forward_length"))
             or experts.get("moe_hidden_dim", 0),
             vocab_size=vocab,
-            head_dim=get("attention.key_length") or dim // n_heads,
+            # Gemma 4's: its sliding layers' heads (key_length is the global ones')
+            head_dim=experts.pop("head_dim", None) or get("attention.key_length") or dim // n_heads,
             norm_eps=experts.pop("norm_eps", None) or get("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=get("rope.freq_base", 10000.0),
             rope_traditional=arch not in _NEOX,
@@ -378,6 +385,13 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         kda_gguf(weights, sources, args)
     if arch in _MAMBA:  # Nemotron-H: llama.cpp's Mamba tensors undone, the pattern checked
         mamba_gguf(weights, sources, args)
+    if arch in _GEMMA:  # Gemma 4: the experts' gate and up apart, keys = values, RoPE
+        kv = get("attention.head_count_kv")
+        kv = [int(c) for c in kv] if hasattr(kv, "__len__") else [kv] * args.n_layers
+        try:
+            gemma_gguf(weights, sources, args, kv, str(path))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     if args.kv_lora_rank:
         _latent(weights, sources, args, path)
     check_experts(
@@ -387,7 +401,7 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         {k: stored for k, (_, stored) in sources.items()},
         f"{header.architecture}.expert_count",
     )
-    if "rope_freqs.weight" in weights and args.rope_scaling is None:
+    if "rope_freqs.weight" in weights and args.rope_scaling is None and arch not in _GEMMA:
         _rope_freqs(args, *sources["rope_freqs.weight"], path)
     for name in [k for k in weights if k.startswith("rope_freqs.")]:
         del weights[name], sources[name]

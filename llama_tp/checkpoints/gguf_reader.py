@@ -127,7 +127,56 @@ class GGUFFile:
             dense = (0, start, stop)
         if src.type_name in _MX:
             out = read_dense(self.path, src.offset, shape, src.type_name, *dense)
-        elif t.part == "blocks":  # (rows, value columns): the whole blocks covering them
+        else:
+            out = self._quantized(t, src, rows, cols)
+        # (n * rows, ...) -> the part's shape: (rows, ...) or (n, rows per expert, ...)
+        if len(t.shape) == 1:
+            return out.reshape(-1)
+        return out.reshape(n, -1, out.shape[-1]) if len(t.shape) == 3 else out
+
+    def read_piece(
+        self,
+        name: str,
+        piece: tuple[int, int],
+        axis: int | None = None,
+        start: int = 0,
+        stop: int = 0,
+    ) -> mx.array:
+        """As `read`, of stacked experts (E, k * R, C) whose rows are k pieces of R each,
+        piece j of `piece` (j, k) seen as the array (E, R, C) (Gemma 4's fused gate and up
+        rows): only the piece's bytes are read."""
+        t = self.tensors[name]
+        src = self.gguf[t.source]
+        E, full, C = tuple(reversed(src.shape))
+        j, k = piece
+        R = full // k
+        at = j * R  # the piece's first row in each expert
+        shape = (*t.shape[:-2], t.shape[-2] // k, t.shape[-1])
+        if axis is not None and not (0 <= axis < 3 and 0 <= start < stop):
+            raise ValueError(f"{name}: bad slice [{start}, {stop}) of axis {axis} of {shape}")
+        experts, r0, r1, cols = range(E), 0, R, (0, C)
+        if axis == 2:  # in the part's units: proportional
+            cols = (start * C // t.shape[-1], stop * C // t.shape[-1])
+        elif axis == 1:
+            r0, r1 = start, stop
+        elif axis == 0:
+            experts = range(start, stop)
+        rows = [(e * full + at + r0, e * full + at + r1) for e in experts]
+        if src.type_name in _MX:
+            parts = []
+            for a, b in rows:  # each expert's rows: a (rows, C) matrix of its own
+                item = DTYPES[src.type_name][0].size
+                offset = src.offset + a * C * item
+                dense = (1, *cols) if axis == 2 else (None, 0, 0)
+                parts.append(read_dense(self.path, offset, (b - a, C), src.type_name, *dense))
+            out = mx.concatenate(parts)
+        else:
+            out = self._quantized(t, src, rows, cols)
+        return out.reshape(len(experts), -1, out.shape[-1])
+
+    def _quantized(self, t: Part, src: GGUFTensor, rows: list[tuple], cols: tuple) -> mx.array:
+        """Part `t` of quantized rows `rows`, value columns `cols` (one read for all parts)."""
+        if t.part == "blocks":  # (rows, value columns): the whole blocks covering them
             out = self._read_blocks(src, rows, cols)
         else:  # weight, scales and biases come from one read: kept until all are taken
             key = (t.source, tuple(rows), cols)
@@ -137,10 +186,7 @@ class GGUFFile:
             out = parts.pop(t.part)
             if not parts:
                 del self._cache[key]
-        # (n * rows, ...) -> the part's shape: (rows, ...) or (n, rows per expert, ...)
-        if len(t.shape) == 1:
-            return out.reshape(-1)
-        return out.reshape(n, -1, out.shape[-1]) if len(t.shape) == 3 else out
+        return out
 
     def _read_blocks(self, src: GGUFTensor, rows: list[tuple], cols: tuple) -> mx.array:
         """The row ranges `rows` of the whole blocks covering value columns [c0, c1), as

@@ -138,6 +138,19 @@ class GemmaBlock(nn.Module):
         ("post_attention_norm", "post_attention_norm"),
         ("ffn_norm", "ffn_norm"),
         ("post_ffw_norm", "post_ffn_norm"),
+        # Gemma 4's (llama.cpp's `gemma4` names): the experts' and per-layer inputs'
+        ("post_ffw_norm_1", "post_ffn_norm_1"),
+        ("post_ffw_norm_2", "post_ffn_norm_2"),
+        ("pre_ffw_norm_2", "experts.pre_norm"),
+        ("ffn_gate_inp.scale$", "experts.router.scale"),
+        ("ffn_gate_inp", "experts.router.proj"),
+        ("ffn_down_exps.scale$", "experts.router.per_expert_scale"),
+        ("ffn_gate_up_exps", "experts.switch_mlp.gate_up_proj"),  # split: gguf_gemma.py
+        ("ffn_down_exps", "experts.switch_mlp.down_proj"),
+        ("inp_gate", "per_layer_gate"),
+        ("proj", "per_layer_projection"),
+        ("post_norm", "per_layer_norm"),
+        ("layer_output_scale.weight$", "layer_scalar"),
     )
 
     def __init__(self, args: ModelArgs, layer: int):
@@ -360,3 +373,122 @@ def gemma_config_keys(a: ModelArgs) -> dict:
         "moe_intermediate_size": a.moe_hidden_dim or None,
         "tie_word_embeddings": a.tie_word_embeddings,
     }
+
+
+# what the GGUF reader sets from the metadata and tensors itself (`checkpoints/gguf.py`)
+_READERS = ("tie_word_embeddings", "norm_eps", "max_position_embeddings", "rope_traditional")
+
+
+def gemma4_gguf_fields(get) -> dict:
+    """The same fields from a GGUF file's `gemma4.*` metadata (llama.cpp's converter): the
+    layer types from attention.sliding_window_pattern (true: sliding), the sliding
+    layers' heads from key_length_swa and the global ones' from key_length, KV heads per
+    layer (the global layers' entries: their own KV heads), feed-forward widths per layer
+    (the KV-shared layers' doubled: double-wide), shared_kv_layers, the per-layer input
+    width, rope.freq_base (global) and freq_base_swa. Keys = values and the global
+    layers' partial RoPE come from the tensors (`checkpoints/gguf_gemma.py`)."""
+    swa = get("attention.sliding_window_pattern")
+    n = get("block_count")
+    if swa is None or len(swa) != n:
+        raise ValueError(f"attention.sliding_window_pattern {swa} is not one flag per layer")
+    types = ["sliding_attention" if s else "full_attention" for s in swa]
+    kv, ff = get("attention.head_count_kv"), get("feed_forward_length")
+    kv = [int(c) for c in kv] if hasattr(kv, "__len__") else [kv] * n
+    ff = [int(c) for c in ff] if hasattr(ff, "__len__") else [ff] * n
+    sliding = [kv[i] for i in range(n) if swa[i]] or kv
+    shared = get("attention.shared_kv_layers") or 0
+    width = min(ff)
+    if any(w not in (width, 2 * width) for w in ff) or any(
+        w != width for w in ff[: n - shared]
+    ):  # mlx-lm's double-wide feed-forward: only the KV-shared layers', doubled
+        raise ValueError(f"feed_forward_length {ff}: not one width (doubled in KV-shared layers)")
+    head, head_swa = get("attention.key_length"), get("attention.key_length_swa")
+    experts = get("expert_count") or 0
+    config = {
+        "hidden_size": get("embedding_length"),
+        "num_hidden_layers": n,
+        "intermediate_size": width,
+        "num_attention_heads": get("attention.head_count"),
+        "head_dim": head_swa or head,
+        "global_head_dim": head,
+        "num_key_value_heads": sliding[0],
+        "num_global_key_value_heads": None,
+        "attention_k_eq_v": False,  # from the tensors
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": get("embedding_length_per_layer_input") or 0,
+        "vocab_size_per_layer_input": get("vocab_size"),
+        "vocab_size": get("vocab_size"),
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": types,
+        "enable_moe_block": bool(experts),
+        "num_experts": experts or None,
+        "top_k_experts": get("expert_used_count"),
+        "moe_intermediate_size": get("expert_feed_forward_length"),
+        "use_double_wide_mlp": max(ff) > width,
+        "final_logit_softcapping": get("final_logit_softcapping"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": get("context_length", 4096),
+        "rope_parameters": {
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 1.0,  # rope_freqs' (`gguf_gemma.py`)
+                "rope_theta": get("rope.freq_base", 1e6),
+            },
+            "sliding_attention": {
+                "rope_type": "default",
+                "partial_rotary_factor": 1.0,
+                "rope_theta": get("rope.freq_base_swa", 1e4),
+            },
+        },
+    }
+    out = gemma4_fields({k: v for k, v in config.items() if v is not None})
+    for key in _READERS:
+        out.pop(key, None)
+    return out | {"model_type": "gemma4_text", "hidden_dim": width, "qk_norm": True}
+
+
+def gemma3_gguf_fields(get) -> dict:
+    """The same fields from a GGUF file's `gemma3.*` metadata as llama.cpp reads them: the
+    layer types from attention.sliding_window_pattern (flags per layer, or every n-th
+    layer global; 6 when absent, as llama.cpp), the sliding layers' RoPE base
+    rope.freq_base_swa (10000 when absent), the global ones' rope.freq_base and linear
+    scaling; queries scaled by 1/sqrt(head_dim) (the 62-layer 27B: 1/sqrt(dim / heads)),
+    llama.cpp's rule for what the config's query_pre_attn_scalar said. The norms' +1 the
+    converter added: `checkpoints/gguf_gemma.py`."""
+    n, dim, heads = get("block_count"), get("embedding_length"), get("attention.head_count")
+    head = get("attention.key_length") or dim // heads
+    pattern = get("attention.sliding_window_pattern", 6)
+    if hasattr(pattern, "__len__"):
+        if len(pattern) != n:
+            raise ValueError(
+                f"attention.sliding_window_pattern {pattern} is not one flag per layer"
+            )
+        flags = [bool(s) for s in pattern]
+    else:
+        flags = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+    if get("attention.sliding_window") is None:
+        flags = [False] * n  # llama.cpp: no window, every layer global
+    scaling = None
+    if get("rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor", 1.0)}
+    config = {
+        "model_type": "gemma3_text",
+        "hidden_size": dim,
+        "num_hidden_layers": n,
+        "intermediate_size": get("feed_forward_length"),
+        "num_attention_heads": heads,
+        "head_dim": head,
+        "num_key_value_heads": get("attention.head_count_kv") or heads,
+        "sliding_window": get("attention.sliding_window") or 0,
+        "query_pre_attn_scalar": dim // heads if n == 62 else head,
+        "rope_theta": get("rope.freq_base", 1e6),
+        "rope_local_base_freq": get("rope.freq_base_swa", 1e4),
+        "rope_scaling": scaling,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": get("context_length", 4096),
+    }
+    out = gemma3_fields(config)
+    for key in _READERS:
+        out.pop(key, None)
+    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in flags]
+    return out | {"model_type": "gemma3_text", "qk_norm": True}

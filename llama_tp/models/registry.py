@@ -91,7 +91,15 @@ from .chunked_attention import (
 )
 from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
-from .gemma import GemmaBlock, GemmaTransformer, gemma3_fields, gemma4_fields, gemma_config_keys
+from .gemma import (
+    GemmaBlock,
+    GemmaTransformer,
+    gemma3_fields,
+    gemma3_gguf_fields,
+    gemma4_fields,
+    gemma4_gguf_fields,
+    gemma_config_keys,
+)
 from .gpt_oss import SinkAttention, gpt_oss_fields
 from .headwise_gate import (
     GatedHeadsAttention,
@@ -266,6 +274,10 @@ GGUF_FAMILIES = {
 GGUF_FAMILIES |= {"glm-dsa": GgufFamily("glm_moe_dsa"), "deepseek32": GgufFamily("deepseek_v32")}
 GGUF_FAMILIES |= {"llama4": GgufFamily("llama4", fields=llama4_gguf_fields)}
 GGUF_FAMILIES |= {"step35": GgufFamily("step3p5", neox=True, fields=step3p5_gguf_fields)}
+GGUF_FAMILIES |= {
+    "gemma3": GgufFamily("gemma3_text", neox=True, fields=gemma3_gguf_fields),
+    "gemma4": GgufFamily("gemma4_text", neox=True, fields=gemma4_gguf_fields),
+}
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
 # tried: a kind's later, broader names (latent attention's) after the others'.
