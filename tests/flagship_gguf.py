@@ -367,6 +367,122 @@ def gguf_sparse(src: Path, out: Path, quantized: int | None = None, stored: bool
     return _gguf_finish(w, out)
 
 
+# -- Kimi K3 as llama.cpp's converter writes it (conversion/kimi_k3.py's KimiK3Model)
+_K3_GGUF = [
+    (r"\.self_attn\.q_a_proj\.", ".attn_q_a."),
+    (r"\.self_attn\.q_a_layernorm\.", ".attn_q_a_norm."),
+    (r"\.self_attn\.q_b_proj\.", ".attn_q_b."),
+    (r"\.mlp\.routed_expert_(down|up)_proj\.", r".ffn_routed_\1."),
+    (r"\.mlp\.routed_expert_norm\.", ".ffn_routed_norm."),
+    *_KIMI_GGUF,
+]
+
+
+def gguf_k3(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+    """mlx-lm's float32 Kimi K3 folder `src` as llama.cpp's converter writes its GGUF
+    (`kimi-k3`): Kimi-Linear's layout (the convs (1, C, 1, K), ssm_a = -exp(A_log),
+    dt_bias as ssm_dt.bias, k_b / v_b per head, a KV head count per layer, 0 in a KDA
+    layer, the experts stacked) with the release's q/k/v projections and convs apart, the
+    KDA gate as ssm_g and the latent attention's as attn_gate, each residual query's norm
+    * proj fused into one vector (attn_res_score, ffn_res_score, output_res_score), the
+    latent experts' ffn_routed_{down,up,norm} and the K3 keys (kda.gate_lower_bound,
+    activation.situ_*, expert_latent_length, attn_res.block_size). Not in the installed
+    gguf package: its keys are written literally. float32, or with `quantized` every
+    matrix whose rows take its blocks but the routers (`stored` False: dequantized)."""
+    import re
+
+    import gguf
+    import numpy as np
+    from gguf_writer import llama_vocabulary
+
+    c = json.loads((src / "config.json").read_text())
+    lin, n, arch = c["linear_attn_config"], c["num_hidden_layers"], "kimi-k3"
+    rank, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    w = gguf.GGUFWriter(str(out), arch)
+    ints = {
+        "block_count": n,
+        "context_length": c["max_position_embeddings"],
+        "embedding_length": c["hidden_size"],
+        "feed_forward_length": c["intermediate_size"],
+        "attention.head_count": c["num_attention_heads"],
+        "vocab_size": c["vocab_size"],
+        "expert_count": c["num_experts"],
+        "expert_used_count": c["num_experts_per_token"],
+        "ssm.conv_kernel": lin["short_conv_kernel_size"],
+        "kda.head_dim": lin["head_dim"],
+        "attention.q_lora_rank": c["q_lora_rank"],
+        "attention.kv_lora_rank": rank,
+        "rope.dimension_count": rope,
+        "attention.key_length": rank + rope,
+        "attention.value_length": rank,
+        "attention.key_length_mla": c["qk_nope_head_dim"] + rope,
+        "attention.value_length_mla": c["v_head_dim"],
+        "expert_feed_forward_length": c["moe_intermediate_size"],
+        "expert_shared_count": c["num_shared_experts"],
+        "leading_dense_block_count": c["first_k_dense_replace"],
+        "expert_gating_func": 2,  # sigmoid
+        "expert_latent_length": c["routed_expert_hidden_size"],
+        "attn_res.block_size": c["attn_res_block_size"],
+    }
+    for key, value in ints.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    kv = [1 if i + 1 in lin["full_attn_layers"] else 0 for i in range(n)]
+    w.add_array(f"{arch}.attention.head_count_kv", kv)
+    floats = {
+        "attention.layer_norm_rms_epsilon": c["rms_norm_eps"],
+        "kda.gate_lower_bound": lin["gate_lower_bound"],
+        "expert_weights_scale": c["routed_scaling_factor"],
+        "activation.situ_beta": c["activation_situ_beta"],
+        "activation.situ_linear_beta": c["activation_situ_linear_beta"],
+    }
+    for key, value in floats.items():
+        w.add_float32(f"{arch}.{key}", value)
+    w.add_bool(f"{arch}.expert_weights_norm", c.get("moe_renormalize", True))
+    _gguf_vocabulary(w, llama_vocabulary(c["vocab_size"]))
+    qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
+    weights = {
+        k.removeprefix("language_model."): np.array(v.astype(mx.float32))
+        for k, v in mx.load(str(src / "model.safetensors")).items()
+    }
+    tensors = {}
+    for name, a in weights.items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        kda = layer + 1 in lin["kda_layers"]
+        if "_res_proj." in name:
+            continue  # fused with its norm
+        if "_res_norm." in name:  # norm * proj -> one vector
+            a = a * weights[name.replace("_res_norm.", "_res_proj.")].reshape(-1)
+            name = re.sub(r"self_attention_res_norm", "attn_res_score", name)
+            name = re.sub(r"mlp_res_norm", "ffn_res_score", name)
+            name = re.sub(r"^model\.output_attn_res_norm", "output_res_score", name)
+        elif name.endswith("A_log"):
+            a = -np.exp(a)
+        elif ".g_proj." in name:
+            name = name.replace(".self_attn.g_proj.", ".ssm_g." if kda else ".attn_gate.")
+        if ".qkv_proj." in name or ".qkv_conv." in name:
+            for x, part in zip("qkv", np.split(a, 3), strict=True):
+                if ".qkv_proj." in name:
+                    tensors[name.replace("self_attn.qkv_proj", f"attn_{x}")] = part
+                else:  # (C, K, 1) -> (1, C, 1, K)
+                    part = part[..., 0].reshape(1, part.shape[0], 1, part.shape[1])
+                    tensors[name.replace("self_attn.qkv_conv.conv", f"ssm_conv1d_{x}")] = part
+            continue
+        tensors[name] = a
+    for name, a in sorted(tensors.items()):
+        for pattern, repl in _K3_GGUF:
+            name = re.sub(pattern, repl, name)
+        a = np.ascontiguousarray(a)
+        fits = (  # llama.cpp's quantizer keeps the routers (ffn_gate_inp), convs and norms
+            qtype is not None
+            and a.ndim >= 2
+            and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+            and "ffn_gate_inp" not in name
+            and "ssm_conv1d" not in name
+        )
+        _gguf_tensor(w, name, a, quantized if fits else None, stored)
+    return _gguf_finish(w, out)
+
+
 def _gguf_vocabulary(w, vocab: dict) -> None:
     """The llama-style tokenizer fields of `gguf_writer.llama_vocabulary`'s `vocab`."""
     w.add_string("tokenizer.ggml.model", "llama")
@@ -409,3 +525,4 @@ GGUF = {
 GGUF |= {"nemotron_h": lambda src, out: gguf_nemotron(src, out)}
 GGUF |= {"nemotron_g1": lambda src, out: gguf_nemotron(src, out)}
 GGUF |= {"glm5": lambda src, out: gguf_sparse(src, out)}
+GGUF |= {"kimi_k3": lambda src, out: gguf_k3(src, out)}

@@ -33,6 +33,7 @@ from .gguf_header import GGUFHeader, read_header
 from .gguf_mamba import ARCHITECTURES as _MAMBA
 from .gguf_mamba import mamba_gguf
 from .gguf_reader import _MX, GGUFFile
+from .kimi_k3 import k3_gguf
 from .latent import split_kv_b
 
 # llama.cpp rotates the halves of each head (NEOX) in these: their q/k rows are not
@@ -50,6 +51,7 @@ _MODEL_NAMES = [
     (r"^token_embd\.", "tok_embeddings."),
     (r"^output_norm\.", "norm."),
     (r"^output\.", "output."),
+    (r"^output_res_score\.weight$", "output_attn_res_score"),  # Kimi K3's
 ]
 
 
@@ -359,6 +361,8 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         from_gguf(weights, sources, args, tiled=arch in _TILED)
     if "kda_layers" in args.extra:  # Kimi-Linear: llama.cpp's conv and ssm_a, undone
         kda_gguf(weights, sources, args)
+    if arch == "kimi-k3":  # its KDA layers' q/k/v joined, its gates from the tensors
+        k3_gguf(weights, sources, args, str(path))
     if arch in _MAMBA:  # Nemotron-H: llama.cpp's Mamba tensors undone, the pattern checked
         mamba_gguf(weights, sources, args)
     if args.kv_lora_rank:
