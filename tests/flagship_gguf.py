@@ -378,7 +378,9 @@ _K3_GGUF = [
 ]
 
 
-def gguf_k3(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+def gguf_k3(
+    src: Path, out: Path, quantized: int | None = None, stored: bool = True, experts: bool = False
+) -> Path:
     """mlx-lm's float32 Kimi K3 folder `src` as llama.cpp's converter writes its GGUF
     (`kimi-k3`): Kimi-Linear's layout (the convs (1, C, 1, K), ssm_a = -exp(A_log),
     dt_bias as ssm_dt.bias, k_b / v_b per head, a KV head count per layer, 0 in a KDA
@@ -388,7 +390,9 @@ def gguf_k3(src: Path, out: Path, quantized: int | None = None, stored: bool = T
     latent experts' ffn_routed_{down,up,norm} and the K3 keys (kda.gate_lower_bound,
     activation.situ_*, expert_latent_length, attn_res.block_size). Not in the installed
     gguf package: its keys are written literally. float32, or with `quantized` every
-    matrix whose rows take its blocks but the routers (`stored` False: dequantized)."""
+    matrix whose rows take its blocks but the routers (`stored` False: dequantized); with
+    `experts`, the stacked experts only (as the converter writes the release's packed
+    experts: MXFP4)."""
     import re
 
     import gguf
@@ -478,6 +482,7 @@ def gguf_k3(src: Path, out: Path, quantized: int | None = None, stored: bool = T
             and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
             and "ffn_gate_inp" not in name
             and "ssm_conv1d" not in name
+            and (not experts or "_exps." in name)
         )
         _gguf_tensor(w, name, a, quantized if fits else None, stored)
     return _gguf_finish(w, out)

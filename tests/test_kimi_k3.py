@@ -148,7 +148,9 @@ def test_gguf_equals_the_folder(models, tmp_path):
     """llama.cpp's `kimi-k3` layout (`flagship_gguf.gguf_k3`: Kimi-Linear's convs and
     ssm_a, q/k/v apart, ssm_g and attn_gate, the residual queries' norm * proj fused,
     ffn_routed_*): float32 gives the folder's logits and 32 greedy tokens; Q8_0 the next
-    tokens of its own values dequantized, its logits within 0.05."""
+    tokens of its own values dequantized, its logits within 0.05; MXFP4 experts (what the
+    converter writes from the release's packed ones), held as stored, its own values'
+    logits (6.4e-6 apart, measured)."""
     from flagship_gguf import gguf_k3
     from test_sparse_attention import _greedy
 
@@ -170,3 +172,8 @@ def test_gguf_equals_the_folder(models, tmp_path):
     got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
     assert mx.abs(got - want).max().item() <= 0.05
     assert (got[0, -1].argmax() == want[0, -1].argmax()).item()
+    mxfp4 = open_checkpoint(gguf_k3(src, tmp_path / "mxfp4.gguf", 39, experts=True))
+    assert any(n.startswith("MXFP4 ") for n in mxfp4.notes)
+    values = gguf_k3(src, tmp_path / "mxfp4-values.gguf", 39, stored=False, experts=True)
+    got, want = build_model(mxfp4)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= ATOL
