@@ -177,8 +177,9 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     Step-3.5's 4-bit copy on 4 ranks and as 2 stages of 2; Nemotron-H's 4-bit copy on 4
     ranks (Mamba groups 2/1/1/1) and as 2 stages of 2 (the Mamba layer's state on the
     first stage's ranks, the attention's cache on the second's); Kimi K3's 4-bit copy on 4
-    ranks (KDA heads 2/1/1/1) and as 2 stages of 2 (its attention residuals' first block
-    state handed on beside h)."""
+    ranks (KDA heads 2/1/1/1) and as 2 stages of 2 from its float32 GGUF (llama.cpp's
+    `kimi-k3` layout, read in slices: its attention residuals' first block state handed on
+    beside h, the fused output query on the last stage)."""
     g4, q4, g3 = (str(models[k]) for k in ("gemma4", "gemma4-q4", "gemma3"))
     dq, glm = (str(models[k]) for k in ("deepseek_v32-q4", "glm5"))
     mm, mq = str(models["minimax"]), str(models["minimax-q4"])
@@ -190,7 +191,7 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     specs += [f"{l4q}#tensor", f"{l4}@2,2#expert"]
     specs += [f"{sq}#tensor", f"{st}@2,2#expert"]
     nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
-    k3, k3q = str(models["kimi_k3"]), str(models["kimi_k3-q4"])
+    k3, k3q = str(models["kimi_k3-gguf"]), str(models["kimi_k3-q4"])
     lines = _check(
         4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert", f"{k3q}#tensor", f"{k3}@2,2#expert"]
     )

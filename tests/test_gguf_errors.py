@@ -37,7 +37,7 @@ def bad_ggufs(default_gguf, tmp_path_factory):
         "unsupported GGUF architecture 'gemma' (supported: llama, qwen2, qwen3, qwen2moe, "
         "qwen3moe, deepseek2, glm4moe, gpt-oss, qwen35, qwen35moe, qwen3next, kimi-linear, "
         "nemotron_h, nemotron_h_moe, minimax-m2, glm-dsa, deepseek32, "
-        "llama4, step35, gemma3, gemma4)",
+        "llama4, step35, gemma3, gemma4, kimi-k3)",
     )
     return files
 

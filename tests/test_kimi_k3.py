@@ -37,7 +37,7 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"kimi_k3", "kimi_k3-q4", "kimi_k3-release"}
+    assert set(models) == {"kimi_k3", "kimi_k3-q4", "kimi_k3-release", "kimi_k3-gguf"}
     for name in ("kimi_k3", "kimi_k3-q4"):
         path = models[name]
         ckpt = open_checkpoint(path)
@@ -142,3 +142,38 @@ def test_release_layout_equals_mlx_lm(models, tmp_path):
     mx.save_safetensors(str(packed / "model.safetensors"), weights)
     with pytest.raises(CheckpointError, match=f"{name}: the release's packed int4 experts"):
         open_checkpoint(packed)
+
+
+def test_gguf_equals_the_folder(models, tmp_path):
+    """llama.cpp's `kimi-k3` layout (`flagship_gguf.gguf_k3`: Kimi-Linear's convs and
+    ssm_a, q/k/v apart, ssm_g and attn_gate, the residual queries' norm * proj fused,
+    ffn_routed_*): float32 gives the folder's logits and 32 greedy tokens; Q8_0 the next
+    tokens of its own values dequantized, its logits within 0.05; MXFP4 experts (what the
+    converter writes from the release's packed ones), held as stored, its own values'
+    logits (6.4e-6 apart, measured)."""
+    from flagship_gguf import gguf_k3
+    from test_sparse_attention import _greedy
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    src = models["kimi_k3"]
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    folder = build_model(open_checkpoint(src))
+    ckpt = open_checkpoint(models["kimi_k3-gguf"])
+    a = ckpt.args
+    assert (a.kda_layers, a.kda_heads, a.routed_expert_hidden_size) == ([0, 2], 5, 32)
+    assert a.mla_output_gate and a.latent_moe_norm and a.attn_res_block_size == 2
+    f32 = build_model(ckpt)
+    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
+    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    q8 = open_checkpoint(gguf_k3(src, tmp_path / "q8.gguf", 8))
+    values = gguf_k3(src, tmp_path / "q8-values.gguf", 8, stored=False)
+    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= 0.05
+    assert (got[0, -1].argmax() == want[0, -1].argmax()).item()
+    mxfp4 = open_checkpoint(gguf_k3(src, tmp_path / "mxfp4.gguf", 39, experts=True))
+    assert any(n.startswith("MXFP4 ") for n in mxfp4.notes)
+    values = gguf_k3(src, tmp_path / "mxfp4-values.gguf", 39, stored=False, experts=True)
+    got, want = build_model(mxfp4)(x), build_model(open_checkpoint(values))(x)
+    assert mx.abs(got - want).max().item() <= ATOL

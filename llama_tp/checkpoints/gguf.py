@@ -37,6 +37,7 @@ from .gguf_mamba import ARCHITECTURES as _MAMBA
 from .gguf_mamba import mamba_gguf
 from .gguf_reader import _MX, GGUFFile
 from .gguf_rope import llama3_scaling
+from .kimi_k3 import k3_gguf
 from .latent import split_kv_b
 
 # llama.cpp rotates the halves of each head (NEOX) in these: their q/k rows are not
@@ -58,6 +59,7 @@ _MODEL_NAMES = [
     (r"^per_layer_token_embd\.", "per_layer_embeddings."),
     (r"^per_layer_model_proj\.", "per_layer_projection."),
     (r"^per_layer_proj_norm\.", "per_layer_norm."),
+    (r"^output_res_score\.weight$", "output_attn_res_score"),  # Kimi K3's
 ]
 
 
@@ -383,6 +385,8 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         from_gguf(weights, sources, args, tiled=arch in _TILED)
     if "kda_layers" in args.extra:  # Kimi-Linear: llama.cpp's conv and ssm_a, undone
         kda_gguf(weights, sources, args)
+    if arch == "kimi-k3":  # its KDA layers' q/k/v joined, its gates from the tensors
+        k3_gguf(weights, sources, args, str(path))
     if arch in _MAMBA:  # Nemotron-H: llama.cpp's Mamba tensors undone, the pattern checked
         mamba_gguf(weights, sources, args)
     if arch in _GEMMA:  # Gemma 4: the experts' gate and up apart, keys = values, RoPE

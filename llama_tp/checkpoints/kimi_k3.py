@@ -12,6 +12,10 @@ The per-expert `block_sparse_moe.experts.N.w1/w2/w3` are stacked as every releas
 (`experts.py`); the `*_res.proj_weight` / `*_res.norm_weight` names and the
 `block_sparse_moe` names are the kinds' own (`models/kimi_k3.py`,
 `models/latent_experts.py`); `kv_b_proj` is split as DeepSeek-V3's (`latent.py`).
+
+llama.cpp's `kimi-k3` GGUF (`k3_gguf`) is Kimi-Linear's layout (`gated_delta.kda_gguf`
+turns its convs and ssm_a back) with the release's q/k/v apart, joined here the same
+way; its fused residual queries are held as they are (`*_res_score`).
 """
 
 from __future__ import annotations
@@ -105,3 +109,22 @@ def k3_release(weights: dict, sources: dict, args: Any, where: str) -> None:
         if a in weights and weights[a].shape[0] > h:
             file, stored = sources[a]
             weights[a], sources[a] = weights[a][:h], (Leading(file, stored, h), stored)
+
+
+def k3_gguf(weights: dict, sources: dict, args: Any, where: str) -> None:
+    """A `kimi-k3` GGUF's tensors as the model holds them, in place, after `kda_gguf`:
+    the KDA layers' attn_q/k/v and convs joined (as the release's); the latent
+    attention's output gate, the latent width and its norm as the tensors say (llama.cpp
+    reads attn_gate, expert_latent_length and ffn_routed_norm when present)."""
+    kda, extra = set(args.kda_layers), args.extra
+    extra["mla_output_gate"] = any(
+        (m := _LAYER.match(k))
+        and int(m.group(1)) not in kda
+        and k.endswith("attention.g_proj.weight")
+        for k in weights
+    )
+    down = [v for k, v in weights.items() if k.endswith("routed_expert_down_proj.weight")]
+    if down and not extra["routed_expert_hidden_size"]:
+        extra["routed_expert_hidden_size"] = down[0].shape[0]
+    extra["latent_moe_norm"] = any(k.endswith("routed_expert_norm.weight") for k in weights)
+    k3_release(weights, sources, args, where)

@@ -52,7 +52,7 @@ from ..parallel.splits import (
     TensorSplit,
     Unit,
 )
-from .kimi_delta import _NoRope, kimi_linear_fields
+from .kimi_delta import _CONVS, _NoRope, kimi_linear_fields, kimi_linear_gguf_fields
 from .latent_attention import LatentAttention
 from .latent_experts import LatentExperts, SituFeedForward
 
@@ -62,9 +62,19 @@ class FusedKimiDeltaAttention(nn.Module):
     3 H d), delta-rule state (B, H, d, d) float32]: mlx-lm's `KimiK3DeltaAttention`."""
 
     # its tensors under the attention slot (`self_attn.` -> `attention.`, o_proj -> wo:
-    # every attention's names)
+    # every attention's names); llama.cpp's (`kimi-k3`): q/k/v and their convs apart,
+    # joined by `checkpoints/kimi_k3.py` as the release's
     hf_names = ()
-    gguf_names = ()
+    gguf_names = (
+        *((f"ssm_conv1d_{c[0]}", f"attention.{c}.conv") for c in _CONVS),
+        ("ssm_f_a", "attention.f_a_proj"),
+        ("ssm_f_b", "attention.f_b_proj"),
+        ("ssm_beta", "attention.b_proj"),
+        ("ssm_g", "attention.g_proj"),
+        ("ssm_norm", "attention.o_norm"),
+        ("ssm_dt.bias$", "attention.dt_bias"),
+        ("ssm_a$", "attention.A_log"),
+    )
 
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
@@ -167,7 +177,7 @@ class GatedLatentAttention(LatentAttention):
     merged heads times sigmoid(g_proj(x)) before `wo`."""
 
     hf_names = ()
-    gguf_names = ()
+    gguf_names = (("attn_gate", "attention.g_proj"),)  # llama.cpp's name of the gate
 
     @classmethod
     def split_table(cls, args: ModelArgs) -> SplitTable:
@@ -187,8 +197,13 @@ class GatedLatentAttention(LatentAttention):
         return mx.sigmoid(self.g_proj(x)) if "g_proj" in self else None
 
 
-def _w_eff(norm: nn.RMSNorm, proj: nn.Linear) -> mx.array:
-    """A residual mix's query: the norm's weight times the projection's (dim,), float32."""
+def _w_eff(module: nn.Module, prefix: str) -> mx.array:
+    """A residual mix's query (dim,), float32: the norm's weight times the projection's,
+    or their product as a GGUF holds it (`{prefix}_score`: llama.cpp's converter fuses
+    them)."""
+    if f"{prefix}_score" in module:
+        return module[f"{prefix}_score"].astype(mx.float32)
+    norm, proj = module[f"{prefix}_norm"], module[f"{prefix}_proj"]
     return norm.weight.astype(mx.float32) * proj.weight.reshape(-1)
 
 
@@ -205,7 +220,11 @@ class KimiK3Layer(TransformerBlock):
         for x in ("proj", "norm")
         for pair in ((f"{r}_{x}", f"{r}_{x}"), (f"{r}.{x}_weight$", f"{r}_{x}.weight"))
     )
-    gguf_names = ()
+    # llama.cpp's: each norm * proj as one vector (`args.attn_res_scores`)
+    gguf_names = (
+        ("attn_res_score.weight$", "self_attention_res_score"),
+        ("ffn_res_score.weight$", "mlp_res_score"),
+    )
 
     def __init__(self, args: ModelArgs, i: int):
         kinds = layer_kinds(args, i)
@@ -213,7 +232,10 @@ class KimiK3Layer(TransformerBlock):
         self.eps = args.norm_eps
         size = args.attn_res_block_size
         self.is_block_start = bool(size) and i % size == 0
-        if size:
+        if size and args.extra.get("attn_res_scores"):
+            self.self_attention_res_score = mx.zeros((args.dim,))
+            self.mlp_res_score = mx.zeros((args.dim,))
+        elif size:
             self.self_attention_res_proj = nn.Linear(args.dim, 1, bias=False)
             self.self_attention_res_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
             self.mlp_res_proj = nn.Linear(args.dim, 1, bias=False)
@@ -229,7 +251,7 @@ class KimiK3Layer(TransformerBlock):
         if blocks is None:
             h = x + self.attention(self.attention_norm(x), mask, cache)
             return h + self._feed_forward(self.ffn_norm(h))
-        w = _w_eff(self.self_attention_res_norm, self.self_attention_res_proj)
+        w = _w_eff(self, "self_attention_res")
         h = _attn_res_mix(blocks, x, w, self.eps)
         partial = x
         if self.is_block_start:
@@ -237,7 +259,7 @@ class KimiK3Layer(TransformerBlock):
             partial = None
         y = self.attention(self.attention_norm(h), mask, cache)
         partial = y if partial is None else partial + y
-        w = _w_eff(self.mlp_res_norm, self.mlp_res_proj)
+        w = _w_eff(self, "mlp_res")
         h = _attn_res_mix(blocks, partial, w, self.eps)
         return partial + self._feed_forward(self.ffn_norm(h))
 
@@ -247,11 +269,14 @@ class KimiK3Transformer(Transformer):
     (`side_inputs`: empty ones, filled by the layers), and the final norm's input their
     mix with the last partial sum (`finish`, `output_attn_res_*`)."""
 
-    head_modules = ("output_attn_res_proj", "output_attn_res_norm")  # the last stage's
+    # the last stage's (a GGUF's fused query: `output_attn_res_score`)
+    head_modules = ("output_attn_res_proj", "output_attn_res_norm", "output_attn_res_score")
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, [KimiK3Layer(args, i) for i in range(args.n_layers)])
-        if args.attn_res_block_size:
+        if args.attn_res_block_size and args.extra.get("attn_res_scores"):
+            self.output_attn_res_score = mx.zeros((args.dim,))
+        elif args.attn_res_block_size:
             self.output_attn_res_proj = nn.Linear(args.dim, 1, bias=False)
             self.output_attn_res_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
 
@@ -288,7 +313,7 @@ class KimiK3Transformer(Transformer):
         """The last layer's partial sum h (B, L, dim) -> the final norm's input."""
         if blocks is None:
             return h
-        w = _w_eff(self.output_attn_res_norm, self.output_attn_res_proj)
+        w = _w_eff(self, "output_attn_res")
         return _attn_res_mix(blocks, h, w, self.args.norm_eps)
 
     def __call__(
@@ -340,5 +365,32 @@ def kimi_k3_fields(config: dict) -> dict:
         "routed_expert_hidden_size": latent,
         "latent_moe_norm": bool(latent and config.get("latent_moe_use_norm", False)),
         "attn_res_block_size": block,
+    }
+    return out
+
+
+def kimi_k3_gguf_fields(get: Any) -> dict:
+    """The same fields from a GGUF file's `kimi-k3.*` metadata (llama.cpp's converter):
+    Kimi-Linear's (`kimi_linear_gguf_fields`: a KV head count per layer, 0 in a KDA layer)
+    plus kda.gate_lower_bound, activation.situ_beta / situ_linear_beta (0 or less: none),
+    expert_latent_length, attn_res.block_size; the residual queries as the converter's
+    fused norm * proj vectors. The full-rank KDA gate is the only one llama.cpp reads;
+    the latent attention's output gate and the latent norm are the reader's to confirm
+    from the tensors (`checkpoints/kimi_k3.py`'s `k3_gguf`)."""
+    gating = get("expert_gating_func")
+    if get("expert_count") and gating not in (None, 2):  # 2: sigmoid
+        raise ValueError(f"expert_gating_func {gating} (Kimi K3 routes by sigmoid, 2)")
+    out = kimi_linear_gguf_fields(get)
+    latent, linear = get("expert_latent_length") or 0, get("activation.situ_linear_beta")
+    out["extra"] |= {
+        "kda_lower_bound": get("kda.gate_lower_bound"),
+        "kda_full_rank_gate": True,
+        "mla_output_gate": True,
+        "situ_beta": float(get("activation.situ_beta") or 1.0),
+        "situ_linear_beta": float(linear) if linear is not None and linear > 0 else None,
+        "routed_expert_hidden_size": latent,
+        "latent_moe_norm": bool(latent),
+        "attn_res_block_size": get("attn_res.block_size") or 0,
+        "attn_res_scores": True,
     }
     return out

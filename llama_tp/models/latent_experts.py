@@ -65,7 +65,13 @@ class LatentExperts(MoEFeedForward):
             for n in ("routed_expert_down_proj", "routed_expert_up_proj", "routed_expert_norm")
         ),
     )
-    gguf_names = ()
+    # llama.cpp's (`kimi-k3`); the experts' and shared experts' are MoEFeedForward's
+    gguf_names = (
+        ("exp_probs_b.bias$", "feed_forward.e_score_correction_bias"),
+        ("ffn_routed_down", "feed_forward.routed_expert_down_proj"),
+        ("ffn_routed_up", "feed_forward.routed_expert_up_proj"),
+        ("ffn_routed_norm", "feed_forward.routed_expert_norm"),
+    )
 
     def __init__(self, args: ModelArgs):
         nn.Module.__init__(self)

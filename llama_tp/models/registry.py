@@ -40,7 +40,7 @@ feed-forward in some layers, chosen by the args, not by name:
     Kimi-Linear kimi_linear        kimi-linear              KDA (3 of 4), experts (sigmoid +
                                                             latent (MLA)  bias, groups) +
                                                             without RoPE  shared experts
-    Kimi K3     kimi_k3            (HF/MLX only)            fused KDA,    SiTU; latent
+    Kimi K3     kimi_k3            kimi-k3                  fused KDA,    SiTU; latent
                                                             gated latent  experts + shared;
                                                             attention;    attention
                                                             no RoPE       residuals
@@ -115,7 +115,14 @@ from .kimi_delta import (
     kimi_linear_fields,
     kimi_linear_gguf_fields,
 )
-from .kimi_k3 import KimiK3Layer, KimiK3Transformer, kimi_k3_fields
+from .kimi_k3 import (
+    FusedKimiDeltaAttention,
+    GatedLatentAttention,
+    KimiK3Layer,
+    KimiK3Transformer,
+    kimi_k3_fields,
+    kimi_k3_gguf_fields,
+)
 from .latent_attention import LatentAttention, deepseek_v3_fields
 from .latent_experts import LatentExperts
 from .mamba import Mamba2Mixer
@@ -214,7 +221,7 @@ FAMILIES = {
         None,
         kimi_k3_fields,
         prefix="language_model.",
-        kinds=(KimiK3Layer, LatentExperts),
+        kinds=(KimiK3Layer, LatentExperts, FusedKimiDeltaAttention, GatedLatentAttention),
         model=KimiK3Transformer,
     ),
     "qwen3_5": Family(
@@ -278,6 +285,8 @@ GGUF_FAMILIES |= {
     "gemma3": GgufFamily("gemma3_text", neox=True, fields=gemma3_gguf_fields),
     "gemma4": GgufFamily("gemma4_text", neox=True, fields=gemma4_gguf_fields),
 }
+# Kimi-Linear's reader, the layer's kinds' names (`checkpoints/kimi_k3.py`'s `k3_gguf`)
+GGUF_FAMILIES |= {"kimi-k3": GgufFamily("kimi_k3", fields=kimi_k3_gguf_fields)}
 GGUF_ARCHITECTURES = tuple(GGUF_FAMILIES)
 # Every mixer kind (and the layer's own norms), in the order their checkpoint names are
 # tried: a kind's later, broader names (latent attention's) after the others'.
