@@ -10,12 +10,12 @@ by kind: flagship_gguf_linear.py (Kimi-Linear, Kimi K3, Nemotron-H), flagship_gg
 
 from __future__ import annotations
 
-from flagship_gguf_gemma import gguf_gemma3, gguf_gemma4
+from flagship_gguf_gemma import gemma4_vocabulary, gguf_gemma3, gguf_gemma4
 from flagship_gguf_linear import gguf_k3, gguf_kimi, gguf_nemotron
 from flagship_gguf_moe import gguf_llama4, gguf_minimax, gguf_sparse, gguf_step
 
 __all__ = ["GGUF", "gguf_gemma3", "gguf_gemma4", "gguf_k3", "gguf_kimi", "gguf_nemotron"]
-__all__ += ["gguf_llama4", "gguf_minimax", "gguf_sparse", "gguf_step"]
+__all__ += ["gemma4_vocabulary", "gguf_llama4", "gguf_minimax", "gguf_sparse", "gguf_step"]
 
 GGUF = {
     "kimi_linear": lambda src, out: gguf_kimi(src, out),

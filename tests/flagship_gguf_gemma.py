@@ -33,7 +33,13 @@ _GEMMA4_GGUF = [
 ]
 
 
-def gguf_gemma4(src: Path, out: Path, quantized: int | None = None, stored: bool = True) -> Path:
+def gguf_gemma4(
+    src: Path,
+    out: Path,
+    quantized: int | None = None,
+    stored: bool = True,
+    vocab: dict | None = None,
+) -> Path:
     """mlx-lm's float32 Gemma 4 folder `src` as llama.cpp's converter writes its GGUF
     (`gemma4`): the norms as they are (no +1), the experts' gate and up stacked as
     ffn_gate_up_exps (E, 2 I, dim), the router's scale and per-expert scale as
@@ -41,7 +47,8 @@ def gguf_gemma4(src: Path, out: Path, quantized: int | None = None, stored: bool
     (1 for the global layers' rotated pairs, 1e30 for the others); per-layer KV heads
     and feed-forward widths, the sliding-window flags, shared_kv_layers, both head sizes.
     float32, or with `quantized` (a ggml type) every matrix whose rows take its blocks
-    (`stored` False: the same values dequantized, as float32)."""
+    (`stored` False: the same values dequantized, as float32). `vocab`: tokenizer fields
+    (`gemma4_vocabulary`'s), else a made-up sentencepiece one."""
     import re
 
     import gguf
@@ -86,7 +93,7 @@ def gguf_gemma4(src: Path, out: Path, quantized: int | None = None, stored: bool
     w.add_float32(f"{arch}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", d.rms_norm_eps)
     w.add_float32(f"{arch}.final_logit_softcapping", d.final_logit_softcapping)
-    gguf_vocabulary(w, llama_vocabulary(d.vocab_size))
+    gguf_vocabulary(w, vocab or llama_vocabulary(d.vocab_size))
     rotated = int(d.global_head_dim * rope["full_attention"]["partial_rotary_factor"] / 2)
     freqs = [1.0] * rotated + [1e30] * (d.global_head_dim // 2 - rotated)
     w.add_tensor("rope_freqs.weight", np.array(freqs, np.float32))
@@ -161,3 +168,57 @@ def gguf_gemma3(src: Path, out: Path, quantized: int | None = None, stored: bool
         fits = bool(quantized) and a.ndim >= 2 and a.shape[-1] % block == 0
         gguf_tensor(w, name, a, quantized if fits else None, stored)
     return gguf_finish(w, out)
+
+
+GEMMA4_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+GEMMA4_VISIBLE = ["<|channel>", "<channel|>"]  # USER_DEFINED, as llama.cpp's converter
+GEMMA4_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
+    "Hello, world! Hello there, how are you today? I am fine, thank you.",
+    "def hello():\n    return 'world'\n\n\nclass Thing:\n    pass\n",
+    "Ça va? Déjà vu, naïve façade. Über straße.",
+    "user\nWhat is the capital of France?\nmodel\nParis is the capital of France.\n\n",
+]
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def gemma4_vocabulary(size: int) -> dict:
+    """Tokenizer fields of a tiny Gemma-4-style vocabulary of `size` tokens as llama.cpp's
+    converter writes them (`tokenizer.ggml.model` "gemma4"): the special tokens
+    (CONTROL), two visible ones (USER_DEFINED), the 256 `<0xNN>` byte tokens, runs of 1
+    to 3 newlines, then a BPE trained by `tokenizers` on spaces written as U+2581 and
+    text cut at newlines, padded with `<unusedN>`; the merges, scores -1000, add_bos."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tokens = GEMMA4_SPECIALS + GEMMA4_VISIBLE + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += ["\n", "\n\n", "\n\n\n"]
+    types = [3] * len(GEMMA4_SPECIALS) + [4] * len(GEMMA4_VISIBLE) + [6] * 256 + [1] * 3
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.Replace(" ", "\u2581")
+    bpe.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated")
+    trainer = trainers.BpeTrainer(vocab_size=size - len(tokens), show_progress=False)
+    bpe.train_from_iterator(GEMMA4_CORPUS * 4, trainer)
+    trained = sorted(bpe.get_vocab().items(), key=lambda kv: kv[1])
+    tokens += [t for t, _ in trained if t not in tokens]
+    types += [1] * (len(tokens) - len(types))
+    while len(tokens) < size:
+        tokens.append(f"<unused{len(tokens)}>")
+        types.append(5)
+    merges = [" ".join(m) for m in json.loads(bpe.to_str())["model"]["merges"]]
+    return {
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.tokens": tokens[:size],
+        "tokenizer.ggml.scores": [-1000.0] * size,
+        "tokenizer.ggml.token_type": types[:size],
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": GEMMA4_TEMPLATE,
+    }

@@ -1,4 +1,4 @@
-"""What every flagship GGUF writer (flagship_gguf*.py) writes alike: the llama-style
+"""What every flagship GGUF writer (flagship_gguf*.py) writes alike: the
 tokenizer fields, a tensor as float32 or in a ggml type, the file's end."""
 
 from __future__ import annotations
@@ -7,12 +7,20 @@ from pathlib import Path
 
 
 def gguf_vocabulary(w, vocab: dict) -> None:
-    """The llama-style tokenizer fields of `gguf_writer.llama_vocabulary`'s `vocab`."""
-    w.add_string("tokenizer.ggml.model", "llama")
-    for key in ("tokens", "scores", "token_type"):
-        w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
-    for key in ("bos", "eos", "unknown"):
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    """The tokenizer fields of `gguf_writer.llama_vocabulary`'s or `gemma4_vocabulary`'s
+    `vocab`."""
+    w.add_string("tokenizer.ggml.model", vocab["tokenizer.ggml.model"])
+    for key in ("tokens", "scores", "token_type", "merges"):
+        if f"tokenizer.ggml.{key}" in vocab:
+            w.add_array(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
+    for key in ("bos", "eos", "unknown", "padding"):
+        if f"tokenizer.ggml.{key}_token_id" in vocab:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[f"tokenizer.ggml.{key}_token_id"])
+    for key in ("add_space_prefix", "add_bos_token"):
+        if f"tokenizer.ggml.{key}" in vocab:
+            w.add_bool(f"tokenizer.ggml.{key}", vocab[f"tokenizer.ggml.{key}"])
+    if "tokenizer.chat_template" in vocab:
+        w.add_string("tokenizer.chat_template", vocab["tokenizer.chat_template"])
 
 
 def gguf_tensor(w, name: str, a, quantized: int | None, stored: bool) -> None:

@@ -252,3 +252,31 @@ def test_gemma3_gguf_equals_the_folder(models, tmp_path):
     got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
     assert mx.abs(got - want).max().item() <= 0.05
     assert (got.argmax(-1) == want.argmax(-1)).all().item()
+
+
+def test_gguf_with_gemma4_tokenizer_chats(models, tmp_path):
+    """A Gemma 4 GGUF whose tokenizer is llama.cpp's `gemma4` model, as released GGUFs
+    carry (`flagship_gguf.gemma4_vocabulary`): a chat turn prefills the chat template's
+    ids and replies with the folder's greedy tokens, decoded."""
+    from flagship_gguf import gemma4_vocabulary, gguf_gemma4
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.tokenizer import load_tokenizer
+    from llama_tp.conversation.chat import Chat
+
+    path = gguf_gemma4(models["gemma4"], tmp_path / "tok.gguf", vocab=gemma4_vocabulary(389))
+    ckpt = open_checkpoint(path)
+    tok = load_tokenizer(ckpt)
+    text = "Hello  world\n\n\nCa va? Déjà vu €"
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    assert tok.decode(prompt) == f"<bos><|turn>user\n{text}<turn|>\n<|turn>model\n"
+    assert prompt[:2] == tok.convert_tokens_to_ids(["<bos>", "<|turn>"])
+    want = _greedy(build_model(open_checkpoint(models["gemma4"])), prompt, 8)
+    chat = Chat(build_model(ckpt), tok, max_tokens=8, temp=0.0)
+    reply = chat.send(text)
+    assert chat.last_stats.prompt_tokens == len(prompt)
+    cut = next((i for i, t in enumerate(want) if t in tok.eos_token_ids), len(want))
+    assert reply == tok.decode(want[:cut], skip_special_tokens=True)

@@ -274,3 +274,70 @@ def test_a_gguf_tokenizer_gets_mlx_lms_tool_call_parser(smollm2):
     tok = tokenizer_from_gguf({**smollm2, "tokenizer.chat_template": TOOL_TEMPLATE})
     assert tok.has_tool_calling and tok.tool_parser is json_tools.parse_tool_call
     assert (tok.tool_call_start, tok.tool_call_end) == ("<tool_call>", "</tool_call>")
+
+
+# --- llama.cpp's `gemma4` model: a Gemma-4-style BPE vocabulary ---------------
+
+GEMMA4_TEXTS = [
+    "Hello, world! The quick brown fox.",
+    "  two leading spaces and  two inside ",
+    "line one\nline two\n\nline four\n\n\nafter three newlines\n",
+    "\n\n\n",
+    "def hello():\n    return 'world'\n",
+    "Ça va? Déjà vu, naïve façade. 日本語 🚀",
+    "<|turn>user\nHi<turn|>\n<|turn>model\n<|channel>thought<channel|>Paris<eos>",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma4_meta():
+    from flagship_gguf import gemma4_vocabulary
+
+    return gemma4_vocabulary(389)
+
+
+def _gemma4_hf(meta):
+    """What transformers makes of a Gemma 4 release's tokenizer.json for the same vocab
+    and merges: its GemmaTokenizer (spaces as U+2581, byte fallback), the control
+    tokens special, the visible ones and the newline runs added tokens."""
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    hf = GemmaTokenizer(
+        vocab={t: i for i, t in enumerate(tokens)}, merges=merges, add_bos_token=True
+    )
+    hf.add_special_tokens(
+        {"additional_special_tokens": [t for t, ty in zip(tokens, types, strict=True) if ty == 3]}
+    )
+    hf.add_tokens(
+        [t for t, ty in zip(tokens, types, strict=True) if ty == 4 or (t and not t.strip("\n"))]
+    )
+    return hf
+
+
+@pytest.mark.parametrize("text", GEMMA4_TEXTS)
+def test_gemma4_equals_transformers(gemma4_meta, text):
+    tok, hf = tokenizer_from_gguf(gemma4_meta), _gemma4_hf(gemma4_meta)
+    ids = tok.encode(text)
+    assert ids == hf.encode(text) and ids[0] == 2  # <bos>
+    assert tok.decode(ids) == hf.decode(ids)
+    assert tok.decode(ids, skip_special_tokens=True) == text.replace("<eos>", "").replace(
+        "<|turn>", ""
+    ).replace("<turn|>", "")
+    assert _stream(tok, ids[1:]) == tok.decode(ids[1:])
+
+
+def test_gemma4_by_hand(gemma4_meta):
+    """llama.cpp's ids (checked once against llama-cpp-python 0.3.36's own tokenizer)."""
+    tok = tokenizer_from_gguf({**gemma4_meta, "tokenizer.ggml.add_bos_token": mx.array(False)})
+    tokens = gemma4_meta["tokenizer.ggml.tokens"]
+    assert "\n \n" in gemma4_meta["tokenizer.ggml.merges"]
+    ids = tok.encode("a\n\n\nb\n\n\n\nc €", add_special_tokens=True)
+    # BOS even when the file says no (llama.cpp's override). A run of newlines the vocab
+    # holds is one token; four newlines are not a token: the merges make two "\n\n"
+    # (not "\n\n\n" + "\n"). Spaces are U+2581; € has no token: its UTF-8 bytes.
+    assert [tokens[i] for i in ids] == [
+        "<bos>", "a", "\n\n\n", "b", "\n\n", "\n\n", "c", "▁", "<0xE2>", "<0x82>", "<0xAC>"
+    ]  # fmt: skip
+    assert "<|channel>" in tok.decode(tok.encode("<|channel>"), skip_special_tokens=True)

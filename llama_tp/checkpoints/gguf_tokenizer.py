@@ -16,7 +16,7 @@ from mlx_lm.tokenizer_utils import (
     SPMStreamingDetokenizer,
     TokenizerWrapper,
 )
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers
+from tokenizers import AddedToken, Regex, Token, Tokenizer, decoders, normalizers
 from tokenizers import pre_tokenizers as pre
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
@@ -160,6 +160,47 @@ def _llama_tokenizer(
     return tok
 
 
+def _gemma4_tokenizer(meta: dict[str, Any], tokens: list[str]) -> Tokenizer:
+    """llama.cpp's `gemma4` model: a BPE with merges over raw UTF-8 (no byte-level
+    encoding), spaces written as U+2581 and no space prefix, the text split only into
+    lines and runs of newlines, `<0xNN>` tokens for pieces outside the vocab."""
+    merges = []
+    for m in meta["tokenizer.ggml.merges"]:
+        cut = m.find(" ", 1)  # as llama.cpp splits them
+        merges.append((m[:cut], m[cut + 1 :]))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(BPE(vocab, merges, byte_fallback=True, fuse_unk=False))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre.Split(Regex(r"\n+"), behavior="isolated")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tok
+
+
+class _Gemma4Lines:
+    """llama.cpp's `gemma4` pre-tokenizer, run by `tokenizers` as a custom one: cut the
+    text into lines and runs of newlines; a run of newlines the vocab holds whole is that
+    one token (llama.cpp's rule; the merges need not build it), any other piece goes
+    through the BPE model. Set after transformers has copied the backend: a custom
+    pre-tokenizer cannot be serialized."""
+
+    def __init__(self, backend: Tokenizer):
+        self.model = backend.model
+        vocab = backend.get_vocab(with_added_tokens=False)
+        self.runs = {t: i for t, i in vocab.items() if t and not t.strip("\n")}
+
+    def _tokens(self, piece) -> list[Token]:
+        text = str(piece)
+        if text in self.runs:
+            return [Token(self.runs[text], text, (0, len(text)))]
+        return self.model.tokenize(text)
+
+    def pre_tokenize(self, pretok) -> None:
+        pretok.split(lambda _, s: s.split(Regex(r"\n+"), "isolated"))
+        pretok.tokenize(self._tokens)
+
+
 def tokenizer_from_gguf(metadata: dict, name: str = "gguf") -> TokenizerWrapper:
     """Build a tokenizer from the `tokenizer.ggml.*` metadata of a GGUF file, as returned by
     `mlx.core.load(path, return_metadata=True)[1]`."""
@@ -176,8 +217,15 @@ def tokenizer_from_gguf(metadata: dict, name: str = "gguf") -> TokenizerWrapper:
         backend, add_bos_default = _llama_tokenizer(meta, tokens, types, add_space_prefix), True
         # Drop the leading space while streaming exactly when the decoder strips it.
         detokenizer = partial(SPMStreamingDetokenizer, trim_space=add_space_prefix)
+    elif model == "gemma4":
+        backend, add_bos_default = _gemma4_tokenizer(meta, tokens), True
+        detokenizer = partial(SPMStreamingDetokenizer, trim_space=False)
+        # llama.cpp adds BOS for gemma4 even when the file says not to.
+        meta["tokenizer.ggml.add_bos_token"] = True
     else:
-        raise ValueError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2, llama)")
+        raise ValueError(
+            f"unsupported GGUF tokenizer model {model!r} (supported: gpt2, llama, gemma4)"
+        )
 
     # Match these as whole tokens before pre-tokenization, like llama.cpp's
     # tokenizer_st_partition; only control tokens count as "special" for decoding.
@@ -215,6 +263,10 @@ def tokenizer_from_gguf(metadata: dict, name: str = "gguf") -> TokenizerWrapper:
     # Set after construction: for vocabularies over 100k tokens transformers would
     # otherwise look `name` up on the Hugging Face Hub (its Mistral regex check).
     hf.name_or_path = name
+    if model == "gemma4":
+        hf.backend_tokenizer.pre_tokenizer = pre.PreTokenizer.custom(
+            _Gemma4Lines(hf.backend_tokenizer)
+        )
 
     eos_ids = [
         _plain(meta[f"tokenizer.ggml.{k}_token_id"])
