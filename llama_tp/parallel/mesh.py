@@ -16,7 +16,8 @@ T * P ranks, cut the same way: the ranks in host order, replica d the d-th block
 T * P, its stages consecutive blocks of T inside it. Each replica is a whole model
 with its own groups; only the server's per-step exchange spans the world.
 
-Groups come from `Group.split` where the backend has it. MLX 0.32's ring backend
+Groups come from `Group.split` where the backend has it (MPI), kept until the process
+ends (freed after the world, MPI aborts the rank). MLX 0.32's ring backend
 does not ("[ring] Group split not supported"); there each subgroup is a ring of its
 own, made the way the world's ring is made (a hostfile in MLX_HOSTFILE, the rank in
 MLX_RANK, `mx.distributed.init`), on ports the ranks pick and exchange over the
@@ -260,11 +261,23 @@ def _subgroups(
     """One group per entry of `members` (world ranks, in their new order): `Group.split`
     by (color, key) where the backend has it, rings of their own on the ring backend."""
     try:
-        return [world.split(color, key) for color, key in colors]
+        groups = [world.split(color, key) for color, key in colors]
     except RuntimeError as e:
         if "split not supported" not in str(e):
             raise
         return _ring_subgroups(world, members)
+    for g in groups:  # never freed: see `_outlive_the_world`
+        _outlive_the_world(g)
+    return groups
+
+
+def _outlive_the_world(group: mx.distributed.Group) -> None:
+    """Keep a split group until the process ends. MLX's MPI world group calls
+    MPI_Finalize when it is freed, and a split group MPI_Comm_free: at exit Python frees
+    them in no set order, and a split group freed after the world aborts the rank
+    ("MPI_Comm_free() ... called after MPI_FINALIZE", exit code 1, after a tp x pp
+    run's output). A group never freed is freed by MPI_Finalize itself."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _clear_backends() -> None:
