@@ -123,7 +123,7 @@ def test_split_advice_says_when_weights_cannot_fit(tiny_dir):
 
 
 def test_doctor_three_ranks_json():
-    r = launch(3, [*DOCTOR, "--json"], timeout=90)
+    r = launch(3, [*DOCTOR, "--json"], timeout=90, ring=True)
     assert_no_failed_rank(r)
     report = json.loads(r.stdout)  # rank 0 only: one JSON document
     assert report["ok"] is True and report["ranks"] == 3 and report["backend"] == "ring"
@@ -229,7 +229,7 @@ def test_report_warns_when_versions_differ():
 
 
 def test_doctor_checks_a_tp2_x_pp2_mesh():
-    r = launch(4, [*DOCTOR, "--json", "--tp", "2", "--pp", "2"], timeout=120)
+    r = launch(4, [*DOCTOR, "--json", "--tp", "2", "--pp", "2"], timeout=120, ring=True)
     assert_no_failed_rank(r)
     report = json.loads(r.stdout)
     mesh = report["mesh"]

@@ -93,7 +93,7 @@ def test_bad_model_every_rank_exits(bad_models):
 
 def test_more_ranks_than_heads(tmp_path):
     path = write_hf_model(tmp_path, tokenizer=True, n_heads=2, n_kv_heads=1, dim=32)
-    r = launch(3, generate_args(path), timeout=120)
+    r = launch(3, generate_args(path), timeout=120, ring=True)
     assert_one_error(r, "cannot split 2 query heads over 3 ranks: at most 2 ranks", code=1)
     assert_every_rank_failed(r, 3)
 
@@ -143,7 +143,7 @@ def test_invalid_utf8_on_stdin(tiny_dir):
 
 def test_quantized_heads_off_group_boundaries(tmp_path):
     path = write_hf_model(tmp_path, quantize=(8, 32))  # 8 heads of 8 columns, groups of 32
-    r = launch(3, generate_args(path), timeout=120)
+    r = launch(3, generate_args(path), timeout=120, ring=True)
     assert_one_error(
         r,
         "cannot split 8 query heads of 8 quantized columns over 3 ranks: rank 1 would start "

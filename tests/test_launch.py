@@ -20,7 +20,7 @@ def _generate(model, prompt: str = "Hello world") -> list[str]:
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_same_text_as_mlx_launch(tiny_dir, n):
-    ours = launch(n, _generate(tiny_dir))
+    ours = launch(n, _generate(tiny_dir), ring=True)
     theirs = launch(n, _generate(tiny_dir), launcher="mlx")
     assert ours.returncode == 0, ours.stderr
     assert ours.stdout == theirs.stdout and ours.stdout.strip(), (ours.stderr, theirs.stderr)
@@ -40,7 +40,7 @@ def test_module_form_and_stdin_with_its_end_of_file(tiny_dir):
 
 def test_the_first_failing_rank_sets_the_exit_code():
     code = "import os, sys; sys.exit(3 if os.environ['MLX_RANK'] == '1' else 0)"
-    r = launch(3, ["-c", code], timeout=120)
+    r = launch(3, ["-c", code], timeout=120, ring=True)
     assert r.returncode == 3
     assert "Node with rank 1 exited with code 3" in r.stderr
     # one write per line: with PYTHONUNBUFFERED print() writes the newline separately

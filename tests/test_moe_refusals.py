@@ -104,10 +104,10 @@ def test_refusals_are_one_line(models, tmp_path):
         run_python(_generate(gguf)),
         f"{gguf}: blk.0.ffn_down_exps.weight holds 7 experts but qwen3moe.expert_count is 8",
     )
-    gguf = tiny_llama_gguf(tmp_path / "g.gguf", metadata={"general.architecture": "gemma3"})
+    gguf = tiny_llama_gguf(tmp_path / "g.gguf", metadata={"general.architecture": "falcon"})
     _one_error(
         run_python(_generate(gguf)),
-        f"{gguf}: unsupported GGUF architecture 'gemma3' (supported: {gguf_supported})",
+        f"{gguf}: unsupported GGUF architecture 'falcon' (supported: {gguf_supported})",
     )
     src = models["deepseek_v3"]
     gguf = gguf_from_hf(src, tmp_path / "v2.gguf", expert_gating_func=1)
@@ -128,7 +128,7 @@ def test_refusal_on_every_rank(tmp_path):
     """More ranks than experts, split by expert: every rank stops, one line."""
     two = dict(model_type="mixtral", n_heads=4, n_kv_heads=2, **moe_config("mixtral", 2, 1, 96))
     path = families(tmp_path, {"two_experts": two}, tokenizer=True)["two_experts"]
-    r = launch(3, [*_generate(path), "--moe-split", "expert"], timeout=120)
+    r = launch(3, [*_generate(path), "--moe-split", "expert"], timeout=120, ring=True)
     _one_error(
         r,
         "cannot split 2 experts over 3 ranks by expert: at most 2 ranks (split them by "

@@ -88,7 +88,7 @@ GEN = ["-m", "llama_tp.generate", "--prompt", "hi", "--max-tokens", "4", "--mode
 
 
 def test_wrong_rank_count(models):
-    r = launch(3, [*GEN, str(models["fp32-tp2"])], timeout=120)
+    r = launch(3, [*GEN, str(models["fp32-tp2"])], timeout=120, ring=True)
     assert _error_lines(r) == [
         f"error: {models['fp32-tp2']} is split for 2 ranks but 3 ranks are running: "
         "launch 2 ranks, or convert again with --shards 3"
