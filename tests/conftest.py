@@ -66,7 +66,7 @@ def launch(
             # more ranks than cores: Open MPI's backend, not the ring, whose socket
             # threads spin while they wait (4 ranks on 2 cores: 8 flagship checks in
             # 17-27 s instead of 46-49 s)
-            port, env = ["--backend", "mpi"], _MPI_ENV
+            port, env = ["--backend", "mpi"], dict(os.environ, **_MPI_ENV)  # as it is now
         # --no-openblas: ranks use the BLAS a single-process run_python uses, so that
         # their float32 results can be compared bit for bit (test_launch checks the preload)
         cmd = [sys.executable, "-m", "llama_tp.launch", "--no-openblas", "-n", str(n), *port]
@@ -109,7 +109,7 @@ def launch(
 _ZYGOTE = Zygote()
 _CORES = len(os.sched_getaffinity(0))
 # mpirun refuses to run as root unless told (CI runs as root)
-_MPI_ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+_MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def _open_mpi() -> bool:
