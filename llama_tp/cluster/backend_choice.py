@@ -8,8 +8,11 @@ and Open MPI is installed, the launcher picks `--backend mpi`; the ring stays wh
 - a backend is named (`--backend ring|mpi|jaccl|nccl`), or a ring-only flag is given
   (`--starting-port`, `--connections-per-ip`): the user chose;
 - hosts are given (`--hostfile`, `--hosts`): the ranks may be on other machines;
-- Open MPI is missing (`mpirun`, `ompi_info`, `libmpi.so`), or there are more ranks than
-  cores (mpirun refuses to oversubscribe).
+- Open MPI is missing (`mpirun`, `ompi_info`, `libmpi.so`).
+
+More ranks than cores take Open MPI too: mlx's hostfile gives mpirun a slot per rank, and
+the ring's socket threads spin while they wait for a peer, which starves the ranks that
+have work (docs/performance.md, "Open MPI for local ranks": 4 ranks on 2 cores).
 
 As root, Open MPI refuses to start unless told: the launcher tells it
 (`OMPI_ALLOW_RUN_AS_ROOT`) only for the backend it picked itself. `--verbose` prints
@@ -22,8 +25,6 @@ import ctypes
 import os
 import shutil
 from dataclasses import dataclass, field
-
-from .affinity import usable_cores
 
 RING_ONLY = ("--starting-port", "--connections-per-ip")
 MPI_REASON = (
@@ -73,9 +74,6 @@ def default_backend(flags: list[str], ranks: int, given: str | None, remote: boo
     missing = open_mpi()
     if missing:
         return Choice(reason=f"ring ({missing})")
-    cores = len(usable_cores())
-    if ranks > cores:
-        return Choice(reason=f"ring ({ranks} ranks, {cores} cores: mpirun would not oversubscribe)")
     env = {}
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
