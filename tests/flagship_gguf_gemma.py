@@ -8,7 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from flagship_gguf_linear import KIMI_GGUF
-from gguf_parts import gguf_finish, gguf_tensor, gguf_vocabulary
+from gguf_parts import gguf_finish, gguf_folder, gguf_tensor, gguf_vocabulary
 
 # -- Gemma 4 as llama.cpp's converter writes it (conversion/gemma.py's Gemma4Model)
 _GEMMA4_GGUF = [
@@ -129,10 +129,8 @@ def gguf_gemma3(src: Path, out: Path, quantized: int | None = None, stored: bool
     1/sqrt(head_dim) in llama.cpp: a folder whose query_pre_attn_scalar is another
     number has no such file. float32, or with `quantized` (a ggml type) every matrix
     whose rows take its blocks (`stored` False: the same values dequantized)."""
-    import re
 
     import gguf
-    import numpy as np
     from gguf_writer import llama_vocabulary
     from mlx_lm.models.gemma3_text import ModelArgs
 
@@ -157,16 +155,11 @@ def gguf_gemma3(src: Path, out: Path, quantized: int | None = None, stored: bool
     w.add_float32(f"{arch}.rope.freq_base_swa", d.rope_local_base_freq)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", d.rms_norm_eps)
     gguf_vocabulary(w, llama_vocabulary(d.vocab_size))
-    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
-        a = np.array(v.astype(mx.float32))
-        if name.endswith("norm.weight"):
-            a = a + 1.0
-        for pattern, repl in _GEMMA4_GGUF:
-            name = re.sub(pattern, repl, name)
-        a = np.ascontiguousarray(a)
-        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
-        fits = bool(quantized) and a.ndim >= 2 and a.shape[-1] % block == 0
-        gguf_tensor(w, name, a, quantized if fits else None, stored)
+
+    def plus_one(name: str, a):  # every norm + 1, as the converter writes Gemma 3's
+        return a + 1.0 if name.endswith("norm.weight") else a
+
+    gguf_folder(w, src, _GEMMA4_GGUF, quantized, stored, adjust=plus_one)
     return gguf_finish(w, out)
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from gguf_parts import gguf_finish, gguf_tensor, gguf_vocabulary
+from gguf_parts import gguf_finish, gguf_folder, gguf_tensor, gguf_vocabulary
 
 # -- Kimi-Linear as llama.cpp's converter writes it (convert_hf_to_gguf.py's KimiLinearModel)
 KIMI_GGUF = [
@@ -50,10 +50,8 @@ def gguf_kimi(src: Path, out: Path, quantized: int | None = None, stored: bool =
     latent's k_b / v_b per head, a KV head count per layer (0: KDA), the experts stacked;
     float32, or with `quantized` (a ggml type) every projection whose rows take its blocks
     (gguf-py's quantization; `stored` False: the same values dequantized, as float32)."""
-    import re
 
     import gguf
-    import numpy as np
     from gguf_writer import llama_vocabulary
 
     c = json.loads((src / "config.json").read_text())
@@ -88,24 +86,20 @@ def gguf_kimi(src: Path, out: Path, quantized: int | None = None, stored: bool =
     w.add_float32(f"{arch}.expert_weights_scale", c["routed_scaling_factor"])
     vocab = llama_vocabulary(c["vocab_size"])
     gguf_vocabulary(w, vocab)
-    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
-        a = np.array(v.astype(mx.float32))
-        if name.endswith("A_log"):
-            a = -np.exp(a)
-        if "_conv.conv." in name:  # (C, K, 1) -> (1, C, 1, K)
-            a = a[..., 0].reshape(1, a.shape[0], 1, a.shape[1])
-        for pattern, repl in KIMI_GGUF:
-            name = re.sub(pattern, repl, name)
-        a = np.ascontiguousarray(a)
-        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
-        fits = (
-            bool(quantized)
-            and a.ndim >= 2
-            and a.shape[-1] % block == 0
-            and "ssm_conv1d" not in name
-        )
-        gguf_tensor(w, name, a, quantized if fits else None, stored)
+    gguf_folder(w, src, KIMI_GGUF, quantized, stored, ("ssm_conv1d",), _kda_as_stored)
     return gguf_finish(w, out)
+
+
+def _kda_as_stored(name: str, a):
+    """A KDA tensor as llama.cpp's converter stores it: ssm_a = -exp(A_log), the convs
+    (C, K, 1) as (1, C, 1, K)."""
+    import numpy as np
+
+    if name.endswith("A_log"):
+        return -np.exp(a)
+    if "_conv.conv." in name:
+        return a[..., 0].reshape(1, a.shape[0], 1, a.shape[1])
+    return a
 
 
 # -- Kimi K3 as llama.cpp's converter writes it (conversion/kimi_k3.py's KimiK3Model)
@@ -264,7 +258,6 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
     (the experts' in "E" layers with experts, the dense one's in "-" layers without; 0
     elsewhere); float32, or with `quantized` (a ggml type) the projections in its blocks
     (`stored` False: the same values dequantized, as float32)."""
-    import re
 
     import gguf
     import numpy as np
@@ -313,21 +306,17 @@ def gguf_nemotron(src: Path, out: Path, quantized: int | None = None, stored: bo
     w.add_float32(f"{arch}.attention.layer_norm_epsilon", c["layer_norm_epsilon"])
     vocab = llama_vocabulary(c["vocab_size"])
     gguf_vocabulary(w, vocab)
-    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
-    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
-        a = np.array(v.astype(mx.float32))
+
+    def as_stored(name: str, a):
         if name.endswith("A_log"):
             a = -np.exp(a)
         if name.endswith(("A_log", ".D")):
-            a = a.reshape(-1, 1)
-        elif name.endswith("mixer.norm.weight"):
-            a = a.reshape(ng, -1)
-        elif name.endswith("conv1d.weight"):  # (C, K, 1) -> (C, K)
-            a = a[..., 0]
-        for pattern_, repl in _NEMOTRON_GGUF:
-            name = re.sub(pattern_, repl, name)
-        a = np.ascontiguousarray(a)
-        small = any(k in name for k in _NEMOTRON_FLOAT)
-        fits = bool(quantized) and a.ndim >= 2 and a.shape[-1] % block == 0 and not small
-        gguf_tensor(w, name, a, quantized if fits else None, stored)
+            return a.reshape(-1, 1)
+        if name.endswith("mixer.norm.weight"):
+            return a.reshape(ng, -1)
+        if name.endswith("conv1d.weight"):  # (C, K, 1) -> (C, K)
+            return a[..., 0]
+        return a
+
+    gguf_folder(w, src, _NEMOTRON_GGUF, quantized, stored, _NEMOTRON_FLOAT, as_stored)
     return gguf_finish(w, out)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx.core as mx
 from flagship_gguf_linear import KIMI_GGUF
-from gguf_parts import gguf_finish, gguf_tensor, gguf_vocabulary
+from gguf_parts import gguf_finish, gguf_folder, gguf_vocabulary
 
 # -- MiniMax-M2 as llama.cpp's converter writes it (conversion/minimax.py's MiniMaxM2Model)
 _MINIMAX_GGUF = [
@@ -25,10 +24,8 @@ def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: boo
     bias as exp_probs_b.bias; rope.dimension_count = rotary_dim, expert_gating_func 2
     (sigmoid). float32, or with `quantized` (a ggml type) every matrix whose rows take its
     blocks (`stored` False: the same values dequantized, as float32)."""
-    import re
 
     import gguf
-    import numpy as np
     from gguf_writer import llama_vocabulary
 
     c = json.loads((src / "config.json").read_text())
@@ -56,15 +53,7 @@ def gguf_minimax(src: Path, out: Path, quantized: int | None = None, stored: boo
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c["rms_norm_eps"])
     vocab = llama_vocabulary(c["vocab_size"])
     gguf_vocabulary(w, vocab)
-    qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
-    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
-        a = np.ascontiguousarray(np.array(v.astype(mx.float32)))
-        for pattern, repl in _MINIMAX_GGUF:
-            name = re.sub(pattern, repl, name)
-        fits = (
-            qtype is not None and a.ndim >= 2 and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
-        )
-        gguf_tensor(w, name, a, quantized if fits else None, stored)
+    gguf_folder(w, src, _MINIMAX_GGUF, quantized, stored)
     return gguf_finish(w, out)
 
 
@@ -93,10 +82,8 @@ def gguf_sparse(src: Path, out: Path, quantized: int | None = None, stored: bool
     names: its keys are written literally. float32, or with `quantized` (a ggml type)
     every matrix whose rows take its blocks but the routers, as llama.cpp's quantizer
     (`stored` False: the same values dequantized)."""
-    import re
 
     import gguf
-    import numpy as np
     from gguf_writer import llama_vocabulary
 
     c = json.loads((src / "config.json").read_text())
@@ -146,18 +133,7 @@ def gguf_sparse(src: Path, out: Path, quantized: int | None = None, stored: bool
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", orig)
         w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * yarn["mscale_all_dim"])
     gguf_vocabulary(w, llama_vocabulary(c["vocab_size"]))
-    qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
-    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
-        a = np.ascontiguousarray(np.array(v.astype(mx.float32)))
-        for pattern, repl in _SPARSE_GGUF:
-            name = re.sub(pattern, repl, name)
-        fits = (  # llama.cpp's quantizer keeps the routers (ffn_gate_inp) and norms
-            qtype is not None
-            and a.ndim >= 2
-            and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
-            and "ffn_gate_inp" not in name
-        )
-        gguf_tensor(w, name, a, quantized if fits else None, stored)
+    gguf_folder(w, src, _SPARSE_GGUF, quantized, stored, kept_float=("ffn_gate_inp",))
     return gguf_finish(w, out)
 
 
@@ -182,7 +158,6 @@ def gguf_llama4(src: Path, out: Path, quantized: int | None = None, stored: bool
     tiny chunks and temperature floor as attention.sliding_window / temperature_length /
     temperature_scale. float32, or with `quantized` (a ggml type) every matrix whose rows
     take its blocks (`stored` False: the same values dequantized, as float32)."""
-    import re
 
     import gguf
     import numpy as np
@@ -219,15 +194,7 @@ def gguf_llama4(src: Path, out: Path, quantized: int | None = None, stored: bool
     gguf_vocabulary(w, llama_vocabulary(c["vocab_size"]))
     scaling = factors(c["rope_theta"], c["head_dim"], c["rope_scaling"])
     w.add_tensor("rope_freqs.weight", scaling.astype(np.float32))
-    qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
-    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
-        a = np.ascontiguousarray(np.array(v.astype(mx.float32)))
-        for pattern, repl in _LLAMA4_GGUF:
-            name = re.sub(pattern, repl, name)
-        fits = (
-            qtype is not None and a.ndim >= 2 and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
-        )
-        gguf_tensor(w, name, a, quantized if fits else None, stored)
+    gguf_folder(w, src, _LLAMA4_GGUF, quantized, stored)
     return gguf_finish(w, out)
 
 
@@ -251,10 +218,8 @@ def gguf_step(src: Path, out: Path, quantized: int | None = None, stored: bool =
     second's), YaRN as rope.scaling.*, the per-layer clamps. float32, or with `quantized`
     (a ggml type) every matrix whose rows take its blocks (`stored` False: the same
     values dequantized, as float32)."""
-    import re
 
     import gguf
-    import numpy as np
     from gguf_writer import llama_vocabulary
 
     c = json.loads((src / "config.json").read_text())
@@ -298,16 +263,5 @@ def gguf_step(src: Path, out: Path, quantized: int | None = None, stored: bool =
     w.add_array(f"{arch}.swiglu_clamp_exp", [float(v) for v in c["swiglu_limits"]])
     w.add_array(f"{arch}.swiglu_clamp_shexp", [float(v) for v in c["swiglu_limits_shared"]])
     gguf_vocabulary(w, llama_vocabulary(c["vocab_size"]))
-    qtype = gguf.GGMLQuantizationType(quantized) if quantized else None
-    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
-        a = np.ascontiguousarray(np.array(v.astype(mx.float32)))
-        for pattern, repl in _STEP_GGUF:
-            name = re.sub(pattern, repl, name)
-        fits = (
-            qtype is not None
-            and a.ndim >= 2
-            and a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
-            and "ffn_gate_inp" not in name
-        )
-        gguf_tensor(w, name, a, quantized if fits else None, stored)
+    gguf_folder(w, src, _STEP_GGUF, quantized, stored, kept_float=("ffn_gate_inp",))
     return gguf_finish(w, out)

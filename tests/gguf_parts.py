@@ -3,7 +3,9 @@ tokenizer fields, a tensor as float32 or in a ggml type, the file's end."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def gguf_vocabulary(w, vocab: dict) -> None:
@@ -38,6 +40,39 @@ def gguf_tensor(w, name: str, a, quantized: int | None, stored: bool) -> None:
         w.add_tensor(name, q, raw_dtype=qtype)
     else:
         w.add_tensor(name, gguf.quants.dequantize(q, qtype).astype(np.float32))
+
+
+def gguf_folder(
+    w,
+    src: Path,
+    names: list[tuple[str, str]],
+    quantized: int | None,
+    stored: bool,
+    kept_float: tuple[str, ...] = (),
+    adjust: Callable[[str, Any], Any] | None = None,
+) -> None:
+    """Every tensor of mlx-lm's float32 folder `src` as llama.cpp's converter writes it:
+    `adjust(folder name, array)` the array as the converter stores it, renamed by `names`
+    ((pattern, replacement) pairs applied in turn); with `quantized` (a ggml type), in
+    that type each matrix whose rows take its blocks, but those whose llama.cpp names
+    contain one of `kept_float` (the converter keeps them float)."""
+    import re
+
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(quantized)][0] if quantized else 0
+    for name, v in sorted(mx.load(str(src / "model.safetensors")).items()):
+        a = np.array(v.astype(mx.float32))
+        if adjust is not None:
+            a = adjust(name, a)
+        for pattern, repl in names:
+            name = re.sub(pattern, repl, name)
+        a = np.ascontiguousarray(a)
+        fits = bool(quantized) and a.ndim >= 2 and a.shape[-1] % block == 0
+        fits = fits and not any(k in name for k in kept_float)
+        gguf_tensor(w, name, a, quantized if fits else None, stored)
 
 
 def gguf_finish(w, out: Path) -> Path:
