@@ -451,13 +451,14 @@ def release_k3(src: Path, out: Path) -> Path:
     return out
 
 
-def packed_k3(release: Path, out: Path, stored: bool = True) -> Path:
+def packed_k3(release: Path, out: Path, stored: bool = True, e8m0: bool = False) -> Path:
     """`release_k3`'s folder with its routed experts as the K3 release ships them
     (compressed-tensors' `mxfp4-pack-quantized`): each expert's w1/w2/w3 quantized by
     `mx.quantize(mode="mxfp4")`, its bytes as `weight_packed` (rows, cols / 2) uint8 and
     its E8M0 exponents as `weight_scale` (rows, cols / 32) uint8, the config's
     `quantization_config` saying so; `stored=False`: those values dequantized, float32
-    under the float names (the reference)."""
+    under the float names (the reference); `e8m0`: the scales typed F8_E8M0 in the
+    header (torch's float8_e8m0fnu) rather than U8."""
     import shutil
 
     rel = {}
@@ -474,6 +475,18 @@ def packed_k3(release: Path, out: Path, stored: bool = True) -> Path:
         rel[f"{base}.weight_scale"] = scales
     shutil.copytree(release, out)
     mx.save_safetensors(str(out / "model.safetensors"), rel)
+    if stored and e8m0:  # the scales' dtype F8_E8M0 in the header (the same bytes)
+        import struct
+
+        data = (out / "model.safetensors").read_bytes()
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8 : 8 + n])
+        for k, t in header.items():
+            if k.endswith(".weight_scale"):
+                t["dtype"] = "F8_E8M0"
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        (out / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
     if stored:
         config = json.loads((out / "config.json").read_text())
         config["quantization_config"] = {

@@ -138,9 +138,9 @@ def test_release_packed_experts_are_mxfp4(models, tmp_path):
     are held as stored in MLX's `mxfp4` mode, never dequantized: mlx-lm's logits on the
     same folder (its sanitize views the bytes as uint32; 0.0 apart, measured), the logits
     (within 1e-4; 2.3e-6, measured) and 32 greedy tokens of the same folder with those
-    experts' values in float32; a slice
-    of the packed columns reads those bytes; `plan` from its config.json alone holds the
-    same bytes; packed tensors of another kind are refused in one line."""
+    experts' values in float32; a slice of the packed columns reads those bytes, and
+    E8M0-typed scales as uint8; `plan` from its config.json alone holds the same bytes;
+    packed tensors of another kind are refused in one line."""
     from flagship_fixtures import packed_k3
     from mlx_lm.utils import load_model
     from test_sparse_attention import _greedy
@@ -166,6 +166,10 @@ def test_release_packed_experts_are_mxfp4(models, tmp_path):
     assert mx.abs(ours(x) - values(x)).max().item() <= ATOL
     assert mx.abs(ours(x) - load_model(packed)[0](x)).max().item() <= ATOL
     assert _greedy(ours, x[0].tolist(), 32) == _greedy(values, x[0].tolist(), 32)
+    e8m0 = open_checkpoint(packed_k3(release, tmp_path / "e8m0", e8m0=True))
+    source, stored = e8m0.sources[f"{name}.scales"]
+    assert [f.tensors[x].dtype for f, x in source.parts] == ["F8_E8M0"] * 5
+    assert mx.array_equal(source.read(stored, 0, 2, 5), s[2:5])
     plan = read_config_only(packed / "config.json").weights
     held = {k: (v.shape, v.dtype) for k, v in ckpt.weights.items() if ".switch_mlp." in k}
     assert held == {k: (plan[k].shape, plan[k].dtype) for k in held}

@@ -113,7 +113,8 @@ def packed_expert(name: str, file: Any, stored: str, value: mx.array) -> tuple[s
     if m is None:
         return name, file, value
     shape, packed = list(file.tensors[stored].shape), m.group(2) == "packed"
-    if value.dtype != mx.uint8 or len(shape) != 2 or (packed and shape[1] % 4):
+    dtypes = (mx.uint8, mx.int8) if packed else (mx.uint8,)  # E8M0 scales load as uint8
+    if value.dtype not in dtypes or len(shape) != 2 or (packed and shape[1] % 4):
         dtype = str(value.dtype).removeprefix("mlx.core.")
         raise CheckpointError(
             f"{getattr(file, 'path', '')}: {stored}: {dtype} {shape}: only "
@@ -121,7 +122,7 @@ def packed_expert(name: str, file: Any, stored: str, value: mx.array) -> tuple[s
         )
     if not packed:
         return f"{m.group(1)}.scales", file, value
-    return f"{m.group(1)}.weight", Packed(file, stored), value.view(mx.uint32)
+    return f"{m.group(1)}.weight", Packed(file, stored), value.view(mx.uint32)  # same bytes
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
