@@ -449,3 +449,49 @@ def release_k3(src: Path, out: Path) -> Path:
     shutil.copytree(src, out)
     mx.save_safetensors(str(out / "model.safetensors"), rel)
     return out
+
+
+def packed_k3(release: Path, out: Path, stored: bool = True, e8m0: bool = False) -> Path:
+    """`release_k3`'s folder with its routed experts as the K3 release ships them
+    (compressed-tensors' `mxfp4-pack-quantized`): each expert's w1/w2/w3 quantized by
+    `mx.quantize(mode="mxfp4")`, its bytes as `weight_packed` (rows, cols / 2) uint8 and
+    its E8M0 exponents as `weight_scale` (rows, cols / 32) uint8, the config's
+    `quantization_config` saying so; `stored=False`: those values dequantized, float32
+    under the float names (the reference); `e8m0`: the scales typed F8_E8M0 in the
+    header (torch's float8_e8m0fnu) rather than U8."""
+    import shutil
+
+    rel = {}
+    for k, v in mx.load(str(release / "model.safetensors")).items():
+        if ".block_sparse_moe.experts." not in k:
+            rel[k] = v
+            continue
+        w, scales = mx.quantize(v, 32, 4, mode="mxfp4")
+        if not stored:
+            rel[k] = mx.dequantize(w, scales, None, 32, 4, mode="mxfp4")
+            continue
+        base = k.removesuffix(".weight")
+        rel[f"{base}.weight_packed"] = w.view(mx.uint8).reshape(v.shape[0], v.shape[1] // 2)
+        rel[f"{base}.weight_scale"] = scales
+    shutil.copytree(release, out)
+    mx.save_safetensors(str(out / "model.safetensors"), rel)
+    if stored and e8m0:  # the scales' dtype F8_E8M0 in the header (the same bytes)
+        import struct
+
+        data = (out / "model.safetensors").read_bytes()
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8 : 8 + n])
+        for k, t in header.items():
+            if k.endswith(".weight_scale"):
+                t["dtype"] = "F8_E8M0"
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        (out / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    if stored:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

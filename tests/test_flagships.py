@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import launch
-from flagship_fixtures import flagship_models
+from flagship_fixtures import flagship_models, packed_k3
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_two_ranks_and_a_weighted_split(models):
     assert weighted["kimi_k3"] == [320 + 8 * 5248, 320 + 2 * 5248]
 
 
-def test_three_ranks(models):
+def test_three_ranks(models, tmp_path):
     """10 query heads in 5 KV groups as 4/4/2, Gemma 4's 2 global KV heads as 1/2/1 (the
     middle rank's query heads straddle both; float32 by tensor from its `gemma4` GGUF:
     llama.cpp's layout, the experts' fused gate and up rows read in slices); the 4-bit
@@ -128,7 +128,9 @@ def test_three_ranks(models):
     its one-group copy's 5 Mamba heads as 2/2/1 (the group's B and C on every rank, its
     gated norm's sum of squares all-reduced); Kimi K3 by expert (5 KDA heads as 2/2/1),
     from its release's layout (q, k, v projections and convs apart, read in slices as the
-    fused ones; per-expert tensors)."""
+    fused ones) with its routed experts packed as the release ships them (per-expert
+    `weight_packed` / `weight_scale`, `flagship_fixtures.packed_k3`: held as MLX mxfp4,
+    each rank reading its 2/2/1 experts' bytes)."""
     q4, g3 = (str(models[k]) for k in ("gemma4-q4", "gemma3"))
     ds, dq, glm = (str(models[k]) for k in ("deepseek_v32", "deepseek_v32-q4", "glm5-gguf"))
     mq = str(models["minimax-q4"])
@@ -141,7 +143,8 @@ def test_three_ranks(models):
     specs += [f"{models['llama4-gguf']}#tensor", f"{l4q}#expert", l4t]
     specs += [f"{st}#tensor", f"{sq}#expert"]
     nh, g1 = str(models["nemotron_h-gguf"]), str(models["nemotron_g1"])
-    lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{models['kimi_k3-release']}#expert"])
+    k3 = packed_k3(models["kimi_k3-release"], tmp_path / "kimi_k3-packed")
+    lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{k3}#expert"])
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP, *NEMOTRON}
     assert _families(lines) == families and len(lines) == 17
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "step3p5"] == [

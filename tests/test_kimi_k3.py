@@ -120,27 +120,64 @@ def test_release_layout_equals_mlx_lm(models, tmp_path):
     """The release's layout (`flagship_fixtures.release_k3`: q/k/v projections and convs
     apart, per-expert w1/w2/w3, A_log longer than the heads, kv_b_proj, `*_res.proj_weight`)
     reads as the model holds it and gives mlx-lm's logits (its sanitize undoing the same;
-    on 3 ranks, read in slices: test_flagships); its packed int4 experts are refused in one
-    line."""
-    import shutil
-
+    on 3 ranks, read in slices: test_flagships)."""
     from mlx_lm.utils import load_model
 
     from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.base import CheckpointError
     from llama_tp.checkpoints.build import build_model
 
     path = models["kimi_k3-release"]
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
     ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
     assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL
-    packed = tmp_path / "packed"
-    shutil.copytree(path, packed)
+
+
+def test_release_packed_experts_are_mxfp4(models, tmp_path):
+    """The release's routed experts as it ships them (`flagship_fixtures.packed_k3`:
+    compressed-tensors' mxfp4-pack-quantized, `weight_packed` / `weight_scale` per expert)
+    are held as stored in MLX's `mxfp4` mode, never dequantized: mlx-lm's logits on the
+    same folder (its sanitize views the bytes as uint32; 0.0 apart, measured), the logits
+    (within 1e-4; 2.3e-6, measured) and 32 greedy tokens of the same folder with those
+    experts' values in float32; a slice of the packed columns reads those bytes, and
+    E8M0-typed scales as uint8; `plan` from its config.json alone holds the same bytes;
+    packed tensors of another kind are refused in one line."""
+    from flagship_fixtures import packed_k3
+    from mlx_lm.utils import load_model
+    from test_sparse_attention import _greedy
+
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.base import CheckpointError
+    from llama_tp.checkpoints.build import build_model
+    from llama_tp.checkpoints.config_only import read_config_only
+
+    release = models["kimi_k3-release"]
+    packed = packed_k3(release, tmp_path / "packed")
+    ckpt = open_checkpoint(packed)
+    name = "layers.1.feed_forward.switch_mlp.down_proj"
+    w, s = ckpt.weights[f"{name}.weight"], ckpt.weights[f"{name}.scales"]
+    assert (w.dtype, w.shape, s.dtype, s.shape) == (mx.uint32, (5, 32, 16), mx.uint8, (5, 32, 4))
+    source, stored = ckpt.sources[f"{name}.weight"]
+    assert mx.array_equal(source.read(stored, 2, 4, 12), w[:, :, 4:12])
+    assert mx.array_equal(source.read(stored, 0, 1, 3), w[1:3])
+    ours = build_model(ckpt)
+    assert ours.layers[1].feed_forward.switch_mlp.down_proj.mode == "mxfp4"
+    values = build_model(open_checkpoint(packed_k3(release, tmp_path / "values", False)))
+    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    assert mx.abs(ours(x) - values(x)).max().item() <= ATOL
+    assert mx.abs(ours(x) - load_model(packed)[0](x)).max().item() <= ATOL
+    assert _greedy(ours, x[0].tolist(), 32) == _greedy(values, x[0].tolist(), 32)
+    e8m0 = open_checkpoint(packed_k3(release, tmp_path / "e8m0", e8m0=True))
+    source, stored = e8m0.sources[f"{name}.scales"]
+    assert [f.tensors[x].dtype for f, x in source.parts] == ["F8_E8M0"] * 5
+    assert mx.array_equal(source.read(stored, 0, 2, 5), s[2:5])
+    plan = read_config_only(packed / "config.json").weights
+    held = {k: (v.shape, v.dtype) for k, v in ckpt.weights.items() if ".switch_mlp." in k}
+    assert held == {k: (plan[k].shape, plan[k].dtype) for k in held}
     weights = mx.load(str(packed / "model.safetensors"))
-    name = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
-    weights[name] = mx.zeros((128, 8), mx.int32)
+    stored = "model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"
+    weights[stored] = weights[stored].view(mx.int32)
     mx.save_safetensors(str(packed / "model.safetensors"), weights)
-    with pytest.raises(CheckpointError, match=f"{name}: the release's packed int4 experts"):
+    with pytest.raises(CheckpointError, match=f"{stored}: int32 .*mxfp4-pack-quantized"):
         open_checkpoint(packed)
 
 

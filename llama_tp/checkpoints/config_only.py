@@ -17,10 +17,11 @@ def read_config_only(config_file: Path, gguf_quant: str | None = None) -> Checkp
     """A `config.json` alone, for `plan` before anything is downloaded: the tensors its
     model holds in its `torch_dtype` (default float32), quantized as its `quantization`
     block says (mlx-lm's way: every layer whose input width is a multiple of the group,
-    scales in that dtype; MXFP4, gpt-oss's: the experts only), or with `gguf_quant` (e.g.
-    Q4_K_M) as a GGUF of that mix of llama.cpp's quantizer would be held (`gguf_recipe.py`),
-    as lazy placeholders never evaluated. Their shapes and bytes are the checkpoint's;
-    their values are not: nothing but the plan may use them."""
+    scales in that dtype; MXFP4, gpt-oss's and Kimi K3's releases: the routed experts
+    only), or with `gguf_quant` (e.g. Q4_K_M) as a GGUF of that mix of llama.cpp's
+    quantizer would be held (`gguf_recipe.py`), as lazy placeholders never evaluated.
+    Their shapes and bytes are the checkpoint's; their values are not: nothing but the
+    plan may use them."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
@@ -38,8 +39,8 @@ def read_config_only(config_file: Path, gguf_quant: str | None = None) -> Checkp
     quant = config.get("quantization") or {}
     notes = _gguf_mix(model, args, gguf_quant, config_file) if gguf_quant else []
     if _mxfp4_release(config) and not gguf_quant:
-        # gpt-oss's releases: the experts in MXFP4 (mlx-lm reads them as `mxfp4`), the rest
-        # in the torch_dtype
+        # gpt-oss's and Kimi K3's releases: the routed experts in MXFP4 (mlx-lm reads them
+        # as `mxfp4`), the rest in the torch_dtype
         def experts(path: str, m: nn.Module) -> bool:
             return ".switch_mlp." in path and hasattr(m, "to_quantized")
 
@@ -58,10 +59,12 @@ def read_config_only(config_file: Path, gguf_quant: str | None = None) -> Checkp
 
 
 def _mxfp4_release(config: dict) -> bool:
-    """A config of MXFP4 experts (Hugging Face's `quant_method` mxfp4, or mlx-lm's mode)."""
+    """A config of MXFP4 experts (Hugging Face's `quant_method` mxfp4, Kimi K3's
+    compressed-tensors `mxfp4-pack-quantized`, or mlx-lm's mode)."""
     hf_quant = config.get("quantization_config") or {}
     mode = (config.get("quantization") or {}).get("mode")
-    return hf_quant.get("quant_method") == "mxfp4" or mode == "mxfp4"
+    packed = hf_quant.get("format") == "mxfp4-pack-quantized"
+    return hf_quant.get("quant_method") == "mxfp4" or packed or mode == "mxfp4"
 
 
 def _gguf_mix(model, args: ModelArgs, mix: str, config_file: Path) -> list[str]:

@@ -18,7 +18,7 @@ from ..models.registry import FAMILIES, MODEL_TYPES, checkpoint_names, unsupport
 from .base import Checkpoint, CheckpointError
 from .experts import check_experts, per_expert, stack_experts
 from .gated_delta import SKIPPED, from_release, is_release, kda_tensors, say_once, text_name
-from .kimi_k3 import k3_release
+from .kimi_k3 import k3_release, packed_expert
 from .latent import split_kv_b
 from .mxfp4 import mxfp4_experts, stored_part
 from .safetensors import SafetensorsFile
@@ -240,8 +240,11 @@ def load_weights(
             name = text_name(stored_name, skipped)
             if name is None:
                 continue
+            source = header
+            if model_type == "kimi_k3":  # the release's packed MXFP4 experts, as MLX's
+                name, source, value = packed_expert(name, header, stored_name, value)
             if stacked := per_expert(name):  # one expert's tensor: stacked below
-                experts.setdefault(stacked[0], {})[stacked[1]] = (header, stored_name, value)
+                experts.setdefault(stacked[0], {})[stacked[1]] = (source, stored_name, value)
                 continue
             if stored_part(name):  # gpt-oss's MXFP4 blocks: read as the model's, below
                 blocks[name] = (header, value)
@@ -294,7 +297,7 @@ def read(path: Path) -> Checkpoint:
         kda_tensors(weights, sources)  # Kimi's A_log (1, 1, H, 1) flat, release convs
         split_kv_b(weights, sources, args, str(path))  # a release's latent attention
     if args.model_type == "kimi_k3":
-        k3_release(weights, sources, args, str(path))  # fused q|k|v, A_log, packed int4
+        k3_release(weights, sources, args, str(path))  # fused q|k|v, A_log
     if args.model_type in SIGMOID_GROUP:
         _sigmoid_group(weights, sources, args, path)
     shared = [i for i, s in enumerate(args.extra.get("kv_sources") or ()) if s is not None]

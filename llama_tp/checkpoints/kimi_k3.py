@@ -6,12 +6,20 @@ done by sources that read any slice (so a rank reads only its bytes).
                                                   `kda_tensors`, then joined)
     A_log stored longer than the heads         -> its first `num_heads` values
     layers after num_hidden_layers              -> left out (the prediction layers)
-    packed int4 experts (weight_packed / weight_scale) -> refused in one line
+    experts.N.wK.weight_packed (rows, cols / 2)  -> experts.N.wK.weight (rows, cols / 8)
+      uint8, weight_scale (rows, cols / 32) uint8     uint32, .scales: MLX's `mxfp4` mode,
+                                                     the same bytes (`Packed`)
 
 The per-expert `block_sparse_moe.experts.N.w1/w2/w3` are stacked as every release's
 (`experts.py`); the `*_res.proj_weight` / `*_res.norm_weight` names and the
 `block_sparse_moe` names are the kinds' own (`models/kimi_k3.py`,
 `models/latent_experts.py`); `kv_b_proj` is split as DeepSeek-V3's (`latent.py`).
+
+The release's routed experts are compressed-tensors' `mxfp4-pack-quantized`: 4-bit E2M1
+values, element 2i in the low nibble of byte i, one E8M0 exponent per 32 values, which is
+MLX's `mxfp4` layout byte for byte (mlx-lm's sanitize only views the bytes as uint32):
+held as stored, never dequantized, a rank reading only its experts' (or its rows',
+whole groups of its columns') bytes.
 
 llama.cpp's `kimi-k3` GGUF (`k3_gguf`) is Kimi-Linear's layout (`gated_delta.kda_gguf`
 turns its convs and ssm_a back) with the release's q/k/v apart, joined here the same
@@ -75,6 +83,48 @@ class Leading:
         return self.file.read(self.stored, 0, start, stop)
 
 
+class Packed:
+    """A release's packed expert weight, (rows, cols / 2) uint8, read as MLX's mxfp4 weight
+    (rows, cols / 8) uint32: the same bytes, a column slice of 4 bytes per uint32."""
+
+    def __init__(self, file: Any, stored: str):
+        self.file, self.stored = file, stored
+        self.path = getattr(file, "path", None)
+        rows, half = file.tensors[stored].shape
+        self.tensors = {stored: _Info((rows, half // 4))}
+
+    def read(self, name: str, axis: int | None = None, start: int = 0, stop: int = 0) -> mx.array:
+        if axis == 1:
+            start, stop = 4 * start, 4 * stop
+        if axis is None:
+            return self.file.read(self.stored).view(mx.uint32)
+        return self.file.read(self.stored, axis, start, stop).view(mx.uint32)
+
+
+# a release's per-expert packed MXFP4 tensors (compressed-tensors' mxfp4-pack-quantized)
+_PACKED = re.compile(r"^(.*\.block_sparse_moe\.experts\.\d+\.w[123])\.weight_(packed|scale)$")
+
+
+def packed_expert(name: str, file: Any, stored: str, value: mx.array) -> tuple[str, Any, mx.array]:
+    """A release's `experts.N.wK.weight_packed` / `weight_scale` (`stored` in `file`)
+    as MLX's mxfp4 `experts.N.wK.weight` (a `Packed` source) / `.scales`; other tensors
+    as they are. Anything but uint8 bytes whose values fill whole uint32s is refused."""
+    m = _PACKED.match(name)
+    if m is None:
+        return name, file, value
+    shape, packed = list(file.tensors[stored].shape), m.group(2) == "packed"
+    dtypes = (mx.uint8, mx.int8) if packed else (mx.uint8,)  # E8M0 scales load as uint8
+    if value.dtype not in dtypes or len(shape) != 2 or (packed and shape[1] % 4):
+        dtype = str(value.dtype).removeprefix("mlx.core.")
+        raise CheckpointError(
+            f"{getattr(file, 'path', '')}: {stored}: {dtype} {shape}: only "
+            "compressed-tensors' mxfp4-pack-quantized experts are read (uint8, 2 values a byte)"
+        )
+    if not packed:
+        return f"{m.group(1)}.scales", file, value
+    return f"{m.group(1)}.weight", Packed(file, stored), value.view(mx.uint32)  # same bytes
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _PARTS = ("weight", "scales", "biases")
 
@@ -82,12 +132,6 @@ _PARTS = ("weight", "scales", "biases")
 def k3_release(weights: dict, sources: dict, args: Any, where: str) -> None:
     """A Kimi K3 release's tensors as the model holds them, in place (see the module
     docstring); mlx-lm's folders pass through unchanged."""
-    for _, stored in sources.values():
-        if stored.endswith(("weight_packed", "weight_scale")):
-            raise CheckpointError(
-                f"{where}: {stored}: the release's packed int4 experts are not read; "
-                "convert the checkpoint with mlx_lm.convert first"
-            )
     extra = [k for k in weights if (m := _LAYER.match(k)) and int(m.group(1)) >= args.n_layers]
     for name in extra:
         del weights[name]

@@ -33,6 +33,7 @@ DTYPES = {
     "I32": (mx.int32, mx.int32),
     "U8": (mx.uint8, mx.uint8),
     "I8": (mx.int8, mx.int8),
+    "F8_E8M0": (mx.uint8, mx.uint8),  # exponents (MXFP4 scales), held as MLX's uint8
     "I64": (mx.int64, mx.int64),
 }
 _MAX_HEADER = 100 << 20
