@@ -182,3 +182,9 @@ class ModelArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def layer_values(value: Any, n: int) -> list[int]:
+    """A GGUF metadata value that is one number for every layer or an array of one per
+    layer (head counts, widths), as n ints."""
+    return [int(v) for v in value] if hasattr(value, "__len__") else [value] * n

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..model_args import ModelArgs
+from ..model_args import ModelArgs, layer_values
 from ..models.registry import GGUF_ARCHITECTURES, GGUF_FAMILIES, checkpoint_names, unsupported
 from . import gguf_gpt_oss as gpt_oss
 from . import gguf_quants as gq
@@ -391,7 +391,7 @@ def read(path: Path, blocks: bool = False) -> Checkpoint:
         mamba_gguf(weights, sources, args)
     if arch in _GEMMA:  # Gemma 4: the experts' gate and up apart, keys = values, RoPE
         kv = get("attention.head_count_kv")
-        kv = [int(c) for c in kv] if hasattr(kv, "__len__") else [kv] * args.n_layers
+        kv = layer_values(kv, args.n_layers)
         try:
             gemma_gguf(weights, sources, args, kv, str(path))
         except ValueError as e:

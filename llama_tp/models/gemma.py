@@ -36,7 +36,7 @@ from mlx_lm.models.gemma4_text import ModelArgs as Gemma4Args
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..model import FeedForward, Transformer
-from ..model_args import ModelArgs
+from ..model_args import ModelArgs, layer_values
 from ..parallel.splits import LayerSpec, SplitTable
 from .gemma_attention import GemmaAttention, GemmaGlobalAttention, link_kv_sources
 from .moe import MoEFeedForward
@@ -393,8 +393,7 @@ def gemma4_gguf_fields(get) -> dict:
         raise ValueError(f"attention.sliding_window_pattern {swa} is not one flag per layer")
     types = ["sliding_attention" if s else "full_attention" for s in swa]
     kv, ff = get("attention.head_count_kv"), get("feed_forward_length")
-    kv = [int(c) for c in kv] if hasattr(kv, "__len__") else [kv] * n
-    ff = [int(c) for c in ff] if hasattr(ff, "__len__") else [ff] * n
+    kv, ff = layer_values(kv, n), layer_values(ff, n)
     sliding = [kv[i] for i in range(n) if swa[i]] or kv
     shared = get("attention.shared_kv_layers") or 0
     width = min(ff)

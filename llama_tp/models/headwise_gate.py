@@ -32,7 +32,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.step3p5 import clamped_swiglu
 
 from ..model import Attention, FeedForward
-from ..model_args import ModelArgs
+from ..model_args import ModelArgs, layer_values
 from ..parallel.splits import COLUMNS, ROWS, CacheSpec, SplitTable, TensorSplit, Unit
 
 
@@ -247,8 +247,7 @@ def step3p5_gguf_fields(get) -> dict:
     (swiglu_clamp_exp / swiglu_clamp_shexp); the heads gated (attn_gate)."""
     n = get("block_count") - (get("nextn_predict_layers") or 0)  # less the MTP layers
     heads, kv = get("attention.head_count"), get("attention.head_count_kv")
-    heads = [int(h) for h in heads] if hasattr(heads, "__len__") else [heads] * n
-    kv = [int(h) for h in kv] if hasattr(kv, "__len__") else [kv] * n
+    heads, kv = layer_values(heads, n), layer_values(kv, n)
     pattern = get("attention.sliding_window_pattern")
     sliding = [bool(s) for s in (() if pattern is None else pattern)][:n]
     if len(sliding) != n or len(heads) < n or len(kv) < n:
