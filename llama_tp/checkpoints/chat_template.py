@@ -56,12 +56,16 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         continue_final: bool = False,
+        **template_kwargs: Any,
     ) -> list[int] | str:
         """`messages` through the chat template (or the fallback): token ids, or text.
         `tools`: OpenAI's tool definitions, for the template to show (transformers' way).
         `continue_final`: the last message is left open for the model to continue (a
-        "prefill"), transformers' `continue_final_message`: no end of turn after it."""
-        kwargs = {"chat_template": self.template} if self.template else {}
+        "prefill"), transformers' `continue_final_message`: no end of turn after it.
+        `template_kwargs`: the template's own variables (`enable_thinking`, ...)."""
+        kwargs = {**template_kwargs}
+        if self.template:
+            kwargs["chat_template"] = self.template
         if tools:
             kwargs["tools"] = tools
         if continue_final:  # transformers refuses it with a generation prompt
@@ -80,12 +84,16 @@ class PromptRenderer:
         tools: list[dict] | None = None,
         continue_final: bool = False,
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> list[int]:
         """The prompt tokens of `messages`, ending with the assistant's generation prompt
-        (or, with `continue_final`, with the last message's text, for the model to go on)."""
+        (or, with `continue_final`, with the last message's text, for the model to go on);
+        `template_kwargs`: the template's own variables."""
         if not self.use_chat_template:  # plain text: nothing closes the last message anyway
             return list(self.tokenizer.encode("\n".join(m["content"] for m in messages)))
-        return self.apply(messages, True, add_generation_prompt, tools, continue_final)
+        return self.apply(
+            messages, True, add_generation_prompt, tools, continue_final, **template_kwargs
+        )
 
     def prompt(self, text: str, system: str | None = None) -> list[int]:
         """The prompt tokens of one user message (after a system message, if any)."""

@@ -3,7 +3,8 @@
 `processors_for(params, ...)` is the list `Sequence.processors` runs before every
 draw: OpenAI's `logit_bias`, mlx-lm's presence / frequency / repetition penalties
 (mlx-lm's own processors, `mlx_lm.sample_utils`, over the last `penalty_context`
-tokens), and the grammar mask of a constrained reply (`grammar.GrammarMask`). Each
+tokens), the grammar mask of a constrained reply (`grammar.GrammarMask`) and the
+reasoning budget, which closes a think block after so many tokens (`BudgetMask`). Each
 takes (the tokens the logits follow, this rank's logits (1, V_local), its
 `VocabShard`): the token ids are moved into the shard's columns, so a
 vocabulary-parallel head processes its own slice and every rank the same tokens.
@@ -23,7 +24,7 @@ from mlx_lm.sample_utils import (
 )
 
 from .grammar import GrammarMask
-from .settings import SamplingParams
+from .settings import ReasoningBudget, SamplingParams
 
 
 def processors_for(
@@ -42,6 +43,8 @@ def processors_for(
         value = getattr(params, setting)
         if value:
             out.append(_named(_on_shard(make(value, n), n), setting))
+    if params.reasoning_budget is not None:
+        out.append(_named(BudgetMask(params.reasoning_budget), "reasoning_budget"))
     if params.grammar is not None:
         out.append(_named(GrammarMask(params.grammar, tokenizer, vocab_size, eos), "grammar"))
     return out
@@ -72,3 +75,55 @@ def _on_shard(penalty, context: int):
         return penalty(mx.array(recent, mx.int32), logits) if recent else logits
 
     return processor
+
+
+class BudgetMask:
+    """The reasoning budget (`ReasoningBudget`): once the reply has reasoned for its
+    tokens, only the next id of the end marker is allowed, until the marker is written.
+
+    Read from the tokens alone at every call (the first call, the prompt's last forward,
+    fixes where the reply starts), so rejected drafts need no rollback. llama.cpp's
+    reasoning budget does the same (`common/reasoning-budget.cpp`), as a state machine.
+    """
+
+    def __init__(self, budget: ReasoningBudget):
+        self.budget, self.start = budget, None
+
+    def __call__(self, tokens: mx.array, logits: mx.array, shard) -> mx.array:
+        if self.start is None:
+            self.start = tokens.shape[0]
+        forced = self.forced(tokens[self.start :].tolist())
+        if forced is None:
+            return logits
+        col = forced - shard.start
+        if not 0 <= col < shard.stop - shard.start:  # another rank's column: none here
+            return mx.full(logits.shape, -mx.inf, logits.dtype)
+        keep = mx.arange(logits.shape[-1]) == col
+        return mx.where(keep[None], logits, -mx.inf)
+
+    def forced(self, reply: list[int]) -> int | None:
+        """The id the reply must go on with (None: any)."""
+        b = self.budget
+        at = 0 if b.opened else _find(reply, b.start)
+        if at < 0:
+            return None  # the block is not open (yet)
+        inside = reply[at + (0 if b.opened else len(b.start)) :]
+        closed = _find(inside, b.end)
+        if 0 <= closed < b.tokens or len(inside) < b.tokens:
+            return None  # closed by the model, or still within the budget
+        written = inside[b.tokens :]
+        if len(written) >= len(b.end) or written != list(b.end[: len(written)]):
+            return None
+        return b.end[len(written)]
+
+
+def _find(seq: list[int], part: tuple[int, ...]) -> int:
+    """Where `part` first occurs in `seq` (-1: nowhere; an empty part: nowhere)."""
+    n = len(part)
+    if not n:
+        return -1
+    first = part[0]
+    for i, t in enumerate(seq):
+        if t == first and tuple(seq[i : i + n]) == part:
+            return i
+    return -1

@@ -17,6 +17,18 @@ MAX_DRAFT_TOKENS = 64
 MAX_INDEX = 2**31 - 1  # MLX indexes and slices with 32-bit integers
 
 
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """How many tokens a reply may reason for: after `tokens` tokens inside the block
+    (from the reply's start when the prompt `opened` it, else after the `start` ids),
+    the `end` ids are forced, one per step, unless the model closed the block itself."""
+
+    tokens: int
+    end: tuple[int, ...]
+    start: tuple[int, ...] = ()
+    opened: bool = False
+
+
 class SettingsError(ValueError):
     """A setting out of range: `field` is its name, the message says the rule and value."""
 
@@ -52,6 +64,7 @@ class SamplingParams:
     repetition_penalty: float = 0.0  # 0: off; else mlx-lm's divisor (> 0)
     penalty_context: int = 20  # mlx-lm's repetition_context_size
     grammar: str | None = None  # an llguidance grammar (JSON text) the reply must follow
+    reasoning_budget: ReasoningBudget | None = None  # the think block closed after N tokens
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -74,6 +87,10 @@ class SamplingParams:
             _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2]")
         _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, "must be >= 0")
         _integer("penalty_context", self.penalty_context, 1, MAX_INDEX)
+        if self.reasoning_budget is not None:
+            _integer("reasoning_budget", self.reasoning_budget.tokens, 0, MAX_INDEX)
+            if not self.reasoning_budget.end:
+                raise SettingsError("reasoning_budget", "needs the end marker's ids", ())
         if self.grammar is not None and self.num_draft_tokens:
             raise SettingsError(
                 "num_draft_tokens", "must be 0 with a grammar", self.num_draft_tokens
@@ -84,7 +101,7 @@ class SamplingParams:
         """Some logits processor runs on this sequence's logits."""
         return bool(
             self.logit_bias or self.presence_penalty or self.frequency_penalty
-            or self.repetition_penalty or self.grammar
+            or self.repetition_penalty or self.grammar or self.reasoning_budget
         )  # fmt: skip
 
     @property

@@ -166,6 +166,9 @@ class Family:
     kinds: tuple[type[nn.Module], ...] = ()
     # the family's own model (None: the Llama core, `Transformer`, of `block`s)
     model: Callable[[ModelArgs], Transformer] | None = None
+    # how its releases mark reasoning (`conversation/reasoning.py` MARKERS), first the
+    # default; `<think>` where no release reasons (a fine-tune's tokenizer that holds it)
+    reasoning: tuple[str, ...] = ("think",)
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ class GgufFamily:
 
 FAMILIES = {
     "llama": Family("LlamaForCausalLM"),
-    "mistral": Family("MistralForCausalLM"),
+    "mistral": Family("MistralForCausalLM", reasoning=("mistral_think", "think")),
     "qwen2": Family("Qwen2ForCausalLM"),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
     "mixtral": Family("MixtralForCausalLM", mixtral_fields),
@@ -194,7 +197,7 @@ FAMILIES = {
     "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
     "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields, kinds=(SparseAttention,)),
     "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields, kinds=(SparseAttention,)),
-    "gpt_oss": Family(None, gpt_oss_fields),
+    "gpt_oss": Family(None, gpt_oss_fields, reasoning=("harmony",)),
     "minimax": Family(
         "MiniMaxM2ForCausalLM",
         minimax_fields,
@@ -223,6 +226,7 @@ FAMILIES = {
         prefix="language_model.",
         kinds=(KimiK3Layer, LatentExperts, FusedKimiDeltaAttention, GatedLatentAttention),
         model=KimiK3Transformer,
+        reasoning=("kimi_xtml", "think"),
     ),
     "qwen3_5": Family(
         "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
@@ -250,6 +254,7 @@ FAMILIES = {
         gemma_config_keys,
         kinds=(GemmaBlock,),
         model=GemmaTransformer,
+        reasoning=("gemma4_channel",),
     ),
 }
 MODEL_TYPES = tuple(FAMILIES)

@@ -51,9 +51,17 @@ class ToolResultBlock(_Body):
 
 
 class ThinkingBlock(_Body):
-    """An earlier turn's reasoning, handed back by the client: left out of the prompt."""
+    """An earlier turn's reasoning, handed back by the client: the assistant message's
+    reasoning, which the chat template renders as its release does (most drop it)."""
 
-    type: Literal["thinking", "redacted_thinking"]
+    type: Literal["thinking"]
+    thinking: str = ""
+
+
+class RedactedThinkingBlock(_Body):
+    """Reasoning the client never saw (its text is not ours to read back): left out."""
+
+    type: Literal["redacted_thinking"]
 
 
 BLOCKS: dict[str, type[_Body]] = {
@@ -61,7 +69,7 @@ BLOCKS: dict[str, type[_Body]] = {
     "tool_use": ToolUseBlock,
     "tool_result": ToolResultBlock,
     "thinking": ThinkingBlock,
-    "redacted_thinking": ThinkingBlock,
+    "redacted_thinking": RedactedThinkingBlock,
 }
 
 
@@ -83,6 +91,16 @@ class ToolChoice(_Body):
     disable_parallel_tool_use: bool | None = None
 
 
+class Thinking(_Body):
+    """Extended thinking: "enabled" with a budget (the think block closed after that many
+    tokens), "adaptive" or "between_tools" (the model decides), or "disabled"; `display`
+    "omitted" sends the thinking blocks without their text."""
+
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
 class MessagesBody(_Body):
     model: str | None = None  # one model is served: any name is taken
     messages: Annotated[list[InputMessage], Field(min_length=1)]
@@ -95,6 +113,7 @@ class MessagesBody(_Body):
     top_k: Annotated[int, Field(ge=0)] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
 
 def openai_body(body: Any) -> dict[str, Any]:
@@ -130,9 +149,29 @@ def openai_body(body: Any) -> dict[str, Any]:
         ]
     if b.tool_choice is not None:
         out.update(_tool_choice(b.tool_choice, [t.name for t in b.tools or []]))
+    if b.thinking is not None:
+        out.update(_thinking(b.thinking, b.max_tokens))
     if b.stream:
         out["stream"] = True
         out["stream_options"] = {"include_usage": True}
+    return out
+
+
+def _thinking(t: Thinking, max_tokens: int) -> dict[str, Any]:
+    """The chat body's reasoning controls of Anthropic's `thinking` (its rule kept: the
+    budget below max_tokens; its 1,024 floor is not, small models think less)."""
+    on = t.type != "disabled"
+    out: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": on}}
+    if t.type == "enabled":
+        if t.budget_tokens is None:
+            raise RequestError("thinking.budget_tokens: Field required", "thinking.budget_tokens")
+        if t.budget_tokens >= max_tokens:
+            raise RequestError(
+                f"thinking.budget_tokens: must be less than max_tokens ({max_tokens}), got "
+                f"{t.budget_tokens}",
+                "thinking.budget_tokens",
+            )
+        out["reasoning_budget_tokens"] = t.budget_tokens
     return out
 
 
@@ -143,6 +182,7 @@ def _messages(m: InputMessage, where: str) -> list[dict[str, Any]]:
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, raw in enumerate(m.content):
@@ -150,6 +190,8 @@ def _messages(m: InputMessage, where: str) -> list[dict[str, Any]]:
         block = _block(raw, at)
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock) and m.role == "assistant" and block.thinking:
+            thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             if m.role != "assistant":
                 raise RequestError(f"{at}: tool_use blocks belong to assistant messages", at)
@@ -163,6 +205,8 @@ def _messages(m: InputMessage, where: str) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
     if m.role == "assistant":
         reply: dict[str, Any] = {"role": "assistant", "content": JOIN.join(texts)}
+        if thoughts:
+            reply["reasoning_content"] = JOIN.join(thoughts)
         if calls:
             reply["tool_calls"] = calls
             reply["content"] = reply["content"] or None
@@ -230,6 +274,8 @@ NAMES = {
     "stop": "stop_sequences",
     "tool_choice": "tool_choice",
     "continue_final_message": "messages",
+    "reasoning_budget_tokens": "thinking.budget_tokens",
+    "chat_template_kwargs": "thinking",
 }
 MESSAGES = Api(lambda data, context: (openai_body(data), True), dotted_place, NAMES)
 
@@ -257,10 +303,11 @@ def routes(openai: OpenAIRoutes):
         body = prepared.body
         stops = body.get("stop", [])
         answer = await openai.answer(request, prepared)
+        shown = _shown(prepared.data)
         if not body.get("stream"):
-            return message(answer, stops)
+            return message(answer, stops, shown)
         return StreamingResponse(
-            _stream(answer, stops),
+            _stream(answer, stops, shown),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -273,8 +320,14 @@ def routes(openai: OpenAIRoutes):
     return router
 
 
-async def _stream(response, stops: list[str]):
-    events = Events(stops)
+def _shown(data: Any) -> bool:
+    """Whether the thinking blocks carry their text (`thinking.display` not "omitted")."""
+    thinking = data.get("thinking") if isinstance(data, dict) else None
+    return not (isinstance(thinking, dict) and thinking.get("display") == "omitted")
+
+
+async def _stream(response, stops: list[str], shown: bool = True):
+    events = Events(stops, shown)
     async for c in chunks(response):
         for e in events.feed(c):
             yield e

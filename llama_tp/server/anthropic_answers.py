@@ -1,12 +1,13 @@
 """Anthropic's answers, from the OpenAI chat route's: a chat completion as a Message
 (`message`), its stream chunks as Anthropic's event sequence (`Events`: message_start,
-ping, content_block_start / _delta / _stop for each text or tool_use block,
+ping, content_block_start / _delta / _stop for each thinking, text or tool_use block,
 message_delta with the stop reason and usage, message_stop), and Anthropic's error body.
 The requests' side is `server/anthropic.py`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -22,14 +23,17 @@ ERROR_TYPES = {
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
 
-def message(completion: dict[str, Any], stops: list[str]) -> dict[str, Any]:
+def message(completion: dict[str, Any], stops: list[str], shown: bool = True) -> dict[str, Any]:
     """An OpenAI chat completion -> Anthropic's Message (`stops`: the request's
-    stop_sequences, to tell "stop_sequence" from "end_turn")."""
+    stop_sequences, to tell "stop_sequence" from "end_turn"): its reasoning a thinking
+    block first (its text left out unless `shown`)."""
     choice = completion["choices"][0]
     msg = choice["message"]
     calls = msg.get("tool_calls") or []
     text = msg.get("content") or ""
-    content = [{"type": "text", "text": text}] if text or not calls else []
+    thought = msg.get("reasoning_content") or ""
+    content = [thinking_block(thought, shown)] if thought else []
+    content += [{"type": "text", "text": text}] if text or not calls else []
     content += [tool_use(c) for c in calls]
     reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"), stops)
     return {
@@ -42,6 +46,17 @@ def message(completion: dict[str, Any], stops: list[str]) -> dict[str, Any]:
         "stop_sequence": sequence,
         "usage": usage(completion.get("usage")),
     }
+
+
+def signature(thought: str) -> str:
+    """A thinking block's signature: opaque to clients, which hand it back with the
+    block; the server renders the text it is given, so it signs nothing (a digest)."""
+    return "llama_tp-" + hashlib.sha256(thought.encode()).hexdigest()[:32]
+
+
+def thinking_block(thought: str, shown: bool = True) -> dict[str, Any]:
+    text = thought if shown else ""
+    return {"type": "thinking", "thinking": text, "signature": signature(thought)}
 
 
 def tool_use(call: dict[str, Any]) -> dict[str, Any]:
@@ -83,8 +98,9 @@ def message_id(rid: str) -> str:
 class Events:
     """OpenAI chat stream chunks -> Anthropic's server-sent events, chunk by chunk."""
 
-    def __init__(self, stops: list[str]):
-        self.stops = stops
+    def __init__(self, stops: list[str], shown: bool = True):
+        self.stops, self.shown = stops, shown
+        self.thought: list[str] = []  # the open thinking block's text (its signature)
         self.started = False
         self.blocks = 0  # content blocks opened so far
         self.open: Any = None  # the open block: "text", a tool call's index, or None
@@ -101,6 +117,12 @@ class Events:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                self.thought.append(delta["reasoning_content"])
+                if self.shown:
+                    piece = {"type": "thinking_delta", "thinking": delta["reasoning_content"]}
+                    out.append(self._delta(piece))
             if delta.get("content"):
                 out += self._open("text", {"type": "text", "text": ""})
                 text_delta = {"type": "text_delta", "text": delta["content"]}
@@ -160,8 +182,13 @@ class Events:
     def _close(self) -> list[str]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":  # its signature, just before the block's stop
+            sig = signature("".join(self.thought))
+            out.append(self._delta({"type": "signature_delta", "signature": sig}))
         self.open = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+        stop = {"type": "content_block_stop", "index": self.blocks - 1}
+        return [*out, sse("content_block_stop", stop)]
 
     def _delta(self, delta: dict[str, Any]) -> str:
         body = {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}

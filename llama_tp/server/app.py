@@ -28,11 +28,13 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Annotated, Any
 
 from ..checkpoints.chat_template import PromptRenderer
+from ..conversation.reasoning import Markers, reasoning_markers
+from ..conversation.reply import ReplyDelta
 from . import anthropic, anthropic_answers, ollama
 from .guard import Guard, Hosts
 from .limits import Limits
@@ -49,7 +51,7 @@ from .protocol import (
 from .responses import Logprobs, chunk, completion_body, usage_chunk
 from .scheduler import Failure, Scheduler
 from .status import Monitor
-from .tools import ToolStream, tool_format
+from .tools import reply_stream
 from .translation import OpenAIRoutes
 
 POLL = 0.5  # seconds between checks that a non-streaming client is still connected
@@ -64,10 +66,14 @@ class ModelInfo:
     vocab_size: int
     renderer: PromptRenderer  # the prompt renderer (and its tokenizer) of the model
     limits: Limits | None = None  # what its requests are held to (None: from the above)
+    model_type: str = ""  # its family (the registry's row: its reasoning and tool formats)
+    markers: Markers | None = field(init=False)  # how its replies mark reasoning
 
     def __post_init__(self) -> None:
+        tokenizer = self.renderer.tokenizer
         if self.limits is None:
-            self.limits = Limits.of(self.context, self.vocab_size, self.renderer.tokenizer)
+            self.limits = Limits.of(self.context, self.vocab_size, tokenizer)
+        self.markers = reasoning_markers(tokenizer, self.model_type)
 
 
 def build_app(
@@ -196,16 +202,15 @@ def build_app(
             if req.params.logprobs is not None
             else None
         )
-        fmt = tool_format(info.renderer.tokenizer) if req.tools else None
-        calls = ToolStream(fmt, req.tools) if fmt is not None else None
+        reply = reply_stream(info, req)
         api = p.api
         if req.stream:
             return StreamingResponse(
-                stream(req, rid, job, lp, info.name, calls, api),
+                stream(req, rid, job, lp, info.name, reply, api),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await collect(request, req, rid, job, lp, info.name, calls, api)
+        return await collect(request, req, rid, job, lp, info.name, reply, api)
 
     def failed(req: Request, item, api: Api) -> RequestError:
         """A job's failure: the server's (a Failure), or its own processing's (an event
@@ -220,8 +225,8 @@ def build_app(
             return RequestError(why, None, 500, "failed", "server_error")
         return api.renamed(RequestError(f"'{param}' failed while generating: {item.error}", param))
 
-    async def collect(request: HTTPRequest, req: Request, rid: str, job, lp, name, calls, api):
-        text = []
+    async def collect(request: HTTPRequest, req: Request, rid: str, job, lp, name, reply, api):
+        whole = ReplyDelta()
         while True:
             try:
                 item = await asyncio.wait_for(job.queue.get(), POLL)
@@ -232,24 +237,20 @@ def build_app(
                 continue
             if isinstance(item, Failure) or item.finish_reason == "error":
                 raise failed(req, item, api)
-            text.append(item.text)
+            whole += reply.feed(item.text)
             if lp is not None and wants_logprob(item):
                 lp.add(item)
             if item.finish_reason:
-                text, tool_calls = "".join(text), None
-                if calls is not None:
-                    text = calls.feed(text)
-                    rest, tool_calls = calls.finish()
-                    text += rest
+                whole += reply.finish()
                 return completion_body(
-                    req, rid, name, text, item.finish_reason, item, lp, tool_calls
+                    req, rid, name, whole, item.finish_reason, item, lp, reply.tool_calls
                 )
 
-    async def stream(req: Request, rid: str, job, lp, name: str, calls, api: Api):
+    async def stream(req: Request, rid: str, job, lp, name: str, reply, api: Api):
         done = False
         try:
             if req.chat:
-                yield sse(chunk(req, rid, name, "", role=True))
+                yield sse(chunk(req, rid, name, ReplyDelta(), role=True))
             while True:
                 item = await job.queue.get()
                 if isinstance(item, Failure) or item.finish_reason == "error":
@@ -258,17 +259,14 @@ def build_app(
                     yield sse(error_body(str(e), e.kind, e.param, e.status))
                     return
                 entry = lp.add(item) if lp is not None and wants_logprob(item) else None
-                text = item.text if calls is None else calls.feed(item.text)
-                if text or entry is not None:
-                    yield sse(chunk(req, rid, name, text, logprobs=entry))
+                for piece in pieces(req, rid, name, reply.feed(item.text), entry):
+                    yield sse(piece)
                 if item.finish_reason:
                     done = True
-                    finish = item.finish_reason
-                    if calls is not None:
-                        rest, tool_calls = calls.finish()
-                        if rest or tool_calls:
-                            yield sse(chunk(req, rid, name, rest or None, tool_calls=tool_calls))
-                        finish = "tool_calls" if tool_calls else finish
+                    rest = reply.finish()
+                    for piece in pieces(req, rid, name, rest, None):
+                        yield sse(piece)
+                    finish = "tool_calls" if reply.tool_calls else item.finish_reason
                     yield sse(chunk(req, rid, name, None, finish, stop_reason=item.stop_string))
                     if req.include_usage:
                         yield sse(usage_chunk(req, rid, name, item))
@@ -277,6 +275,18 @@ def build_app(
         finally:
             if not done:  # the client went away mid-stream
                 scheduler.cancel(job.uid)
+
+    def pieces(req: Request, rid: str, name: str, delta: ReplyDelta, entry: dict | None):
+        """The chunks of one split piece: its reasoning, its content (with the token's
+        log-probabilities), its calls' deltas, each in a chunk of its own."""
+        parts = [
+            ReplyDelta(reasoning=delta.reasoning),
+            ReplyDelta(content=delta.content),
+            ReplyDelta(calls=delta.calls),
+        ]
+        for part in [p for p in parts if p] or ([ReplyDelta()] if entry is not None else []):
+            yield chunk(req, rid, name, part, logprobs=entry)
+            entry = None
 
     # The Anthropic and Ollama routes: their bodies translated to OpenAI's, answered here.
     openai = OpenAIRoutes(prepare, answer, available)

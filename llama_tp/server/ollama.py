@@ -41,6 +41,7 @@ class ToolCall(_Body):
 class Message(_Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    thinking: str | None = None  # an earlier reply's reasoning, handed back
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
@@ -70,6 +71,7 @@ class _Request(_Body):
     format: Format = None
     options: Options | None = None
     stream: bool = True
+    think: bool | Literal["low", "medium", "high"] | None = None
 
 
 class ChatBody(_Request):
@@ -100,6 +102,8 @@ def chat_body(body: Any, context: int) -> dict[str, Any] | None:
             at = f"messages.{i}.images"
             raise RequestError(f"{at}: this server's model reads text only", at)
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.thinking and m.role == "assistant":
+            msg["reasoning_content"] = m.thinking
         if m.tool_calls:
             msg["tool_calls"] = []
             for k, c in enumerate(m.tool_calls):
@@ -154,6 +158,10 @@ def _settings(b: _Request, context: int) -> dict[str, Any]:
             out[openai] = getattr(o, name)
     if o.num_predict is not None:
         out["max_tokens"] = o.num_predict if o.num_predict > 0 else context
+    if isinstance(b.think, bool):  # on or off; an effort for the templates that take one
+        out["chat_template_kwargs"] = {"enable_thinking": b.think}
+    elif b.think is not None:
+        out["reasoning_effort"] = b.think
     if b.format == "json":
         out["response_format"] = {"type": "json_object"}
     elif isinstance(b.format, dict):
@@ -181,6 +189,7 @@ class Reply:
         self.t0 = time.monotonic_ns()
         self.first: int | None = None  # when the first text arrived (the prompt's time)
         self.text: list[str] = []
+        self.thought: list[str] = []  # the reasoning (Ollama's `thinking`)
         self.calls: dict[int, dict[str, Any]] = {}  # tool calls by index, arguments joined
         self.finish: str | None = None
         self.usage: dict[str, Any] = {}
@@ -195,8 +204,12 @@ class Reply:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             text = delta.get("content") if "delta" in choice else choice.get("text")
-            if self.first is None and (text or delta.get("tool_calls")):
+            thought = (delta if "delta" in choice else choice).get("reasoning_content")
+            if self.first is None and (text or thought or delta.get("tool_calls")):
                 self.first = time.monotonic_ns()
+            if thought:
+                self.thought.append(thought)
+                out.append(self._line("", False, thought))
             for call in delta.get("tool_calls") or []:
                 held = self.calls.setdefault(call.get("index", 0), {"name": "", "arguments": ""})
                 f = call.get("function") or {}
@@ -215,12 +228,12 @@ class Reply:
 
     def whole(self) -> dict[str, Any]:
         """The one answer of a `"stream": false` request."""
-        return self._done("".join(self.text))
+        return self._done("".join(self.text), "".join(self.thought))
 
-    def _done(self, text: str) -> dict[str, Any]:
+    def _done(self, text: str, thought: str = "") -> dict[str, Any]:
         end = time.monotonic_ns()
         first = self.first or end
-        line = self._line(text, True)
+        line = self._line(text, True, thought)
         if self.chat and self.calls:
             line["message"]["tool_calls"] = [
                 {"function": {"name": c["name"], "arguments": _arguments(c["arguments"])}}
@@ -237,12 +250,16 @@ class Reply:
         )
         return line
 
-    def _line(self, text: str, done: bool) -> dict[str, Any]:
+    def _line(self, text: str, done: bool, thought: str = "") -> dict[str, Any]:
         line: dict[str, Any] = {"model": self.model, "created_at": now()}
         if self.chat:
             line["message"] = {"role": "assistant", "content": text}
+            if thought:
+                line["message"]["thinking"] = thought
         else:
             line["response"] = text
+            if thought:
+                line["thinking"] = thought
         line["done"] = done
         return line
 
@@ -272,6 +289,8 @@ NAMES = {
     "response_format": "format",
     **{n: n for n in ("messages", "prompt", "tools")},
     "continue_final_message": "messages",
+    "chat_template_kwargs": "think",
+    "reasoning_effort": "think",
 }
 CHAT = Api(lambda data, context: (chat_body(data, context), True), dotted_place, NAMES)
 
@@ -343,7 +362,7 @@ def routes(openai: OpenAIRoutes):
                 "general.architecture": "llama_tp",
                 "llama_tp.context_length": info.context,
             },
-            "capabilities": ["completion", "tools"],
+            "capabilities": ["completion", "tools", *(["thinking"] if info.markers else [])],
         }
 
     @router.get("/version")

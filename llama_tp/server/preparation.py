@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cluster.affinity import background_thread
+from ..conversation.reasoning import prompt_opens
 from ..engine.grammar import GrammarError, compile_grammar, is_compiled
+from . import reasoning
 from .bodies import Place, decode, openai_param
 from .errors import RequestError
 from .protocol import (
@@ -173,10 +175,24 @@ def _prepare(raw: bytes, api: Api, info: Any, defaults: Defaults, count_only: bo
             fit(req, len(ids), info.context)
         if stops:
             req.params = req.params.but(stop=(*req.params.stop, *stops))
+        _reasoning(req, ids, info, defaults)
         grammar = None if count_only else grammar_for(req, info.renderer.tokenizer, limits)
         return Prepared(body, data, req, ids, grammar)
     except RequestError as e:
         raise api.renamed(e) from None
+
+
+def _reasoning(req: Request, ids: list[int], info: Any, defaults: Defaults) -> None:
+    """Whether the prompt opened the reasoning block, and the request's budget (the
+    server's for a chat that does not say, where the model reasons)."""
+    tokenizer = info.renderer.tokenizer
+    req.reasoning_open = prompt_opens(info.markers, tokenizer, ids)
+    tokens, field_ = req.reasoning_budget, "reasoning_budget_tokens"
+    if tokens is None and req.chat and info.markers is not None:
+        tokens = defaults.reasoning_budget
+    budget = reasoning.budget(tokens, info.markers, tokenizer, req.reasoning_open, field_)
+    if budget is not None:
+        req.params = req.params.but(reasoning_budget=budget)
 
 
 def _large_work(*args) -> Prepared:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..checkpoints.chat_template import ChatTemplateError
 from ..engine.grammar import GrammarError, json_object_grammar, json_schema_grammar
 from ..engine.settings import SamplingParams, SettingsError
+from . import reasoning
 from . import tools as tool_calls
 from .bodies import openai_param, validate
 from .errors import RequestError, error_body  # noqa: F401 (routes import both from here)
@@ -44,6 +45,9 @@ class Defaults:
     system_prompt: str | None = None
     use_chat_template: bool = True
     num_draft_tokens: int = 0  # --num-draft-tokens: for requests that do not say
+    # --chat-template-args: template variables under every request's (server/reasoning.py)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_budget: int = -1  # --reasoning-budget: think-block tokens (-1: no budget)
 
 
 class _Body(BaseModel):
@@ -72,6 +76,9 @@ class Message(_Body):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
+    # an earlier reply's reasoning handed back (vLLM's and DeepSeek's name; mlx-lm's)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _content(self) -> Message:
@@ -141,6 +148,11 @@ class ChatBody(_Common):
     add_generation_prompt: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # reasoning (server/reasoning.py): the template's variables, the effort, a budget
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_budget_tokens: Annotated[int, Field(ge=-1)] | None = None
+    thinking_budget_tokens: Annotated[int, Field(ge=-1)] | None = None
 
 
 class CompletionBody(_Common):
@@ -164,6 +176,13 @@ class Request:
     response_format: ResponseFormat | None = None
     continue_final: bool = False  # the reply continues the last message (a prefill)
     add_generation_prompt: bool = True
+    # reasoning (server/reasoning.py): the template's variables (the server's, the
+    # request's own), the effort, the budget, and whether the prompt opened the block
+    template_defaults: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_effort: str | None = None
+    reasoning_budget: int | None = None
+    reasoning_open: bool = False
 
 
 _FIELDS = (
@@ -241,6 +260,11 @@ def chat_request(body: ChatBody, defaults: Defaults, limits: Limits | None = Non
     req.messages = [tool_calls.message(m, i, depth) for i, m in enumerate(body.messages)]
     tool_calls.choose(req, body.tools, body.tool_choice)
     _prefill(req, body)
+    req.template_defaults = defaults.template_kwargs
+    req.template_kwargs = reasoning.checked_kwargs(body.chat_template_kwargs)
+    req.reasoning_effort = body.reasoning_effort
+    budgets = (body.reasoning_budget_tokens, body.thinking_budget_tokens)
+    req.reasoning_budget = next((b for b in budgets if b is not None), defaults.reasoning_budget)
     if defaults.system_prompt and not any(m["role"] == "system" for m in req.messages):
         req.messages.insert(0, {"role": "system", "content": defaults.system_prompt})
     return req
@@ -345,8 +369,13 @@ def prompt_tokens(req: Request, renderer) -> tuple[list[int], tuple[str, ...]]:
     were checked against the vocabulary with the request (`Limits.check`)."""
     if req.chat:
         try:
+            tokenizer = renderer.tokenizer
+            kwargs = reasoning.template_kwargs(
+                tokenizer, req.template_defaults, req.reasoning_effort, req.template_kwargs
+            )
+            messages = reasoning.handed_back(req.messages, tokenizer)
             ids = renderer.encode(
-                req.messages, req.tools, req.continue_final, req.add_generation_prompt
+                messages, req.tools, req.continue_final, req.add_generation_prompt, **kwargs
             )
             return ids, renderer.stops
         except ChatTemplateError as e:  # the template may reject e.g. a role order

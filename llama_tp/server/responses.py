@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..conversation.reply import ReplyDelta
 from ..engine.batch import Event
 from .protocol import Request
 
@@ -67,21 +68,25 @@ def completion_body(
     req: Request,
     rid: str,
     model: str,
-    text: str,
+    reply: ReplyDelta,
     finish: str,
     e: Event,
     lp: Logprobs | None,
     tool_calls: list[dict] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming answer of either endpoint (a chat's with the reply's tool calls:
-    finish_reason "tool_calls")."""
+    """The non-streaming answer of either endpoint: the reply's content, its reasoning
+    (`reasoning_content`, and `reasoning` as mlx-lm names it) and, for a chat, its tool
+    calls (finish_reason "tool_calls")."""
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        message = {"role": "assistant", "content": reply.content}
+        choice = {"index": 0, "message": message}
         if tool_calls:
-            choice["message"].update(content=text or None, tool_calls=tool_calls)
+            message.update(content=reply.content or None, tool_calls=tool_calls)
             finish = "tool_calls"
     else:
-        choice = {"index": 0, "text": text}
+        choice = message = {"index": 0, "text": reply.content}
+    if reply.reasoning:
+        message["reasoning_content"] = message["reasoning"] = reply.reasoning
     choice["logprobs"] = lp.body() if lp is not None else None
     choice["finish_reason"] = finish
     choice["stop_reason"] = e.stop_string  # vLLM's: the stop string that ended the reply
@@ -92,26 +97,31 @@ def chunk(
     req: Request,
     rid: str,
     model: str,
-    text: str | None,
+    piece: ReplyDelta | None,
     finish: str | None = None,
     logprobs: dict | None = None,
     role: bool = False,
-    tool_calls: list[dict] | None = None,
     stop_reason: str | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk; chat deltas carry the role first, then content pieces (and the
-    reply's tool calls, each with its index, in one chunk before the last). The last one
-    carries the finish_reason and (vLLM's) stop_reason: the stop string that ended the
-    reply, if one did."""
+    """One streamed chunk of a reply's `piece`: chat deltas carry the role first, then
+    pieces of reasoning (`reasoning_content`, and mlx-lm's `reasoning`), of content, or
+    the calls' deltas (each with its index), one kind a chunk. The last one carries the
+    finish_reason and (vLLM's) stop_reason: the stop string that ended the reply, if one
+    did."""
+    piece = piece or ReplyDelta()
     if req.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text is not None:
-            delta["content"] = text
-        if tool_calls:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
+        if piece.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
+        if piece.content or (not piece and (role or logprobs is not None)):
+            delta["content"] = piece.content
+        if piece.calls:
+            delta["tool_calls"] = piece.calls
         choice = {"index": 0, "delta": delta}
     else:
-        choice = {"index": 0, "text": text or ""}
+        choice = {"index": 0, "text": piece.content}
+        if piece.reasoning:
+            choice["reasoning_content"] = choice["reasoning"] = piece.reasoning
     choice["logprobs"] = logprobs
     choice["finish_reason"] = finish
     if finish is not None:

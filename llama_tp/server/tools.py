@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..conversation.reply import ReplyStream
 from ..conversation.tool_calls import ToolStream, forced_call_grammar, tool_format  # noqa: F401
 from .bodies import loads, openai_param
 from .errors import RequestError
@@ -60,6 +61,9 @@ def message(m: Any, i: int, max_depth: int) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         out["name"] = m.name
+    thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if thought and m.role == "assistant":  # an earlier reply's reasoning, handed back
+        out["reasoning_content"] = thought
     return out
 
 
@@ -86,3 +90,12 @@ def choose(req: Any, tools: list[Tool] | None, choice: str | NamedChoice | None)
     req.tool_choice = choice or "auto"
     if req.tool_choice != "none":  # "none": the model answers in text, as without tools
         req.tools = [t.model_dump(exclude_none=True) for t in tools]
+
+
+def reply_stream(info: Any, req: Any) -> ReplyStream:
+    """The splitter of a request's (protocol.Request) reply into reasoning, content and
+    tool calls for the model `info` (app.ModelInfo): a chat's reasoning by the model's
+    markers, a text completion's only where its prompt opened the block."""
+    fmt = tool_format(info.renderer.tokenizer) if req.tools else None
+    markers = info.markers if req.chat or req.reasoning_open else None
+    return ReplyStream(markers, req.reasoning_open, fmt, req.tools)
