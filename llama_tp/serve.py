@@ -78,6 +78,21 @@ def _parser():
         "num_draft_tokens, while a request decodes alone; the text is the same with or "
         "without (default 0: off; at most 16)",
     )
+    p.add_argument(
+        "--chat-template-args",
+        default=None,
+        metavar="JSON",
+        help="chat template variables for requests that do not set them, as mlx-lm's "
+        """server takes them, e.g. '{"enable_thinking": false}'""",
+    )
+    p.add_argument(
+        "--reasoning-budget",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="close a reply's think block after N tokens, for chat requests that do not set "
+        "reasoning_budget_tokens (default -1: no budget; 0: answer without thinking)",
+    )
     p.add_argument("--ignore-chat-template", action="store_true")
     p.set_defaults(serving=True)  # --dp (replicas) is allowed here only
     return p

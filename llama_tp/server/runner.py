@@ -131,7 +131,31 @@ def defaults_from(args: argparse.Namespace) -> Defaults:
         system_prompt=args.system_prompt,
         use_chat_template=not args.ignore_chat_template,
         num_draft_tokens=args.num_draft_tokens,
+        template_kwargs=template_args(args.chat_template_args),
+        reasoning_budget=args.reasoning_budget,
     )
+
+
+def template_args(text: str | None) -> dict:
+    """--chat-template-args: a JSON object of template variables (UsageError else)."""
+    import json
+
+    from ..console.cli import UsageError
+    from .errors import RequestError
+    from .reasoning import checked_kwargs
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--chat-template-args is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--chat-template-args must be a JSON object, got {text[:80]!r}")
+    try:
+        return checked_kwargs(value, "--chat-template-args")
+    except RequestError as e:
+        raise UsageError(str(e)) from None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -232,6 +256,9 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.max_body_bytes < 0:
         raise UsageError(f"--max-body-bytes must be >= 0, got {args.max_body_bytes}")
+    template_args(args.chat_template_args)
+    if args.reasoning_budget < -1:
+        raise UsageError(f"--reasoning-budget must be >= -1, got {args.reasoning_budget}")
     if args.prompt_cache_size < 0:
         raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if not 0 <= args.port < 65536:
