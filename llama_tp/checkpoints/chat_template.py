@@ -17,6 +17,7 @@ mlx-lm's loader infers from the template.
 from __future__ import annotations
 
 import importlib
+import re
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +33,22 @@ FALLBACK_TEMPLATE = (
 )
 FALLBACK_STOP = "\nUser:"
 _MARK = "\ue0000\ue001"  # a private-use marker: no template escapes it, no user types it
+_THINKING = re.compile(r"""(\.thinking\b|['"]thinking['"]\s+in\s+message)""")
 
 
 class ChatTemplateError(ValueError):
     """The chat template rejected the conversation (e.g. a system message it does not allow)."""
+
+
+def _thinking_as_read(messages: list[dict]) -> list[dict]:
+    """`messages` with each earlier reply's reasoning (`reasoning_content`) also as
+    `thinking`, the name gpt-oss's template reads it by."""
+    return [
+        {**m, "thinking": m["reasoning_content"]}
+        if m.get("reasoning_content") and "thinking" not in m
+        else m
+        for m in messages
+    ]
 
 
 class PromptRenderer:
@@ -47,6 +60,10 @@ class PromptRenderer:
         self.stops: tuple[str, ...] = (
             (FALLBACK_STOP,) if use_chat_template and self.template else ()
         )
+        template = getattr(tokenizer, "chat_template", None)
+        # an earlier reply's reasoning: most templates read `reasoning_content` (or drop
+        # it); gpt-oss's reads `thinking`
+        self.reads_thinking = isinstance(template, str) and bool(_THINKING.search(template))
         self.eos = frozenset(tokenizer.eos_token_ids) | self._end_of_turn()
 
     def apply(
@@ -63,6 +80,8 @@ class PromptRenderer:
         `continue_final`: the last message is left open for the model to continue (a
         "prefill"), transformers' `continue_final_message`: no end of turn after it.
         `template_kwargs`: the template's own variables (`enable_thinking`, ...)."""
+        if self.reads_thinking:
+            messages = _thinking_as_read(messages)
         kwargs = {**template_kwargs}
         if self.template:
             kwargs["chat_template"] = self.template

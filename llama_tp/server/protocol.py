@@ -373,9 +373,8 @@ def prompt_tokens(req: Request, renderer) -> tuple[list[int], tuple[str, ...]]:
             kwargs = reasoning.template_kwargs(
                 tokenizer, req.template_defaults, req.reasoning_effort, req.template_kwargs
             )
-            messages = reasoning.handed_back(req.messages, tokenizer)
             ids = renderer.encode(
-                messages, req.tools, req.continue_final, req.add_generation_prompt, **kwargs
+                req.messages, req.tools, req.continue_final, req.add_generation_prompt, **kwargs
             )
             return ids, renderer.stops
         except ChatTemplateError as e:  # the template may reject e.g. a role order

@@ -74,16 +74,3 @@ def budget(
         return tuple(tokenizer.encode(text, add_special_tokens=False))
 
     return ReasoningBudget(tokens, ids(markers.forced), ids(markers.start), opened)
-
-
-def handed_back(messages: list[dict], tokenizer: Any) -> list[dict]:
-    """`messages` with each earlier reply's reasoning (`reasoning_content`) also under
-    the name the template reads it by: gpt-oss's `thinking` (the others read
-    `reasoning_content`, or drop it, as their releases do)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str) or "thinking" not in template:
-        return messages
-    return [
-        {**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m
-        for m in messages
-    ]
