@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -133,3 +134,27 @@ def complete(client, prompt: str, stream: bool = False, **kw) -> str:
         return client.completions.create(model="m", prompt=prompt, **kw).choices[0].text
     chunks = client.completions.create(model="m", prompt=prompt, stream=True, **kw)
     return "".join(ch.text for c in chunks for ch in c.choices)
+
+
+@contextmanager
+def serving(app):
+    """`app` (`create_app`'s, or `build_app`'s) on a free port of this machine, in this
+    process: its base URL. `create_app`'s step loop is stopped at the end."""
+    from llama_tp.server.runner import HTTPThread, bind
+
+    sock = bind("127.0.0.1", 0)
+    http_thread = HTTPThread(app, sock)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        http_thread.stop()
+        scheduler = getattr(app.state, "scheduler", None)
+        if scheduler is not None:  # create_app's step loop
+            scheduler.request_stop()
+            app.state.steps.join(10)
+
+
+def openai_client(base: str, key: str = KEY, **kw) -> openai.OpenAI:
+    """The real `openai` client of a server at `base`."""
+    kw = {"timeout": 60, **kw}
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, **kw)

@@ -4,35 +4,19 @@ answer and CORS, on an app served in this process (no ranks)."""
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-from serve_client import http  # noqa: E402
+from serve_client import http, serving  # noqa: E402
 
 from llama_tp.server.app import build_app  # noqa: E402
-from llama_tp.server.runner import HTTPThread, bind, create_app  # noqa: E402
+from llama_tp.server.runner import create_app  # noqa: E402
 from llama_tp.server.scheduler import Scheduler  # noqa: E402
 
 KEY = "sesame"
 ORIGIN = "https://app.example"
-
-
-@contextmanager
-def serving(app):
-    """`app` on a free port of this machine: its base URL."""
-    sock = bind("127.0.0.1", 0)
-    http_thread = HTTPThread(app, sock)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        http_thread.stop()
-        scheduler = getattr(app.state, "scheduler", None)
-        if scheduler is not None:  # create_app's step loop
-            scheduler.request_stop()
-            app.state.steps.join(10)
 
 
 def client(base: str, key: str = KEY, **kw) -> openai.OpenAI:

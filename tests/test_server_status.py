@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 parser = pytest.importorskip("prometheus_client.parser")
-from serve_client import KEY, http  # noqa: E402
-from test_server_plumbing import client, serving  # noqa: E402
+from serve_client import KEY, http, serving  # noqa: E402
+from test_server_plumbing import client  # noqa: E402
 
 from llama_tp.server.runner import create_app  # noqa: E402
 

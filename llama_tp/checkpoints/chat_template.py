@@ -120,7 +120,10 @@ class PromptRenderer:
         return self.encode([*messages, {"role": "user", "content": text}])
 
     def _end_of_turn(self) -> set[int]:
-        """The special token the template closes an assistant turn with, if any."""
+        """The special token the template closes an assistant turn with, if any: the first
+        after the reply, past whitespace and past tags (a special token with a name after
+        it, to the next special token: Kimi K3's `<|close|>message<|sep|>` before its
+        `<|end_of_msg|>`; its `<|close|>` also closes a think block)."""
         try:
             text = self.apply(
                 [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _MARK}],
@@ -130,9 +133,33 @@ class PromptRenderer:
         except ChatTemplateError:  # templates may insist on other conversations; EOS will do
             return set()
         after = text.partition(_MARK)[2]
-        ids = list(self.tokenizer.encode(after, add_special_tokens=False))[:1] if after else []
+        ids = list(self.tokenizer.encode(after, add_special_tokens=False))[:16] if after else []
         decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
-        return {i for i in ids if i in decoder and decoder[i].special}
+
+        def special(i: int) -> bool:
+            return i in decoder and decoder[i].special
+
+        def text_at(k: int) -> bool:  # a token of text, not whitespace
+            return (
+                k < len(ids)
+                and not special(ids[k])
+                and bool(self.tokenizer.decode([ids[k]]).strip())
+            )
+
+        k = 0
+        while k < len(ids):
+            if not special(ids[k]):
+                if text_at(k):
+                    return set()  # text after the reply: no token of its own ends it
+                k += 1
+            elif text_at(k + 1):  # a tag: past its name and the special token closing it
+                k += 1
+                while k < len(ids) and not special(ids[k]):
+                    k += 1
+                k += 1
+            else:
+                return {ids[k]}
+        return set()
 
 
 def _fallback(tokenizer: Any) -> str:
