@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("fastapi")
 anthropic = pytest.importorskip("anthropic")
 ollama = pytest.importorskip("ollama")
-from chat_families import FAMILIES, write_family_model  # noqa: E402
+from chat_families import write_family_model  # noqa: E402
 from serve_client import KEY, http, openai_client, serving  # noqa: E402
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
