@@ -22,14 +22,25 @@ QUESTION = "What is the capital of France?"
 ATTEMPTS = 3
 # Every route that reads a body, and how a minimal valid body looks on it.
 ROUTES = {
-    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "reasoning_effort": "low",
+        "reasoning_budget_tokens": 1,
+    },
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
-    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/messages": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "thinking": {"type": "enabled", "budget_tokens": 1},
+    },
     "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
     "/api/chat": {
         "messages": [{"role": "user", "content": "hi"}],
         "stream": False,
         "options": {"num_predict": 2},
+        "think": True,
     },
     "/api/generate": {"prompt": "hi", "stream": False, "options": {"num_predict": 2}},
     "/api/show": {"model": "m"},

@@ -187,10 +187,10 @@ def _reasoning(req: Request, ids: list[int], info: Any, defaults: Defaults) -> N
     server's for a chat that does not say, where the model reasons)."""
     tokenizer = info.renderer.tokenizer
     req.reasoning_open = prompt_opens(info.markers, tokenizer, ids)
-    tokens, field_ = req.reasoning_budget, "reasoning_budget_tokens"
-    if tokens is None and req.chat and info.markers is not None:
+    tokens = req.reasoning_budget
+    if tokens is None and req.chat:
         tokens = defaults.reasoning_budget
-    budget = reasoning.budget(tokens, info.markers, tokenizer, req.reasoning_open, field_)
+    budget = reasoning.budget(tokens, info.markers, tokenizer, req.reasoning_open)
     if budget is not None:
         req.params = req.params.but(reasoning_budget=budget)
 

@@ -61,14 +61,13 @@ def template_kwargs(
 
 
 def budget(
-    tokens: int | None, markers: Markers | None, tokenizer: Any, opened: bool, field: str
+    tokens: int | None, markers: Markers | None, tokenizer: Any, opened: bool
 ) -> ReasoningBudget | None:
-    """The reasoning budget of `tokens` (None or -1: none) for a model with `markers`
-    (400 naming `field` when the model does not reason)."""
-    if tokens is None or tokens < 0:
+    """The reasoning budget of `tokens` (None or -1: none) for a model with `markers`;
+    none for a model that does not reason (clients such as Claude Code send a budget
+    whatever the model: it answers as it would without)."""
+    if tokens is None or tokens < 0 or markers is None:
         return None
-    if markers is None:
-        raise RequestError(f"'{field}': this model's chat template has no reasoning", field)
 
     def ids(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
