@@ -26,6 +26,8 @@ ROUTES = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
     "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2},
+    "/v1/responses/input_tokens": {"input": "hi"},
     "/api/chat": {
         "messages": [{"role": "user", "content": "hi"}],
         "stream": False,
@@ -203,6 +205,13 @@ _FIELDS = [
     "continue_final_message",
     "max_completion_tokens",
     "stream_options",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "previous_response_id",
+    "text",
+    "reasoning",
+    "store",
 ]
 
 
