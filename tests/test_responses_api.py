@@ -211,6 +211,7 @@ BAD = [  # (the request's fields, the field the 400 names)
     ({"input": "x" * 5_000_000}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "name": "no spaces"}]}, "tools[0].name"),
+    ({"tools": [*FLAT, FLAT[0]]}, "tools[2].name"),
     ({"tools": FLAT, "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"tools": FLAT, "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
     (

@@ -174,7 +174,7 @@ def chat_body(data: Any, store: ResponseStore) -> ChatBody:
     if b.instructions:
         chat.insert(0, {"role": "system", "content": b.instructions})
     out = ChatBody(messages=merge_system(chat))
-    tools = [_tool(t, k) for k, t in enumerate(b.tools or [])]
+    tools = _tools(b.tools or [])
     if tools:
         out["tools"] = [
             {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
@@ -244,11 +244,20 @@ def _echo(b: ResponsesBody, tools: list[FunctionTool]) -> dict[str, Any]:
     }
 
 
-def _tool(raw: Any, k: int) -> FunctionTool:
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind != "function":
-        raise refuse(("tools", k, "type"), f"this server offers function tools only, got {kind!r}")
-    return validate(FunctionTool, raw, named(("tools", k), _FIELDS))
+def _tools(given: list[Any]) -> list[FunctionTool]:
+    """The request's tools: function tools, each name once."""
+    out, seen = [], set()
+    for k, raw in enumerate(given):
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind != "function":
+            why = f"this server offers function tools only, got {kind!r}"
+            raise refuse(("tools", k, "type"), why)
+        tool = validate(FunctionTool, raw, named(("tools", k), _FIELDS))
+        if tool.name in seen:
+            raise refuse(("tools", k, "name"), f"{tool.name!r} is defined twice")
+        seen.add(tool.name)
+        out.append(tool)
+    return out
 
 
 def _tool_choice(choice: str | dict[str, Any], out: dict[str, Any]) -> str | dict[str, Any]:
