@@ -33,7 +33,7 @@ from importlib import resources
 from typing import Annotated, Any
 
 from ..checkpoints.chat_template import PromptRenderer
-from . import anthropic, anthropic_answers, ollama, responses_api
+from . import anthropic, anthropic_answers, ollama
 from .guard import Guard, Hosts
 from .limits import Limits
 from .preparation import OPENAI_CHAT, OPENAI_COMPLETION, Api, Preparation, Prepared
@@ -48,6 +48,7 @@ from .protocol import (
 )
 from .response_store import ResponseStore
 from .responses import Logprobs, chunk, completion_body, usage_chunk
+from .responses_api import routes as responses_routes
 from .scheduler import Failure, Scheduler
 from .status import Monitor
 from .tools import ToolStream, tool_format
@@ -281,12 +282,12 @@ def build_app(
             if not done:  # the client went away mid-stream
                 scheduler.cancel(job.uid)
 
-    # The Anthropic, Responses and Ollama routes: their bodies translated to OpenAI's,
-    # answered here.
+    # The Anthropic and Ollama routes: their bodies translated to OpenAI's, answered here.
     openai = OpenAIRoutes(prepare, answer, available)
     app.include_router(anthropic.routes(openai), prefix="/v1")
+    # ... and the Responses API's, with the responses it keeps
     app.state.responses = responses if responses is not None else ResponseStore()
-    app.include_router(responses_api.routes(openai, app.state.responses), prefix="/v1")
+    app.include_router(responses_routes(openai, app.state.responses), prefix="/v1")
     app.include_router(ollama.routes(openai), prefix="/api")
 
     return app

@@ -234,13 +234,13 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.max_body_bytes < 0:
         raise UsageError(f"--max-body-bytes must be >= 0, got {args.max_body_bytes}")
-    for flag in ("responses_store_size", "responses_store_bytes"):
-        if getattr(args, flag) < 0:
-            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.prompt_cache_size < 0:
         raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    for flag in ("responses_store_size", "responses_store_bytes"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
 
 
 def fastapi_missing() -> bool:
