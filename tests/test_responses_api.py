@@ -5,9 +5,10 @@ function call as a `function_call` item (streamed with its argument deltas), its
 sent back through `previous_response_id` and as items (the same prompt both ways), the
 store, and bad bodies answered with a 400 naming the field.
 
-The tiny model is served with test_serve_tools' Hermes template, which makes a named
-function a constrained call in Qwen's format. Its replies have no reasoning yet: the
-reasoning items are tested on chat chunks that carry it (test_responses_translation.py).
+The tiny model speaks Llama 3.1's chat language (the release's template and special
+tokens: tests/chat_families.py), whose bare-JSON calls a named function or "required"
+constrains. Its replies have no reasoning: the reasoning items are tested on chat chunks
+that carry it (test_responses_translation.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
-from test_serve_tools import ASK, TOOLS, _model  # noqa: E402
+from chat_families import write_family_model  # noqa: E402
+from test_serve_tools import ASK, TOOLS  # noqa: E402
 from test_server_plumbing import serving  # noqa: E402
 
 from llama_tp.server.protocol import Defaults  # noqa: E402
@@ -34,12 +36,13 @@ NAMED = {"type": "function", "name": "get_weather"}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir, tmp_path_factory):
-    """The tiny model with the Hermes template behind a key; replies of 16 tokens at most
+def served(tmp_path_factory):
+    """The tiny model with Llama 3.1's template behind a key; replies of 16 tokens at most
     unless a request says."""
     from llama_tp import load
 
-    model, tokenizer = load(_model(tiny_dir, tmp_path_factory.mktemp("responses"), "hermes"))
+    path = tmp_path_factory.mktemp("responses") / "llama3_1"
+    model, tokenizer = load(write_family_model("llama3_1", path, max_position_embeddings=4096))
     app = create_app(
         model,
         tokenizer,
