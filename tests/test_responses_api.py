@@ -107,6 +107,17 @@ def test_text_or_items_give_the_chat_routes_text(served):
     assert c.responses.input_tokens.count(model="m", input=items).input_tokens == (
         r.usage.input_tokens
     )
+    # text.format: the reply constrained to a schema
+    city = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Lima"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "city", "schema": city, "strict": True}}
+    r = c.responses.create(model="m", input=QUESTION, text=fmt, max_output_tokens=40)
+    assert json.loads(r.output_text)["city"] in ("Paris", "Lima") and r.status == "completed"
+    assert r.text.format.type == "json_schema" and r.text.format.name == "city"
     # top_logprobs: each token's, as the chat route gives them
     r = c.responses.create(model="m", input=QUESTION, max_output_tokens=3, top_logprobs=2)
     part = r.output[0].content[0]
