@@ -132,7 +132,6 @@ class Turn:
     store: bool = True
     summary: bool = False  # reasoning asked as a summary too (`reasoning.summary`)
     previous: Stored | None = None
-    logprobs: bool = False
 
 
 class ChatBody(dict):
@@ -184,13 +183,13 @@ def chat_body(data: Any, store: ResponseStore) -> ChatBody:
         out["tool_choice"] = _tool_choice(b.tool_choice, out)
     if b.parallel_tool_calls is not None:
         out["parallel_tool_calls"] = b.parallel_tool_calls
-    for name, chat in (
+    for name, as_chat in (
         ("max_output_tokens", "max_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
     ):
         if getattr(b, name) is not None:
-            out[chat] = getattr(b, name)
+            out[as_chat] = getattr(b, name)
     if b.top_logprobs is not None:
         out.update(logprobs=True, top_logprobs=b.top_logprobs)
     fmt = b.text.format if b.text else None
@@ -203,15 +202,7 @@ def chat_body(data: Any, store: ResponseStore) -> ChatBody:
     if b.stream:
         out.update(stream=True, stream_options={"include_usage": True})
     summary = bool(b.reasoning and (b.reasoning.summary or b.reasoning.generate_summary))
-    out.turn = Turn(
-        items,
-        _echo(b, tools),
-        bool(b.stream),
-        b.store is not False,
-        summary,
-        previous,
-        b.top_logprobs is not None,
-    )
+    out.turn = Turn(items, _echo(b, tools), bool(b.stream), b.store is not False, summary, previous)
     return out
 
 
