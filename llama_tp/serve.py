@@ -22,6 +22,8 @@ INSTALL_HINT = (
 
 def _parser():
     from .console.cli import ArgumentParser, add_model_args
+    from .server.response_store import BYTES as STORE_BYTES
+    from .server.response_store import COUNT as STORE_COUNT
 
     p = ArgumentParser(
         prog="python -m llama_tp.serve",
@@ -68,6 +70,22 @@ def _parser():
         type=int,
         default=10,
         help="finished conversations kept for reuse of their prefill (default 10; 0: off)",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=STORE_COUNT,
+        metavar="N",
+        help="responses the Responses API keeps for previous_response_id and GET "
+        f"/v1/responses/ID, oldest evicted first (default {STORE_COUNT}; 0: none)",
+    )
+    p.add_argument(
+        "--responses-store-bytes",
+        type=int,
+        default=STORE_BYTES,
+        metavar="N",
+        help="bytes the kept responses' conversations take at most, oldest evicted first "
+        f"(default {STORE_BYTES >> 20} MiB)",
     )
     p.add_argument(
         "--num-draft-tokens",

@@ -36,6 +36,8 @@ ROUTES = {
         "thinking": {"type": "enabled", "budget_tokens": 1},
     },
     "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2},
+    "/v1/responses/input_tokens": {"input": "hi"},
     "/api/chat": {
         "messages": [{"role": "user", "content": "hi"}],
         "stream": False,
@@ -214,6 +216,13 @@ _FIELDS = [
     "continue_final_message",
     "max_completion_tokens",
     "stream_options",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "previous_response_id",
+    "text",
+    "reasoning",
+    "store",
 ]
 
 

@@ -276,6 +276,7 @@ def test_deep_json_is_a_400_naming_the_body_or_the_field(served):
         "/v1/completions",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
         "/api/chat",
         "/api/generate",
     ):
@@ -300,6 +301,7 @@ def test_text_that_is_not_unicode_is_a_400(served):
         ("/v1/completions", b'{"prompt": "a\\ud800b"}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}'),
         ("/api/generate", b'{"prompt": "\\ud800", "stream": false}'),
+        ("/v1/responses", b'{"input": [{"role": "user", "content": "a\\udc00"}]}'),
         (
             "/v1/messages",
             b'{"max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}',

@@ -48,7 +48,9 @@ from .protocol import (
     error_body,
     validation_error,
 )
+from .response_store import ResponseStore
 from .responses import Logprobs, chunk, completion_body, usage_chunk
+from .responses_api import routes as responses_routes
 from .scheduler import Failure, Scheduler
 from .status import Monitor
 from .tools import reply_stream
@@ -83,12 +85,14 @@ def build_app(
     cors: list[str] | None = None,
     hosts: Hosts | None = None,
     max_body: int = 0,
+    responses: ResponseStore | None = None,
 ):
     """The FastAPI app serving `scheduler`'s model (OpenAI's routes, /health). The app
     answers before the model has loaded: `app.state.model` (a ModelInfo) is set then.
     `cors`: the origins browsers may call from ("*": any); `hosts`: the Host names it
     answers to (default: the local ones and any address); `max_body`: the largest body
-    read, in bytes (0: the model's `Limits.body_bytes`)."""
+    read, in bytes (0: the model's `Limits.body_bytes`); `responses`: where the Responses
+    API keeps its responses (default: a store of the default bounds)."""
     from fastapi import APIRouter, Depends, FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.middleware.cors import CORSMiddleware
@@ -291,6 +295,9 @@ def build_app(
     # The Anthropic and Ollama routes: their bodies translated to OpenAI's, answered here.
     openai = OpenAIRoutes(prepare, answer, available)
     app.include_router(anthropic.routes(openai), prefix="/v1")
+    # ... and the Responses API's, with the responses it keeps
+    app.state.responses = responses if responses is not None else ResponseStore()
+    app.include_router(responses_routes(openai, app.state.responses), prefix="/v1")
     app.include_router(ollama.routes(openai), prefix="/api")
 
     return app

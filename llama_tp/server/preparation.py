@@ -63,15 +63,17 @@ class Api:
     names: dict[str, str] = field(default_factory=dict)
 
     def renamed(self, e: RequestError) -> RequestError:
-        """`e` with the field named as this API names it ("name: ...")."""
+        """`e` with the field named as this API names it ("name: ...", or "'name': ..."
+        in an API that quotes names as OpenAI's does)."""
         name = self.names.get(e.param or "")
         if name is None:
             return e
         text, quoted = str(e), f"'{e.param}'"
+        head = f"'{name}'" if self.place is openai_param else name
         if text.startswith(quoted):
-            text = f"{name}: {text[len(quoted) :].lstrip(': ')}"
+            text = f"{head}: {text[len(quoted) :].lstrip(': ')}"
         else:
-            text = text.replace(quoted, name)
+            text = text.replace(quoted, head)
         return RequestError(text, name, e.status, e.code, e.kind)
 
 

@@ -26,6 +26,7 @@ from .app import ModelInfo, build_app
 from .guard import Hosts
 from .limits import Limits
 from .protocol import MAX_DRAFT_TOKENS, Defaults
+from .response_store import ResponseStore
 from .scheduler import Scheduler, run_steps
 
 
@@ -74,6 +75,7 @@ def create_app(
     cors: list[str] | None = None,
     hosts: Hosts | None = None,
     max_body: int = 0,
+    responses: ResponseStore | None = None,
 ):
     """A ready FastAPI app serving `model` in this process (one rank), e.g. for tests:
 
@@ -85,7 +87,7 @@ def create_app(
     """
     scheduler = Scheduler(max_batch, max_queue)
     engine = BatchEngine(model, tokenizer, prompt_cache_size=prompt_cache_size)
-    app = build_app(scheduler, defaults, api_key, cors, hosts, max_body)
+    app = build_app(scheduler, defaults, api_key, cors, hosts, max_body, responses)
     use_template = (defaults or Defaults()).use_chat_template
     app.state.model = model_info(model, tokenizer, model_name, use_template, max_body)
     app.state.scheduler, app.state.engine = scheduler, engine
@@ -177,9 +179,10 @@ def serve(args: argparse.Namespace) -> int:
     if rank0:
         # Listening before the model loads: the app answers 503 "loading" meanwhile.
         hosts = Hosts(args.host, _origins(args.allowed_hosts))
+        store = ResponseStore(args.responses_store_size, args.responses_store_bytes)
         app = build_app(
             scheduler, defaults_from(args), args.api_key, _origins(args.cors), hosts,
-            args.max_body_bytes,
+            args.max_body_bytes, store,
         )  # fmt: skip
         http = HTTPThread(app, sock)
         eprint0(f"serve: listening on http://{args.host}:{args.port}; loading the model ...")
@@ -263,6 +266,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--prompt-cache-size must be >= 0, got {args.prompt_cache_size}")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    for flag in ("responses_store_size", "responses_store_bytes"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
 
 
 def fastapi_missing() -> bool:
