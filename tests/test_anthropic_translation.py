@@ -70,6 +70,7 @@ def test_anthropic_body_becomes_the_openai_chat_body():
         {
             "role": "assistant",
             "content": "Let me look.",
+            "reasoning_content": "hm",  # the thinking handed back: the template's to render
             "tool_calls": [
                 {
                     "id": "toolu_1",

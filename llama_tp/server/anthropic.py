@@ -97,7 +97,7 @@ class Thinking(_Body):
     "omitted" sends the thinking blocks without their text."""
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: Annotated[int, Field(ge=0)] | None = None
+    budget_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
     display: Literal["summarized", "omitted"] | None = None
 
 

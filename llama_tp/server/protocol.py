@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..checkpoints.chat_template import ChatTemplateError
 from ..engine.grammar import GrammarError, json_object_grammar, json_schema_grammar
-from ..engine.settings import SamplingParams, SettingsError
+from ..engine.settings import MAX_INDEX, SamplingParams, SettingsError
 from . import reasoning
 from . import tools as tool_calls
 from .bodies import openai_param, validate
@@ -151,8 +151,8 @@ class ChatBody(_Common):
     # reasoning (server/reasoning.py): the template's variables, the effort, a budget
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    reasoning_budget_tokens: Annotated[int, Field(ge=-1)] | None = None
-    thinking_budget_tokens: Annotated[int, Field(ge=-1)] | None = None
+    reasoning_budget_tokens: Annotated[int, Field(ge=-1, le=MAX_INDEX)] | None = None
+    thinking_budget_tokens: Annotated[int, Field(ge=-1, le=MAX_INDEX)] | None = None
 
 
 class CompletionBody(_Common):
