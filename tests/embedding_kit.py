@@ -1,21 +1,17 @@
 """What the embedding tests share: sentence-transformers' files declaring a pooling, the
 oracle (mlx-lm's own model class on the same folder, its hidden states pooled by hand),
-an app served in this process, and the real clients pointed at it."""
+and the `ollama` client of a server (`serving` and `openai_client`: serve_client.py)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import ollama
-import openai
 from serve_client import KEY
-
-from llama_tp.server.runner import HTTPThread, bind
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # sentence-transformers' flag of each pooling (1_Pooling/config.json)
@@ -74,23 +70,6 @@ class Oracle:
         h = self.model.model(mx.array([ids])).astype(mx.float32)[0]
         v = np.array({"mean": h.mean(axis=0), "cls": h[0], "last": h[-1]}[pooling])
         return v / np.linalg.norm(v)
-
-
-@contextmanager
-def serving(app):
-    """`app` on a free port of this machine: its base URL; its step loop stopped after."""
-    sock = bind("127.0.0.1", 0)
-    http_thread = HTTPThread(app, sock)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        http_thread.stop()
-        app.state.scheduler.request_stop()
-        app.state.steps.join(10)
-
-
-def openai_client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def ollama_client(base: str) -> ollama.Client:

@@ -28,12 +28,10 @@ from embedding_kit import (  # noqa: E402
     Oracle,
     declare,
     ollama_client,
-    openai_client,
-    serving,
     vectors,
 )
 from hostile import ROUTES, malformed, raw  # noqa: E402
-from serve_client import KEY, http  # noqa: E402
+from serve_client import KEY, http, openai_client, serving  # noqa: E402
 
 from llama_tp.checkpoints.pooling import EmbeddingSpec, embedding_spec  # noqa: E402
 from llama_tp.server.runner import create_app  # noqa: E402

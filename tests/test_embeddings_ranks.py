@@ -19,11 +19,9 @@ from embedding_kit import (  # noqa: E402
     declare,
     model_copy,
     ollama_client,
-    openai_client,
-    serving,
     vectors,
 )
-from serve_client import KEY, Server, chat, http  # noqa: E402
+from serve_client import KEY, Server, chat, http, openai_client, serving  # noqa: E402
 
 from llama_tp.checkpoints.pooling import embedding_spec  # noqa: E402
 
@@ -87,7 +85,7 @@ def test_two_ranks_give_one_process_s_vectors(servers, folder):
 
 def test_a_chat_beside_embeddings_on_two_ranks_and_ps(servers):
     base = servers[2]
-    c = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
+    c = openai_client(base)
     alone = chat(c, "hello", max_tokens=24)[0]
     many = [f"input number {i} " * 20 for i in range(40)]
     out = {}
