@@ -149,14 +149,7 @@ class Scheduler:
                 raise problem
             waiting = len(self._pending) + len(self._preparing)
             if waiting >= self.max_queue:
-                raise RequestError(
-                    f"the server is busy: {waiting} requests are waiting "
-                    f"(--max-queue {self.max_queue}); retry later",
-                    None,
-                    429,
-                    "rate_limit_exceeded",
-                    "rate_limit_error",
-                )
+                raise self._busy(f"{waiting} requests are waiting")
             # Rank 0 picks the seed of an unseeded request: every rank gets it in the decision.
             seed = self._rng.randrange(2**31) if seed is None else seed
             job = Job(next(self._uids), prompt, params.but(seed=seed), loop)
@@ -180,19 +173,21 @@ class Scheduler:
                 raise problem
             open_ = len(self._embeds) + len(self._embedding)
             if open_ >= self.max_queue:
-                raise RequestError(
-                    f"the server is busy: {open_} embedding requests are open "
-                    f"(--max-queue {self.max_queue}); retry later",
-                    None,
-                    429,
-                    "rate_limit_exceeded",
-                    "rate_limit_error",
-                )
+                raise self._busy(f"{open_} embedding requests are open")
             uid = next(self._uids)
             job = Job(uid, [], None, loop, Embed(uid, inputs, pooling))
             self._embeds.append(job)
             self._cond.notify()
             return job
+
+    def _busy(self, what: str) -> RequestError:
+        return RequestError(
+            f"the server is busy: {what} (--max-queue {self.max_queue}); retry later",
+            None,
+            429,
+            "rate_limit_exceeded",
+            "rate_limit_error",
+        )
 
     def embeddings(self) -> int:
         """Embedding requests open (waiting or being computed)."""
