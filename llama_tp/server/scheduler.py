@@ -262,14 +262,13 @@ class Scheduler:
             where = {**self._where, **self._embedding}
             cancels = [sorted(u for u in cancelled if where[u] == d) for d in range(len(active))]
             embeds: list[list[Embed]] = [[] for _ in active]
+            load = [list(self._embedding.values()).count(d) for d in range(n)]
             while self._embeds:  # each to the replica with the fewest open
-                load = [0] * n
-                for d in self._embedding.values():
-                    load[d] += 1
                 d = min(range(n), key=lambda i: load[i])
                 job = self._embeds.popleft()
                 self._running[job.uid], self._embedding[job.uid] = job, d
                 embeds[d].append(job.embed)
+                load[d] += 1
             rows = [a - len(c) for a, c in zip(active, cancels, strict=True)]
             joins: list[list[Join]] = [[] for _ in active]
             while self._pending:
