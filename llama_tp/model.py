@@ -599,8 +599,22 @@ class Transformer(nn.Module):
         `input_embeddings` (B, L, dim), when given, replaces the embedding lookup
         (as in mlx-lm's models): the sampler may already hold the new token's row.
         """
+        return self.head(self.hidden(tokens, cache, input_embeddings))
+
+    def hidden(
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None = None,
+        input_embeddings: mx.array | None = None,
+    ) -> mx.array:
+        """tokens (B, L) -> the final-normed hidden state (B, L, dim) the head reads: the
+        embedding, the layers, `finish` and the final norm. Under tensor parallelism it
+        is whole on every rank (each block ends in an all-reduce); under sequence
+        parallelism (parallel/sequence.py, which only the head gathers) it would be this
+        rank's chunk of the positions."""
         h = self.embed(tokens, input_embeddings)
         # Under sequence parallelism h is this rank's chunk (>= 2 positions, see
         # parallel/sequence.py): the mask is "causal" either way.
-        h = run_layers(self.layers, h, cache, self.side_inputs(tokens, h))
-        return self.head(self.norm(h))
+        side = self.side_inputs(tokens, h)
+        h = run_layers(self.layers, h, cache, side)
+        return self.norm(self.finish(h, side))

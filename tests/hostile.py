@@ -46,6 +46,9 @@ ROUTES = {
     },
     "/api/generate": {"prompt": "hi", "stream": False, "options": {"num_predict": 2}},
     "/api/show": {"model": "m"},
+    "/v1/embeddings": {"input": ["hi", "there"]},
+    "/api/embed": {"input": "hi"},
+    "/api/embeddings": {"prompt": "hi"},
 }
 GETS = (
     "/health",
@@ -55,6 +58,7 @@ GETS = (
     "/metrics",
     "/openapi.json",
     "/api/tags",
+    "/api/ps",
     "/api/version",
 )
 

@@ -12,7 +12,9 @@ call of `apply`, at the chunk boundaries it would have alone: the rows already
 decoding get a token between its chunks instead of waiting for all of it (a
 request with a long prompt cannot starve the others); `step()` decodes one
 token for every row at once, or, for a batch of one sequence that asked for
-drafts, a speculative step with prompt lookup. Finished rows can leave their
+drafts, a speculative step with prompt lookup. Embedding requests (`Embed` in a
+decision) take the same turns: one chunk of theirs per step, before the rows' token
+(`engine/embeddings.py`), over caches of their own. Finished rows can leave their
 cache in mlx-lm's `LRUPromptCache`, so that a later prompt sharing their prefix
 (a chat's next turn) prefills only the rest. Under mlx.launch every rank runs
 the same engine on the same decisions, so the ranks' batches, caches and
@@ -37,14 +39,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..checkpoints.chat_template import renderer_for
 from ..cluster.distributed import first_line, world
 from . import caches
-from .batch_messages import Decision, Event, Join, SamplingParams
+from .batch_messages import Decision, Embed, Embedded, Event, Join, SamplingParams
 from .decoder import Decoder
 from .drafters import NgramDrafter
+from .embeddings import Embedder
 from .logits_processors import processors_for
 from .prefill import prefill
 from .sequence import Sequence
 
-__all__ = ["BatchEngine", "BatchResult", "Decision", "Event", "Join", "SamplingParams"]
+__all__ = ["BatchEngine", "BatchResult", "Decision", "Embed", "Embedded", "Event", "Join"]
+__all__ += ["SamplingParams"]
 __all__ += ["batch_generate"]
 
 _MODEL_KEY = "model"  # LRUPromptCache keys its trie by model; the engine serves one
@@ -86,15 +90,25 @@ class BatchEngine(Decoder):
         # (first in, first filled); they join the rows when their last token is fed.
         self.filling: deque[tuple[Sequence, list[Any]]] = deque()
         self._filled = False  # this step's chunk was prefilled (by `apply`)
+        self.embedder = Embedder(model, prefill_step_size)  # embedding requests
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.filling)
 
-    def apply(self, decision: Decision) -> list[Event]:
+    @property
+    def busy(self) -> bool:
+        """Whether a step has work: rows, prompts being prefilled or embedding requests."""
+        return bool(len(self) or len(self.embedder))
+
+    def apply(self, decision: Decision) -> list[Event | Embedded]:
         """Drop the cancelled rows, admit the new ones and prefill: every admitted prompt
-        when no row is decoding, else one chunk (the rest at the next calls)."""
-        events = []
+        when no row is decoding, else one chunk (the rest at the next calls); queue the
+        embedding requests."""
+        events: list[Event | Embedded] = []
         cancelled = set(decision.cancels)
+        events += self.embedder.cancel(cancelled)
+        for embed in decision.embeds:
+            self.embedder.add(embed)
         for seq, cache in [f for f in self.filling if f[0].uid in cancelled]:
             self.filling.remove((seq, cache))
             seq.end("cancelled")
@@ -139,13 +153,15 @@ class BatchEngine(Decoder):
             self.filling.popleft()
             self._join(seq, cache)
 
-    def step(self) -> list[Event]:
+    def step(self) -> list[Event | Embedded]:
         """One token for every row (Decoder.step), after the next chunk of a prompt being
-        prefilled when `apply` did not run one since the last step."""
+        prefilled when `apply` did not run one since the last step, and the next chunk of
+        an embedding request (the finished ones' vectors)."""
         if self.filling and not self._filled:
             self._fill()
         self._filled = False
-        return super().step()
+        done = self.embedder.step()
+        return [*done, *super().step()]
 
     def _admit(self, join: Join) -> Event | None:
         """Queue `join` for prefilling (`_fill`), from the prompt cache's nearest entry; or,

@@ -14,6 +14,8 @@ and every rank computes the head itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -192,6 +194,39 @@ class GenericModel(nn.Module):
             return out[:, -n:, :]
         return mx.zeros((B, n, self.args.vocab_size), self.logits_dtype)
 
+    @property
+    def hidden_refusal(self) -> str | None:
+        """Why this model cannot give its hidden states (`hidden`), or None."""
+        s = self.structure
+        if s.head is None and s.embedding is None:
+            return (
+                f"mlx-lm's {self.args.model_type} has no output head or token embedding "
+                "module whose input is the final hidden state"
+            )
+        return None
+
+    def hidden(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+        """tokens (B, L) -> the final-normed hidden state (B, L, dim) in float32, on every
+        rank: what mlx-lm's forward hands its output head (read at the head's input, so
+        whatever the model does before it is mlx-lm's own; the head itself is never
+        evaluated). Split into stages, the last stage's, shared by one all-sum over the
+        pipeline group (the others add zeros). ValueError when the forward reaches no head."""
+        seen: list[mx.array] = []
+        with _reading_head_input(self.inner, self.structure, seen):
+            self.inner(tokens, cache=self._full_cache(cache))
+        if not seen:
+            raise ValueError(
+                f"mlx-lm's {self.args.model_type}: its forward reached no output head, so its "
+                "hidden states cannot be read"
+            )
+        h = seen[-1].astype(mx.float32)
+        link = self.link
+        if link is None:
+            return h
+        if link.stage != link.pp - 1:
+            h = mx.zeros(h.shape, mx.float32)
+        return mx.distributed.all_sum(h, group=link.group)
+
     def describe_stages(self, group: mx.distributed.Group) -> list[str]:
         """One line per stage from what each rank holds: its ranks, layers and weight bytes
         (collective: one all_gather_object over `group`, every rank calls it)."""
@@ -295,6 +330,37 @@ class GenericModel(nn.Module):
             table[name] = _name(handed[1] if handed else out.dtype)
             shapes = {"in": link.seen.get("in_shape"), "out": handed[0] if handed else None}
         return table, shapes
+
+
+@contextmanager
+def _reading_head_input(inner: nn.Module, structure: Any, seen: list) -> Iterator[None]:
+    """While inside, the output head (its `__call__`) and the token embedding used as one
+    (`as_linear`, a tied head) note the hidden state they receive in `seen`: their
+    classes swapped for subclasses that do, and swapped back after."""
+    from .structure import get_path
+
+    swapped = []
+    for path, method in ((structure.head, "__call__"), (structure.embedding, "as_linear")):
+        if path is None:
+            continue
+        module = get_path(inner, path)
+        base = type(module)
+        original = getattr(base, method, None)
+        if original is None:
+            continue
+
+        def read(me, x, *args, _original=original, **kwargs):
+            seen.append(x)
+            return _original(me, x, *args, **kwargs)
+
+        reading = type(f"Read{base.__name__}", (base,), {method: read})
+        object.__setattr__(module, "__class__", reading)
+        swapped.append((module, base))
+    try:
+        yield
+    finally:
+        for module, base in swapped:
+            object.__setattr__(module, "__class__", base)
 
 
 def _name(dtype: mx.Dtype) -> str:

@@ -11,7 +11,8 @@ A forward pass on every rank of stage s:
 
 and then one all-reduce of those logits over the pipeline group (the other stages
 add zeros), so every rank returns the same last-position logits (B, 1, V_local) and
-runs the unchanged samplers: every rank picks the same next token. The sends are
+runs the unchanged samplers: every rank picks the same next token. `hidden` shares the
+last stage's final-normed hidden states (B, L, dim) the same way (embeddings). The sends are
 evaluated inside the call (a stage's cache update would not wait for them), so
 decoding one sequence is sequential across stages: each token passes stage 0, then
 stage 1, ..., while the others wait (the server's batches share those passes).
@@ -102,6 +103,38 @@ class PipelineModel(nn.Module):
         mesh, (B, L) = self.mesh, tokens.shape
         split = cache is not None and not every_position and L >= 2 * MIN_MICRO
         bounds = micro_batches(L, mesh.pp) if split else [(0, L)]
+        h, side = self._run_stage(tokens, cache, input_embeddings, bounds)
+        n = L if every_position else 1
+        if mesh.last:
+            h = self.family.finish(self, h, side)
+            logits = self._head(self.norm(h[:, -n:, :]))
+        else:
+            logits = mx.zeros((B, n, len(self.vocab)), self.logits_dtype)
+        return mx.distributed.all_sum(logits, group=mesh.pp_group)
+
+    def hidden(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
+        """tokens (B, L) -> the final-normed hidden state (B, L, dim) in float32, on every
+        rank: the last stage's, shared over the pipeline group by one all-sum (the other
+        stages add zeros), as the logits are. One pass (no micro-batches)."""
+        mesh, (B, L) = self.mesh, tokens.shape
+        h, side = self._run_stage(tokens, cache, None, [(0, L)])
+        if mesh.last:
+            out = self.norm(self.family.finish(self, h, side)).astype(mx.float32)
+        else:
+            out = mx.zeros((B, L, self.args.dim), mx.float32)
+        return mx.distributed.all_sum(out, group=mesh.pp_group)
+
+    def _run_stage(
+        self,
+        tokens: mx.array,
+        cache: list[Any] | None,
+        input_embeddings: mx.array | None,
+        bounds: list[tuple[int, int]],
+    ) -> tuple[mx.array, Any]:
+        """This stage's layers on each micro-batch [a, b) of `bounds` in turn (received from
+        the stage before, or embedded; sent on unless last): the last micro-batch's h
+        (B, b - a, dim) and side input."""
+        mesh, (B, L) = self.mesh, tokens.shape
         family, side = self.family, None
         width = self.args.dim + family.hand_off_width(self, self.first_layer)
         for a, b in bounds:
@@ -126,13 +159,7 @@ class PipelineModel(nn.Module):
                 # The last stage too, one micro-batch at a time: a lazy graph of them
                 # all could post the next recv before this one's layers have run.
                 mx.eval(h)
-        n = L if every_position else 1
-        if mesh.last:
-            h = family.finish(self, h, side)
-            logits = self._head(self.norm(h[:, -n:, :]))
-        else:
-            logits = mx.zeros((B, n, len(self.vocab)), self.logits_dtype)
-        return mx.distributed.all_sum(logits, group=mesh.pp_group)
+        return h, side
 
     def vocab_shard(self) -> VocabShard | None:
         """Where this rank's logits sit in the vocabulary (None: whole), for the samplers."""

@@ -39,7 +39,7 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.kimi_k3 import ResidualBlocks, _attn_res_mix
 from mlx_lm.models.kimi_linear import ShortConv1d
 
-from ..model import Transformer, TransformerBlock, run_layers
+from ..model import Transformer, TransformerBlock
 from ..model_args import ModelArgs
 from ..parallel.splits import (
     CHANNELS,
@@ -316,16 +316,7 @@ class KimiK3Transformer(Transformer):
         w = _w_eff(self, "output_attn_res")
         return _attn_res_mix(blocks, h, w, self.args.norm_eps)
 
-    def __call__(
-        self,
-        tokens: mx.array,
-        cache: list[Any] | None = None,
-        input_embeddings: mx.array | None = None,
-    ) -> mx.array:
-        h = self.embed(tokens, input_embeddings)
-        blocks = self.side_inputs(tokens, h)
-        h = run_layers(self.layers, h, cache, blocks)
-        return self.head(self.norm(self.finish(h, blocks)))
+    # The forward is Transformer's (`hidden` runs `side_inputs`, the layers and `finish`).
 
 
 def layer_kinds(args: ModelArgs, i: int) -> dict[str, type[nn.Module]]:

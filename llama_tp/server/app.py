@@ -13,6 +13,11 @@ streaming client that disconnects cancels its sequence (Starlette cancels the
 stream; the `finally` tells the scheduler). A request whose own processing fails in
 the step loop (engine/sequence.py) ends with an error naming the field behind it.
 
+Embeddings (`POST /v1/embeddings`, Ollama's `/api/embed` and `/api/embeddings`:
+server/embeddings.py, server/ollama_embed.py) are prepared in the same lanes and queued
+with the same scheduler; Ollama's model routes (`/api/tags`, `/api/ps`, `/api/show`)
+describe the `ModelInfo` (server/ollama_models.py).
+
 `GET /` is the chat page (server/page/, package data, with a content security policy
 that allows its own script and style and nothing else, and no framing); `GET
 /v1/status` the JSON of its cluster panel (rank 0's `status.Monitor`); `GET /metrics`
@@ -33,9 +38,10 @@ from importlib import resources
 from typing import Annotated, Any
 
 from ..checkpoints.chat_template import PromptRenderer
+from ..checkpoints.pooling import EmbeddingSpec
 from ..conversation.reasoning import Markers, reasoning_markers
 from ..conversation.reply import ReplyDelta
-from . import anthropic, anthropic_answers, ollama
+from . import anthropic, anthropic_answers, embeddings, ollama, ollama_embed, ollama_models
 from .guard import Guard, Hosts
 from .limits import Limits
 from .preparation import OPENAI_CHAT, OPENAI_COMPLETION, Api, Preparation, Prepared
@@ -70,6 +76,12 @@ class ModelInfo:
     limits: Limits | None = None  # what its requests are held to (None: from the above)
     model_type: str = ""  # its family (the registry's row: its reasoning and tool formats)
     markers: Markers | None = field(init=False)  # how its replies mark reasoning
+    dim: int = 0  # its hidden size: the values of an embedding
+    embedding: EmbeddingSpec = field(default_factory=EmbeddingSpec)  # its pooling, sizes
+    size: int = 0  # bytes of the weights every rank holds, together (Ollama's /api/ps)
+    size_vram: int = 0  # of those, in GPU memory (Metal; 0 on a CPU)
+    digest: str = ""  # the weights' fingerprint
+    details: dict = field(default_factory=dict)  # Ollama's model details (format, family)
 
     def __post_init__(self) -> None:
         tokenizer = self.renderer.tokenizer
@@ -299,6 +311,11 @@ def build_app(
     app.state.responses = responses if responses is not None else ResponseStore()
     app.include_router(responses_routes(openai, app.state.responses), prefix="/v1")
     app.include_router(ollama.routes(openai), prefix="/api")
+    app.include_router(ollama_models.routes(available), prefix="/api")
+    # Embeddings: OpenAI's and Ollama's routes onto one computation on every rank.
+    embedder = embeddings.Embeddings(prep, scheduler, available)
+    app.include_router(embeddings.routes(embedder), prefix="/v1")
+    app.include_router(ollama_embed.routes(embedder), prefix="/api")
 
     return app
 

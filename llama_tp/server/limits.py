@@ -16,6 +16,12 @@ before the work it protects:
    longest token's bytes: refused before it is tokenized;
 5. `schema_bytes`: a schema to compile into a grammar (engine/grammar.py bounds the
    compilation itself with llguidance's limits).
+
+An embedding request (server/embeddings.py) meets 1 and 2, then `check_embedding_texts`
+(how many inputs, and their text's size: each must fit the context unless the API
+truncates, all of them `embedding_tokens`) before they are tokenized, and
+`fit_embedding` (each input's tokens within the context, or truncated to it; ids within
+the vocabulary; all of them within `embedding_tokens`) after.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class Limits:
     tools: int = 512  # tools in one request
     stop_chars: int = 1000  # characters of one stop string
     schema_bytes: int = 32 * 1024  # a JSON schema (or forced tool calls' schemas) as JSON
+    embedding_inputs: int = 2048  # inputs of one embedding request (OpenAI's bound)
+    embedding_total: int = 300_000  # their tokens together (OpenAI's bound; >= a context)
 
     @classmethod
     def of(cls, context: int, vocab: int, tokenizer: Any = None, max_body: int = 0) -> Limits:
@@ -85,6 +93,78 @@ class Limits:
                     place((name,)),
                     code="too_many",
                 )
+
+    @property
+    def embedding_tokens(self) -> int:
+        """The tokens of one embedding request's inputs together: at least one context."""
+        return max(self.embedding_total, self.context)
+
+    def check_embedding_texts(self, texts: list, truncate: bool, field: str, place, loc) -> None:
+        """An embedding request's inputs before they are tokenized: their count, none
+        empty, each text small enough to fit the context (unless `truncate`: the API cuts
+        it) and all of them within `embedding_tokens`. `place` writes a field's name as
+        the API does, `loc(i)` is input i's place in the body."""
+        if len(texts) > self.embedding_inputs:
+            raise RequestError(
+                f"{label(place, (field,))}: {len(texts)} inputs; at most "
+                f"{self.embedding_inputs} are embedded in one request",
+                place((field,)),
+                code="too_many",
+            )
+        total = 0
+        for i, t in enumerate(texts):
+            if not t:
+                raise RequestError(f"{label(place, loc(i))}: empty", place(loc(i)))
+            size = _utf8(t) if isinstance(t, str) else 0
+            total += size
+            if size > self.prompt_bytes and not truncate:
+                raise RequestError(
+                    f"{label(place, loc(i))}: {size} bytes of text, but at most "
+                    f"{self.prompt_bytes} can fit the model's context of {self.context} tokens",
+                    place(loc(i)),
+                    code="context_length_exceeded",
+                )
+        most = self.embedding_tokens * self.token_bytes
+        if total > most:
+            raise RequestError(
+                f"{label(place, (field,))}: {total} bytes of text, more than the "
+                f"{self.embedding_tokens} tokens one request embeds can hold ({most} bytes)",
+                place((field,)),
+                code="too_large",
+            )
+
+    def fit_embedding(
+        self, ids: list[list[int]], truncate: bool, field: str, place, loc
+    ) -> list[list[int]]:
+        """Each input's token ids within the vocabulary and the context (cut to its first
+        `context` tokens when `truncate`, as Ollama does), all of them within
+        `embedding_tokens` (`place`, `loc`: as `check_embedding_texts`)."""
+        out = []
+        for i, t in enumerate(ids):
+            name, param = label(place, loc(i)), place(loc(i))
+            if not t:
+                raise RequestError(f"{name}: no tokens", param)
+            if any(not 0 <= x < self.vocab for x in t):
+                raise RequestError(f"{name}: token ids must be in [0, {self.vocab})", param)
+            if len(t) > self.context:
+                if not truncate:
+                    raise RequestError(
+                        f"{name}: {len(t)} tokens, but the model's context is "
+                        f"{self.context} tokens",
+                        param,
+                        code="context_length_exceeded",
+                    )
+                t = t[: self.context]
+            out.append(t)
+        total = sum(len(t) for t in out)
+        if total > self.embedding_tokens:
+            raise RequestError(
+                f"{label(place, (field,))}: {total} tokens; at most {self.embedding_tokens} "
+                "are embedded in one request",
+                place((field,)),
+                code="too_large",
+            )
+        return out
 
     def check_settings(self, body: Any) -> None:
         """The numeric fields of an OpenAI body (protocol's pydantic model) that depend on

@@ -44,6 +44,12 @@ class Metrics:
             f"{PREFIX}_prompt_cached_tokens", "Prompt tokens taken from the prompt cache",
             registry=r,
         )  # fmt: skip
+        self.embedding_inputs = Counter(
+            f"{PREFIX}_embedding_inputs", "Inputs embedded (each one vector)", registry=r
+        )
+        self.embedding_tokens = Counter(
+            f"{PREFIX}_embedding_tokens", "Tokens of the inputs embedded", registry=r
+        )
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "From queueing a request to its first token",
@@ -77,6 +83,10 @@ class Metrics:
 
     def stepped(self, batch: int) -> None:
         self.batch.observe(batch)
+
+    def embedded(self, inputs: int, tokens: int) -> None:
+        self.embedding_inputs.inc(inputs)
+        self.embedding_tokens.inc(tokens)
 
     def watch(self, monitor, scheduler) -> None:
         """Export `monitor`'s per-rank figures and `scheduler`'s queue at each scrape."""

@@ -1,5 +1,6 @@
-"""Ollama's API (/api/chat, /api/generate, /api/tags, /api/show, /api/version) as a thin
-translation onto the OpenAI routes: the same engine request, the same text.
+"""Ollama's API (/api/chat, /api/generate) as a thin translation onto the OpenAI routes:
+the same engine request, the same text. (Its model routes, /api/tags, /api/ps, /api/show
+and /api/version, are in ollama_models.py; its embedding routes in ollama_embed.py.)
 
 `chat_body` / `generate_body` turn an Ollama body into an OpenAI one (`options` ->
 sampling fields, `format` -> `response_format`, tool calls' argument objects -> JSON
@@ -12,12 +13,13 @@ Ollama's counts and durations (nanoseconds). Errors are Ollama's `{"error": "...
 
 import asyncio
 import json
-import time
+from time import monotonic_ns
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .bodies import dotted, dotted_place, validate
+from .ollama_models import now, tag
 from .preparation import Api
 from .protocol import MAX_STOPS, RequestError
 from .translation import OpenAIRoutes, chunks
@@ -173,12 +175,6 @@ def _settings(b: _Request, context: int) -> dict[str, Any]:
 # -- the answer back -----------------------------------------------------------------------
 
 
-def now() -> str:
-    """The time as Ollama writes it: RFC 3339 in UTC with nanoseconds."""
-    ns = time.time_ns()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
-
-
 class Reply:
     """OpenAI stream chunks -> Ollama's answer lines: one per piece of text, then the
     last with `done: true`, the done_reason, the counts and durations. `chat`: lines
@@ -186,7 +182,7 @@ class Reply:
 
     def __init__(self, model: str, chat: bool):
         self.model, self.chat = model, chat
-        self.t0 = time.monotonic_ns()
+        self.t0 = monotonic_ns()
         self.first: int | None = None  # when the first text arrived (the prompt's time)
         self.text: list[str] = []
         self.thought: list[str] = []  # the reasoning (Ollama's `thinking`)
@@ -206,7 +202,7 @@ class Reply:
             text = delta.get("content") if "delta" in choice else choice.get("text")
             thought = (delta if "delta" in choice else choice).get("reasoning_content")
             if self.first is None and (text or thought or delta.get("tool_calls")):
-                self.first = time.monotonic_ns()
+                self.first = monotonic_ns()
             if thought:
                 self.thought.append(thought)
                 out.append(self._line("", False, thought))
@@ -231,7 +227,7 @@ class Reply:
         return self._done("".join(self.text), "".join(self.thought))
 
     def _done(self, text: str, thought: str = "") -> dict[str, Any]:
-        end = time.monotonic_ns()
+        end = monotonic_ns()
         first = self.first or end
         line = self._line(text, True, thought)
         if self.chat and self.calls:
@@ -275,11 +271,6 @@ def error_body(message: str) -> dict[str, str]:
     return {"error": message}
 
 
-def tag(name: str) -> str:
-    """A model name as Ollama lists one: with a tag."""
-    return name if ":" in name else f"{name}:latest"
-
-
 # The OpenAI fields an Ollama body becomes, by their Ollama names (in errors).
 NAMES = {
     **{n: f"options.{n}" for n in ("temperature", "top_p", "top_k", "min_p", "seed", "stop")},
@@ -309,10 +300,7 @@ def routes(openai: OpenAIRoutes):
     from fastapi.responses import StreamingResponse
     from starlette.requests import Request as HTTPRequest
 
-    from ..cluster.diagnostics import llama_tp_version
-
     router = APIRouter()
-    started = now()
 
     async def answer(request: HTTPRequest, api: Api, chat: bool):
         prepared = await openai.prepare(request, api)
@@ -345,30 +333,6 @@ def routes(openai: OpenAIRoutes):
     async def generate(request: HTTPRequest):
         return await answer(request, GENERATE, False)
 
-    @router.get("/tags")
-    async def tags():
-        info = openai.model()
-        return {"models": [{**_entry(info), "modified_at": started}]}
-
-    @router.post("/show")
-    async def show():
-        info = openai.model()
-        return {
-            "modelfile": "",
-            "parameters": "",
-            "template": "",
-            "details": _entry(info)["details"],
-            "model_info": {
-                "general.architecture": "llama_tp",
-                "llama_tp.context_length": info.context,
-            },
-            "capabilities": ["completion", "tools", *(["thinking"] if info.markers else [])],
-        }
-
-    @router.get("/version")
-    async def version():
-        return {"version": llama_tp_version()}
-
     return router
 
 
@@ -391,14 +355,3 @@ async def until_done(request, work) -> None:
             task.cancel()
             raise RequestError("client closed the request", None, 499, None)
     task.result()
-
-
-def _entry(info) -> dict[str, Any]:
-    details = {"format": "", "family": "", "parameter_size": "", "quantization_level": ""}
-    return {
-        "name": tag(info.name),
-        "model": tag(info.name),
-        "size": 0,
-        "digest": "",
-        "details": details,
-    }

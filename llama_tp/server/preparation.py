@@ -137,6 +137,13 @@ class Preparation:
             p.req.params = p.req.params.but(grammar=grammar, num_draft_tokens=0)
         return p
 
+    async def offload(self, raw: bytes, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in a worker thread of the lane a body of `raw`'s size takes (a route
+        whose body is not one of the three APIs' chat or completion: embeddings)."""
+        if len(raw) > LARGE_BODY:
+            return await self._run("large", _trimmed, fn, *args)
+        return await self._run(None, fn, *args)
+
     async def _run(self, lane: str | None, fn, *args):
         loop = asyncio.get_running_loop()
         if lane is None:
@@ -198,8 +205,12 @@ def _reasoning(req: Request, ids: list[int], info: Any, defaults: Defaults) -> N
 
 
 def _large_work(*args) -> Prepared:
+    return _trimmed(_prepare, *args)
+
+
+def _trimmed(fn: Callable[..., Any], *args: Any) -> Any:
     try:
-        return _prepare(*args)
+        return fn(*args)
     finally:
         _trim()
 

@@ -13,15 +13,20 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..checkpoints.chat_template import renderer_for
+from ..checkpoints.pooling import EmbeddingSpec, embedding_spec
 from ..cluster import watchdog
-from ..cluster.distributed import agree_ok, eprint0, world
+from ..cluster.distributed import agree_ok, all_gather_object, eprint0, world
 from ..cluster.listen import bind
 from ..engine.batch import BatchEngine
+from ..engine.embeddings import hidden_refusal
 from .app import ModelInfo, build_app
 from .guard import Hosts
 from .limits import Limits
@@ -31,9 +36,24 @@ from .scheduler import Scheduler, run_steps
 
 
 def model_info(
-    model: nn.Module, tokenizer, name: str, use_chat_template: bool = True, max_body: int = 0
+    model: nn.Module,
+    tokenizer,
+    name: str,
+    use_chat_template: bool = True,
+    max_body: int = 0,
+    embedding: EmbeddingSpec | None = None,
+    size: int | None = None,
+    **ollama,
 ) -> ModelInfo:
+    """What the HTTP side knows of `model`. `embedding`: the checkpoint's (default: the
+    last token's, undeclared), refused when the model gives no hidden states; `size`:
+    the weights' bytes on every rank together (default: this rank's); `ollama`: its
+    `digest` and `details` as Ollama lists them."""
     context, vocab = model.args.max_position_embeddings, model.args.vocab_size
+    embedding = embedding or EmbeddingSpec()
+    if embedding.problem is None and hidden_refusal(model) is not None:
+        embedding = replace(embedding, problem=hidden_refusal(model))
+    size = weight_bytes(model) if size is None else size
     return ModelInfo(
         name=name,
         context=context,
@@ -41,7 +61,34 @@ def model_info(
         renderer=renderer_for(tokenizer, use_chat_template),
         limits=Limits.of(context, vocab, tokenizer, max_body),
         model_type=getattr(model.args, "model_type", ""),
+        dim=model.args.dim,
+        embedding=embedding,
+        size=size,
+        size_vram=size if mx.metal.is_available() else 0,  # Apple silicon: unified memory
+        **ollama,
     )
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()) if hasattr(v, "nbytes"))
+
+
+def ollama_details(ckpt) -> dict:
+    """The checkpoint as Ollama's model details describe one: its format and family."""
+    fmt = "gguf" if ckpt.format == "gguf" else "safetensors"
+    family = getattr(ckpt.args, "model_type", "") or ""
+    return {"format": fmt, "family": family, "families": [family] if family else None}
+
+
+def digest_of(ckpt) -> str:
+    """The weights' fingerprint the ranks compared at start-up ("" when unreadable)."""
+    from ..checkpoints.fingerprint import weights_fingerprint
+
+    try:
+        return weights_fingerprint(ckpt)
+    except OSError:
+        return ""
 
 
 def batching(model: nn.Module, scheduler: Scheduler | None, engine: BatchEngine) -> str:
@@ -76,8 +123,10 @@ def create_app(
     hosts: Hosts | None = None,
     max_body: int = 0,
     responses: ResponseStore | None = None,
+    embedding: EmbeddingSpec | None = None,
 ):
-    """A ready FastAPI app serving `model` in this process (one rank), e.g. for tests:
+    """A ready FastAPI app serving `model` in this process (one rank), e.g. for tests
+    (`embedding`: the checkpoint's, `checkpoints.pooling.embedding_spec(path)`):
 
         app = create_app(model, tokenizer)
         uvicorn.run(app, port=8080)
@@ -89,7 +138,7 @@ def create_app(
     engine = BatchEngine(model, tokenizer, prompt_cache_size=prompt_cache_size)
     app = build_app(scheduler, defaults, api_key, cors, hosts, max_body, responses)
     use_template = (defaults or Defaults()).use_chat_template
-    app.state.model = model_info(model, tokenizer, model_name, use_template, max_body)
+    app.state.model = model_info(model, tokenizer, model_name, use_template, max_body, embedding)
     app.state.scheduler, app.state.engine = scheduler, engine
     app.state.monitor.ranks = world().size()
     app.state.monitor.batching = batching(model, scheduler, engine)
@@ -194,10 +243,14 @@ def serve(args: argparse.Namespace) -> int:
     name = args.model_name or Path(str(ckpt.path)).name
     engine = BatchEngine(model, tokenizer, prompt_cache_size=args.prompt_cache_size)
     batched = batching(model, scheduler, engine)  # every rank: the engine's prompt cache
+    held = sum(all_gather_object(weight_bytes(model), group))  # every rank's, for /api/ps
     if rank0:
+        meta = ckpt.metadata if ckpt.format == "gguf" else None
         info = model_info(
-            model, tokenizer, name, not args.ignore_chat_template, args.max_body_bytes
-        )
+            model, tokenizer, name, not args.ignore_chat_template, args.max_body_bytes,
+            embedding_spec(ckpt.path, meta), held, digest=digest_of(ckpt),
+            details=ollama_details(ckpt),
+        )  # fmt: skip
         app.state.model = info
         app.state.monitor.ranks, app.state.monitor.mesh = group.size(), ckpt.mesh
         app.state.monitor.batching = batched

@@ -37,6 +37,12 @@ brings back what they have compiled: it is an all-gather in which rank 0 sends t
 decision and each other rank the requests it is ready for (`exchange`). Meanwhile rank
 0 ticks every PREPARE_TICK rather than IDLE_TICK.
 
+An embedding request (`submit_embedding`) is queued on one replica's engine by the next
+decision (`Decision.embeds`: the one with the fewest such requests) and works through
+its inputs a chunk per step beside the rows being decoded (engine/embeddings.py); its
+vectors come back as one `Embedded` event. It takes no row of the batch: at most
+`max_queue` of them are open at once.
+
 A request's own failure in the step loop (its logits processors, its text) ends that
 request with an error event (engine/sequence.py), never the loop; only a fault of the
 model or the cluster does.
@@ -62,7 +68,7 @@ from mlx_lm.generate import wired_limit
 
 from ..cluster import watchdog
 from ..cluster.distributed import all_gather_object, first_line
-from ..engine.batch import BatchEngine, Decision, Event, Join, SamplingParams
+from ..engine.batch import BatchEngine, Decision, Embed, Embedded, Event, Join, SamplingParams
 from ..engine.grammar import Prefetch
 from .protocol import RequestError
 from .status import StepClock, gather_reports
@@ -82,14 +88,18 @@ class Failure:
 
 
 class Job:
-    """One admitted or waiting request, as rank 0's scheduler sees it."""
+    """One admitted or waiting request, as rank 0's scheduler sees it (a generation, or
+    an embedding request: `embed`)."""
 
-    def __init__(self, uid: int, prompt: list[int], params: SamplingParams, loop):
+    def __init__(
+        self, uid: int, prompt: list[int], params: SamplingParams | None, loop, embed=None
+    ):
         self.uid, self.prompt, self.params = uid, prompt, params
+        self.embed: Embed | None = embed
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def post(self, item: Event | Failure) -> None:
+    def post(self, item: Event | Embedded | Failure) -> None:
         """Hand an event to the job's HTTP handler (from any thread)."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -113,6 +123,8 @@ class Scheduler:
         self._preparing: dict[int, Job] = {}  # waiting for the other ranks' grammars
         self._announce: dict[int, str] = {}  # grammars not yet sent to the other ranks
         self._running: dict[int, Job] = {}
+        self._embeds: deque[Job] = deque()  # embedding requests not yet in a decision
+        self._embedding: dict[int, int] = {}  # queued embedding request uid -> its replica
         self._cancels: set[int] = set()
         self._stop = False
         self._uids = itertools.count(1)
@@ -137,14 +149,7 @@ class Scheduler:
                 raise problem
             waiting = len(self._pending) + len(self._preparing)
             if waiting >= self.max_queue:
-                raise RequestError(
-                    f"the server is busy: {waiting} requests are waiting "
-                    f"(--max-queue {self.max_queue}); retry later",
-                    None,
-                    429,
-                    "rate_limit_exceeded",
-                    "rate_limit_error",
-                )
+                raise self._busy(f"{waiting} requests are waiting")
             # Rank 0 picks the seed of an unseeded request: every rank gets it in the decision.
             seed = self._rng.randrange(2**31) if seed is None else seed
             job = Job(next(self._uids), prompt, params.but(seed=seed), loop)
@@ -158,16 +163,48 @@ class Scheduler:
             self._cond.notify()
             return job
 
+    def submit_embedding(self, inputs: list[list[int]], pooling: str, loop) -> Job:
+        """Queue an embedding request (token ids of each input; the pooling, as
+        engine/embeddings.py reads it); RequestError 429 when `max_queue` are open, 503
+        when unavailable. Its one event is an `Embedded`."""
+        with self._cond:
+            problem = self.unavailable()
+            if problem is not None:
+                raise problem
+            open_ = len(self._embeds) + len(self._embedding)
+            if open_ >= self.max_queue:
+                raise self._busy(f"{open_} embedding requests are open")
+            uid = next(self._uids)
+            job = Job(uid, [], None, loop, Embed(uid, inputs, pooling))
+            self._embeds.append(job)
+            self._cond.notify()
+            return job
+
+    def _busy(self, what: str) -> RequestError:
+        return RequestError(
+            f"the server is busy: {what} (--max-queue {self.max_queue}); retry later",
+            None,
+            429,
+            "rate_limit_exceeded",
+            "rate_limit_error",
+        )
+
+    def embeddings(self) -> int:
+        """Embedding requests open (waiting or being computed)."""
+        with self._cond:
+            return len(self._embeds) + len(self._embedding)
+
     def cancel(self, uid: int) -> None:
         """The client went away: drop the request (running ones at the next step)."""
         with self._cond:
             waiting = self._preparing.pop(uid, None)
             self._announce.pop(uid, None)
-            for job in self._pending:
-                if job.uid == uid:
-                    waiting = job
-                    self._pending.remove(job)
-                    break
+            for queue in (self._pending, self._embeds):
+                for job in queue:
+                    if job.uid == uid:
+                        waiting = job
+                        queue.remove(job)
+                        break
             if waiting is not None:
                 if self.monitor is not None:
                     self.monitor.forget([uid])
@@ -212,18 +249,26 @@ class Scheduler:
         with the fewest rows (the lowest-numbered of equals) while one has room.
         """
         with self._cond:
-            if not (any(active) or self._pending or self._stop):
+            work = self._embeds or self._embedding
+            if not (any(active) or self._pending or work or self._stop):
                 self._cond.wait(wait)
-                if not (self._pending or self._stop):
+                if not (self._pending or self._embeds or self._stop):
                     return None
             n = len(active)
             if self._stop:
                 return [Decision(stop=True) for _ in range(n)]
             cancelled = self._cancels & self._running.keys()
             self._cancels.clear()
-            cancels = [
-                sorted(u for u in cancelled if self._where[u] == d) for d in range(len(active))
-            ]
+            where = {**self._where, **self._embedding}
+            cancels = [sorted(u for u in cancelled if where[u] == d) for d in range(len(active))]
+            embeds: list[list[Embed]] = [[] for _ in active]
+            load = [list(self._embedding.values()).count(d) for d in range(n)]
+            while self._embeds:  # each to the replica with the fewest open
+                d = min(range(n), key=lambda i: load[i])
+                job = self._embeds.popleft()
+                self._running[job.uid], self._embedding[job.uid] = job, d
+                embeds[d].append(job.embed)
+                load[d] += 1
             rows = [a - len(c) for a, c in zip(active, cancels, strict=True)]
             joins: list[list[Join]] = [[] for _ in active]
             while self._pending:
@@ -236,7 +281,10 @@ class Scheduler:
                 rows[d] += 1
                 self.served[d] += 1
             self.steps += 1
-            return [Decision(joins=joins[d], cancels=cancels[d]) for d in range(len(active))]
+            return [
+                Decision(joins=joins[d], embeds=embeds[d], cancels=cancels[d])
+                for d in range(len(active))
+            ]
 
     def queued(self) -> int:
         """Requests waiting for a place in a batch (or for the ranks' grammars)."""
@@ -251,7 +299,7 @@ class Scheduler:
                 counts[d] += 1
             return counts
 
-    def dispatch(self, events: list[Event]) -> None:
+    def dispatch(self, events: list[Event | Embedded]) -> None:
         """Send each event to its job; finished jobs leave."""
         with self._cond:
             for e in events:
@@ -259,10 +307,12 @@ class Scheduler:
                 if job is None:
                     continue
                 if self.monitor is not None:
-                    self.monitor.event(e)
+                    seen = self.monitor.embedded if isinstance(e, Embedded) else self.monitor.event
+                    seen(e)
                 if e.finish_reason:
                     del self._running[e.uid]
                     self._where.pop(e.uid, None)
+                    self._embedding.pop(e.uid, None)
                 if e.finish_reason != "cancelled":
                     job.post(e)
 
@@ -270,7 +320,7 @@ class Scheduler:
         """Answer every open request with an error, and refuse new ones."""
         with self._cond:
             self.closed = self.closed or message
-            waiting = [*self._pending, *self._preparing.values()]
+            waiting = [*self._pending, *self._preparing.values(), *self._embeds]
             for job in [*waiting, *self._running.values()]:
                 job.post(Failure(message, status))
             if self.monitor is not None:
@@ -280,6 +330,8 @@ class Scheduler:
             self._announce.clear()
             self._running.clear()
             self._where.clear()
+            self._embeds.clear()
+            self._embedding.clear()
 
 
 def run_steps(
@@ -366,14 +418,15 @@ def _step_loop(engine, scheduler, group, mesh, rank0: bool, dp: int) -> None:
             return
         decision = decisions[mesh.replica if dp > 1 else 0]
         events = []
-        if decision.joins or decision.cancels or engine.filling:  # a long prompt's next chunk
+        # a long prompt's next chunk (`filling`); embedding requests to queue
+        if decision.joins or decision.embeds or decision.cancels or engine.filling:
             n = sum(len(j.prompt) for j in decision.joins)
             n += sum(len(s.tokens) - s.fed for s, _ in engine.filling)
             with watchdog.stage(f"prompt processing ({n} tokens)", "load"):
                 events = engine.apply(decision)
         batch = len(engine) if dp == 1 or not rank0 else sum(scheduler.rows())
         with watchdog.stage(f"generation step ({len(engine)} sequences)"):
-            resting = dp > 1 and not len(engine)  # other replicas are stepping
+            resting = dp > 1 and not engine.busy  # other replicas are stepping
             tic = time.perf_counter()
             if not resting:
                 events += engine.step()

@@ -186,6 +186,11 @@ class Monitor:
             if new > 0:
                 self.sink.tokens(new, gap)
 
+    def embedded(self, e) -> None:
+        """An embedding request's end (`engine.batch_messages.Embedded`)."""
+        if e.vectors is not None and self.sink is not None:
+            self.sink.embedded(len(e.vectors), e.prompt_tokens)
+
     # -- the HTTP side --
 
     def tokens_per_second(self) -> float:
@@ -225,6 +230,7 @@ class Monitor:
             "reported_seconds_ago": age,
             "queue": scheduler.queued(),
             "running": sum(scheduler.rows()),
+            "embedding_requests": scheduler.embeddings(),  # open: waiting or computed
             "last_batch": self.batch,  # sequences in the last step
             "max_batch": scheduler.max_batch,
             "batching": self.batching,  # "continuous", or why one sequence at a time
