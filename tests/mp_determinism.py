@@ -120,7 +120,8 @@ def run_server(model, tok) -> callable:
     (given the base URL) on a thread. Returns a function doing that for `client`."""
     from llama_tp.server.app import build_app
     from llama_tp.server.runner import HTTPThread, bind, model_info
-    from llama_tp.server.scheduler import Scheduler, run_steps
+    from llama_tp.server.scheduler import Scheduler
+    from llama_tp.server.step_loop import run_steps
 
     def serve(client) -> dict:
         engine = BatchEngine(model, tok, prompt_cache_size=0)

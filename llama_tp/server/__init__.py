@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .protocol import Defaults, RequestError
 from .runner import create_app
-from .scheduler import Scheduler, run_steps
+from .scheduler import Scheduler
+from .step_loop import run_steps
 
 __all__ = ["Defaults", "RequestError", "Scheduler", "create_app", "run_steps"]

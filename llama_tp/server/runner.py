@@ -32,7 +32,8 @@ from .guard import Hosts
 from .limits import Limits
 from .protocol import MAX_DRAFT_TOKENS, Defaults
 from .response_store import ResponseStore
-from .scheduler import Scheduler, run_steps
+from .scheduler import Scheduler
+from .step_loop import run_steps
 
 
 def model_info(
