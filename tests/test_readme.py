@@ -183,24 +183,32 @@ def test_python_block(block, tmp_path, request):
         return
     code = block.text
     served = WITH_SERVER.fullmatch(block.label)
-    if served:
-        server, port = start_server(command(served.group(1)), request.getfixturevalue("tiny_dir"))
+    if served:  # one server per command, for all the blocks that name it
+        port = request.getfixturevalue("servers")(served.group(1))
         code = code.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
-    try:
-        if code not in _PY_RESULTS:  # the same block on two pages runs once
-            _PY_RESULTS[code] = subprocess.run(
-                python_cmd(["-c", code]),
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-        r = _PY_RESULTS[code]
-    finally:
-        if served:
-            stop_server(server)
+    if code not in _PY_RESULTS:  # the same block on two pages runs once
+        _PY_RESULTS[code] = subprocess.run(
+            python_cmd(["-c", code]), cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+    r = _PY_RESULTS[code]
     assert r.returncode == 0, f"{block.where}:\n{r.stderr[-3000:]}"
     assert r.stdout.strip(), r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_dir):
+    """The port of a server of a `<!-- with server: -->` command, started at its first
+    block and stopped when the module ends."""
+    started: dict[str, tuple[subprocess.Popen, int]] = {}
+
+    def port(text: str) -> int:
+        if text not in started:
+            started[text] = start_server(command(text), tiny_dir)
+        return started[text][1]
+
+    yield port
+    for server, _ in started.values():
+        stop_server(server)
 
 
 def start_server(c: Command, tiny: Path) -> tuple[subprocess.Popen, int]:
