@@ -87,8 +87,9 @@ def forced_call_grammar(
     think_end: str | None = None,
 ) -> str | None:
     """The grammar of a reply of `tools`' calls (OpenAI's definitions) in the model's
-    format, for `choice` (OpenAI's tool_choice) "required" or a named function: one
-    call, or (`parallel`, OpenAI's `parallel_tool_calls`) one or more. `think_end`: the
+    format, for `choice` (OpenAI's tool_choice): a named function, one call of it;
+    "required", one call, or (`parallel`, OpenAI's `parallel_tool_calls`) one or more
+    (as vLLM's guided decoding has them). `think_end`: the
     reply starts inside a reasoning block the prompt opened: free text without it, it,
     optional whitespace, then the calls. None for "auto" and "none"; ForcedCallError
     when the model's format is unknown or has no grammar."""
@@ -109,6 +110,7 @@ def forced_call_grammar(
     fns = [t["function"] for t in tools]
     if isinstance(choice, dict):
         fns = [f for f in fns if f["name"] == choice["function"]["name"]]
+        parallel = False
     sp = Spell(tokenizer)
     calls = fmt.grammar(sp, fns, parallel)
     if think_end:

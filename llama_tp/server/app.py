@@ -64,6 +64,7 @@ class ModelInfo:
     vocab_size: int
     renderer: PromptRenderer  # the prompt renderer (and its tokenizer) of the model
     limits: Limits | None = None  # what its requests are held to (None: from the above)
+    model_type: str | None = None  # its family's (the tool-call formats its row names)
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -196,7 +197,7 @@ def build_app(
             if req.params.logprobs is not None
             else None
         )
-        fmt = tool_format(info.renderer.tokenizer) if req.tools else None
+        fmt = tool_format(info.renderer.tokenizer, info.model_type) if req.tools else None
         calls = ToolStream(fmt, req.tools) if fmt is not None else None
         api = p.api
         if req.stream:

@@ -173,7 +173,13 @@ def _prepare(raw: bytes, api: Api, info: Any, defaults: Defaults, count_only: bo
             fit(req, len(ids), info.context)
         if stops:
             req.params = req.params.but(stop=(*req.params.stop, *stops))
-        grammar = None if count_only else grammar_for(req, info.renderer.tokenizer, limits)
+        grammar = (
+            None
+            if count_only
+            else grammar_for(
+                req, info.renderer.tokenizer, limits, getattr(info, "model_type", None)
+            )
+        )
         return Prepared(body, data, req, ids, grammar)
     except RequestError as e:
         raise api.renamed(e) from None

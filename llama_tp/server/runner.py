@@ -39,6 +39,7 @@ def model_info(
         vocab_size=vocab,
         renderer=renderer_for(tokenizer, use_chat_template),
         limits=Limits.of(context, vocab, tokenizer, max_body),
+        model_type=getattr(model.args, "model_type", None),
     )
 
 

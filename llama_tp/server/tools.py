@@ -14,7 +14,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..conversation.tool_calls import ToolStream, forced_call_grammar, tool_format  # noqa: F401
+from ..conversation.tool_calls import (  # noqa: F401
+    ForcedCallError,
+    ToolStream,
+    forced_call_grammar,
+    tool_format,
+)
 from .bodies import loads, openai_param
 from .errors import RequestError
 
