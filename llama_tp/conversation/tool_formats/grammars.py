@@ -47,12 +47,14 @@ def text_value(sp: Spell, schema: Any, end: str, lead: str = "") -> str:
 # -- JSON arguments ---------------------------------------------------------------------
 
 
-def json_object(sp: Spell, fns: list[dict], key: str = "arguments") -> str:
-    """`{"name": f, key: {...}}` for any of `fns`."""
+def json_object(
+    sp: Spell, fns: list[dict], key: str = "arguments", extra: dict | None = None
+) -> str:
+    """`{"name": f, key: {...}}` for any of `fns` (and the optional `extra` members)."""
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, key: _params(f)},
+            "properties": {"name": {"const": f["name"]}, key: _params(f), **(extra or {})},
             "required": ["name", key],
             "additionalProperties": False,
         }
@@ -99,12 +101,20 @@ def kimi_k2(sp: Spell, fns: list[dict], parallel: bool) -> str:
     return f"{sp('<|tool_calls_section_begin|>')} {section} {sp('<|tool_calls_section_end|>')}"
 
 
+MISTRAL_ID = {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}  # as the templates insist
+
+
 def mistral_json(sp: Spell, fns: list[dict], parallel: bool) -> str:
-    return f"{sp('[TOOL_CALLS][')} {repeat(sp, json_object(sp, fns), ', ', parallel)} {sp(']')}"
+    call = json_object(sp, fns, extra={"id": MISTRAL_ID})  # Nemo's template writes ids
+    return f"{sp('[TOOL_CALLS][')} {repeat(sp, call, ', ', parallel)} {sp(']')}"
 
 
 def mistral_args(sp: Spell, fns: list[dict], parallel: bool) -> str:
-    return repeat(sp, named(sp, fns, "[TOOL_CALLS]{name}[ARGS]", ""), "", parallel)
+    # Mistral-Small-3.2's template writes the call's id between its name and arguments
+    given = f"({sp('[CALL_ID]')} /[A-Za-z0-9]{{9}}/)? " if "[CALL_ID]" in sp.tokens else ""
+    return repeat(
+        sp, named(sp, fns, "[TOOL_CALLS]{name}", "", given + sp("[ARGS]") + " "), "", parallel
+    )
 
 
 def nemotron_v2(sp: Spell, fns: list[dict], parallel: bool) -> str:
@@ -117,14 +127,26 @@ def llama3_json(sp: Spell, fns: list[dict], parallel: bool) -> str:
 
 
 def llama4_json(sp: Spell, fns: list[dict], parallel: bool) -> str:
-    return repeat(sp, json_object(sp, fns, "parameters"), "", parallel)
+    # the release's template writes the turn's text between these tags, then the calls
+    tags = f"({sp('<|python_start|>')} {sp('<|python_end|>')})? "
+    return tags + repeat(sp, json_object(sp, fns, "parameters"), "", parallel)
 
 
 def harmony(sp: Spell, fns: list[dict], parallel: bool) -> str:
     opens, reopens = sp("<|channel|>analysis<|message|>"), sp("<|start|>assistant")
     analysis = sp.rule(f"{opens} {sp.text_until('<|end|>')} {reopens}")
-    call = named(
-        sp, fns, "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", ""
+    # the recipient in the channel's header (as gpt-oss writes it) or before it (as the
+    # template renders a call), llama.cpp's two
+    call = choice(
+        [
+            named(
+                sp,
+                fns,
+                "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+                "",
+            ),
+            named(sp, fns, " to=functions.{name}<|channel|>commentary json<|message|>", ""),
+        ]
     )
     return f"{analysis}? {call}"  # one call: <|call|> ends the reply
 
@@ -201,7 +223,8 @@ def kimi_k3(sp: Spell, fns: list[dict], parallel: bool) -> str:
             f"{sp('<|close|>call<|sep|>')}"
         )
     section = repeat(sp, choice(calls), "", parallel)
-    return f"{sp('<|open|>tools<|sep|>')} {section} {sp('<|close|>tools<|sep|>')}"
+    answer = f"({sp('<|open|>response<|sep|>')} {sp('<|close|>response<|sep|>')})? "  # empty
+    return f"{answer}{sp('<|open|>tools<|sep|>')} {section} {sp('<|close|>tools<|sep|>')}"
 
 
 # -- Gemma's call:f{key:value} ----------------------------------------------------------

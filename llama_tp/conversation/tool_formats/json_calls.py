@@ -299,6 +299,12 @@ def llama_json(tag: str, tag_end: str | None):
                 return True
 
     def section(r: Reader, calls: Calls, tools: list, start: str) -> Step:
+        if tag_end:  # Llama 4's template: the turn's text between the tags, calls after
+            r.mark = None
+            yield from spaces(r)
+            if (yield from wait(r)) and r.buf[r.pos] != "{":
+                yield from until(r, (tag_end,), calls.content)
+            r.mark = r.pos
         yield from spaces(r)
         read = yield from objects(r, calls)
         if read and tag_end:
