@@ -103,9 +103,12 @@ class PromptRenderer:
         except ChatTemplateError:  # templates may insist on other conversations; EOS will do
             return set()
         after = text.partition(_MARK)[2]
-        ids = list(self.tokenizer.encode(after, add_special_tokens=False))[:1] if after else []
-        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
-        return {i for i in ids if i in decoder and decoder[i].special}
+        ids = list(self.tokenizer.encode(after, add_special_tokens=False)) if after else []
+        eos = set(self.tokenizer.eos_token_ids)
+        if ids[1:] and eos & set(ids[1:]) and ids[0] not in eos:
+            return set()  # an end of sequence closes the turn: what comes first is markup
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})  # (Kimi K3's <|close|>)
+        return {i for i in ids[:1] if i in decoder and decoder[i].special}
 
 
 def _fallback(tokenizer: Any) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 from .lark import Spell, choice, ordered, repeat
 from .values import kind_of, text_only
 
-INDEX = r"/[0-9]+/"
+INDEX = r"/[0-9]{1,3}/"  # a call's number (a model left free would write digits on)
 
 
 def _params(fn: dict) -> dict:
@@ -170,7 +170,7 @@ def qwen3_coder(sp: Spell, fns: list[dict], parallel: bool) -> str:
     tags = ("<parameter={key}>\n", "\n", "</parameter>", "\n")
     head, tail = "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>"
     call = choice([_xml(sp, f, head, tail, tags) for f in fns])
-    return repeat(sp, call, "\n", parallel)
+    return repeat(sp, call, "\n", parallel, optional=True)  # Step-3.5's template: none
 
 
 def glm(newlines: bool):
@@ -230,7 +230,6 @@ def kimi_k3(sp: Spell, fns: list[dict], parallel: bool) -> str:
 # -- Gemma's call:f{key:value} ----------------------------------------------------------
 
 _NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/"
-_INTEGER = r"/-?(0|[1-9][0-9]*)/"
 
 
 def gemma_value(sp: Spell, schema: Any, q: str, depth: int = 0) -> str:
@@ -242,12 +241,12 @@ def gemma_value(sp: Spell, schema: Any, q: str, depth: int = 0) -> str:
             return choice([sp(q + o + q) for o in options])
         return f"{sp(q)} {sp.text_until(q, s.get('minLength', 0), s.get('maxLength'))}"
     kind = s.get("type")
-    if "enum" in s or "const" in s or depth > 8:
+    if kind in ("integer", "number", "boolean", "null") or (
+        ("enum" in s or "const" in s) and kind is None
+    ):
+        return sp.json(s)  # JSON writes these as Gemma does
+    if depth > 8:
         kind = None
-    if kind in ("integer", "number", "boolean", "null"):
-        return {"integer": _INTEGER, "number": _NUMBER, "boolean": '("true" | "false")'}.get(
-            kind, '"null"'
-        )
     if kind == "array" and isinstance(s.get("items"), dict):
         item = sp.rule(gemma_value(sp, s["items"], q, depth + 1))
         return f'"[" ({item} ("," {item})*)? "]"'

@@ -103,12 +103,13 @@ class Spell:
         return "\n".join([f"start: {start}", *self.rules, ""])
 
 
-def repeat(sp: Spell, item: str, sep: str, parallel: bool) -> str:
-    """One `item`, or (`parallel`) one or more with `sep` text between."""
+def repeat(sp: Spell, item: str, sep: str, parallel: bool, optional: bool = False) -> str:
+    """One `item`, or (`parallel`) one or more with `sep` text (`optional`: or none)
+    between."""
     if not parallel:
         return item
     name = sp.rule(item)
-    between = f"{sp(sep)} " if sep else ""
+    between = (f"({sp(sep)})? " if optional else f"{sp(sep)} ") if sep else ""
     return f"{name} ({between}{name})*"
 
 
