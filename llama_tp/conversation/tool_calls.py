@@ -14,6 +14,7 @@ function): one call in that format, or several, its arguments following the func
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .tool_formats import FORMATS, ReplySplitter, ToolFormat, detect, template_text
@@ -29,10 +30,20 @@ __all__ = [
 ]
 
 
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {type: fmt}
+
+
 def tool_format(tokenizer: Any, model_type: str | None = None) -> ToolFormat | None:
     """The format `tokenizer`'s template teaches (the `model_type` family's first), or
-    None (`tool_formats.detect`)."""
-    return detect(tokenizer, model_type)
+    None (`tool_formats.detect`; found once per tokenizer and family: every request with
+    tools asks)."""
+    try:
+        found = _FOUND.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: found each time
+        return detect(tokenizer, model_type)
+    if model_type not in found:
+        found[model_type] = detect(tokenizer, model_type)
+    return found[model_type]
 
 
 class ToolStream:

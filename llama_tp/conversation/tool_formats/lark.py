@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from typing import Any
 
 from ...engine.grammar import JSON_DEFAULTS
@@ -41,11 +42,7 @@ class Spell:
     """Lark pieces for `tokenizer` (see the module's docstring)."""
 
     def __init__(self, tokenizer: Any):
-        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self.tokens = {str(getattr(t, "content", t)): i for i, t in decoder.items()}
-        self.tokens.pop("", None)
-        names = sorted(self.tokens, key=len, reverse=True)
-        self._split = re.compile("|".join(map(re.escape, names))) if names else None
+        self.tokens, self._split = _added_tokens(tokenizer)
         self.rules: list[str] = []
         self._terminals: dict[str, str] = {}
 
@@ -101,6 +98,29 @@ class Spell:
     def grammar(self, start: str) -> str:
         """The whole grammar: `start: {start}` and every rule made."""
         return "\n".join([f"start: {start}", *self.rules, ""])
+
+
+_ADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _added_tokens(tokenizer: Any) -> tuple[dict[str, int], re.Pattern | None]:
+    """The tokenizer's added tokens (text -> id) and a pattern finding them in text
+    (made once per tokenizer: a release may have thousands)."""
+    try:
+        if tokenizer in _ADDED:
+            return _ADDED[tokenizer]
+    except TypeError:  # not weakly referable: made each time
+        pass
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    tokens = {str(getattr(t, "content", t)): i for i, t in decoder.items()}
+    tokens.pop("", None)
+    names = sorted(tokens, key=len, reverse=True)
+    found = tokens, re.compile("|".join(map(re.escape, names))) if names else None
+    try:
+        _ADDED[tokenizer] = found
+    except TypeError:
+        pass
+    return found
 
 
 def repeat(sp: Spell, item: str, sep: str, parallel: bool, optional: bool = False) -> str:
