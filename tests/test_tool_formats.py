@@ -240,6 +240,29 @@ def test_arguments_stream_as_they_are_written():
     assert s.deltas() == [{"index": 0, "function": {"arguments": '{"arg1": 1'}}]
 
 
+def test_long_replies_in_small_pieces():
+    """Text and arguments far longer than what the reader keeps between pieces."""
+    prose = "".join(f"Line {k}: the weather <tool is fine.\n" for k in range(400))
+    code = "".join(f"print({k}, '</tool_call>')\n" for k in range(400))
+    replies = {
+        "hermes": prose + "<tool_call>\n" + json.dumps({"name": "python", "arguments": {
+            "code": code}}) + "\n</tool_call>",
+        "qwen3_coder": prose + f"<tool_call>\n<function=python>\n<parameter=code>\n{code}\n"
+        "</parameter>\n</function>\n</tool_call>",
+        "harmony": f"<|channel|>analysis<|message|>{prose}<|end|><|start|>assistant<|channel|>"
+        "commentary to=functions.python <|constrain|>json<|message|>" + json.dumps({"code": code}),
+    }  # fmt: skip
+    for name, reply in replies.items():
+        whole = _run(name, [reply])
+        assert whole[2][0][1] == "python" and json.loads(whole[2][0][2]) == {"code": code}
+        assert prose in (whole[0] + whole[1])
+        for step in (7, 4096):
+            pieces = [reply[i : i + step] for i in range(0, len(reply), step)]
+            got = _run(name, pieces)
+            assert got[:3] == whole[:3], (name, step)
+            assert list(_joined(got[3]).values()) == whole[2]
+
+
 def _reply(name: str, calls: int = 2) -> str:
     """The first recorded reply of format `name` with that many calls."""
     return next(c[1] for c in CASES if c[0] == name and len(c[3]) == calls)

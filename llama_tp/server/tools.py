@@ -3,9 +3,10 @@
 The request's tools and earlier calls are checked here and go to the tokenizer's chat
 template as transformers and mlx-lm pass them (`apply_chat_template(messages,
 tools=...)`, a call's arguments as a dict). What the model writes is split into text
-and calls by the format its template teaches, and `tool_choice` "required" or a named
-function constrains the reply to one call, in `conversation/tool_calls.py` (which `Chat`
-uses too): `ToolStream`, `tool_format`, `forced_call_grammar`.
+and calls by the format its family and template teach, and `tool_choice` "required" or
+a named function constrains the reply to calls in that format (a 400 when it is not
+known), in `conversation/tool_calls.py` (which `Chat` uses too): `ToolStream`,
+`tool_format`, `forced_call_grammar`.
 """
 
 from __future__ import annotations
