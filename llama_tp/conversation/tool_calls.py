@@ -124,7 +124,7 @@ def forced_call_grammar(
         parallel = False
     sp = Spell(tokenizer)
     calls = fmt.grammar(sp, fns, parallel)
-    if think_end:
+    if think_end and not fmt.reasoning:  # (harmony's grammar has its analysis channel)
         calls = f"{sp.text_until(think_end)} WS? {calls}"
         sp.rules.append(r"WS: /[ \t\r\n]+/")
     return lark_grammar(sp.grammar(calls))
