@@ -17,12 +17,14 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from .tool_formats import FORMATS, ReplySplitter, ToolFormat, detect, template_text
+from .tool_formats import FORMATS, ReplyDelta, ReplySplitter, ToolFormat, detect, template_text
 from .tool_formats.lark import Spell
 
 __all__ = [
     "FORMATS",
     "ForcedCallError",
+    "ReplyDelta",
+    "ReplySplitter",
     "ToolFormat",
     "ToolStream",
     "forced_call_grammar",

@@ -22,13 +22,32 @@ import hashlib
 import secrets
 import string
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..reply import ReplyDelta
 from .reader import Reader, Step, one_of, spaces, until
 
 Parser = Callable[[Reader, "Calls", list], Step]
+
+
+@dataclass
+class ReplyDelta:
+    """One piece of a reply, split: reasoning, content, and the calls' deltas (OpenAI's
+    `delta.tool_calls` entries). The contract's `conversation/reply.py` `ReplyDelta`:
+    defined here, beneath `tool_calls.py`, which reply.py imports (reply.py can take it
+    from `tool_calls`, one class)."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+    def __add__(self, other: ReplyDelta) -> ReplyDelta:
+        return ReplyDelta(
+            self.reasoning + other.reasoning, self.content + other.content, self.calls + other.calls
+        )
 
 
 @dataclass(frozen=True)
