@@ -3,21 +3,18 @@ pieces the same as whole (conversation/tool_calls.py; served: tests/test_serve_t
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import pytest
 
-from llama_tp.conversation.tool_calls import ToolFormat, ToolStream, _parse_llama3
+from llama_tp.conversation.tool_calls import FORMATS, ToolFormat, ToolStream
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+OURS = {"json_tools": "hermes", "mistral": "mistral_json"}  # mlx-lm's names -> ours
 
 
 def _format(kind: str) -> ToolFormat:
-    if kind == "llama3_json":
-        return ToolFormat(kind, "", "", _parse_llama3)
-    m = importlib.import_module(f"mlx_lm.tool_parsers.{kind}")  # mlx-lm's own parsers
-    return ToolFormat(kind, m.tool_call_start, m.tool_call_end, m.parse_tool_call)
+    return FORMATS[OURS.get(kind, kind)]
 
 
 REPLIES = {  # what each family's model writes for CALL (and twice, where it can)

@@ -8,7 +8,7 @@ reply yields and land in `chat.last_tool_calls` and in the history's assistant m
 result)` answers a call with a role "tool" message and returns the model's next reply;
 `add_tool_result` answers one without a reply yet (several calls in one turn).
 `tool_choice="required"` or a function's name constrains a reply to one call, as the
-server's `tool_choice` does.
+server's `tool_choice` does (ValueError when the model's format is unknown).
 """
 
 from __future__ import annotations
@@ -81,17 +81,24 @@ class ChatTools:
             if tool_choice not in names:
                 raise ValueError(f"tool_choice {tool_choice!r} is not one of the tools {names}")
             tool_choice = {"type": "function", "function": {"name": tool_choice}}
-        grammar = forced_call_grammar(self.tools, tool_choice, self.tokenizer)
+        grammar = forced_call_grammar(
+            self.tools, tool_choice, self.tokenizer, self._model_type(), parallel=False
+        )
         if grammar is None:
             raise ValueError("this model's chat template has no tool-call format to force")
         return [self._grammar_mask(grammar)]
 
     def _tool_stream(self, tool_choice: str | None) -> ToolStream | None:
         """The splitter of a reply into text and calls (None: no tools this turn)."""
-        fmt = tool_format(self.tokenizer) if self.tools and tool_choice != "none" else None
+        use = self.tools and tool_choice != "none"
+        fmt = tool_format(self.tokenizer, self._model_type()) if use else None
         # Ids the same on every rank (the history, which templates may render, must be).
         prefix = f"call_{self._turn}_"
         return ToolStream(fmt, self.tools, prefix) if fmt is not None else None
+
+    def _model_type(self) -> str | None:
+        """The model's family (its row names the tool-call formats to look for first)."""
+        return getattr(getattr(self.model, "args", None), "model_type", None)
 
     def _keep_calls(self, message: dict, text: str, calls: list[dict]) -> None:
         """The reply `message` as its text and the calls parsed from it."""

@@ -169,6 +169,9 @@ class Family:
     # how its releases mark reasoning (`conversation/reasoning.py` MARKERS), first the
     # default; `<think>` where no release reasons (a fine-tune's tokenizer that holds it)
     reasoning: tuple[str, ...] = ("think",)
+    # the tool-call formats its releases' chat templates teach, the default first
+    # (`conversation/tool_formats`: names of its `FORMATS`)
+    tools: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,39 +189,61 @@ class GgufFamily:
 
 
 FAMILIES = {
-    "llama": Family("LlamaForCausalLM"),
-    "mistral": Family("MistralForCausalLM", reasoning=("mistral_think", "think")),
-    "qwen2": Family("Qwen2ForCausalLM"),
-    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True),
-    "mixtral": Family("MixtralForCausalLM", mixtral_fields),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", qwen_moe_fields),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", qwen_moe_fields, qk_norm=True),
-    "deepseek_v3": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
-    "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields),
-    "deepseek_v32": Family("DeepseekV32ForCausalLM", deepseek_v32_fields, kinds=(SparseAttention,)),
-    "glm_moe_dsa": Family("GlmMoeDsaForCausalLM", glm_moe_dsa_fields, kinds=(SparseAttention,)),
-    "gpt_oss": Family(None, gpt_oss_fields, reasoning=("harmony",)),
+    "llama": Family("LlamaForCausalLM", tools=("llama3_json",)),
+    "mistral": Family(
+        "MistralForCausalLM",
+        tools=("mistral_args", "mistral_json"),
+        reasoning=("mistral_think", "think"),
+    ),
+    "qwen2": Family("Qwen2ForCausalLM", tools=("hermes",)),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, tools=("hermes",)),
+    "mixtral": Family("MixtralForCausalLM", mixtral_fields, tools=("mistral_json",)),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", qwen_moe_fields, tools=("hermes",)),
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM", qwen_moe_fields, qk_norm=True, tools=("hermes", "qwen3_coder")
+    ),
+    "deepseek_v3": Family(
+        "DeepseekV3ForCausalLM", deepseek_v3_fields, tools=("deepseek_v3_1", "deepseek_v3")
+    ),
+    "kimi_k2": Family("DeepseekV3ForCausalLM", deepseek_v3_fields, tools=("kimi_k2",)),
+    "deepseek_v32": Family(
+        "DeepseekV32ForCausalLM",
+        deepseek_v32_fields,
+        kinds=(SparseAttention,),
+        tools=("deepseek_v3_2",),
+    ),
+    "glm_moe_dsa": Family(
+        "GlmMoeDsaForCausalLM", glm_moe_dsa_fields, kinds=(SparseAttention,), tools=("glm47",)
+    ),
+    "gpt_oss": Family(None, gpt_oss_fields, tools=("harmony",), reasoning=("harmony",)),
     "minimax": Family(
         "MiniMaxM2ForCausalLM",
         minimax_fields,
         config_keys=minimax_config,
         kinds=(WideQKNormAttention,),
+        tools=("minimax_m2",),
     ),
-    "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields),
-    "llama4": Family(None, llama4_fields, prefix="language_model.", kinds=(Llama4Layer,)),
-    "llama4_text": Family(None, llama4_text_fields, kinds=(Llama4Layer,)),
-    "step3p5": Family(None, step3p5_fields, qk_norm=True, kinds=(StepLayer,)),
+    "glm4_moe": Family("Glm4MoeForCausalLM", glm4_moe_fields, tools=("glm47", "glm45")),
+    "llama4": Family(
+        None, llama4_fields, prefix="language_model.", kinds=(Llama4Layer,), tools=("llama4_json",)
+    ),
+    "llama4_text": Family(None, llama4_text_fields, kinds=(Llama4Layer,), tools=("llama4_json",)),
+    "step3p5": Family(
+        None, step3p5_fields, qk_norm=True, kinds=(StepLayer,), tools=("qwen3_coder",)
+    ),
     "nemotron_h": Family(
         "NemotronHForCausalLM",
         nemotron_h_fields,
         config_keys=nemotron_h_config,
         kinds=(NoRopeAttention, Mamba2Mixer, Relu2FeedForward, Relu2Experts),
+        tools=("qwen3_coder", "nemotron_v2"),
     ),
     "kimi_linear": Family(
         "KimiLinearForCausalLM",
         kimi_linear_fields,
         config_keys=kimi_linear_config,
         kinds=(KimiDeltaAttention,),
+        tools=("kimi_k2",),
     ),
     "kimi_k3": Family(
         None,
@@ -227,9 +252,15 @@ FAMILIES = {
         kinds=(KimiK3Layer, LatentExperts, FusedKimiDeltaAttention, GatedLatentAttention),
         model=KimiK3Transformer,
         reasoning=("kimi_xtml", "think"),
+        tools=("kimi_k3",),
     ),
     "qwen3_5": Family(
-        "Qwen3_5ForConditionalGeneration", qwen3_5_fields, True, qwen3_5_config, "language_model."
+        "Qwen3_5ForConditionalGeneration",
+        qwen3_5_fields,
+        True,
+        qwen3_5_config,
+        "language_model.",
+        tools=("qwen3_coder",),
     ),
     "qwen3_5_moe": Family(
         "Qwen3_5MoeForConditionalGeneration",
@@ -237,8 +268,15 @@ FAMILIES = {
         True,
         qwen3_5_config,
         "language_model.",
+        tools=("qwen3_coder",),
     ),  # fmt: skip
-    "qwen3_next": Family("Qwen3NextForCausalLM", qwen3_5_fields, True, qwen3_5_config),
+    "qwen3_next": Family(
+        "Qwen3NextForCausalLM",
+        qwen3_5_fields,
+        True,
+        qwen3_5_config,
+        tools=("hermes", "qwen3_coder"),
+    ),
     "gemma3_text": Family(
         "Gemma3ForCausalLM",
         gemma3_fields,
@@ -246,6 +284,7 @@ FAMILIES = {
         gemma_config_keys,
         kinds=(GemmaBlock,),
         model=GemmaTransformer,
+        tools=("function_gemma",),
     ),
     "gemma4_text": Family(
         "Gemma4ForCausalLM",
@@ -255,6 +294,7 @@ FAMILIES = {
         kinds=(GemmaBlock,),
         model=GemmaTransformer,
         reasoning=("gemma4_channel",),
+        tools=("gemma4",),
     ),
 }
 MODEL_TYPES = tuple(FAMILIES)

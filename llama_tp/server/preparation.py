@@ -185,10 +185,17 @@ def _prepare(raw: bytes, api: Api, info: Any, defaults: Defaults, count_only: bo
         if stops:
             req.params = req.params.but(stop=(*req.params.stop, *stops))
         _reasoning(req, ids, info, defaults)
-        grammar = None if count_only else grammar_for(req, info.renderer.tokenizer, limits)
+        grammar = None if count_only else _grammar(req, info, limits)
         return Prepared(body, data, req, ids, grammar)
     except RequestError as e:
         raise api.renamed(e) from None
+
+
+def _grammar(req: Request, info: Any, limits: Any) -> tuple[str, str] | None:
+    """The request's grammar, for the model's family; after the reasoning block the
+    prompt opened, where it did (the grammar starts at its end marker)."""
+    think_end = info.markers.end if req.reasoning_open and info.markers is not None else None
+    return grammar_for(req, info.renderer.tokenizer, limits, info.model_type or None, think_end)
 
 
 def _reasoning(req: Request, ids: list[int], info: Any, defaults: Defaults) -> None:

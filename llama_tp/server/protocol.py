@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..checkpoints.chat_template import ChatTemplateError
-from ..engine.grammar import GrammarError, json_object_grammar, json_schema_grammar
+from ..engine.grammar import GrammarError, json_schema_grammar
 from ..engine.settings import MAX_INDEX, SamplingParams, SettingsError
 from . import reasoning
 from . import tools as tool_calls
@@ -173,6 +173,7 @@ class Request:
     prompt: str | list[int] = ""
     tools: list[dict] | None = None  # the tools the template shows and replies may call
     tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True  # a forced reply may make several calls
     response_format: ResponseFormat | None = None
     continue_final: bool = False  # the reply continues the last message (a prefill)
     add_generation_prompt: bool = True
@@ -259,6 +260,7 @@ def chat_request(body: ChatBody, defaults: Defaults, limits: Limits | None = Non
     depth = limits.json_depth if limits is not None else Limits.json_depth
     req.messages = [tool_calls.message(m, i, depth) for i, m in enumerate(body.messages)]
     tool_calls.choose(req, body.tools, body.tool_choice)
+    req.parallel_tool_calls = body.parallel_tool_calls is not False
     _prefill(req, body)
     req.template_defaults = defaults.template_kwargs
     req.template_kwargs = reasoning.checked_kwargs(body.chat_template_kwargs)
@@ -387,20 +389,33 @@ def prompt_tokens(req: Request, renderer) -> tuple[list[int], tuple[str, ...]]:
     return list(req.prompt), ()
 
 
-def grammar_for(req: Request, tokenizer, limits: Limits | None = None) -> tuple[str, str] | None:
+def grammar_for(
+    req: Request,
+    tokenizer,
+    limits: Limits | None = None,
+    model_type: str | None = None,
+    think_end: str | None = None,
+) -> tuple[str, str] | None:
     """(the llguidance grammar `response_format` or a required tool call asks for, the
     field that asks), or None; 400 naming the field when its schema is too large or not
-    one a grammar can be made of. Compiling it is the caller's (`engine.grammar`)."""
+    one a grammar can be made of, or when the model's tool-call format (its family's,
+    `model_type`, or its template's) is unknown: a forced call is never dropped.
+    `think_end`: the prompt opened a reasoning block the reply closes with it before the
+    call or the JSON. Compiling it is the caller's (`engine.grammar`)."""
     fmt, field_ = req.response_format, "response_format"
     try:
-        if fmt is not None and fmt.type == "json_object":
-            return json_object_grammar(), field_
-        if fmt is not None and fmt.type == "json_schema":
-            if fmt.json_schema is None:
+        if fmt is not None and fmt.type in ("json_object", "json_schema"):
+            if fmt.type == "json_object":
+                schema: dict = {"type": "object"}
+            elif fmt.json_schema is None:
                 raise GrammarError("'json_schema' is required with type 'json_schema'")
-            if limits is not None:
-                limits.check_schema(fmt.json_schema.schema_, field_)
-            return json_schema_grammar(fmt.json_schema.schema_), field_
+            else:
+                schema = fmt.json_schema.schema_
+                if limits is not None:
+                    limits.check_schema(schema, field_)
+            if think_end:  # the answer follows the schema, after the reasoning
+                return tool_calls.json_after_reasoning(schema, tokenizer, think_end), field_
+            return json_schema_grammar(schema), field_
         if req.tools and req.tool_choice not in ("auto", "none"):
             field_ = "tools"  # a function's parameters: the schema of a forced call
             fns = [t["function"] for t in req.tools]
@@ -408,8 +423,17 @@ def grammar_for(req: Request, tokenizer, limits: Limits | None = None) -> tuple[
                 fns = [f for f in fns if f["name"] == req.tool_choice["function"]["name"]]
             if limits is not None:
                 limits.check_schema([f.get("parameters") for f in fns], field_)
-            grammar = tool_calls.forced_call_grammar(req.tools, req.tool_choice, tokenizer)
+            grammar = tool_calls.forced_call_grammar(
+                req.tools,
+                req.tool_choice,
+                tokenizer,
+                model_type,
+                parallel=req.parallel_tool_calls,
+                think_end=think_end,
+            )
             return (grammar, field_) if grammar is not None else None
+    except tool_calls.ForcedCallError as e:
+        raise RequestError(f"'{field_}': {e}", field_) from None
     except GrammarError as e:
         raise RequestError(f"'{field_}' cannot be compiled into a grammar: {e}", field_) from None
     return None

@@ -3,9 +3,10 @@
 The request's tools and earlier calls are checked here and go to the tokenizer's chat
 template as transformers and mlx-lm pass them (`apply_chat_template(messages,
 tools=...)`, a call's arguments as a dict). What the model writes is split into text
-and calls by the format its template teaches, and `tool_choice` "required" or a named
-function constrains the reply to one call, in `conversation/tool_calls.py` (which `Chat`
-uses too): `ToolStream`, `tool_format`, `forced_call_grammar`.
+and calls by the format its family and template teach, and `tool_choice` "required" or
+a named function constrains the reply to calls in that format (a 400 when it is not
+known), in `conversation/tool_calls.py` (which `Chat` uses too): `ToolStream`,
+`tool_format`, `forced_call_grammar`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..conversation.reply import ReplyStream
-from ..conversation.tool_calls import ToolStream, forced_call_grammar, tool_format  # noqa: F401
+from ..conversation.tool_calls import (  # noqa: F401
+    ForcedCallError,
+    ToolStream,
+    forced_call_grammar,
+    json_after_reasoning,
+    tool_format,
+)
 from .bodies import loads, openai_param
 from .errors import RequestError
 
@@ -96,6 +103,6 @@ def reply_stream(info: Any, req: Any) -> ReplyStream:
     """The splitter of a request's (protocol.Request) reply into reasoning, content and
     tool calls for the model `info` (app.ModelInfo): a chat's reasoning by the model's
     markers, a text completion's only where its prompt opened the block."""
-    fmt = tool_format(info.renderer.tokenizer) if req.tools else None
+    fmt = tool_format(info.renderer.tokenizer, info.model_type or None) if req.tools else None
     markers = info.markers if req.chat or req.reasoning_open else None
     return ReplyStream(markers, req.reasoning_open, fmt, req.tools)
