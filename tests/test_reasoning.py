@@ -87,6 +87,24 @@ def test_the_budget_forces_the_end_marker_after_so_many_tokens():
     assert opened.forced([1, 2, 3, 90]) == 91 and opened.forced([1, 2, 3]) == 90
 
 
+class _Bytes:
+    """A tokenizer of byte tokens: 1, 2 are ASCII letters, 7 and 8 the two bytes of 'é'."""
+
+    BYTES = {1: b"a", 2: b"b", 7: b"\xc3", 8: b"\xa9", 90: b"</think>"}
+
+    def decode(self, ids):
+        return b"".join(self.BYTES[i] for i in ids).decode("utf-8", "replace")
+
+
+def test_the_budget_waits_for_a_characters_last_byte():
+    """A grammar refuses a marker inside a character (llama.cpp's budget waits too)."""
+    mask = BudgetMask(ReasoningBudget(2, (90,), opened=True), _Bytes())
+    assert mask.forced([1, 2]) == 90  # whole characters: forced at once
+    assert mask.forced([1, 7]) is None  # 'é' half written: its second byte first
+    assert mask.forced([1, 7, 8]) == 90 and mask.forced([1, 7, 8, 90]) is None
+    assert mask.forced([7, 7, 7, 7, 7, 7]) == 90  # at most BudgetMask.WAIT tokens late
+
+
 def test_the_budget_masks_every_column_but_the_forced_one_on_each_rank():
     import mlx.core as mx
 

@@ -41,7 +41,7 @@ class Markers:
     """How a family marks reasoning: between `start` and `end`, written with the
     vocabulary's `tokens` (a tokenizer without them does not write this family's
     reasoning, as mlx-lm infers it). `close`: the text a reasoning budget forces to end
-    the block (default `end`: harmony's answer opens its final channel after it)."""
+    the block (default `end`)."""
 
     name: str
     start: str
@@ -71,12 +71,13 @@ MARKERS = {
             ("<|open|>", "<|close|>", "<|sep|>"),
         ),
         Markers("gemma4_channel", "<|channel>thought", "<channel|>", ("<|channel>", "<channel|>")),
+        # (a budget forces `<|end|>` alone: the model opens the next channel, the final
+        # answer's or a call's, as a forced call's grammar allows)
         Markers(
             "harmony",
             "<|channel|>analysis<|message|>",
             "<|end|>",
             ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"),
-            "<|end|><|start|>assistant<|channel|>final<|message|>",
         ),
     )
 }

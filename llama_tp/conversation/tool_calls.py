@@ -143,6 +143,7 @@ def json_after_reasoning(schema: dict, tokenizer: Any, think_end: str) -> str:
 
 
 def _after_reasoning(sp: Spell, think_end: str, then: str) -> str:
-    """The Lark of free reasoning text to `think_end`, optional whitespace, then `then`."""
-    sp.rules.append(r"WS: /[ \t\r\n]+/")
+    """The Lark of free reasoning text to `think_end`, a little whitespace (the templates
+    write "\n\n" there; more would let a model pad forever), then `then`."""
+    sp.rules.append(r"WS: /[ \t\r\n]{1,4}/")
     return f"{sp.text_until(think_end)} WS? {then}"

@@ -44,7 +44,7 @@ def processors_for(
         if value:
             out.append(_named(_on_shard(make(value, n), n), setting))
     if params.reasoning_budget is not None:
-        out.append(_named(BudgetMask(params.reasoning_budget), "reasoning_budget"))
+        out.append(_named(BudgetMask(params.reasoning_budget, tokenizer), "reasoning_budget"))
     if params.grammar is not None:
         out.append(_named(GrammarMask(params.grammar, tokenizer, vocab_size, eos), "grammar"))
     return out
@@ -79,15 +79,19 @@ def _on_shard(penalty, context: int):
 
 class BudgetMask:
     """The reasoning budget (`ReasoningBudget`): once the reply has reasoned for its
-    tokens, only the next id of the end marker is allowed, until the marker is written.
+    tokens, and its text ends on a whole character (a token may hold part of one, and a
+    grammar refuses a marker inside one), only the next id of the end marker is allowed,
+    until the marker is written.
 
     Read from the tokens alone at every call (the first call, the prompt's last forward,
     fixes where the reply starts), so rejected drafts need no rollback. llama.cpp's
     reasoning budget does the same (`common/reasoning-budget.cpp`), as a state machine.
     """
 
-    def __init__(self, budget: ReasoningBudget):
-        self.budget, self.start = budget, None
+    WAIT = 4  # tokens at most a character's bytes take past the budget
+
+    def __init__(self, budget: ReasoningBudget, tokenizer: Any = None):
+        self.budget, self.tokenizer, self.start = budget, tokenizer, None
 
     def __call__(self, tokens: mx.array, logits: mx.array, shard) -> mx.array:
         if self.start is None:
@@ -111,10 +115,21 @@ class BudgetMask:
         closed = _find(inside, b.end)
         if 0 <= closed < b.tokens or len(inside) < b.tokens:
             return None  # closed by the model, or still within the budget
-        written = inside[b.tokens :]
+        cut = b.tokens  # where the forcing starts: past a character's last byte
+        while cut < min(len(inside), b.tokens + self.WAIT) and self._midway(inside[:cut]):
+            cut += 1
+        if cut == len(inside) and self._midway(inside) and cut < b.tokens + self.WAIT:
+            return None  # the character's next byte comes first
+        written = inside[cut:]
         if len(written) >= len(b.end) or written != list(b.end[: len(written)]):
             return None
         return b.end[len(written)]
+
+    def _midway(self, ids: list[int]) -> bool:
+        """Whether the text of `ids` ends inside a character (a byte token's part of it)."""
+        if self.tokenizer is None or not ids:
+            return False
+        return self.tokenizer.decode(ids[-self.WAIT :]).endswith("\ufffd")
 
 
 def _find(seq: list[int], part: tuple[int, ...]) -> int:
