@@ -154,10 +154,11 @@ def test_stream_events_in_each_api():
 
 def chunk_of(chunk, role: bool = False, text: str = ""):
     """The server's own stream chunk (server/responses.py)."""
+    from llama_tp.conversation.reply import ReplyDelta
     from llama_tp.server.protocol import Defaults, parse_chat
 
     req = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True}, Defaults())
-    return chunk(req, "chatcmpl-1", "m", text, role=role)
+    return chunk(req, "chatcmpl-1", "m", ReplyDelta(content=text), role=role)
 
 
 def reports(available: int, n: int) -> list[dict]:
