@@ -244,7 +244,8 @@ LONGEST_FIRST = [
     "test_default_model", "test_speculative", "test_mesh_split", "test_gpt_oss",
     "test_one_copy", "test_dtype", "test_styles", "test_doctor", "test_determinism",
     "test_launch", "test_weighted_split", "test_split", "test_chat_tty", "test_convert",
-    "test_serve_tools", "test_moe_refusals", "test_errors", "test_gguf_quants",
+    "test_family_tools", "test_serve_tools", "test_moe_refusals", "test_errors",
+    "test_gguf_quants",
 ]  # fmt: skip
 
 
