@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 from llama_tp.server import anthropic, ollama  # noqa: E402
-from llama_tp.server.protocol import Defaults, RequestError, parse_chat, prompt_tokens  # noqa: E402
+from llama_tp.server.prompts import prompt_tokens  # noqa: E402
+from llama_tp.server.protocol import Defaults, RequestError, parse_chat  # noqa: E402
 
 PREFILL = '{"city":'
 ASK = [{"role": "user", "content": "Name a city as JSON."}]

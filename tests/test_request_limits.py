@@ -124,7 +124,7 @@ def test_a_forced_call_no_reply_can_follow_is_refused(tiny_dir, tmp_path):
     from test_serve_tools import HERMES
 
     from llama_tp.engine.grammar import GrammarError, compile_grammar
-    from llama_tp.server.protocol import grammar_for
+    from llama_tp.server.prompts import grammar_for
 
     d = tmp_path / "hermes"
     shutil.copytree(tiny_dir, d)

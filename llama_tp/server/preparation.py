@@ -36,15 +36,8 @@ from ..engine.grammar import GrammarError, compile_grammar, is_compiled
 from . import reasoning
 from .bodies import Place, decode, openai_param
 from .errors import RequestError
-from .protocol import (
-    Defaults,
-    Request,
-    fit,
-    grammar_for,
-    parse_chat,
-    parse_completion,
-    prompt_tokens,
-)
+from .prompts import fit, grammar_for, prompt_tokens
+from .protocol import Defaults, Request, parse_chat, parse_completion
 
 LARGE_BODY = 256 * 1024  # bytes: larger bodies are prepared in the large-body lane
 SMALL_WORKERS = 4
