@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-from wire_samples import SCHEMA, USAGE, chunk  # noqa: E402
+from wire_samples import SCHEMA, TOOL_STREAM, USAGE, chunk  # noqa: E402
 
 from llama_tp.server.errors import RequestError  # noqa: E402
 from llama_tp.server.response_store import ResponseStore, Stored  # noqa: E402
@@ -233,40 +233,12 @@ def test_a_chat_completion_becomes_a_response_with_reasoning_items():
     assert [(o["type"], o["content"][0]["text"]) for o in r["output"]] == [("message", "")]
 
 
+# wire_samples' tool stream after two pieces of reasoning
 REASONING_STREAM = [
-    chunk({"role": "assistant", "content": ""}),
+    TOOL_STREAM[0],
     chunk({"reasoning_content": "The user ", "reasoning": "The user "}),
     chunk({"reasoning_content": "asks.", "reasoning": "asks."}),
-    chunk({"content": "Let me "}),
-    chunk({"content": "check."}),
-    chunk(
-        {
-            "tool_calls": [
-                {
-                    "index": 0,
-                    "id": "call_a",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": ""},
-                }
-            ]
-        }
-    ),
-    chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]}),
-    chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
-    chunk(
-        {
-            "tool_calls": [
-                {
-                    "index": 1,
-                    "id": "call_b",
-                    "type": "function",
-                    "function": {"name": "get_time", "arguments": "{}"},
-                }
-            ]
-        }
-    ),
-    chunk({}, "tool_calls"),
-    chunk(None, usage=USAGE),
+    *TOOL_STREAM[1:],
 ]
 
 
