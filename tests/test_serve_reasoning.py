@@ -22,6 +22,7 @@ from serve_client import KEY, http, openai_client, serving  # noqa: E402
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 THINK = {"chat_template_kwargs": {"thinking": True}}
+TOKENIZERS = {}  # the families' tokenizers, by name (the `served` fixture's)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def served(tmp_path_factory):
     apps = {}
     for name in ("deepseek_v3_1", "qwen3", "kimi_k3"):
         model, tokenizer = load(write_family_model(name, root / name, max_position_embeddings=1024))
+        TOKENIZERS[name] = tokenizer
         apps[name] = create_app(model, tokenizer, api_key=KEY)
         if name == "qwen3":
             off = Defaults(template_kwargs={"enable_thinking": False})
@@ -85,6 +87,23 @@ def test_the_budget_closes_the_block_and_the_reply_splits_there(served):
         assert _chat(base, stream=True, extra_body=body)[:3] == (reasoning, content, tokens)
     # llama.cpp's other name for it
     assert _chat(base, extra_body={**THINK, "thinking_budget_tokens": 3})[2][3] == "</think>"
+
+
+def test_a_completion_whose_prompt_opened_the_block(served):
+    """The text completion route splits a reply only where its own prompt opened the
+    block (the client rendered the template itself); else the text is as written."""
+    from llama_tp.checkpoints.chat_template import renderer_for
+
+    base = served["deepseek_v3_1"]
+    chat = _chat(base, extra_body={**THINK, "reasoning_budget_tokens": 4})
+    c = openai_client(base)
+    ids = renderer_for(TOKENIZERS["deepseek_v3_1"]).encode(ASK, thinking=True)
+    kw = {"model": "m", "max_tokens": 14, "temperature": 0}
+    done = c.completions.create(prompt=ids, extra_body={"reasoning_budget_tokens": 4}, **kw)
+    choice = done.choices[0]
+    assert (getattr(choice, "reasoning_content", None), choice.text) == chat[:2]
+    plain = c.completions.create(prompt="The capital of France is", **kw).choices[0]
+    assert getattr(plain, "reasoning_content", None) is None and plain.text
 
 
 def test_switches_reach_the_template(served):

@@ -132,6 +132,9 @@ class _Common(_Body):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     repetition_context_size: Count | None = None
     response_format: ResponseFormat | None = None
+    # the think block closed after N tokens (llama.cpp's names; server/reasoning.py)
+    reasoning_budget_tokens: Annotated[int, Field(ge=-1, le=MAX_INDEX)] | None = None
+    thinking_budget_tokens: Annotated[int, Field(ge=-1, le=MAX_INDEX)] | None = None
 
 
 class ChatBody(_Common):
@@ -149,8 +152,6 @@ class ChatBody(_Common):
     # reasoning (server/reasoning.py): the template's variables, the effort, a budget
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    reasoning_budget_tokens: Annotated[int, Field(ge=-1, le=MAX_INDEX)] | None = None
-    thinking_budget_tokens: Annotated[int, Field(ge=-1, le=MAX_INDEX)] | None = None
 
 
 class CompletionBody(_Common):
@@ -263,8 +264,6 @@ def chat_request(body: ChatBody, defaults: Defaults, limits: Limits | None = Non
     req.template_defaults = defaults.template_kwargs
     req.template_kwargs = reasoning.checked_kwargs(body.chat_template_kwargs)
     req.reasoning_effort = body.reasoning_effort
-    budgets = (body.reasoning_budget_tokens, body.thinking_budget_tokens)
-    req.reasoning_budget = next((b for b in budgets if b is not None), defaults.reasoning_budget)
     if defaults.system_prompt and not any(m["role"] == "system" for m in req.messages):
         req.messages.insert(0, {"role": "system", "content": defaults.system_prompt})
     return req
@@ -339,6 +338,8 @@ def _request(
     opts = body.stream_options
     req = Request(chat, params, bool(body.stream), bool(opts and opts.include_usage), body.seed)
     req.response_format = body.response_format
+    budgets = (body.reasoning_budget_tokens, body.thinking_budget_tokens)
+    req.reasoning_budget = next((b for b in budgets if b is not None), None)
     return req
 
 
