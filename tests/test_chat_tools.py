@@ -1,24 +1,33 @@
-"""Tool calls in the Python `Chat` (conversation/chat_tools.py), in one process: the tiny model
-with test_serve_tools' Hermes template (the built-in model's SmolLM2 template shows no
-tools); a named `tool_choice` makes the random model write a call (constrained), which
-must come back parsed in `last_tool_calls` and stay in the history, and a tool result
-must go back into the template for the next reply, reusing the cache."""
+"""Tool calls in the Python `Chat` (conversation/chat_tools.py), in one process: a tiny model
+with Qwen3's release template and tokens (tests/chat_families.py; the built-in model's
+SmolLM2 template shows no tools); a named `tool_choice` makes the random model write a
+call (constrained), which must come back parsed in `last_tool_calls` and stay in the
+history, and a tool result must go back into the template for the next reply, reusing
+the cache."""
 
 from __future__ import annotations
 
 import pytest
 
 pytest.importorskip("llguidance")
-from test_serve_tools import TOOLS, _model  # noqa: E402
+from chat_families import write_family_model  # noqa: E402
+from test_serve_tools import TOOLS  # noqa: E402
 
 CITIES = TOOLS[0]["function"]["parameters"]["properties"]["city"]["enum"]
 
 
 @pytest.fixture(scope="module")
-def hermes(tiny_dir, tmp_path_factory):
+def qwen3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat-tools") / "qwen3"
+    return write_family_model("qwen3", path, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def hermes(qwen3_dir):
+    """Qwen3's model: its calls in Hermes' `<tool_call>` JSON."""
     from llama_tp import load
 
-    return load(_model(tiny_dir, tmp_path_factory.mktemp("chat-tools"), "hermes"))
+    return load(qwen3_dir)
 
 
 def test_a_call_comes_back_and_its_result_goes_into_the_next_turn(hermes):
@@ -55,12 +64,12 @@ def test_a_call_comes_back_and_its_result_goes_into_the_next_turn(hermes):
     shown = chat._apply(chat.history[:-1], tokenize=False)
     city = call["function"]["arguments"]["city"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city in shown
-    assert '<tool_response>{"temp_c": 18}</tool_response>' in shown
-    # The cache held the first turn: all of its prompt but the generation prompt's "\n",
-    # which this template's call turn leaves out (jinja's trim_blocks after a tag). The
-    # reply is what the same prompt gives from an empty cache.
-    assert chat.last_stats.reused_tokens == first.prompt_tokens - 1
-    assert shown.count("<|assistant|><tool_call>") == 1
+    assert '<tool_response>\n{"temp_c": 18}\n</tool_response>' in shown
+    # The cache held the first turn: its prompt and the call, all the template renders
+    # again (but the end of turn the model wrote last, not yet fed). The reply is what the
+    # same prompt gives from an empty cache.
+    assert chat.last_stats.reused_tokens == first.prompt_tokens + first.generated_tokens - 1
+    assert shown.count("<|im_start|>assistant\n<tool_call>") == 1
     prompt = chat._render(chat.history[:-1])
     fresh = stream_generate(
         model, tokenizer, prompt, max_tokens=120, cache=make_prompt_cache(model)
@@ -104,14 +113,14 @@ print0(json.dumps(all_gather_object(dict(calls=calls, reply=reply, history=chat.
 """
 
 
-def test_ranks_agree_on_the_calls_and_the_history(hermes, tiny_dir, tmp_path):
+def test_ranks_agree_on_the_calls_and_the_history(hermes, qwen3_dir, tmp_path):
     import json
 
     from conftest import launch
 
     from llama_tp import Chat
 
-    d = _model(tiny_dir, tmp_path, "hermes")
+    d = qwen3_dir
     script = tmp_path / "spmd_tools.py"
     script.write_text(SPMD_TOOLS)
     r = launch(2, [str(script), str(d), json.dumps(TOOLS)], timeout=300)

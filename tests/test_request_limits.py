@@ -7,7 +7,6 @@ has compiled them, and a model's over-deep tool call staying text."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -118,19 +117,15 @@ def test_the_key_in_any_case_of_its_scheme():
     assert key_matches({"x-api-key": "k1"}, "k1") and not key_matches({"x-api-key": "k"}, "k1")
 
 
-def test_a_forced_call_no_reply_can_follow_is_refused(tiny_dir, tmp_path):
+def test_a_forced_call_no_reply_can_follow_is_refused(tmp_path):
     """`tool_choice: "required"` with a tool whose schema is a $ref loop: 400 naming tools
-    (a template that shows tools: the hermes one of tests/test_serve_tools.py)."""
-    from test_serve_tools import HERMES
+    (a template that shows tools: Qwen3's release template, tests/chat_families.py)."""
+    from chat_families import write_family_model
 
     from llama_tp.engine.grammar import GrammarError, compile_grammar
     from llama_tp.server.prompts import grammar_for
 
-    d = tmp_path / "hermes"
-    shutil.copytree(tiny_dir, d)
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES}))
-    tok = load_tokenizer(open_checkpoint(d))
+    tok = load_tokenizer(open_checkpoint(write_family_model("qwen3", tmp_path / "qwen3")))
     loop = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
     fn = {"name": "f", "parameters": loop}
     body = {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",

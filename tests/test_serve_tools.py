@@ -5,17 +5,13 @@ penalties give the same text on both; bad requests are 400s naming the field.
 
 Tool calls are tested on the releases' own templates: every family's forced calls in
 tests/test_family_tools.py, on 2 ranks and through every API in
-tests/test_serve_family_ranks.py. `HERMES` here (a Qwen2.5-style template written for
-these tests before the releases' templates were in tests/data/chat_templates) remains
-for the `Chat` tests that count its tokens (tests/test_chat_tools.py).
+tests/test_serve_family_ranks.py (their tools, and `Chat`'s, are these: `TOOLS`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -26,22 +22,6 @@ openai = pytest.importorskip("openai")
 from serve_client import KEY, Server, chat, http  # noqa: E402
 
 TIMEOUT = 300  # seconds a request may take: the machine may be shared
-
-HERMES = (  # Qwen2.5's way: tools in <tools>, calls in <tool_call>, results as tool turns
-    "{% if tools %}<|system|>\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
-    '\n</tools>\nCall a tool as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>'
-    "</s>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'assistant' and m.tool_calls %}<|assistant|>"
-    "{% for tool_call in m.tool_calls %}{% if tool_call.function %}"
-    "{% set tool_call = tool_call.function %}{% endif %}\n<tool_call>\n"
-    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
-    "\n</tool_call>{% endfor %}</s>\n"
-    "{% elif m.role == 'tool' %}<|tool|>\n<tool_response>{{ m.content }}</tool_response></s>\n"
-    "{% else %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-TEMPLATES = {"hermes": HERMES}
 
 WEATHER = {
     "type": "function",
@@ -77,18 +57,6 @@ CITY = {  # the built-in model's answers must validate against this
     "required": ["city", "country", "population"],
     "additionalProperties": False,
 }
-
-
-def _model(tiny_dir: Path, root: Path, name: str) -> Path:
-    d = root / name
-    shutil.copytree(tiny_dir, d)
-    config = json.loads((d / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATES[name]
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
-    config = json.loads((d / "config.json").read_text())
-    config["max_position_embeddings"] = 2048  # tools take room: the tokenizer is tiny
-    (d / "config.json").write_text(json.dumps(config))
-    return d
 
 
 @pytest.fixture(scope="module")
