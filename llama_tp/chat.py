@@ -69,8 +69,6 @@ def main() -> int:
     check_model_args(args)
     if args.max_context is not None and args.max_context <= 0:
         raise UsageError(f"--max-context must be positive, got {args.max_context}")
-    if any(not s for s in args.stop):
-        raise UsageError("--stop strings must not be empty")
     start_watchdog(args)  # armed during loading and replies, not while waiting for input
     group = world()
     watchdog.set_group_size(group.size())
@@ -93,7 +91,7 @@ def main() -> int:
         model,
         tokenizer,
         args.system_prompt,
-        params=sampling_params(args).but(stop=tuple(args.stop)),
+        params=sampling_params(args),
         seed=args.seed,
         max_context=args.max_context,
         overflow="drop_oldest" if args.drop_oldest else "error",

@@ -117,7 +117,7 @@ def main() -> int:
     draft = load_draft_checked(args, model, tokenizer, group, weights)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     max_tokens = fit_context(len(ids), args.max_tokens, model.args.max_position_embeddings, group)
-    params = sampling_params(args).but(max_tokens=max_tokens, seed=args.seed)  # None: agreed
+    params = sampling_params(args).but(max_tokens=max_tokens)
     if args.verbose:
         from .engine import expert_load
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..checkpoints.weights_cache import wait_for_writes
 from ..cluster import watchdog
 from ..cluster.distributed import agreed, all_gather_object, first_line, is_rank0
+from ..engine.settings import KEYWORDS, SamplingParams, SettingsError, default
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -139,10 +140,10 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, draft: bool = Tr
         default=max_tokens,
         help=f"new tokens at most (default {max_tokens})",
     )
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens >= min-p * the best")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens")
+    for k in KEYWORDS:
+        if k.help:  # the sampling flags every command gives alike, SamplingParams' defaults
+            value = default(k.field)
+            p.add_argument(k.flag, type=type(value), default=value, help=k.help)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system-prompt", default=None)
     add_load_args(p)
@@ -276,31 +277,19 @@ def load_draft_checked(
         return load_draft(source, model, tokenizer, group, args.draft_sharded, split)
 
 
-# The sampling flags, by the name of the setting they give (engine/settings.py).
-SAMPLING_FLAGS = {
-    "max_tokens": "--max-tokens",
-    "temperature": "--temp",
-    "top_p": "--top-p",
-    "min_p": "--min-p",
-    "top_k": "--top-k",
-    "seed": "--seed",
-    "num_draft_tokens": "--num-draft-tokens",
-}
+_NO_FLAG = object()  # the command has no such flag
 
 
-def sampling_params(args: argparse.Namespace):
-    """The command's sampling flags as the engine's validated `SamplingParams` (the seed
-    left out: the command says it, or it is agreed at generation); UsageError naming the
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The command's sampling flags (those of `KEYWORDS` it has) as the engine's validated
+    `SamplingParams` (`--seed` unset: None, agreed at generation); UsageError naming the
     flag."""
-    from ..engine.settings import SamplingParams, SettingsError
-
+    flags = {k.field: k.flag for k in KEYWORDS if k.flag}
+    given = {f: getattr(args, flag[2:].replace("-", "_"), _NO_FLAG) for f, flag in flags.items()}
     try:
-        return SamplingParams(
-            args.max_tokens, args.temp, args.top_p, args.min_p, args.top_k,
-            num_draft_tokens=getattr(args, "num_draft_tokens", 0),
-        )  # fmt: skip
+        return SamplingParams(**{f: v for f, v in given.items() if v is not _NO_FLAG})
     except SettingsError as e:
-        raise UsageError(e.named(SAMPLING_FLAGS.get(e.field, e.field))) from None
+        raise UsageError(e.named(flags[e.field])) from None
 
 
 def check_model_args(args: argparse.Namespace) -> None:
