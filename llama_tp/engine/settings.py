@@ -6,6 +6,10 @@ checks are the engine's own rules; a bad value raises `SettingsError` naming the
 field, which the command line turns into a flag (`--top-p ...`) and the server
 into OpenAI's `param`. Limits that belong to an API (OpenAI's temperature <= 2,
 at most 20 top log-probabilities) stay with that API's request model.
+
+`KEYWORDS` describes each setting once as the drivers take it (a keyword, mlx-lm's name:
+`temp`) and the commands (a flag: `--temp`): the drivers' keywords, the commands'
+sampling flags and the names their errors give derive from it.
 """
 
 from __future__ import annotations
