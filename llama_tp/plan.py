@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .console.command import script, start
 
-def main() -> int:
-    """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
+
+def _parser():
     from .console.cli import ArgumentParser, add_moe_split_arg, add_split_arg
 
     p = ArgumentParser(
@@ -61,20 +62,34 @@ def main() -> int:
     )
     add_moe_split_arg(p)
     add_split_arg(p)
-    args = p.parse_args()
-    if args.n < 1:
-        p.error(f"-n must be at least 1, got {args.n}")
+    return p
+
+
+def _check(args) -> None:
+    """UsageError for a mesh or split that cannot be; sets `args.mesh` (ranks per tensor
+    group, stages) and `args.weights` (the split's)."""
     from .console.cli import UsageError
     from .parallel.mesh import MeshError, mesh_shape
     from .parallel.shares import SplitError, fixed_weights
 
+    if args.n < 1:
+        raise UsageError(f"-n must be at least 1, got {args.n}")
     try:
-        tp, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
+        args.mesh = tp, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
         if args.pp_split and stages == 1:
             raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
         args.weights = fixed_weights(args.split, tp, "plan")
     except (MeshError, SplitError) as e:  # the loader's line, a usage error as there
         raise UsageError(str(e)) from None
+
+
+def main() -> int:
+    """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
+    from .console.cli import UsageError
+    from .parallel.shares import SplitError
+
+    args = start(_parser(), _check)
+    tp, stages = args.mesh
     if (args.dp or 1) > 1:
         print(replicas_line(args.n, args.dp))
         args.n //= args.dp
@@ -395,12 +410,7 @@ def print_mesh(args) -> int:
     return 0
 
 
-def cli() -> None:
-    """The `llama_tp.plan` console script: `python -m llama_tp.plan`."""
-    from .console.cli import run
-
-    run(main)
-
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()
