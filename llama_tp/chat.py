@@ -56,6 +56,7 @@ def _parser():
 
 
 def _check_context(args) -> None:
+    """UsageError for a --max-context that holds nothing."""
     from .console.cli import UsageError
 
     if args.max_context is not None and args.max_context <= 0:

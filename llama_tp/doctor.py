@@ -372,21 +372,19 @@ def _check(args) -> None:
         raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
     if args.inject_fault is not None and not 0 <= args.inject_fault < size:
         raise UsageError(f"--inject-fault must be a rank in 0..{size - 1}")
-    args.mesh = None
-    if (args.tp, args.pp, args.dp) != (None, None, None):
-        try:
-            mesh_shape(size, args.tp, args.pp, args.dp)
-        except MeshError as e:
-            raise UsageError(str(e)) from None
-        args.mesh = (args.tp, args.pp, args.dp)
+    mesh = (args.tp, args.pp, args.dp)
+    args.mesh = None if mesh == (None, None, None) else mesh
+    try:
+        if args.mesh is not None:
+            mesh_shape(size, *mesh)
+    except MeshError as e:
+        raise UsageError(str(e)) from None
 
 
 def main() -> int:
     args = start(_parser(), _check, watch=True)  # --timeout: each check's
-    group = world()
-    report = diagnose(
-        group, args.quick, args.inject_fault, args.mesh, args.model, args.weights_cache
-    )
+    group, mesh = world(), args.mesh
+    report = diagnose(group, args.quick, args.inject_fault, mesh, args.model, args.weights_cache)
     print0(json.dumps(report, indent=2) if args.json else format_report(report), group=group)
     failed = [c for c in report["checks"] if c["status"] == "FAILED"]
     if failed:

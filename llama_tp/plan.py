@@ -17,7 +17,7 @@ from .console.command import script, start
 
 
 def _parser():
-    from .console.cli import ArgumentParser, add_moe_split_arg, add_split_arg
+    from .console.cli import ArgumentParser, add_mesh_args, add_moe_split_arg, add_split_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.plan",
@@ -49,17 +49,7 @@ def _parser():
     p.add_argument(
         "--sequence-parallel", action="store_true", help="the plan with sequence parallelism"
     )
-    p.add_argument("--tp", type=int, help="ranks per tensor-parallel group (default: N / --pp)")
-    p.add_argument("--pp", type=int, help="pipeline stages (default 1: the plan over N ranks)")
-    p.add_argument(
-        "--pp-split",
-        metavar="N,N...|W:W...",
-        help="layers per stage, e.g. 10,12, or weights of the stages' bytes, e.g. 3:1 "
-        "(default: balanced by parameter bytes)",
-    )
-    p.add_argument(
-        "--dp", type=int, help="data-parallel replicas (llama_tp.serve): each replica's plan"
-    )
+    add_mesh_args(p)  # the ranks are -n's; with --dp, each replica's plan
     add_moe_split_arg(p)
     add_split_arg(p)
     return p

@@ -26,7 +26,9 @@ from typing import NoReturn
 Check = Callable[[argparse.Namespace], None]
 
 
-def start(parser: argparse.ArgumentParser, *checks: Check, watch: bool = False):
+def start(
+    parser: argparse.ArgumentParser, *checks: Check, watch: bool = False
+) -> argparse.Namespace:
     """The command's flags from argv: parsed (usage errors printed by rank 0 only),
     `--quiet` (or `--json`) and `--no-compile` applied, held to `checks` in order (each
     raises UsageError); with `watch`, the watchdog armed with the flags' `--timeout` and

@@ -176,7 +176,7 @@ def keyword_params(given: Mapping[str, object], drafting: bool = False) -> Sampl
     try:
         return SamplingParams(**values)
     except SettingsError as e:
-        name = next(k.keyword for k in KEYWORDS if k.field == e.field)
+        name = next((k.keyword for k in KEYWORDS if k.field == e.field), e.field)
         raise SettingsError(name, e.rule, e.value) from None
 
 
