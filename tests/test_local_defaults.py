@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import _PORTS, BIN, ROOT, requires
 
@@ -98,13 +99,21 @@ print(session_nice())
 def test_the_last_rank_of_a_session_restores_it():
     """Ranks of one session that lower it hold it together: the first to exit leaves it
     lowered under the one still running, and the last puts it back (the race in which a
-    rank of a 2-rank launch read its session's nice as 0: its peer had ended first)."""
+    rank of a 2-rank launch read its session's nice as 0: its peer had ended first). What
+    killed ranks left of another session is removed."""
+    from llama_tp.cluster.affinity import _holders_file
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path(_holders_file("999999999"))
+    stale.write_text(json.dumps({"pids": [gone.pid], "restore": 0}))
     r = subprocess.run(
         [sys.executable, "-c", SESSION], cwd=ROOT, capture_output=True, text=True,
         timeout=60, start_new_session=True,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["0 0 10", "10", "0"], r.stdout
+    assert not stale.exists()
 
 
 def test_the_backend_for_local_ranks(monkeypatch):

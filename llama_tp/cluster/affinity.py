@@ -177,6 +177,7 @@ def lower_session_for_exit(nice: int) -> int | None:
     except OSError:  # no temp folder to share it through: the session as it is
         return None
     atexit.register(_release_session)
+    _sweep_holders()
     return held["restore"]
 
 
@@ -193,19 +194,41 @@ def _release_session() -> None:
         pass
 
 
-@contextlib.contextmanager
-def _session_holders() -> Iterator[dict]:
-    """The live processes holding this session lowered and the nice to put back,
-    `{"pids": [...], "restore": nice}`, under an exclusive lock for the block and written
-    back after it (a file per autogroup in the temp folder, removed when none is left).
-    Processes that died without leaving are dropped."""
-    import fcntl
-    import json
+def _sweep_holders() -> None:
+    """Remove the files of other sessions whose holders all died without leaving (killed
+    ranks): `_session_holders` drops the dead and removes a file that none is left in."""
+    import glob
+
+    mine = _holders_file()
+    for path in glob.glob(_holders_file("*")):
+        if path != mine:
+            try:
+                with _session_holders(path):
+                    pass
+            except OSError:
+                continue
+
+
+def _holders_file(group: str | None = None) -> str:
+    """The file of the processes that hold session `group` lowered (default: this one's)."""
     import tempfile
 
-    with open(AUTOGROUP) as f:  # "/autogroup-42 nice 0"
-        group = f.read().split()[0].strip("/")
-    path = os.path.join(tempfile.gettempdir(), f"llama_tp-{os.getuid()}-{group}.json")
+    if group is None:
+        with open(AUTOGROUP) as f:  # "/autogroup-42 nice 0"
+            group = f.read().split()[0].strip("/").removeprefix("autogroup-")
+    return os.path.join(tempfile.gettempdir(), f"llama_tp-{os.getuid()}-autogroup-{group}.json")
+
+
+@contextlib.contextmanager
+def _session_holders(path: str | None = None) -> Iterator[dict]:
+    """The live processes holding this session (or the one of the file `path`) lowered
+    and the nice to put back, `{"pids": [...], "restore": nice}`, under an exclusive lock
+    for the block and written back after it (a file per autogroup in the temp folder,
+    removed when none is left). Processes that died without leaving are dropped."""
+    import fcntl
+    import json
+
+    path = path or _holders_file()
     while True:  # the file locked is the one at `path` (not one a last holder removed)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
