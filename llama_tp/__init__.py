@@ -1,4 +1,4 @@
-"""llama_tp: tensor-parallel inference for Llama-family models on MLX.
+"""llama_tp: tensor-parallel inference on MLX: open models natively, the rest on mlx-lm's classes.
 
     from llama_tp import Chat, load
     model, tokenizer = load()               # the built-in model; sharded under mlx.launch

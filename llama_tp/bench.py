@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from .cluster.distributed import agreed, all_gather_object, eprint0, world
+from .console.command import script, start
 
 
 def parser():
@@ -32,7 +33,7 @@ def parser():
     p = ArgumentParser(
         prog="python -m llama_tp.bench",
         description="Benchmark prompt and generation speed, memory and collectives "
-        "(one process, or every rank of an mlx.launch).",
+        "(one process, or every rank of a launcher).",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="GGUF file or HF/MLX directory (default: built-in SmolLM2)")
@@ -92,6 +93,7 @@ def parser():
 
 def check_args(args: Any) -> None:
     from .console.cli import UsageError, check_mesh_args
+    from .engine.settings import MAX_DRAFT_TOKENS
 
     check_mesh_args(args)
 
@@ -99,8 +101,10 @@ def check_args(args: Any) -> None:
         if getattr(args, name) <= 0:
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} must be positive, got {getattr(args, name)}")
-    if args.draft and not 1 <= args.num_draft_tokens <= 64:
-        raise UsageError(f"--num-draft-tokens must be from 1 to 64, got {args.num_draft_tokens}")
+    if args.draft and not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UsageError(
+            f"--num-draft-tokens must be from 1 to {MAX_DRAFT_TOKENS}, got {args.num_draft_tokens}"
+        )
     if args.generation_tokens < 2:
         raise UsageError(f"--generation-tokens must be >= 2, got {args.generation_tokens}")
 
@@ -109,12 +113,8 @@ def main() -> int:
     from .benchmarks.report import common_prefix, print_table
     from .benchmarks.runner import bench_llama_tp, pin, prepare_model
     from .cluster.blas import check, hint, set_threads
-    from .console.cli import apply_compile_flag, quiet
 
-    args = parser().parse_args()
-    check_args(args)
-    apply_compile_flag(args)
-    quiet(args.quiet or args.json)
+    args = start(parser(), check_args)
     group = world()
     cores = pin(args.pin_core, group.rank()) if args.pin_core else None
     if args.blas_threads or cores:
@@ -166,12 +166,7 @@ def main() -> int:
     return 0
 
 
-def cli() -> None:
-    """The `llama_tp.bench` console script: `python -m llama_tp.bench`."""
-    from .console.cli import run
-
-    run(main)
-
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()

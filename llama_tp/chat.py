@@ -9,7 +9,9 @@ under mlx.launch is `llama_tp.terminal`.
 
 from __future__ import annotations
 
+from .cluster import watchdog
 from .cluster.distributed import world
+from .console.command import script, start
 from .conversation.chat import Chat, ChatTemplateError, ContextOverflowError, TurnStats
 
 __all__ = ["Chat", "ChatTemplateError", "ContextOverflowError", "TurnStats", "main"]
@@ -28,8 +30,8 @@ def _parser():
 
     p = ArgumentParser(
         prog="python -m llama_tp.chat",
-        description="Chat with a Llama-family model at the terminal, on one process or "
-        "across the ranks started by mlx.launch.",
+        description="Chat with a model at the terminal, on one process or across the "
+        "ranks of a launcher (llama_tp.launch, mlx.launch, mpirun).",
     )
     add_model_args(p, max_tokens=256)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
@@ -53,30 +55,23 @@ def _parser():
     return p
 
 
-def main() -> int:
-    from .cluster import watchdog
-    from .console.cli import (
-        UsageError,
-        check_model_args,
-        load_checked,
-        load_draft_checked,
-        sampling_params,
-        start_watchdog,
-    )
-    from .console.terminal import Console
+def _check_context(args) -> None:
+    """UsageError for a --max-context that holds nothing."""
+    from .console.cli import UsageError
 
-    args = _parser().parse_args()
-    check_model_args(args)
     if args.max_context is not None and args.max_context <= 0:
         raise UsageError(f"--max-context must be positive, got {args.max_context}")
-    if any(not s for s in args.stop):
-        raise UsageError("--stop strings must not be empty")
-    start_watchdog(args)  # armed during loading and replies, not while waiting for input
+
+
+def main() -> int:
+    from .console.cli import check_model_args, load_checked, load_draft_checked, sampling_params
+    from .console.terminal import Console
+
+    # The watchdog is armed during loading and replies, not while waiting for input.
+    args = start(_parser(), check_model_args, _check_context, watch=True)
     group = world()
-    watchdog.set_group_size(group.size())
     model, tokenizer, ckpt = load_checked(args, group)
-    weights = ckpt.placement.plan.weights if ckpt.placement is not None else None
-    draft = load_draft_checked(args, model, tokenizer, group, weights)
+    draft = load_draft_checked(args, model, tokenizer, ckpt, group)
     if args.verbose:
         from .engine import expert_load
 
@@ -93,7 +88,7 @@ def main() -> int:
         model,
         tokenizer,
         args.system_prompt,
-        params=sampling_params(args).but(stop=tuple(args.stop)),
+        params=sampling_params(args),
         seed=args.seed,
         max_context=args.max_context,
         overflow="drop_oldest" if args.drop_oldest else "error",
@@ -154,12 +149,7 @@ def main() -> int:
     return 0
 
 
-def cli() -> None:
-    """The `llama_tp.chat` console script: `python -m llama_tp.chat`."""
-    from .console.cli import run
-
-    run(main)
-
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .console.command import script, start
+
 
 def _parser():
     from .console.cli import ArgumentParser, add_moe_split_arg, add_split_arg
@@ -82,12 +84,11 @@ def _parser():
     return p
 
 
-def main() -> int:
-    from .checkpoints.convert import convert
+def _check(args) -> None:
+    """UsageError for an --out that cannot be written and flags that exclude each other;
+    `--dequantize` becomes `args.dtype` float16 (unless --dtype says another)."""
     from .console.cli import UsageError
-    from .loading.loader import default_model
 
-    args = _parser().parse_args()
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
@@ -95,23 +96,35 @@ def main() -> int:
         raise UsageError(f"--out {out}: directory is not empty (use --force to write into it)")
     if args.shards is not None and args.shards < 1:
         raise UsageError(f"--shards must be at least 1, got {args.shards}")
-    dtype = args.dtype or ("float16" if args.dequantize else None)
-    if dtype and args.quantize:
+    args.dtype = args.dtype or ("float16" if args.dequantize else None)
+    if args.dtype and args.quantize:
         raise UsageError("--quantize and --dtype/--dequantize exclude each other")
     if args.no_vocab_parallel and args.shards is None:
         raise UsageError("--no-vocab-parallel only applies with --shards")
-    mesh = [f for f in ("tp", "pp", "pp_split") if getattr(args, f) is not None]
+    mesh = [f for f in MESH if getattr(args, f) is not None]
     if mesh and args.shards is None:
         raise UsageError(f"--{mesh[0].replace('_', '-')} only applies with --shards")
     if args.split is not None and args.shards is None:
         raise UsageError("--split only applies with --shards")
+
+
+MESH = ("tp", "pp", "pp_split")  # the flags of a tp x pp mesh split
+
+
+def main() -> int:
+    from .checkpoints.convert import convert
+    from .console.cli import UsageError
+    from .loading.loader import default_model
+
+    args = start(_parser(), _check)
+    out, mesh = Path(args.out), any(getattr(args, f) is not None for f in MESH)
     src = Path(args.model) if args.model else default_model()
     from .generic.loader import checkpoint_route
 
     route = checkpoint_route(src)
     if route is not None and route.generic:  # mlx-lm's classes: pre-split by stage only
         return convert_generic(args, src, out, route)
-    kw = dict(quantize=args.quantize, group_size=args.group_size, dtype=dtype)
+    kw = dict(quantize=args.quantize, group_size=args.group_size, dtype=args.dtype)
     kw.update(vocab_parallel=not args.no_vocab_parallel, progress=not args.quiet)
     kw.update(moe_split=args.moe_split, split=args.split)
     from .loading.mesh_split import convert_mesh
@@ -150,12 +163,7 @@ def convert_generic(args, src: Path, out: Path, route) -> int:
     return 0
 
 
-def cli() -> None:
-    """The `llama_tp.convert` console script: `python -m llama_tp.convert`."""
-    from .console.cli import run
-
-    run(main)
-
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()

@@ -36,7 +36,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from .cluster import watchdog
 from .cluster.diagnostics import (
     VERSION_KEYS,
     Check,
@@ -49,6 +48,7 @@ from .cluster.diagnostics import (
     version_differences,
 )
 from .cluster.distributed import all_gather_object, print0, world
+from .console.command import script, start
 
 ALL_REDUCE_BYTES = (4, 8 << 10, 1 << 20, 16 << 20)
 LOGITS_ATOL = 1e-4  # fp32; sharding only changes the summation order
@@ -332,8 +332,8 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    from .console.cli import ArgumentParser, UsageError
+def _parser():
+    from .console.cli import ArgumentParser
 
     p = ArgumentParser(
         prog="python -m llama_tp.doctor",
@@ -358,23 +358,32 @@ def main() -> int:
     )
     # For the tests: perturb this rank's sharded model so that the logits check fails.
     p.add_argument("--inject-fault", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    group = world()
+    return p
+
+
+def _check(args) -> None:
+    """UsageError for flags out of range or a mesh the group cannot hold (the same on
+    every rank, before any collective); sets `args.mesh` (None: none asked)."""
+    from .console.cli import UsageError
+    from .parallel.mesh import MeshError, mesh_shape
+
+    size = world().size()
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
-    if args.inject_fault is not None and not 0 <= args.inject_fault < group.size():
-        raise UsageError(f"--inject-fault must be a rank in 0..{group.size() - 1}")
-    mesh = None
-    if (args.tp, args.pp, args.dp) != (None, None, None):
-        from .parallel.mesh import MeshError, mesh_shape
+    if args.inject_fault is not None and not 0 <= args.inject_fault < size:
+        raise UsageError(f"--inject-fault must be a rank in 0..{size - 1}")
+    mesh = (args.tp, args.pp, args.dp)
+    args.mesh = None if mesh == (None, None, None) else mesh
+    try:
+        if args.mesh is not None:
+            mesh_shape(size, *mesh)
+    except MeshError as e:
+        raise UsageError(str(e)) from None
 
-        try:  # the same flags fail alike on every rank, before any collective
-            mesh_shape(group.size(), args.tp, args.pp, args.dp)
-        except MeshError as e:
-            raise UsageError(str(e)) from None
-        mesh = (args.tp, args.pp, args.dp)
-    watchdog.install(step_timeout=args.timeout, load_timeout=None)
-    watchdog.set_group_size(group.size())
+
+def main() -> int:
+    args = start(_parser(), _check, watch=True)  # --timeout: each check's
+    group, mesh = world(), args.mesh
     report = diagnose(group, args.quick, args.inject_fault, mesh, args.model, args.weights_cache)
     print0(json.dumps(report, indent=2) if args.json else format_report(report), group=group)
     failed = [c for c in report["checks"] if c["status"] == "FAILED"]
@@ -384,12 +393,7 @@ def main() -> int:
     return 0
 
 
-def cli() -> None:
-    """The `llama_tp.doctor` console script: `python -m llama_tp.doctor`."""
-    from .console.cli import run
-
-    run(main)
-
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from .cluster import watchdog
 from .cluster.distributed import all_gather_object, broadcast_object, eprint0, print0, world
+from .console.command import script, start
 from .engine.generation import stream_generate, vocab_bytes
 
 
@@ -25,8 +26,9 @@ def _parser():
 
     p = ArgumentParser(
         prog="python -m llama_tp.generate",
-        description="Generate text with a Llama-family model, on one process or across "
-        "the ranks started by mlx.launch.",
+        description="Generate text from one prompt with a model (a GGUF file, a Hugging "
+        "Face/MLX folder or a hub id), on one process or across the ranks of a launcher "
+        "(llama_tp.launch, mlx.launch, mpirun).",
     )
     add_model_args(p, max_tokens=100)
     p.add_argument("--prompt", "-p", default="hello", help="the prompt ('-' reads stdin)")
@@ -101,23 +103,18 @@ def main() -> int:
         load_checked,
         load_draft_checked,
         sampling_params,
-        start_watchdog,
     )
 
-    args = _parser().parse_args()
-    check_model_args(args)
-    start_watchdog(args)
+    args = start(_parser(), check_model_args, watch=True)
     group = world()
-    watchdog.set_group_size(group.size())
     prompt = read_prompt(args.prompt, group)
     if not prompt:
         raise UsageError("the prompt is empty")
     model, tokenizer, ckpt = load_checked(args, group)
-    weights = ckpt.placement.plan.weights if ckpt.placement is not None else None
-    draft = load_draft_checked(args, model, tokenizer, group, weights)
+    draft = load_draft_checked(args, model, tokenizer, ckpt, group)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     max_tokens = fit_context(len(ids), args.max_tokens, model.args.max_position_embeddings, group)
-    params = sampling_params(args).but(max_tokens=max_tokens, seed=args.seed)  # None: agreed
+    params = sampling_params(args).but(max_tokens=max_tokens)
     if args.verbose:
         from .engine import expert_load
 
@@ -173,12 +170,7 @@ def main() -> int:
     return 0
 
 
-def cli() -> None:
-    """The `llama_tp.generate` console script: `python -m llama_tp.generate`."""
-    from .console.cli import run
-
-    run(main)
-
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()

@@ -1,4 +1,4 @@
-"""The Llama-family transformer, with `shard(group)` on Attention and FeedForward.
+"""The transformer every native family runs, with `shard(group)` on Attention and FeedForward.
 
 Names follow Meta's reference implementation (and the MLX Llama example):
 `tok_embeddings`, `layers.{i}.attention.{wq,wk,wv,wo}`,

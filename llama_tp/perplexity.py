@@ -6,12 +6,11 @@ mlx.launch -n 2 -- python -m llama_tp.perplexity --text-file tests/data/paris.tx
 
 from __future__ import annotations
 
+from .console.command import script, start
 
-def main() -> int:
-    from .cluster.distributed import print0, world
-    from .console.cli import ArgumentParser, UsageError, add_load_args, add_quiet_arg, quiet
-    from .engine.perplexity import perplexity
-    from .loading.loader import default_model, load
+
+def _parser():
+    from .console.cli import ArgumentParser, add_load_args, add_quiet_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.perplexity",
@@ -35,15 +34,29 @@ def main() -> int:
         help="score only the text's first N tokens (default: all)",
     )
     add_quiet_arg(p)
-    args = p.parse_args()
-    quiet(args.quiet)
+    return p
+
+
+def _check(args) -> None:
+    """UsageError for windows that cannot be scored; sets `args.stride`'s default."""
+    from .console.cli import UsageError
+
     if args.context_length < 2:
         raise UsageError(f"--context-length must be at least 2, got {args.context_length}")
-    stride = args.stride or args.context_length // 2
-    if not 0 < stride < args.context_length:
-        raise UsageError(f"--stride must be in 1..{args.context_length - 1}, got {stride}")
+    args.stride = args.stride or args.context_length // 2
+    if not 0 < args.stride < args.context_length:
+        raise UsageError(f"--stride must be in 1..{args.context_length - 1}, got {args.stride}")
     if args.limit_tokens is not None and args.limit_tokens < 2:
         raise UsageError(f"--limit-tokens must be at least 2, got {args.limit_tokens}")
+
+
+def main() -> int:
+    from .cluster.distributed import print0, world
+    from .console.cli import UsageError
+    from .engine.perplexity import perplexity
+    from .loading.loader import default_model, load
+
+    args = start(_parser(), _check)
     try:
         with open(args.text_file, encoding="utf-8") as f:
             text = f.read()
@@ -68,7 +81,7 @@ def main() -> int:
     except SplitError as e:  # the same on every rank
         raise UsageError(str(e)) from None
     tokens = tokenizer.encode(text)[: args.limit_tokens]
-    result = perplexity(model, tokens, args.context_length, stride)
+    result = perplexity(model, tokens, args.context_length, args.stride)
     print0(f"Perplexity: {result.perplexity:.6f}")
     print0(f"Tokens evaluated: {result.tokens}")
     print0(
@@ -78,12 +91,7 @@ def main() -> int:
     return 0
 
 
-def cli() -> None:
-    """The `llama_tp.perplexity` console script: `python -m llama_tp.perplexity`."""
-    from .console.cli import run
-
-    run(main)
-
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()

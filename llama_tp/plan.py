@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .console.command import script, start
 
-def main() -> int:
-    """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
-    from .console.cli import ArgumentParser, add_moe_split_arg, add_split_arg
+
+def _parser():
+    from .console.cli import ArgumentParser, add_mesh_args, add_moe_split_arg, add_split_arg
 
     p = ArgumentParser(
         prog="python -m llama_tp.plan",
@@ -48,33 +49,37 @@ def main() -> int:
     p.add_argument(
         "--sequence-parallel", action="store_true", help="the plan with sequence parallelism"
     )
-    p.add_argument("--tp", type=int, help="ranks per tensor-parallel group (default: N / --pp)")
-    p.add_argument("--pp", type=int, help="pipeline stages (default 1: the plan over N ranks)")
-    p.add_argument(
-        "--pp-split",
-        metavar="N,N...|W:W...",
-        help="layers per stage, e.g. 10,12, or weights of the stages' bytes, e.g. 3:1 "
-        "(default: balanced by parameter bytes)",
-    )
-    p.add_argument(
-        "--dp", type=int, help="data-parallel replicas (llama_tp.serve): each replica's plan"
-    )
+    add_mesh_args(p)  # the ranks are -n's; with --dp, each replica's plan
     add_moe_split_arg(p)
     add_split_arg(p)
-    args = p.parse_args()
-    if args.n < 1:
-        p.error(f"-n must be at least 1, got {args.n}")
+    return p
+
+
+def _check(args) -> None:
+    """UsageError for a mesh or split that cannot be; sets `args.mesh` (ranks per tensor
+    group, stages) and `args.weights` (the split's)."""
     from .console.cli import UsageError
     from .parallel.mesh import MeshError, mesh_shape
     from .parallel.shares import SplitError, fixed_weights
 
+    if args.n < 1:
+        raise UsageError(f"-n must be at least 1, got {args.n}")
     try:
-        tp, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
+        args.mesh = tp, stages = mesh_shape(args.n, args.tp, args.pp, args.dp)
         if args.pp_split and stages == 1:
             raise MeshError("--pp-split needs --pp (the number of pipeline stages)")
         args.weights = fixed_weights(args.split, tp, "plan")
     except (MeshError, SplitError) as e:  # the loader's line, a usage error as there
         raise UsageError(str(e)) from None
+
+
+def main() -> int:
+    """`python -m llama_tp.plan --model M -n N`: print the plan, no launch needed."""
+    from .console.cli import UsageError
+    from .parallel.shares import SplitError
+
+    args = start(_parser(), _check)
+    tp, stages = args.mesh
     if (args.dp or 1) > 1:
         print(replicas_line(args.n, args.dp))
         args.n //= args.dp
@@ -395,12 +400,7 @@ def print_mesh(args) -> int:
     return 0
 
 
-def cli() -> None:
-    """The `llama_tp.plan` console script: `python -m llama_tp.plan`."""
-    from .console.cli import run
-
-    run(main)
-
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()

@@ -1,5 +1,5 @@
-"""`python -m llama_tp.serve`: an OpenAI-compatible HTTP server, on one process or
-on every rank of an mlx.launch (rank 0 listens; all ranks compute).
+"""`python -m llama_tp.serve`: an HTTP server for OpenAI, Anthropic and Ollama clients, on
+one process or on every rank of a launch (rank 0 listens; all ranks compute).
 
     python -m llama_tp.serve --port 8080
     mlx.launch -n 2 -- python -m llama_tp.serve --model path/to/model
@@ -9,8 +9,7 @@ See llama_tp.server for the pieces and docs/serving.md for the API.
 
 from __future__ import annotations
 
-import sys
-
+from .console.command import script, start
 from .server.runner import create_app
 
 __all__ = ["create_app", "main"]
@@ -27,8 +26,9 @@ def _parser():
 
     p = ArgumentParser(
         prog="python -m llama_tp.serve",
-        description="Serve a Llama-family model over an OpenAI-compatible HTTP API, on one "
-        "process or across the ranks started by mlx.launch (rank 0 listens).",
+        description="Serve a model over HTTP to OpenAI (chat, completions, Responses, "
+        "embeddings), Anthropic and Ollama clients, on one process or across the ranks of "
+        "a launcher (rank 0 listens; llama_tp.launch --restart keeps it up through faults).",
     )
     add_model_args(p, max_tokens=256, draft=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -116,27 +116,21 @@ def _parser():
     return p
 
 
-def main() -> int:
-    from .cluster.distributed import print0
-    from .console.cli import check_model_args, start_watchdog
-    from .server.runner import check_args, fastapi_missing, serve
+def _check_installed(args) -> None:
+    from .server.runner import fastapi_missing
 
-    args = _parser().parse_args()
     if fastapi_missing():
-        print0(f"error: {INSTALL_HINT}", file=sys.stderr)
-        return 1
-    check_model_args(args)
-    check_args(args)
-    start_watchdog(args)
-    return serve(args)
+        raise RuntimeError(INSTALL_HINT)
 
 
-def cli() -> None:
-    """The `llama_tp.serve` console script."""
-    from .console.cli import run
+def main() -> int:
+    from .console.cli import check_model_args
+    from .server.runner import check_args, serve
 
-    run(main)
+    return serve(start(_parser(), _check_installed, check_model_args, check_args, watch=True))
 
+
+cli = script(main)  # the console script
 
 if __name__ == "__main__":
     cli()

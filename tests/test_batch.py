@@ -175,3 +175,28 @@ def test_a_long_prompt_joins_chunk_by_chunk_while_the_rows_decode(loaded):
     events = engine.apply(Decision(cancels=[3]))
     assert [(e.uid, e.finish_reason) for e in events] == [(3, "cancelled")]
     assert [r.uid for r in engine.rows] == [1] and len(engine) == 1
+
+
+def test_the_drivers_take_the_settings_keywords():
+    """stream_generate's, Chat's and batch_generate's sampling keywords are those of
+    `KEYWORDS` (engine/settings.py), with its defaults: None (the description's) in the two
+    that also take `params`, SamplingParams' own in batch_generate; giving a keyword and
+    `params` at once is refused by the keyword's name, a bad value named by its keyword."""
+    import inspect
+
+    from llama_tp import Chat
+    from llama_tp.engine.settings import KEYWORDS, SettingsError, default, request_params
+
+    names = {k.keyword: k.field for k in KEYWORDS}
+    for driver in (stream_generate, Chat, batch_generate):
+        taken = {n: p.default for n, p in inspect.signature(driver).parameters.items()}
+        given = {n: d for n, d in taken.items() if n in names}
+        assert {"max_tokens", "temp", "top_p", "min_p", "top_k", "stop"} <= set(given)
+        if driver is batch_generate:
+            assert given == {n: default(names[n]) for n in given} | {"logprobs": False}
+        else:
+            assert set(given.values()) == {None} and "params" in taken
+    with pytest.raises(TypeError, match=r"not both \(temp\)"):
+        request_params("Chat", SamplingParams(), False, {"temp": 0.5})
+    with pytest.raises(SettingsError, match="^temp must be >= 0, got -1"):
+        request_params("Chat", None, False, {"temp": -1})

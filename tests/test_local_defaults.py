@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import _PORTS, BIN, ROOT, requires
 
@@ -74,6 +75,45 @@ def test_ranks_under_mlx_launch_apply_the_local_defaults():
     ours = os.getpriority(os.PRIO_PROCESS, 0)  # mlx.launch left at this process's nice
     # not pinned: the session (a new one, at nice 0) is left as it is
     assert mine == [f"{r} {threads} off {[tuple(usable)]} [{ours}] 0" for r in (0, 1)]
+
+
+HOLD = (
+    "from llama_tp.cluster.affinity import lower_session_for_exit; "
+    "print(lower_session_for_exit(10), flush=True); input()"
+)
+SESSION = f"""
+import subprocess, sys
+from llama_tp.cluster.affinity import session_nice
+rank = lambda: subprocess.Popen(
+    [sys.executable, "-c", {HOLD!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+)
+a, b = rank(), rank()
+print(a.stdout.readline().strip(), b.stdout.readline().strip(), session_nice())
+b.communicate("")
+print(session_nice())
+a.communicate("")
+print(session_nice())
+"""
+
+
+def test_the_last_rank_of_a_session_restores_it():
+    """Ranks of one session that lower it hold it together: the first to exit leaves it
+    lowered under the one still running, and the last puts it back (the race in which a
+    rank of a 2-rank launch read its session's nice as 0: its peer had ended first). What
+    killed ranks left of another session is removed."""
+    from llama_tp.cluster.affinity import _holders_file
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path(_holders_file("999999999"))
+    stale.write_text(json.dumps({"pids": [gone.pid], "restore": 0}))
+    r = subprocess.run(
+        [sys.executable, "-c", SESSION], cwd=ROOT, capture_output=True, text=True,
+        timeout=60, start_new_session=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["0 0 10", "10", "0"], r.stdout
+    assert not stale.exists()
 
 
 def test_the_backend_for_local_ranks(monkeypatch):

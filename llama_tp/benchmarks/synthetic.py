@@ -275,6 +275,7 @@ def synthetic_dir(spec: str, seed: int = 0, shapes_only: bool = False) -> Path:
 
 def main() -> int:
     from ..console.cli import ArgumentParser
+    from ..console.command import start
 
     p = ArgumentParser(prog="python -m llama_tp.synthetic", description=__doc__.splitlines()[0])
     p.add_argument("spec", help=f"SIZE-DTYPE, SIZE in {', '.join(SIZES)}; e.g. 0.5b-fp16")
@@ -285,13 +286,13 @@ def main() -> int:
         action="store_true",
         help="write the tensors' shapes, their data a sparse file of zeros: for `plan`",
     )
-    args = p.parse_args()
+    args = start(p)
     path = write_synthetic(args.spec, args.out, args.seed, args.shapes_only)
     print(path, file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    from ..console.cli import run
+    from ..console.command import script
 
-    run(main)
+    script(main)()

@@ -155,18 +155,109 @@ def yielding_session(nice: int = SESSION_NICE) -> Iterator[None]:
 
 
 def lower_session_for_exit(nice: int) -> int | None:
-    """Run this session's scheduling group at `nice` until this process exits (then put
-    back what it was): for ranks that pin themselves under another launcher, which runs no
-    `yielding_session` for them. The previous value, or None when nothing changed (no
-    autogroups, `nice` 0, or the session already at `nice` or above: another local rank
-    lowered it first, and only that one restores it)."""
+    """Run this session's scheduling group at `nice` until the last of its ranks that
+    lowered it exits (then put back what it was): for ranks that pin themselves under
+    another launcher, which runs no `yielding_session` for them. The first rank lowers it
+    and the others join it (`_session_holders`), so that a rank that ends first does not
+    raise the session under one still running. The value to put back, or None when
+    nothing changed (no autogroups, `nice` 0, or the session already at `nice` or above
+    by another hand)."""
     import atexit
 
-    before = session_nice()
-    if before is None or before >= nice or not _set_session_nice(nice):
+    if not nice or session_nice() is None:
         return None
-    atexit.register(_set_session_nice, before)
-    return before
+    try:
+        with _session_holders() as held:
+            if not held["pids"]:  # the first here: lower it, unless it is low enough
+                before = session_nice()
+                if before is None or before >= nice or not _set_session_nice(nice):
+                    return None
+                held["restore"] = before
+            held["pids"].append(os.getpid())
+    except OSError:  # no temp folder to share it through: the session as it is
+        return None
+    atexit.register(_release_session)
+    _sweep_holders()
+    return held["restore"]
+
+
+def _release_session() -> None:
+    """At exit: leave the session's holders; the last one puts its nice back."""
+    try:
+        with _session_holders() as held:
+            if os.getpid() not in held["pids"]:  # a forked child of a holder
+                return
+            held["pids"].remove(os.getpid())
+            if not held["pids"]:
+                _set_session_nice(held["restore"])
+    except OSError:
+        pass
+
+
+def _sweep_holders() -> None:
+    """Remove the files of other sessions whose holders all died without leaving (killed
+    ranks): `_session_holders` drops the dead and removes a file that none is left in."""
+    import glob
+
+    mine = _holders_file()
+    for path in glob.glob(_holders_file("*")):
+        if path != mine:
+            try:
+                with _session_holders(path):
+                    pass
+            except OSError:
+                continue
+
+
+def _holders_file(group: str | None = None) -> str:
+    """The file of the processes that hold session `group` lowered (default: this one's)."""
+    import tempfile
+
+    if group is None:
+        with open(AUTOGROUP) as f:  # "/autogroup-42 nice 0"
+            group = f.read().split()[0].strip("/").removeprefix("autogroup-")
+    return os.path.join(tempfile.gettempdir(), f"llama_tp-{os.getuid()}-autogroup-{group}.json")
+
+
+@contextlib.contextmanager
+def _session_holders(path: str | None = None) -> Iterator[dict]:
+    """The live processes holding this session (or the one of the file `path`) lowered
+    and the nice to put back, `{"pids": [...], "restore": nice}`, under an exclusive lock
+    for the block and written back after it (a file per autogroup in the temp folder,
+    removed when none is left). Processes that died without leaving are dropped."""
+    import fcntl
+    import json
+
+    path = path or _holders_file()
+    while True:  # the file locked is the one at `path` (not one a last holder removed)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.path.exists(path) and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    with os.fdopen(fd, "r+") as f:  # closing it unlocks it
+        try:
+            held = json.loads(f.read() or "{}")
+        except ValueError:
+            held = {}
+        held["pids"] = [p for p in held.get("pids", []) if _alive(p)]
+        yield held
+        if not held["pids"]:
+            os.unlink(path)
+            return
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(held))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
 
 
 BACKGROUND_NICE = 10  # how much lower a background thread runs than its process

@@ -14,7 +14,8 @@ share its machine sets what is not set already, as the launcher would have:
 - `LLAMA_TP_CORES`: equal groups of the usable cores, one per local rank (unless a rank
   already has fewer cores than there are local ranks: mpirun binds its ranks itself);
 - the session at nice `LLAMA_TP_SESSION_NICE` (10) while a pinned rank runs, as the
-  launcher does for its ranks (affinity.py: pinned ranks starve the other sessions);
+  launcher does for its ranks (affinity.py: pinned ranks starve the other sessions); the
+  last of the session's ranks to exit puts it back;
 - under `mlx.launch` (the rank's parent is it): its threads at nice 19. mlx's launcher
   (0.32) polls every rank's stdin pipe for writing in a loop that never sleeps (an
   empty pipe is always writable), and its main loop spins once its own stdin is at end

@@ -1,25 +1,21 @@
-"""What every command-line entry point shares: rank-aware argument errors and
-turning exceptions into one line on stderr with a non-zero exit code.
-
-Exit codes: 0 success, 1 an error (rank 0 prints it), 2 a usage error (bad
-flags or input), 3 a peer rank crashed, stopped or became unreachable (every
-surviving rank prints one line naming itself: rank 0 may be the one that died),
-130 Ctrl-C.
+"""What the commands share before and after their own work: the flags (the model's,
+sampling, loading, the mesh, drafts) and their checks, argument errors printed by rank 0
+only, the exit codes, and loading with the start-up checks. How a command starts and ends
+(one `error:` line, its exit code) is `console/command.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
 import mlx.core as mx
 
-from ..checkpoints.weights_cache import wait_for_writes
 from ..cluster import watchdog
-from ..cluster.distributed import agreed, all_gather_object, first_line, is_rank0
+from ..cluster.distributed import agreed, all_gather_object, is_rank0
+from ..engine.settings import KEYWORDS, SamplingParams, SettingsError, default
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -102,9 +98,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 def apply_compile_flag(args) -> None:
     """`--no-compile`: decode steps eager (engine/step.py); else compiled (the default, or
     LLAMA_TP_COMPILE=0 in the environment)."""
-    from ..engine.step import set_compile
-
     if getattr(args, "no_compile", False):
+        from ..engine.step import set_compile
+
         set_compile(False)
 
 
@@ -139,10 +135,10 @@ def add_model_args(p: argparse.ArgumentParser, max_tokens: int, draft: bool = Tr
         default=max_tokens,
         help=f"new tokens at most (default {max_tokens})",
     )
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens >= min-p * the best")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens")
+    for k in KEYWORDS:
+        if k.help:  # the sampling flags every command gives alike, SamplingParams' defaults
+            value = default(k.field)
+            p.add_argument(k.flag, type=type(value), default=value, help=k.help)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system-prompt", default=None)
     add_load_args(p)
@@ -261,51 +257,37 @@ def draft_source(args: argparse.Namespace) -> str | None:
     return source
 
 
-def load_draft_checked(
-    args: argparse.Namespace, model, tokenizer, group: mx.distributed.Group, split=None
-):
+def load_draft_checked(args: argparse.Namespace, model, tokenizer, ckpt, group):
     """The `draft` argument of stream_generate / Chat for the command's flags: None,
-    'ngram', or the draft model (loaded whole on every rank, or sharded, by the model's
-    `split` weights: the two must share vocabulary rows)."""
+    'ngram', or the draft model (loaded whole on every rank, or sharded, by the split
+    weights of the model's checkpoint `ckpt`: the two must share vocabulary rows)."""
     from ..engine.drafters import load_draft
 
     source = draft_source(args)
     if source in (None, "ngram"):
         return source
+    split = ckpt.placement.plan.weights if ckpt.placement is not None else None
     with watchdog.stage("loading the draft model", "load"):
         return load_draft(source, model, tokenizer, group, args.draft_sharded, split)
 
 
-# The sampling flags, by the name of the setting they give (engine/settings.py).
-SAMPLING_FLAGS = {
-    "max_tokens": "--max-tokens",
-    "temperature": "--temp",
-    "top_p": "--top-p",
-    "min_p": "--min-p",
-    "top_k": "--top-k",
-    "seed": "--seed",
-    "num_draft_tokens": "--num-draft-tokens",
-}
+_NO_FLAG = object()  # the command has no such flag
 
 
-def sampling_params(args: argparse.Namespace):
-    """The command's sampling flags as the engine's validated `SamplingParams` (the seed
-    left out: the command says it, or it is agreed at generation); UsageError naming the
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The command's sampling flags (those of `KEYWORDS` it has) as the engine's validated
+    `SamplingParams` (`--seed` unset: None, agreed at generation); UsageError naming the
     flag."""
-    from ..engine.settings import SamplingParams, SettingsError
-
+    flags = {k.field: k.flag for k in KEYWORDS if k.flag}
+    given = {f: getattr(args, flag[2:].replace("-", "_"), _NO_FLAG) for f, flag in flags.items()}
     try:
-        return SamplingParams(
-            args.max_tokens, args.temp, args.top_p, args.min_p, args.top_k,
-            num_draft_tokens=getattr(args, "num_draft_tokens", 0),
-        )  # fmt: skip
+        return SamplingParams(**{f: v for f, v in given.items() if v is not _NO_FLAG})
     except SettingsError as e:
-        raise UsageError(e.named(SAMPLING_FLAGS.get(e.field, e.field))) from None
+        raise UsageError(e.named(flags[e.field])) from None
 
 
 def check_model_args(args: argparse.Namespace) -> None:
-    """Raise UsageError, naming the value, for sampling flags out of range; apply --quiet."""
-    quiet(args.quiet)
+    """Raise UsageError, naming the value, for the model commands' flags out of range."""
     sampling_params(args)
     check_mesh_args(args)
     if hasattr(args, "draft"):
@@ -314,54 +296,6 @@ def check_model_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if not value >= 0:  # NaN too
             raise UsageError(f"--{flag.replace('_', '-')} must be >= 0 seconds, got {value}")
-
-
-def start_watchdog(args: argparse.Namespace) -> None:
-    """With several ranks: the watchdog with the command's timeouts (see llama_tp.watchdog)."""
-    watchdog.install(args.timeout, args.load_timeout)
-
-
-def peer_lost(e: BaseException) -> bool:
-    """Is `e` MLX telling us that a collective lost its connection to another rank?"""
-    return isinstance(e, RuntimeError) and "connection to a peer was lost" in str(e)
-
-
-def run(main: Callable[[], int | None]) -> NoReturn:
-    """Run `main` and exit: its return code, or one `error: ...` line from rank 0.
-
-    Under mlx.launch (MLX_RANK set), MLX's ring backend's socket messages are
-    kept off stderr, and a lost peer ends every surviving rank with one line
-    each (exit code 3) without waiting for MLX to tear down its broken group.
-    """
-    if "MLX_RANK" in os.environ and not os.environ.get("MLX_RING_VERBOSE"):
-        watchdog.filter_ring_noise()
-    try:
-        code = main() or 0
-    except KeyboardInterrupt:
-        code = 130
-    except UsageError as e:
-        _report(e)
-        code = EXIT_USAGE
-    except Exception as e:  # the entry point's job: one line, never a traceback
-        if peer_lost(e):
-            watchdog.uninstall()
-            watchdog.report_and_exit(watchdog.lost_line(watchdog.rank_label()), EXIT_PEER)
-        _report(e)
-        code = EXIT_ERROR
-    watchdog.uninstall()
-    sys.stdout.flush()
-    wait_for_writes()  # the received weights' cache, written behind the load (and its warning)
-    watchdog.close_filter(final=True)  # MLX's teardown at exit may still write "[ring]"
-    sys.exit(code)
-
-
-def _report(e: Exception) -> None:
-    try:
-        rank0 = is_rank0()
-    except Exception:  # the group itself failed to form
-        rank0 = watchdog.rank_label() == "0"
-    if rank0:
-        print(f"error: {first_line(e)}", file=sys.stderr, flush=True)
 
 
 def model_on_some_rank(find: Callable[[], object], group: mx.distributed.Group) -> str:
@@ -387,7 +321,6 @@ def load_checked(args, group: mx.distributed.Group):
     from ..loading.agreement import check_agreement
     from ..loading.loader import LoadOptions, default_model, load_model
 
-    apply_compile_flag(args)
     path = args.model or model_on_some_rank(default_model, group)
     from ..parallel.mesh import MeshError
     from ..parallel.shares import SplitError

@@ -28,7 +28,7 @@ from ..engine import caches
 from ..engine.drafters import make_drafter
 from ..engine.generation import stream_generate
 from ..engine.grammar import json_schema_grammar
-from ..engine.settings import SamplingParams, SettingsError, request_params
+from ..engine.settings import SamplingParams, driver_keywords, request_params
 from ..engine.speculative import SpecStats
 from .chat_tools import ChatTools
 
@@ -106,15 +106,9 @@ class Chat(ChatTools):
         num_draft_tokens: int | None = None,
         tools: list[dict] | None = None,
     ):
-        given = dict(
-            max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k,
-            stop=stop, num_draft_tokens=num_draft_tokens,
-        )  # fmt: skip
-        try:  # the same checks as every other driver's (the names are this class's)
-            params = request_params("Chat", params, draft is not None, **given)
-        except SettingsError as e:
-            raise ValueError(e.named("temp" if e.field == "temperature" else e.field)) from None
-        self.params = params
+        # The seed is the turns' (`seed + k`), not the settings'.
+        given = driver_keywords(locals(), but=("seed",))
+        self.params = params = request_params("Chat", params, draft is not None, given)
         if overflow not in OVERFLOW_MODES:
             raise ValueError(f"overflow must be one of {OVERFLOW_MODES}, got {overflow!r}")
         if max_context is None:

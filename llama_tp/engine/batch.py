@@ -46,6 +46,7 @@ from .embeddings import Embedder
 from .logits_processors import processors_for
 from .prefill import prefill
 from .sequence import Sequence
+from .settings import driver_keywords, keyword_params
 
 __all__ = ["BatchEngine", "BatchResult", "Decision", "Embed", "Embedded", "Event", "Join"]
 __all__ += ["SamplingParams"]
@@ -308,6 +309,7 @@ def batch_generate(
     Under mlx.launch every rank calls this with the same arguments (rank 0's seeds are
     shared when `seeds` is None) and gets the same results.
     """
+    given = driver_keywords(locals())  # before any other local: the keywords it was given
     from ..cluster.distributed import broadcast_object
 
     group = group or world()
@@ -319,7 +321,7 @@ def batch_generate(
         rng = random.SystemRandom()
         seeds = broadcast_object([rng.randrange(2**31) for _ in ids], group)
     k = None if logprobs is False else 0 if logprobs is True else logprobs
-    base = SamplingParams(max_tokens, temp, top_p, min_p, top_k, logprobs=k)
+    base = keyword_params({**given, "logprobs": k})
     todo = []
     for i, (p, s) in enumerate(zip(ids, seeds, strict=True)):
         extra = renderer.stops if isinstance(prompts[i], str) else ()

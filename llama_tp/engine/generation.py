@@ -30,7 +30,7 @@ from .decoder import Decoder, decode_step
 from .drafters import make_drafter
 from .prefill import prefill
 from .sequence import LogitsProcessor, Sequence
-from .settings import SamplingParams, request_params
+from .settings import SamplingParams, driver_keywords, request_params
 from .speculative import SpecStats
 
 
@@ -142,13 +142,10 @@ def stream_generate(
     `prompt`'s tokens after which the prefill hands the cache to `on_mark(count, cache)`
     to checkpoint (a recurrent state's segment ends, `Chat`).
     """
+    given = driver_keywords(locals())  # before any other local: the keywords it was given
     if not prompt:
         raise ValueError("the prompt is empty")
-    given = dict(
-        max_tokens=max_tokens, temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k,
-        seed=seed, stop=stop, logprobs=logprobs, num_draft_tokens=num_draft_tokens,
-    )  # fmt: skip
-    params = request_params("stream_generate", params, draft is not None, **given)
+    params = request_params("stream_generate", params, draft is not None, given)
     group = group or world()
     # Armed only under the commands (llama_tp.watchdog.install): a peer that stops
     # would otherwise leave this rank waiting in a collective forever.

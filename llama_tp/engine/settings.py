@@ -6,12 +6,18 @@ checks are the engine's own rules; a bad value raises `SettingsError` naming the
 field, which the command line turns into a flag (`--top-p ...`) and the server
 into OpenAI's `param`. Limits that belong to an API (OpenAI's temperature <= 2,
 at most 20 top log-probabilities) stay with that API's request model.
+
+`KEYWORDS` describes each setting once as the drivers take it (a keyword, mlx-lm's name:
+`temp`) and the commands (a flag: `--temp`): the drivers' keywords, the commands'
+sampling flags and the names their errors give derive from it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 MAX_DRAFT_TOKENS = 64
 MAX_INDEX = 2**31 - 1  # MLX indexes and slices with 32-bit integers
@@ -118,47 +124,74 @@ class SamplingParams:
         return replace(self, **changes)
 
 
-def keyword_params(
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: tuple[str, ...] | list[str] | str | None = None,
-    logprobs: int | None = None,
-    num_draft_tokens: int | None = None,
-    drafting: bool = False,
-) -> SamplingParams:
-    """The settings the drivers' keywords give (None: the default; the seed None: agreed
-    at generation). `num_draft_tokens` counts only with a drafter (default 4)."""
-    drafts = (4 if num_draft_tokens is None else num_draft_tokens) if drafting else 0
-    return SamplingParams(
-        256 if max_tokens is None else max_tokens,
-        0.0 if temperature is None else temperature,
-        1.0 if top_p is None else top_p,
-        0.0 if min_p is None else min_p,
-        0 if top_k is None else top_k,
-        seed,
-        stop=tuple([stop] if isinstance(stop, str) else stop or ()),
-        logprobs=logprobs,
-        num_draft_tokens=drafts,
-    )
+class Keyword(NamedTuple):
+    """A sampling setting as the drivers take it, a keyword (mlx-lm's name), and as the
+    commands take it, a flag."""
+
+    field: str  # SamplingParams' field
+    keyword: str  # stream_generate's, Chat's and batch_generate's keyword
+    flag: str | None  # the commands' flag
+    help: str = ""  # the flag's help where every command gives it alike
+
+
+# The one list the drivers' keywords, the commands' sampling flags and the names in their
+# errors derive from (their defaults are SamplingParams').
+KEYWORDS = (
+    Keyword("max_tokens", "max_tokens", "--max-tokens"),
+    Keyword("temperature", "temp", "--temp", "sampling temperature (0: greedy)"),
+    Keyword("top_p", "top_p", "--top-p", "nucleus sampling mass"),
+    Keyword("min_p", "min_p", "--min-p", "keep tokens >= min-p * the best"),
+    Keyword("top_k", "top_k", "--top-k", "keep the k most likely tokens"),
+    Keyword("seed", "seed", "--seed"),
+    Keyword("stop", "stop", "--stop"),
+    Keyword("logprobs", "logprobs", None),
+    Keyword("num_draft_tokens", "num_draft_tokens", "--num-draft-tokens"),
+)
+DRAFT_TOKENS = 4  # drafted per step when a driver is given a drafter and no count
+
+
+def default(field: str) -> object:
+    """SamplingParams' default for `field`."""
+    return SamplingParams.__dataclass_fields__[field].default
+
+
+def driver_keywords(args: Mapping[str, object], but: tuple[str, ...] = ()) -> dict[str, object]:
+    """The sampling keywords a driver was given (not None), by their names, from its
+    arguments `args` (its `locals()` on entry), less `but` (a name the driver uses for
+    something else: Chat's seed)."""
+    return {
+        k.keyword: args[k.keyword]
+        for k in KEYWORDS
+        if k.keyword not in but and args.get(k.keyword) is not None
+    }
+
+
+def keyword_params(given: Mapping[str, object], drafting: bool = False) -> SamplingParams:
+    """The settings a driver's keywords `given` say (`driver_keywords`); what they leave
+    out takes SamplingParams' default, but the seed None (agreed at generation) and draft
+    tokens only with a drafter (default 4). A bad value's error names its keyword."""
+    values = {k.field: given[k.keyword] for k in KEYWORDS if k.keyword in given}
+    values.setdefault("seed", None)
+    values["num_draft_tokens"] = values.get("num_draft_tokens", DRAFT_TOKENS) if drafting else 0
+    try:
+        return SamplingParams(**values)
+    except SettingsError as e:
+        name = next((k.keyword for k in KEYWORDS if k.field == e.field), e.field)
+        raise SettingsError(name, e.rule, e.value) from None
 
 
 def request_params(
-    who: str, params: SamplingParams | None, drafting: bool, **given: object
+    who: str, params: SamplingParams | None, drafting: bool, given: Mapping[str, object]
 ) -> SamplingParams:
     """A driver's settings (`stream_generate`, `Chat`): `params` as given, or what its
     keywords `given` say (`keyword_params`); both at once: TypeError naming `who` and the
     keywords. Without a drafter no draft tokens; with one at least 1 (`SettingsError`)."""
-    named = [k for k, v in given.items() if v is not None]
-    if params is not None and named:
+    if params is not None and given:
         raise TypeError(
-            f"{who} takes params or the sampling keywords, not both ({', '.join(named)})"
+            f"{who} takes params or the sampling keywords, not both ({', '.join(given)})"
         )
     if params is None:
-        params = keyword_params(**given, drafting=drafting)
+        params = keyword_params(given, drafting)
     elif not drafting:
         params = params.but(num_draft_tokens=0)
     if drafting and params.num_draft_tokens == 0:

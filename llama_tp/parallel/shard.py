@@ -1,4 +1,4 @@
-"""Shard a built Llama-family model: by a placement (`shard_placed`, the loader's), by a
+"""Shard a built native model: by a placement (`shard_placed`, the loader's), by a
 user's style plan (`parallelize_model`), or by the built-in plan alone (`shard_model`).
 
 Works on the model by its attribute names (`layers[i].attention`, `.feed_forward`,

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server behind `python -m llama_tp.serve`.
+"""The server behind `python -m llama_tp.serve`: OpenAI's, Anthropic's and Ollama's APIs.
 
 - `protocol`: request validation (errors naming the field);
 - `responses`: the response bodies and stream chunks;

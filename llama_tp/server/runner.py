@@ -214,8 +214,7 @@ def serve(args: argparse.Namespace) -> int:
     """The command on every rank: rank 0 listens and decides, every rank computes."""
     from ..console.cli import load_checked
 
-    group = world()
-    watchdog.set_group_size(group.size())
+    group = world()  # the watchdog knows its size (console/command.py's start)
     rank0 = group.rank() == 0
     replicas = args.dp or 1
     scheduler = Scheduler(args.max_batch, args.max_queue, replicas, group.size()) if rank0 else None
