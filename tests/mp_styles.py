@@ -60,7 +60,7 @@ def prefill_after(model, first: mx.array, x: mx.array) -> np.ndarray:
 def query_lengths(model, x: mx.array) -> tuple[list[int], list]:
     """The query lengths of every attention call of one prefill of `x` (all layers),
     and each attention's `query_chunk` afterwards."""
-    import llama_tp.model as llama_model
+    import llama_tp.models.attention as llama_model
 
     seen, attend = [], llama_model.scaled_dot_product_attention
 

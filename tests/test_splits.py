@@ -181,7 +181,7 @@ def test_styles_from_a_table_split_a_fused_projection_and_local_counts():
     import mlx.core as mx
     import mlx.nn as nn
 
-    from llama_tp.parallel.llama_plan import table_styles
+    from llama_tp.parallel.kind_shard import table_styles
     from llama_tp.parallel.parallelize import _module
 
     class Linear(nn.Module):

@@ -7,7 +7,7 @@ import mlx.nn as nn
 
 from ..cluster.distributed import first_line
 from ..model import Transformer
-from ..models import build
+from ..models.registry import build
 from . import quantization_of
 from .base import Checkpoint, CheckpointError
 

@@ -22,7 +22,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .stages import FLOATS, cache_kind
+from ..models.caches import cache_kind
+from .stages import FLOATS
 
 
 @dataclass

@@ -217,15 +217,3 @@ def cross_layer_state(config: dict) -> str | None:
             if c.get(key):
                 return f"{why} ({key} {c[key]})"
     return None
-
-
-def cache_kind(c: Any) -> tuple:
-    """What makes two caches interchangeable for the masks a model makes from them."""
-    from mlx_lm.models.cache import ArraysCache, CacheList
-
-    if isinstance(c, CacheList):
-        return ("CacheList", *(cache_kind(x) for x in c.caches))
-    if isinstance(c, ArraysCache):
-        return (type(c).__name__, len(c.cache))
-    params = ("max_size", "keep", "chunk_size", "step")
-    return (type(c).__name__, *((k, getattr(c, k)) for k in params if hasattr(c, k)))

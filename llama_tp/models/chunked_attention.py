@@ -29,9 +29,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..model import Attention
 from ..model_args import ModelArgs
 from ..parallel.splits import CacheSpec
+from .attention import Attention
 
 
 class ChunkedAttention(Attention):

@@ -26,9 +26,9 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import scaled_dot_product_attention
-from ..model import Attention
 from ..model_args import ModelArgs
 from ..parallel.splits import VECTOR, CacheSpec, SplitTable, TensorSplit
+from .attention import Attention
 
 
 class SinkAttention(Attention):

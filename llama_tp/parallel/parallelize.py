@@ -110,18 +110,23 @@ def plan_splits(model: nn.Module, plan: Plan, n: int) -> dict[str, tuple[str, St
 
 
 def parallelize(
-    model: nn.Module, plan: Plan, group: mx.distributed.Group | None = None
+    model: nn.Module,
+    plan: Plan,
+    group: mx.distributed.Group | None = None,
+    sequence: SequenceContext | None = None,
 ) -> Parallelized:
     """Apply `plan` to `model` in place over `group` (default: the world).
 
     Deeper modules go first, so a style on a module (e.g. `PrepareModuleInput` on
-    `attention`) sees its already sharded children. Returns what was done, which the
-    loader uses to read each rank's slices.
+    `attention`) sees its already sharded children. `sequence`: the sequence-parallel
+    context the model's styles share (default: a new one; parts of one model sharded
+    one by one pass the same). Returns what was done, which the loader uses to read
+    each rank's slices.
     """
     group = group or world()
     n, rank = group.size(), group.rank()
     checked = plan_splits(model, plan, n)
-    done = Parallelized(n, rank, sequence=SequenceContext(group))
+    done = Parallelized(n, rank, sequence=sequence or SequenceContext(group))
     for path in sorted(checked, key=lambda p: -len(p.split(".")) if p else 0):
         _, style, split = checked[path]
         module = _module(model, path)
