@@ -118,11 +118,12 @@ class CacheSpec:
 
     `kind`: "kv" (mlx-lm's KVCache: grows with the tokens), "rotating" (a
     RotatingKVCache of `window` tokens at most), "chunked" (chunked attention, Llama 4:
-    the current chunk of `window` positions, `model.ChunkedCache`), "arrays" (an
+    the current chunk of `window` positions, `models/caches.ChunkedCache`), "arrays" (an
     ArraysCache of `size` fixed-size arrays: a recurrent state), "list" (a CacheList of
     several), "shared" (none of its own: the layer attends over layer `source`'s keys
     and values, Gemma's KV-shared layers; the model makes no cache for it and a pipeline
-    stage keeps it with its source). `per_token`:
+    stage keeps it with its source; whether and how each steps back is the cache's to
+    say: `models/caches.py`). `per_token`:
     (unit, values per unit) per cached token (unit "": whole on every rank, e.g. a
     latent); `fixed`: the same per sequence, whatever its length (a recurrent state).
     `mask`: the mask the layer takes: "causal", "window" (the last `window`
@@ -142,13 +143,6 @@ class CacheSpec:
     parts: tuple[CacheSpec, ...] = ()  # "list": each of its caches
     what: str = ""  # the layer kind, as refusals name it ("Gated DeltaNet linear attention")
     source: int | None = None  # "shared": the layer whose keys and values it reads
-
-    def rewinds(self) -> bool:
-        """Whether the cache can step back over tokens it holds (a KV cache can; a
-        rotating one only until it wraps; a recurrent state cannot)."""
-        if self.kind == "list":
-            return all(p.rewinds() for p in self.parts)
-        return self.kind in ("kv", "rotating", "chunked", "shared")
 
 
 @dataclass(frozen=True)
