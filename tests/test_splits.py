@@ -189,7 +189,7 @@ def test_styles_from_a_table_split_a_fused_projection_and_local_counts():
     import mlx.nn as nn
 
     from llama_tp.parallel.kind_shard import table_styles
-    from llama_tp.parallel.parallelize import _module
+    from llama_tp.parallel.module_swap import module_at
 
     class Linear(nn.Module):
         def __init__(self):
@@ -214,7 +214,7 @@ def test_styles_from_a_table_split_a_fused_projection_and_local_counts():
     m = Linear()
     w = m.in_proj_qkv.weight
     for path in ("in_proj_qkv", "conv1d", ""):
-        module = _module(m, path)
+        module = module_at(m, path)
         split = styles[path].split(module, path, 2)
         styles[path].apply(module, Rank1(), None, split)
     want = mx.concatenate([w[8:16], w[24:32], w[56:80]])

@@ -35,7 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from .structure import Structure, get_path
+from ..parallel.module_swap import module_at
+from .structure import Structure
 
 _EMPTY = mx.zeros((0,))
 FLOATS = ("float32", "float16", "bfloat16")
@@ -187,17 +188,17 @@ def cut_stage(
     the head zeroed off the last stage. `embedding_out` / `head_out`: (width, dtype). The
     first and last layers are linked to the other stages (`link_layers`)."""
     stage, pp = link.stage, link.pp
-    all_layers = get_path(model, structure.layers)
+    all_layers = module_at(model, structure.layers)
     for i, layer in enumerate(all_layers):
         if i not in layers:
             skip(layer, link)
     tied = structure.head is None
     if structure.embedding and embedding_out and stage > 0 and not keep_embedding:
         if not (tied and stage == pp - 1):
-            emb = get_path(model, structure.embedding)
+            emb = module_at(model, structure.embedding)
             zeros_out(emb, *embedding_out, "NoEmbedding", structure.vocab_size)
     if structure.head and head_out and stage < pp - 1:
-        zeros_out(get_path(model, structure.head), *head_out, "NoHead")
+        zeros_out(module_at(model, structure.head), *head_out, "NoHead")
     link_layers(all_layers[layers.start], all_layers[layers.stop - 1], link)
 
 
