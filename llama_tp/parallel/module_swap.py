@@ -20,7 +20,7 @@ def module_at(model: nn.Module, path: str) -> Any:
     """What `model` holds at `path` ("layers.3.attention"; "": the model): a module, or a
     list or dict of them."""
     obj: Any = model
-    for part in path.split(".") if path else ():
+    for part in path.split(".") if path != "" else ():
         obj = obj[int(part)] if isinstance(obj, list) else obj[part]
     return obj
 
