@@ -1,7 +1,7 @@
 """The model families llama_tp runs, and building one from its `ModelArgs`.
 
-Every family is the Llama core (`llama_tp/model.py`) with a different attention or
-feed-forward in some layers, chosen by the args, not by name:
+Every family is the Llama core (`llama_tp/model.py`, of `blocks.py`'s layers) with a
+different attention or feed-forward in some layers, chosen by the args, not by name:
 
     family      model_type         GGUF architecture        attention     feed-forward
     Llama       llama, mistral     llama                    core          core
