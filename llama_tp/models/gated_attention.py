@@ -40,7 +40,6 @@ class GatedAttention(QKNormAttention):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        object.__setattr__(self, "args", args)
         self.wq = nn.Linear(args.dim, 2 * args.n_heads * args.head_dim, bias=args.qkv_bias)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .experts import ExpertRouting, MoEParallel, ShardInPlace
-from .mixer_styles import AttentionHeads, LocalUnits, Parts, _by_rank
+from .mixer_styles import AttentionHeads, LocalUnits, Parts, by_rank
 from .parallelize import parallelize
 from .partition import Plan, RankPart
 from .sequence import SequenceContext
@@ -76,7 +76,7 @@ def table_styles(
 
     `totals`: each unit's total (the plan's), for fused tensors' segment offsets."""
     layout: Layout = "sequence" if sequence else "replicate"
-    by = None if parts is None else _by_rank(parts)
+    by = None if parts is None else by_rank(parts)
     styles: dict[str, Style] = {}
     if table.module == "heads":
         styles[""] = AttentionHeads(parts, input_layout=layout)

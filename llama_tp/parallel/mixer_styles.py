@@ -18,7 +18,8 @@ from .styles import Layout, PlanError, Split, Style
 Parts = Sequence[RankPart] | Mapping[int, RankPart]
 
 
-def _by_rank(parts: Parts) -> dict[int, RankPart]:
+def by_rank(parts: Parts) -> dict[int, RankPart]:
+    """The parts by their rank."""
     return dict(parts) if isinstance(parts, Mapping) else {p.rank: p for p in parts}
 
 
@@ -51,7 +52,7 @@ class AttentionHeads(Style):
     def describe(self, rank: int, n: int) -> str:
         if self.parts is None:
             return f"heads 1/{n}"
-        part = _by_rank(self.parts).get(rank)
+        part = by_rank(self.parts).get(rank)
         if part is None:
             return "-"
         q, kv = part.q_heads, part.kv_heads
@@ -65,7 +66,7 @@ class AttentionHeads(Style):
             first = group.rank() * module.n_heads
             kv = range(group.rank() * module.n_kv_heads, (group.rank() + 1) * module.n_kv_heads)
         else:
-            part = _by_rank(self.parts)[group.rank()]
+            part = by_rank(self.parts)[group.rank()]
             unit = getattr(module, "kv_unit", "kv_heads")
             q_unit = getattr(module, "q_unit", "q_heads")
             q = part.q_heads if q_unit == "q_heads" else part.unit(q_unit)
@@ -77,7 +78,7 @@ class AttentionHeads(Style):
             first = q.start
             if local is not None:
                 object.__setattr__(module, "_kv_index", mx.array(local, dtype=mx.int32))
-            below = [p.unit(unit).stop for p in _by_rank(self.parts).values() if p.rank < part.rank]
+            below = [p.unit(unit).stop for p in by_rank(self.parts).values() if p.rank < part.rank]
             counted = min(len(kv), max(0, max(below, default=0) - kv.start))
         if "sinks" in module:  # gpt-oss: each query head's sink logit goes with its head
             module.sinks = mx.contiguous(module.sinks[first : first + module.n_heads])
@@ -120,7 +121,7 @@ class LocalUnits(Style):
     def _count(self, terms, total: int, group: mx.distributed.Group) -> int:
         if self.parts is None:
             return total // group.size()
-        part = _by_rank(self.parts)[group.rank()]
+        part = by_rank(self.parts)[group.rank()]
         return sum(len(part.unit(u)) * w for u, w in terms)
 
     def apply(self, module, group, ctx, split):
@@ -134,7 +135,7 @@ class LocalUnits(Style):
                 b = v.shape[0] // group.size()
                 a, b = group.rank() * b, (group.rank() + 1) * b
             else:
-                r = _by_rank(self.parts)[group.rank()].unit(unit)
+                r = by_rank(self.parts)[group.rank()].unit(unit)
                 a, b = r.start * width, r.stop * width
             owner[key] = mx.contiguous(v[a:b])
         if hasattr(module, "take_units"):  # after the split (Mamba-2's norm over the ranks)
