@@ -2,9 +2,9 @@
 
 Names follow Meta's reference implementation (and the MLX Llama example):
 `tok_embeddings`, `layers.{i}.*`, `norm`, `output`; checkpoint readers map their own
-names onto these. The layers are blocks of kinds (`models/blocks.py`: the core
-attention and feed-forward, `models/attention.py`, `models/feed_forward.py`, or any
-family's, `models/registry.py`), each declaring its split table and cache; the model
+names onto these. The layers are blocks (`models/blocks.py`) of kinds: the core
+attention and feed-forward (`models/attention.py`, `models/feed_forward.py`) or any
+family's (`models/registry.py`), each declaring its split table and cache; the model
 makes each layer's cache and mask from them (`models/caches.py`, `models/masks.py`) and
 runs the layers (`run_layers`). A family with more than layers (scaled embeddings,
 inputs beside h, capped logits) subclasses `Transformer` (`models/gemma.py`).
