@@ -7,7 +7,7 @@ In the spirit of `mlx_lm.benchmark` (same flag names) and llama-bench: random
 prompt tokens (the same on every rank), one warm-up trial, end-of-sequence
 ignored (greedy decoding through `generate_step`), the mean of `-n` trials.
 From the model itself it reports the collectives of one decode step, counted
-(`cluster.collectives.count_collectives`), and the share of a decode step spent in
+(`benchmarks.layer_collectives.count_collectives`), and the share of a decode step spent in
 them: decode steps timed with the real collectives, then with each replaced by
 identity (same compute, no communication): share = 1 - t_identity / t_real.
 `--compare mlx-lm` runs mlx-lm's own loop on the same weights in the same run.

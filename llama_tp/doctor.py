@@ -64,7 +64,7 @@ def tiny_model(seed: int = 0):
     layer then a mixture of 5 experts (2 per token: no N > 1 divides them), vocabulary
     97 (no N divides it)."""
     from .model_args import ModelArgs
-    from .models import build
+    from .models.registry import build
 
     args = ModelArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=97,
@@ -220,7 +220,7 @@ def _check_logits(group: mx.distributed.Group, fault_rank: int | None) -> Check:
     from mlx.utils import tree_flatten
 
     from .parallel.partition import vocab_ranges
-    from .parallel.shard import shard_model
+    from .parallel.shard import shard_model, shard_vocab
 
     def shard(whole, split: str):
         sharded = tiny_model()
@@ -229,7 +229,7 @@ def _check_logits(group: mx.distributed.Group, fault_rank: int | None) -> Check:
         if group.size() > 1:
             plan = shard_model(sharded, group, split)
             rows = vocab_ranges(sharded.args.vocab_size, group.size())[group.rank()]
-            sharded.shard_vocab(group, rows.start, rows.stop)
+            shard_vocab(sharded, group, rows.start, rows.stop)
         if fault_rank == group.rank():
             sharded.norm.weight = sharded.norm.weight * 1.01  # --inject-fault: this rank is off
         mx.eval(sharded.parameters())

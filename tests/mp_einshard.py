@@ -18,8 +18,8 @@ import mlx.nn as nn
 sys.path.insert(0, "examples")
 from einshard_mlp import forward, init_params  # noqa: E402
 
-from llama_tp.model import FeedForward  # noqa: E402
 from llama_tp.model_args import ModelArgs  # noqa: E402
+from llama_tp.models.feed_forward import FeedForward  # noqa: E402
 from llama_tp.parallel.einshard import (  # noqa: E402
     EinshardError,
     einshard,

@@ -5,7 +5,8 @@
 
 Rank 0 prints one JSON line: per model the max |difference| of the logits
 - builtin: the built-in plan passed explicitly (`plan=llama_plan(...)`) vs the default
-  load (must be 0) and vs the whole model;
+  load (must be 0) and vs the whole model, and whether the default load's layers are
+  the ones `Attention.shard` and `FeedForward.shard` made (the loader's path);
 - custom: attention sharded, feed-forward replicated (whole tensors read) vs whole;
 - sp: --sequence-parallel vs the plain tensor-parallel load, prefill logits of prompt
   lengths N does and does not divide (also after a first prefill: a cache offset),
@@ -60,7 +61,7 @@ def prefill_after(model, first: mx.array, x: mx.array) -> np.ndarray:
 def query_lengths(model, x: mx.array) -> tuple[list[int], list]:
     """The query lengths of every attention call of one prefill of `x` (all layers),
     and each attention's `query_chunk` afterwards."""
-    import llama_tp.model as llama_model
+    import llama_tp.models.attention as llama_model
 
     seen, attend = [], llama_model.scaled_dot_product_attention
 
@@ -85,6 +86,39 @@ def diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)))
 
 
+def spy_on_shard() -> tuple[dict[int, list[int]], object]:
+    """Record what every `Attention.shard` / `FeedForward.shard` call makes: the mixer's
+    id -> the ids of the projections it holds afterwards; and a function undoing the spy."""
+    from llama_tp.models.attention import Attention
+    from llama_tp.models.feed_forward import FeedForward
+
+    made: dict[int, list[int]] = {}
+    saved = {Attention: Attention.shard, FeedForward: FeedForward.shard}
+    for kind, names in ((Attention, ("wq", "wk", "wv", "wo")), (FeedForward, ("w1", "w2", "w3"))):
+
+        def spy(self, group, part=None, real=saved[kind], names=names):
+            real(self, group, part)
+            made[id(self)] = [id(self[k]) for k in names]
+
+        kind.shard = spy
+
+    def undo() -> None:
+        for kind, real in saved.items():
+            kind.shard = real
+
+    return made, undo
+
+
+def held_projections(model) -> dict[int, list[int]]:
+    """`spy_on_shard`'s view of what `model` holds: every layer's mixers and projections."""
+    out = {}
+    for layer in model.layers:
+        a, f = layer.attention, layer.feed_forward
+        out[id(a)] = [id(a[k]) for k in ("wq", "wk", "wv", "wo")]
+        out[id(f)] = [id(f[k]) for k in ("w1", "w2", "w3")]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--builtin", nargs="*", default=[])
@@ -106,10 +140,15 @@ def main() -> int:
         # int16 per 32 values, hence 5e-4 for quantized models on them (as mp_moe.py)
         native = kernel_status().native and use_native(ref) > 0
         x = tokens(ref.args.vocab_size, 10)
-        default, _ = load_model(path, g)
+        made, undo = spy_on_shard()
+        try:
+            default, _ = load_model(path, g)
+        finally:
+            undo()
+        by_kinds = held_projections(default) == made
         explicit, _ = load_model(path, g, plan=llama_plan(ref, n))
         a, b, c = logits_of(ref, x), logits_of(default, x), logits_of(explicit, x)
-        out["builtin"][path] = [diff(b, c), diff(a, c), 5e-4 if native else 1e-4]
+        out["builtin"][path] = [diff(b, c), diff(a, c), 5e-4 if native else 1e-4, by_kinds]
 
     for path in args.custom:
         ref = build_model(open_checkpoint(path))

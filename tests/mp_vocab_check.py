@@ -27,6 +27,7 @@ from llama_tp.engine.sampling import Draw, VocabShard, sample, token_logprobs
 from llama_tp.engine.settings import SamplingParams
 from llama_tp.kernels.layers import use_native
 from llama_tp.parallel.partition import vocab_ranges
+from llama_tp.parallel.shard import shard_vocab
 
 WORLD = mx.distributed.init()
 FAILED = []
@@ -47,7 +48,7 @@ def check_model(path: str) -> None:
         use_native(whole), use_native(sharded)
     V = whole.args.vocab_size
     r = vocab_ranges(V, WORLD.size())[WORLD.rank()]
-    sharded.shard_vocab(WORLD, r.start, r.stop)
+    shard_vocab(sharded, WORLD, r.start, r.stop)
     shard = VocabShard(r.start, r.stop, V, WORLD)
     ids = mx.array(np.random.default_rng(0).integers(0, V, (2, 7)), mx.int32)
     emb_ok = mx.array_equal(sharded.tok_embeddings(ids), whole.tok_embeddings(ids)).item()

@@ -1,10 +1,14 @@
 """The package's imports flow one way (docs/architecture.md's module map), with no cycles.
 
-Layers, lowest first; a module may import its own package's modules and any lower
-layer, never a higher one:
+Layers, lowest first; a module may import its own package's modules (none of a higher
+layer of its package) and any lower layer, never a higher one:
 
-    cluster < parallel, model_args < model < models < checkpoints < generic < engine < console
+    cluster < parallel, model_args < the layers' kinds, blocks, caches and masks
+            < model < models < checkpoints < generic < engine < console
             < server, benchmarks < supervisor < the commands at the top (generate, chat, ...)
+
+`models/` straddles `model`: the modules the model is made of (the core kinds, the
+blocks, the caches and masks: `LOW`) are below it, the families built on it above.
 
 Every import counts, including those inside functions (they are real dependencies,
 only deferred). The root `llama_tp/__init__.py` is the public facade: it imports
@@ -27,7 +31,7 @@ LAYERS = {
     "parallel": 1,
     "model_args": 1,  # ModelArgs, beneath the model (it imports nothing of the package)
     "model": 2,
-    "models": 3,  # the other families, built on the core model
+    "models": 3,  # the families and their kinds, built on the model (but `LOW`)
     "checkpoints": 4,
     "generic": 4.5,  # mlx-lm's classes: uses the checkpoint readers, the loader uses it
     "loading": 5,  # checkpoint -> placement -> sharded model, its sources, the mesh's plan
@@ -40,6 +44,15 @@ LAYERS = {
     "supervisor": 10,  # the front door of `launch --restart`: above the server it fronts
 }
 TOP = 11  # the commands: llama_tp/<name>.py
+# the modules of `models/` the model is made of (its core kinds, blocks, caches, masks):
+# below `model`, above the parallel layers their kinds' `shard` uses
+LOW = {
+    "models.attention": 1.5,
+    "models.feed_forward": 1.5,
+    "models.blocks": 1.5,
+    "models.caches": 1.5,
+    "models.masks": 1.5,
+}
 
 
 def module_name(path: Path) -> str:
@@ -78,11 +91,11 @@ def resolves(name: str) -> bool:
     return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
 
 
-def layer(module: str) -> int:
+def layer(module: str) -> float:
     parts = module.split(".")
     if len(parts) == 1:
         return TOP + 1  # the facade
-    return LAYERS.get(parts[1], TOP)
+    return LOW.get(".".join(parts[1:3]), LAYERS.get(parts[1], TOP))
 
 
 def graph(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -94,9 +107,10 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
     for src, targets in sorted(edges.items()):
         for dst in sorted(targets):
             same_package = src.split(".")[:2] == dst.split(".")[:2] and layer(src) < TOP
+            upward = layer(dst) > layer(src) if same_package else layer(dst) >= layer(src)
             if dst == "llama_tp" and src != "llama_tp":
                 bad.append(f"{src} imports the facade llama_tp (import the defining module)")
-            elif not same_package and layer(dst) >= layer(src) and src != "llama_tp":
+            elif upward and src != "llama_tp":
                 bad.append(f"{src} (layer {layer(src)}) imports {dst} (layer {layer(dst)})")
     return bad
 
@@ -147,6 +161,9 @@ def test_the_top_level_stays_small():
         ({"llama_tp.loading.loader": {"llama_tp.generate"}}, "layer 5) imports llama_tp.generate"),
         # the model importing the engine
         ({"llama_tp.model": {"llama_tp.engine.sampling"}}, "layer 2) imports"),
+        # a block importing the model, or a family built on it
+        ({"llama_tp.models.blocks": {"llama_tp.model"}}, "layer 1.5) imports"),
+        ({"llama_tp.models.blocks": {"llama_tp.models.gemma"}}, "layer 1.5) imports"),
         # cluster importing the parallel layers
         ({"llama_tp.cluster.watchdog": {"llama_tp.parallel.layers"}}, "layer 0) imports"),
         # importing the facade from inside

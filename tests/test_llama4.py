@@ -44,7 +44,7 @@ def test_one_process_equals_mlx_lm(models):
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
     from llama_tp.checkpoints.slices import model_shape
-    from llama_tp.model import ChunkedCache
+    from llama_tp.models.caches import ChunkedCache
     from llama_tp.parallel.placement import kv_cache_bytes, place
 
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
@@ -76,7 +76,7 @@ def test_chunked_cache_steps_back_within_its_chunk():
     """The chunked cache steps back while the chunk it returns to is held, not past it
     (the facade then says why: a chat restores a checkpoint instead)."""
     from llama_tp.engine import caches
-    from llama_tp.model import ChunkedCache
+    from llama_tp.models.caches import ChunkedCache
 
     c = ChunkedCache(4)
     for _ in range(10):  # positions 0-9: it holds 8-9 (the chunk of the last)

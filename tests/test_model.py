@@ -103,8 +103,8 @@ def test_stream_generate_logprobs(tmp_path):
 def chunked_attention(kv_map: bool = False):
     """One fp32 attention layer (8 query / 2 KV heads); `kv_map`: the irregular
     grouping path (every query head its own copy of its KV head)."""
-    from llama_tp.model import Attention
     from llama_tp.model_args import ModelArgs
+    from llama_tp.models.attention import Attention
 
     mx.random.seed(3)
     args = ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=2, hidden_dim=96, vocab_size=16)
@@ -135,7 +135,7 @@ def test_attention_query_chunks_match_one_call(monkeypatch, chunk, kv_map):
     """Queries in blocks of `chunk` (a prompt's first prefill chunk, then a second
     one at a cache offset of 7, then one decoded token) give the one call's outputs,
     and do run in blocks: ceil(L / chunk) attention calls of those lengths."""
-    import llama_tp.model as llama_model
+    import llama_tp.models.attention as llama_model
 
     attn = chunked_attention(kv_map)
     x = mx.random.normal((1, 7 + 11 + 1, 64), key=mx.random.key(4))
@@ -167,7 +167,7 @@ def test_attention_query_chunks_match_one_call(monkeypatch, chunk, kv_map):
 def test_attention_query_chunks_only_for_a_causal_mask(monkeypatch):
     """An array mask (batched left padding) keeps the single call; inside
     `lazy_query_blocks` the blocks are built but not evaluated."""
-    import llama_tp.model as llama_model
+    import llama_tp.models.attention as llama_model
 
     attn = chunked_attention()
     object.__setattr__(attn, "query_chunk", 4)

@@ -143,6 +143,13 @@ def test_stacked_experts_by_tensor_or_by_expert_and_the_bias_once():
     assert p.parts[0].unit("shared_ffn") == range(0, 16)
 
 
+def rewinds(spec: CacheSpec) -> bool:
+    """Whether the cache of the kind `spec` declares can step back (the cache answers)."""
+    from llama_tp.models.caches import make_layer_cache, why_not_rewind
+
+    return why_not_rewind(make_layer_cache(spec)) is None
+
+
 def test_cache_values_by_kind():
     def units(name):
         return {"kv_heads": (range(1, 3), 4), "lin_v": (range(0, 5), 10)}[name]
@@ -155,9 +162,9 @@ def test_cache_values_by_kind():
     assert cache_values(latent, units, 10) == 10 * 64
     state = CacheSpec("arrays", fixed=(("lin_v", DK * DV),), size=2, mask="ssm")
     assert cache_values(state, units, 10) == cache_values(state, units, 10_000) == 5 * DK * DV
-    assert not state.rewinds() and kv.rewinds()
+    assert not rewinds(state) and rewinds(kv)
     both = CacheSpec("list", parts=(kv, state))
-    assert cache_values(both, units, 10) == 10 * 32 + 5 * DK * DV and not both.rewinds()
+    assert cache_values(both, units, 10) == 10 * 32 + 5 * DK * DV and not rewinds(both)
 
 
 def test_weight_bytes_of_a_hybrid_layer_sum_to_the_shares():
@@ -181,8 +188,8 @@ def test_styles_from_a_table_split_a_fused_projection_and_local_counts():
     import mlx.core as mx
     import mlx.nn as nn
 
-    from llama_tp.parallel.llama_plan import table_styles
-    from llama_tp.parallel.parallelize import _module
+    from llama_tp.parallel.kind_shard import table_styles
+    from llama_tp.parallel.module_swap import module_at
 
     class Linear(nn.Module):
         def __init__(self):
@@ -207,7 +214,7 @@ def test_styles_from_a_table_split_a_fused_projection_and_local_counts():
     m = Linear()
     w = m.in_proj_qkv.weight
     for path in ("in_proj_qkv", "conv1d", ""):
-        module = _module(m, path)
+        module = module_at(m, path)
         split = styles[path].split(module, path, 2)
         styles[path].apply(module, Rank1(), None, split)
     want = mx.concatenate([w[8:16], w[24:32], w[56:80]])

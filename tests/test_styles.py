@@ -67,8 +67,10 @@ def run_styles(n: int, models: dict, builtin=(), custom=(), sp=(), einshard=Fals
 
 
 def check(out: dict) -> None:
-    for path, (vs_default, vs_whole, atol) in out["builtin"].items():
+    for path, (vs_default, vs_whole, atol, by_kinds) in out["builtin"].items():
         assert vs_default == 0.0 and vs_whole <= atol, (path, vs_default, vs_whole)
+        # the loader's layers are the ones Attention.shard and FeedForward.shard made
+        assert by_kinds, path
     for path, (vs_whole, whole_ffn) in out["custom"].items():
         assert vs_whole <= ATOL and whole_ffn, (path, vs_whole, whole_ffn)
     for path, res in out["sp"].items():

@@ -78,15 +78,16 @@ def bench_llama_tp(
     args: Any, path: Path, group: mx.distributed.Group
 ) -> tuple[dict[str, Any], list[int]]:
     """llama_tp's trials, collective count and decode share; also the prompt it used."""
-    from ..cluster.collectives import count_collectives, count_prefill_collectives, decode_share
+    from ..cluster.collectives import decode_share
     from ..cluster.memory import max_rss
     from ..console.cli import UsageError
     from ..engine.generation import decode_step, generate_step
     from ..engine.sampling import make_sampler, vocab_shard
     from ..loading.loader import LoadOptions, load_model
-    from ..model import lazy_query_blocks
+    from ..models.attention import lazy_query_blocks
     from ..parallel.mesh import MeshError
     from ..parallel.shares import SplitError
+    from .layer_collectives import count_collectives, count_prefill_collectives
 
     mx.reset_peak_memory()
     tic = time.perf_counter()

@@ -7,7 +7,8 @@ import mlx.nn as nn
 
 from ..cluster.distributed import first_line
 from ..model import Transformer
-from ..models import build
+from ..models.registry import build
+from ..parallel.module_swap import swap_modules
 from . import quantization_of
 from .base import Checkpoint, CheckpointError
 
@@ -27,22 +28,18 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
 def _blocks_like(model: nn.Module, blocks: dict[str, str]) -> None:
     """Turn every Linear/Embedding whose checkpoint tensor is kept as GGUF blocks
     (`ckpt.blocks`, weight name -> type) into the native kernels' block layer."""
-    from mlx.utils import tree_unflatten
-
     from ..kernels.layers import GGUFEmbedding, GGUFLinear
 
-    swaps = []
-    for path, module in model.named_modules():
+    def block_layer(path: str, module: nn.Module) -> nn.Module | None:
         kind = blocks.get(f"{path}.weight")
         if kind is None:
-            continue
+            return None
         rows, cols = module.weight.shape
         if isinstance(module, nn.Embedding):
-            swaps.append((path, GGUFEmbedding(rows, cols, kind)))
-        else:
-            swaps.append((path, GGUFLinear(cols, rows, kind, bias="bias" in module)))
-    if swaps:
-        model.update_modules(tree_unflatten(swaps))
+            return GGUFEmbedding(rows, cols, kind)
+        return GGUFLinear(cols, rows, kind, bias="bias" in module)
+
+    swap_modules(model, block_layer)
 
 
 def build_model(ckpt: Checkpoint, whole: bool = True) -> Transformer:

@@ -25,7 +25,7 @@ def read_config_only(config_file: Path, gguf_quant: str | None = None) -> Checkp
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from ..models import build
+    from ..models.registry import build
 
     config = read_config(config_file.parent)
     args = args_from_config(config, config_file.parent)

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 
+from ..parallel.module_swap import swap_modules
 from ..parallel.placement import DEFAULT_MOE_SPLIT, Segmented, Slice
 from ..parallel.shares import SplitSpec, Weights, fixed_weights
 from . import open_checkpoint
@@ -40,27 +41,25 @@ def requantize(ckpt: Checkpoint, bits: int, group_size: int) -> nn.Module:
     """The checkpoint's model (lazy) with MLX affine `bits`-bit quantization: every
     Linear and Embedding whose input width is a multiple of `group_size`, as
     mlx-lm's convert does; layers quantized in the source are dequantized first."""
-    from mlx.utils import tree_unflatten
-
     from .build import build_model
 
+    def to_float(path: str, m: nn.Module) -> nn.Module | None:
+        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedMultiLinear)):
+            return None
+        w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
+        if isinstance(m, QuantizedMultiLinear):  # latent attention's per-head weights
+            f = MultiLinear(w.shape[2], w.shape[1], w.shape[0])
+        elif isinstance(m, nn.QuantizedEmbedding):
+            f = nn.Embedding(*w.shape)
+        else:
+            f = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            if "bias" in m:
+                f.bias = m.bias
+        f.weight = w
+        return f
+
     model = build_model(ckpt)
-    floats = []
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedMultiLinear)):
-            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits)
-            if isinstance(m, QuantizedMultiLinear):  # latent attention's per-head weights
-                f = MultiLinear(w.shape[2], w.shape[1], w.shape[0])
-            elif isinstance(m, nn.QuantizedEmbedding):
-                f = nn.Embedding(*w.shape)
-            else:
-                f = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
-                if "bias" in m:
-                    f.bias = m.bias
-            f.weight = w
-            floats.append((path, f))
-    if floats:
-        model.update_modules(tree_unflatten(floats))
+    swap_modules(model, to_float)
 
     def predicate(path: str, m: nn.Module) -> bool:
         return hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0

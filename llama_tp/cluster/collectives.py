@@ -7,7 +7,8 @@ building a step's graph inside the block records every collective it will
 run: this is how the benchmark counts them instead of deriving a formula.
 With `mode="identity"` the collectives return their input instead: the same
 compute without communication, numerically wrong, for timing what the
-collectives cost (`decode_share`).
+collectives cost (`decode_share`). A llama_tp model's step counted layer by layer:
+`benchmarks/layer_collectives.py`.
 
 The pipeline's point-to-point `send`/`recv` (loading/pipeline.py) are wrapped too
 (identity: `send` returns its input, `recv` zeros of the shape it expects). A
@@ -82,7 +83,7 @@ def collectives(mode: str = "count") -> Iterator[list[Call]]:
             setattr(mx.distributed, op, fn)
 
 
-def _summary(calls: list[Call]) -> dict[str, dict[str, int]]:
+def summary(calls: list[Call]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for op, nbytes, _ in calls:
         d = out.setdefault(op, {"calls": 0, "bytes": 0})
@@ -123,69 +124,6 @@ def traffic(calls: list[Call], pipeline_group: Any = None) -> dict[str, Any]:
     }
 
 
-def _layer_input(model: Any, tokens: mx.array) -> mx.array:
-    """What the first layer of `model` takes: the embedded tokens, or (a later pipeline
-    stage) zeros in the dtype it receives: (1, L, dim)."""
-    if "tok_embeddings" in model and getattr(getattr(model, "mesh", None), "first", True):
-        return model.tok_embeddings(tokens)
-    dtype = getattr(model, "in_dtype", None) or mx.float32
-    return mx.zeros((*tokens.shape, model.args.dim), dtype)
-
-
-def _per_layer(layers: list[Any], cache: list[Any]) -> list[Any]:
-    """One cache per layer: None for a KV-shared layer, which has none of its own, and a
-    one-mixer layer that caches nothing (`model.per_layer`; a source runs first here too)."""
-    it = iter(cache)
-    out = []
-    for layer in layers:
-        spec = getattr(layer, "spec", None)
-        s = getattr(spec, "cache", None)
-        # no cache of its own: KV-shared, or a one-mixer block that caches nothing
-        own = s.kind != "shared" if s is not None else spec is None or "mixer" not in layer
-        out.append(next(it) if own else None)
-    return out
-
-
-def count_collectives(
-    model: Any, decode: Callable[[list[Any]], Any], mode: str = "count"
-) -> dict[str, Any]:
-    """The collectives of one decode step of llama_tp's `model`: total, per layer, elsewhere.
-
-    `decode(cache)` builds one steady-state decode step's graph (with sampling) on
-    `cache`. Builds the graphs (never evaluates them) on fresh caches: the whole
-    step, then every layer on its own; what the step makes outside the layers is
-    the embedding's and the sampler's share (and a pipeline stage's send, receive
-    and logits all-reduce). `mode="identity"` for a pipeline stage (see the module).
-    """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    y = mx.array([[1]], dtype=mx.int32)
-    with collectives(mode) as step:
-        decode(make_prompt_cache(model))
-    cache = _per_layer(model.layers, make_prompt_cache(model))
-    h = _layer_input(model, y)  # (1, 1, dim)
-    per_layer = []
-    # mlx-lm's classes (generic/): layers take what their model gives them, not (h, mask,
-    # cache): only the whole step is counted
-    layers = [] if hasattr(model, "structure") else model.layers
-    for layer, kv in zip(layers, cache[: len(layers)], strict=True):
-        with collectives(mode) as calls:
-            h = layer(h, None, kv)
-        per_layer.append(sum(c.op in REDUCES for c in calls))
-    reduces = sum(c.op in REDUCES for c in step)
-    pipeline_group = getattr(getattr(model, "mesh", None), "pp_group", None)
-    return {
-        "all_reduces_per_token": reduces,
-        "all_reduces_per_layer": sum(per_layer) / len(per_layer) if per_layer else None,
-        "all_reduces_in_layers": per_layer,
-        "all_reduces_outside_layers": reduces - sum(per_layer),
-        "other_collectives_per_token": len(step) - reduces,
-        "collective_bytes_per_token": sum(c.nbytes for c in step),
-        "by_op": _summary(step),
-        "traffic": traffic(step, pipeline_group),
-    }
-
-
 def count_step(step: Callable[[], Any]) -> dict[str, Any]:
     """Collectives made while `step()` builds its graph (for models other than llama_tp's)."""
     with collectives() as calls:
@@ -195,7 +133,7 @@ def count_step(step: Callable[[], Any]) -> dict[str, Any]:
         "all_reduces_per_token": reduces,
         "other_collectives_per_token": len(calls) - reduces,
         "collective_bytes_per_token": sum(c.nbytes for c in calls),
-        "by_op": _summary(calls),
+        "by_op": summary(calls),
     }
 
 
@@ -219,26 +157,3 @@ def decode_share(step_seconds: Callable[[], float]) -> dict[str, Any]:
         "decode_step_ms_no_collectives": 1e3 * t_id,
         "collective_share": max(0.0, 1 - t_id / t_real),
     }
-
-
-def count_prefill_collectives(model: Any, length: int, mode: str = "count") -> dict[str, Any]:
-    """The collectives of one prefill of `length` tokens, whole and in the first layer:
-    op -> calls and bytes. Builds the graphs, never evaluates them (a pipeline stage:
-    `mode="identity"`). With sequence parallelism a layer shows its all-gathers next to
-    the (reduce-scatter) all_sums. Sequence-parallel attention evaluates each of its
-    query blocks as it builds them: call this inside `model.lazy_query_blocks()` (as
-    bench does) so that nothing runs."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    tokens = mx.zeros((1, length), dtype=mx.int32)
-    with collectives(mode) as whole:
-        model(tokens, cache=make_prompt_cache(model))
-    cache = make_prompt_cache(model)
-    h = _layer_input(model, tokens)
-    spec = getattr(getattr(model.layers[0], "spec", None), "cache", None)
-    recurrent = spec is not None and spec.mask == "ssm"  # one sequence: no padding mask
-    mask = "causal" if h.shape[1] > 1 and not recurrent else None
-    with collectives(mode) as layer:
-        if not hasattr(model, "structure"):  # (mlx-lm's classes: see count_collectives)
-            model.layers[0](h, mask, cache[0])
-    return {"tokens": length, "by_op": _summary(whole), "per_layer": _summary(layer)}

@@ -3,8 +3,8 @@
 A model's cache is mlx-lm's list of one cache per layer (what the model call, prefill
 and mlx-lm's `LRUPromptCache` take), each of its layer kind's declared kind
 (`parallel/splits.CacheSpec`: a KVCache, a RotatingKVCache of a window, an ArraysCache
-of a recurrent state, a CacheList). The engine never assumes they are all trimmable KV
-caches; it asks here:
+of a recurrent state, a CacheList; `models/caches.py` makes them and has each say how it
+steps back). The engine never assumes they are all trimmable KV caches; it asks here:
 
     cache = new(model)
     held(cache)                     # tokens the cache holds
@@ -34,16 +34,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import (
-    ArraysCache,
-    BatchKVCache,
-    CacheList,
-    KVCache,
-    RotatingKVCache,
-    make_prompt_cache,
-)
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, make_prompt_cache
 
-from ..model import ChunkedCache
+from ..models import caches as layer_cache
 
 Cache = list[Any]  # one mlx-lm cache per layer
 
@@ -77,34 +70,16 @@ def held(cache: Sequence[Any]) -> int:
 
 def why_not_rewind(cache: Sequence[Any], n: int = 1) -> str | None:
     """What keeps the cache from stepping back `n` tokens (the first such layer, named by
-    its kind), or None when every layer can."""
-    for c in _layers(cache):
-        if isinstance(c, ChunkedCache):
-            if c.rewinds(n):
-                continue
-            return (
-                "a chunked-attention layer's cache cannot step back past the start of the "
-                "chunk it holds (Llama 4)"
-            )
-        if c.is_trimmable():
-            continue
-        if isinstance(c, RotatingKVCache):
-            return (
-                "a sliding-window layer's cache cannot step back once it holds its whole "
-                "window (gpt-oss)"
-            )
-        if isinstance(c, ArraysCache):
-            kind = getattr(c, "what", "") or "linear attention, Mamba"
-            return f"a recurrent layer's state ({kind}) cannot step back"
-        return f"a layer's {type(c).__name__} cannot step back"
-    return None
+    its kind: each layer's cache answers, `models/caches.why_not_rewind`), or None when
+    every layer can."""
+    return next(filter(None, (layer_cache.why_not_rewind(c, n) for c in _layers(cache))), None)
 
 
 def recurrent(cache: Sequence[Any]) -> bool:
     """Whether some layer holds a state it cannot always step back over (a recurrent
     state; a chunked-attention layer's chunk once it moved on): checkpoints serve
     instead."""
-    return any(isinstance(c, ArraysCache | ChunkedCache) for c in _layers(cache))
+    return any(layer_cache.keeps_state(c) for c in _layers(cache))
 
 
 def can_rewind(cache: Sequence[Any], n: int = 1) -> bool:

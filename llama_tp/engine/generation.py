@@ -218,9 +218,8 @@ def vocab_bytes(model: nn.Module) -> int:
     # (a pipeline stage may hold neither: loading/pipeline.py)
     parts = [model[k] for k in ("tok_embeddings", "output") if k in model]
     if hasattr(model, "structure"):  # mlx-lm's classes (generic/model.py)
-        from ..generic.structure import get_path
+        from ..parallel.module_swap import module_at
 
-        parts = [
-            get_path(model.inner, p) for p in (model.structure.embedding, model.structure.head) if p
-        ]
+        ends = (model.structure.embedding, model.structure.head)
+        parts = [module_at(model.inner, p) for p in ends if p]
     return sum(v.nbytes for m in parts for _, v in tree_flatten(m.parameters()))

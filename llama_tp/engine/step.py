@@ -87,7 +87,7 @@ def _supported_layers(model: nn.Module) -> bool:
     or experts, caching a plain causal KV cache (as its kinds declare): the layers whose
     cache the step holds as buffers. Other kinds (sliding windows, latent attention,
     recurrent mixers, `MixerBlock` layers) run the model's own forward."""
-    from ..model import Attention
+    from ..models.attention import Attention
     from ..models.qk_norm import QKNormAttention
 
     for layer in model.layers:

@@ -24,6 +24,7 @@ from ..checkpoints.base import Checkpoint, CheckpointError
 from ..checkpoints.hf import weight_files
 from ..cluster.progress import progress
 from ..parallel.mesh import Mesh, MeshError, balanced_split, parse_split
+from ..parallel.module_swap import module_at
 from ..parallel.shares import parse_split as parse_weights
 from . import classes
 from .model import GenericArgs, GenericModel
@@ -38,7 +39,7 @@ from .reads import (
     stored_tensors,
 )
 from .stages import StageLink, cross_layer_state, cut_stage
-from .structure import Structure, find_structure, get_path
+from .structure import Structure, find_structure
 from .tensor import shard_model
 
 # Models whose forward reads the token embeddings beyond the first layer (every stage then
@@ -110,7 +111,7 @@ class Opened:
 
     def args(self) -> GenericArgs:
         """What the engine reads of the config (`ModelArgs`' names)."""
-        emb = get_path(self.model, self.structure.embedding) if self.structure.embedding else None
+        emb = module_at(self.model, self.structure.embedding) if self.structure.embedding else None
         dim = _text(self.config, "hidden_size") or (emb.weight.shape[1] if emb is not None else 0)
         if isinstance(emb, nn.QuantizedEmbedding):
             dim = emb.dims
@@ -209,10 +210,10 @@ def split_rank(
         keep_emb = opened.route.model_type in EMBEDDING_EVERYWHERE
         emb_out = head_out = None
         if s.embedding:
-            emb = get_path(model, s.embedding)
+            emb = module_at(model, s.embedding)
             emb_out = _out_width(emb, opened.stored, s.embedding, s.vocab_size)
         if s.head:
-            head_out = _out_width(get_path(model, s.head), opened.stored, s.head, s.vocab_size)
+            head_out = _out_width(module_at(model, s.head), opened.stored, s.head, s.vocab_size)
         placed.link = StageLink(pp_group, stage, pp)
         cut_stage(model, s, placed.layers, placed.link, emb_out, head_out, keep_emb)
     return placed
@@ -283,7 +284,7 @@ def _pipeline_owner(model: nn.Module, s: Structure) -> nn.Module | None:
     if s.layers is None:
         return None
     parent = s.layers.rpartition(".")[0]
-    owner = get_path(model, parent) if parent else model
+    owner = module_at(model, parent) if parent else model
     fn = getattr(owner, "pipeline", None)
     if not callable(fn) or "split" not in inspect.signature(fn).parameters:
         return None

@@ -22,7 +22,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .stages import FLOATS, cache_kind
+from ..models.caches import cache_kind
+from .stages import FLOATS
 
 
 @dataclass
@@ -113,13 +114,13 @@ class GenericModel(nn.Module):
         """Learn which cache entry each layer takes, by running `run()` (a traced forward)
         with distinct cache objects and noting what each layer receives; then keep the
         entries of this stage's layers and the ones no layer takes."""
+        from ..parallel.module_swap import module_at
         from .stages import swap_class
-        from .structure import get_path
 
         full = self._inner_caches()
         index = {id(c): j for j, c in enumerate(full)}
         took: dict[int, int] = {}
-        layers = get_path(self.inner, self.structure.layers)
+        layers = module_at(self.inner, self.structure.layers)
         saved = [type(layer) for layer in layers]
 
         def recorder(i: int, base: Any) -> Any:
@@ -155,9 +156,9 @@ class GenericModel(nn.Module):
     @property
     def layers(self) -> list[nn.Module]:
         """The layers this rank runs."""
-        from .structure import get_path
+        from ..parallel.module_swap import module_at
 
-        every = get_path(self.inner, self.structure.layers)
+        every = module_at(self.inner, self.structure.layers)
         return [every[i] for i in self.stage_layers]
 
     # -- forward ------------------------------------------------------------
@@ -337,13 +338,13 @@ def _reading_head_input(inner: nn.Module, structure: Any, seen: list) -> Iterato
     """While inside, the output head (its `__call__`) and the token embedding used as one
     (`as_linear`, a tied head) note the hidden state they receive in `seen`: their
     classes swapped for subclasses that do, and swapped back after."""
-    from .structure import get_path
+    from ..parallel.module_swap import module_at
 
     swapped = []
     for path, method in ((structure.head, "__call__"), (structure.embedding, "as_linear")):
         if path is None:
             continue
-        module = get_path(inner, path)
+        module = module_at(inner, path)
         base = type(module)
         original = getattr(base, method, None)
         if original is None:

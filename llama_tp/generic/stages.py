@@ -35,7 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from .structure import Structure, get_path
+from ..parallel.module_swap import module_at
+from .structure import Structure
 
 _EMPTY = mx.zeros((0,))
 FLOATS = ("float32", "float16", "bfloat16")
@@ -187,17 +188,17 @@ def cut_stage(
     the head zeroed off the last stage. `embedding_out` / `head_out`: (width, dtype). The
     first and last layers are linked to the other stages (`link_layers`)."""
     stage, pp = link.stage, link.pp
-    all_layers = get_path(model, structure.layers)
+    all_layers = module_at(model, structure.layers)
     for i, layer in enumerate(all_layers):
         if i not in layers:
             skip(layer, link)
     tied = structure.head is None
     if structure.embedding and embedding_out and stage > 0 and not keep_embedding:
         if not (tied and stage == pp - 1):
-            emb = get_path(model, structure.embedding)
+            emb = module_at(model, structure.embedding)
             zeros_out(emb, *embedding_out, "NoEmbedding", structure.vocab_size)
     if structure.head and head_out and stage < pp - 1:
-        zeros_out(get_path(model, structure.head), *head_out, "NoHead")
+        zeros_out(module_at(model, structure.head), *head_out, "NoHead")
     link_layers(all_layers[layers.start], all_layers[layers.stop - 1], link)
 
 
@@ -217,15 +218,3 @@ def cross_layer_state(config: dict) -> str | None:
             if c.get(key):
                 return f"{why} ({key} {c[key]})"
     return None
-
-
-def cache_kind(c: Any) -> tuple:
-    """What makes two caches interchangeable for the masks a model makes from them."""
-    from mlx_lm.models.cache import ArraysCache, CacheList
-
-    if isinstance(c, CacheList):
-        return ("CacheList", *(cache_kind(x) for x in c.caches))
-    if isinstance(c, ArraysCache):
-        return (type(c).__name__, len(c.cache))
-    params = ("max_size", "keep", "chunk_size", "step")
-    return (type(c).__name__, *((k, getattr(c, k)) for k in params if hasattr(c, k)))

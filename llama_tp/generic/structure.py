@@ -102,21 +102,3 @@ def _list_path(model: nn.Module, layers: list) -> str | None:
 
     walk(model, "")
     return found[0] if found else None
-
-
-def get_path(model: nn.Module, path: str) -> object:
-    obj: object = model
-    for part in path.split("."):
-        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
-    return obj
-
-
-def set_path(model: nn.Module, path: str, value: object) -> None:
-    parent, _, last = path.rpartition(".")
-    obj = get_path(model, parent) if parent else model
-    if isinstance(obj, list):
-        obj[int(last)] = value
-    elif isinstance(obj, nn.Module):
-        setattr(obj, last, value)
-    else:
-        obj[last] = value

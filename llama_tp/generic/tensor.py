@@ -29,9 +29,10 @@ import mlx.nn.layers.distributed as distributed
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..parallel.module_swap import module_at, replace_at
 from .reads import Split, Take
 from .stages import swap_class
-from .structure import Structure, get_path
+from .structure import Structure
 
 
 class TensorSplitError(ValueError):
@@ -223,7 +224,7 @@ def _head_dim(layer: nn.Module) -> int | None:
 
 def _module(layer: nn.Module, path: str) -> nn.Module | None:
     try:
-        m = get_path(layer, path)
+        m = module_at(layer, path)
     except (KeyError, IndexError, AttributeError, ValueError):
         return None
     return m if isinstance(m, nn.Module) else None
@@ -231,7 +232,7 @@ def _module(layer: nn.Module, path: str) -> nn.Module | None:
 
 def apply_styles(model: nn.Module, structure: Structure, group: mx.distributed.Group, name: str):
     """The style table on every layer (all recognised first: nothing is split otherwise)."""
-    layers = get_path(model, structure.require_list(name))
+    layers = module_at(model, structure.require_list(name))
     tables = [_layer_styles(layer) for layer in layers]
     unknown = next((i for i, t in enumerate(tables) if t is None), None)
     if unknown is not None:
@@ -244,13 +245,11 @@ def apply_styles(model: nn.Module, structure: Structure, group: mx.distributed.G
     n = group.size()
     for layer, table in zip(layers, tables, strict=True):
         for path, (style, in_place) in table.items():
-            module = get_path(layer, path)
-            parent_path, _, attr = path.rpartition(".")
-            parent = get_path(layer, parent_path)
+            module = module_at(layer, path)
             if in_place:
                 shard_inplace(module, style, group=group)
             else:
-                setattr(parent, attr, shard_linear(module, style, group=group))
+                replace_at(layer, path, shard_linear(module, style, group=group))
         attention = _module(layer, "self_attn")
         for attr in HEAD_COUNTS:
             count = getattr(attention, attr, None) if attention is not None else None

@@ -5,11 +5,11 @@ shards them).
   (rows, blocks * bytes): a K-quant file is held at its size and computes its exact
   weights. The loader builds them only while the native path is on.
 - `use_native(model)`: mlx's affine quantized layers (`nn.QuantizedLinear` and its
-  sharded twins in `mlx.nn.layers.distributed`) replaced by subclasses whose forward
-  calls `kernels.quantized_matmul` (the project's own range and vocabulary layers call
-  it directly), and `nn.RoPE` and `nn.RMSNorm` by ones that are a single native primitive
-  on the CPU; float linears and embeddings by ones whose float16 / bfloat16 products run
-  on several CPU streams (`float_products`).
+  sharded twins in `mlx.nn.layers.distributed`) turned, in place, into subclasses whose
+  forward calls `kernels.quantized_matmul` (the project's own range and vocabulary
+  layers call it directly), and `nn.RoPE` and `nn.RMSNorm` into ones that are a single
+  native primitive on the CPU; float linears and embeddings into ones whose float16 /
+  bfloat16 products run on several CPU streams (`float_products`).
 """
 
 from __future__ import annotations
@@ -268,32 +268,15 @@ _NATIVE = {
 }
 
 
-def _twin(m: nn.Module) -> nn.Module | None:
-    """A shallow copy of `m` as its native subclass (the same arrays and settings)."""
-    cls = _NATIVE.get(type(m))
-    if cls is None:
-        return None
-    twin = cls.__new__(cls)
-    dict.update(twin, m)  # parameters (an mlx Module is a dict of them)
-    twin.__dict__.update(m.__dict__)  # group_size, bits, mode, group, frozen state
-    return twin
-
-
 def use_native(model: nn.Module) -> int:
-    """Replace, in place, every mlx affine quantized linear of `model` by its twin that
-    calls `kernels.quantized_matmul`; the number replaced."""
+    """Turn, in place, every mlx affine quantized linear of `model` (and the others
+    `_NATIVE` names) into its native subclass, whose forward calls
+    `kernels.quantized_matmul`: the same object, arrays and settings under the subclass
+    (no module is swapped, so none of its parents is touched); the number turned."""
     count = 0
-    for _, parent in model.named_modules():
-        for name in parent.children():
-            child = parent[name]
-            children = child if isinstance(child, list) else [child]
-            for i, c in enumerate(children):
-                twin = _twin(c) if isinstance(c, nn.Module) else None
-                if twin is None:
-                    continue
-                if isinstance(child, list):
-                    child[i] = twin
-                else:
-                    setattr(parent, name, twin)
-                count += 1
+    for _, m in model.named_modules():
+        cls = _NATIVE.get(type(m))
+        if cls is not None:
+            object.__setattr__(m, "__class__", cls)
+            count += 1
     return count

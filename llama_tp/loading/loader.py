@@ -303,10 +303,7 @@ def load_model(
             model = _build(ckpt, placement, model_group, mesh, sequence_parallel)
         else:  # a user's style plan: the placement is what its styles keep
             model = skeleton(ckpt)
-            done = parallelize_model(
-                model, model_group, plan, vocab_parallel=vocab_parallel,
-                sequence_parallel=sequence_parallel,
-            )  # fmt: skip
+            done = parallelize_model(model, model_group, plan, sequence_parallel=sequence_parallel)
             mine = styles_placement(done, model_shape(ckpt))
             weights = read_weights(shared, mine, lambda: _read(ckpt, mine))
         if mesh is not None:  # the stage's layers are numbered from 0

@@ -38,8 +38,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..cluster.distributed import all_gather_object
-from ..model import Transformer, layer_caches, run_layers
+from ..model import Transformer, run_layers
 from ..model_args import ModelArgs
+from ..models.caches import layer_caches
 from ..parallel.mesh import Mesh
 from ..parallel.plan_text import human_bytes
 from ..parallel.vocab import VocabParallelEmbedding

@@ -1,15 +1,28 @@
-"""The other model families, as small variations of the Llama core (see `registry.py`)."""
+"""The layer kinds and the families built of them (see `registry.py`).
 
-from .moe import MoEFeedForward, expert_load, record_expert_load
-from .qk_norm import QKNormAttention
-from .registry import GGUF_ARCHITECTURES, MODEL_TYPES, build
+The package straddles `llama_tp.model`: the modules the model is made of (the core
+kinds `attention.py` and `feed_forward.py`, `blocks.py`, `caches.py`, `masks.py`) are
+below it, the families (which build or extend the model) above. So importing the
+package imports none of them; the names below come from their modules on first use.
+"""
 
-__all__ = [
-    "GGUF_ARCHITECTURES",
-    "MODEL_TYPES",
-    "MoEFeedForward",
-    "QKNormAttention",
-    "build",
-    "expert_load",
-    "record_expert_load",
-]
+from __future__ import annotations
+
+import importlib
+
+_NAMES = {
+    "GGUF_ARCHITECTURES": "registry",
+    "MODEL_TYPES": "registry",
+    "build": "registry",
+    "MoEFeedForward": "moe",
+    "expert_load": "moe",
+    "record_expert_load": "moe",
+    "QKNormAttention": "qk_norm",
+}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

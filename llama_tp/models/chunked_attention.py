@@ -11,7 +11,7 @@ Two of mlx-lm's classes are the oracle, and differ:
                  `use_qk_norm` RMS-normalise each head without weights (eps 1e-6), and
                  attend within their chunk of `attention_chunk_size` positions only (a
                  `ChunkedCache` holding the current chunk, its mask "chunked":
-                 `model.chunk_mask`). The feed-forward of every `interleave_moe_layer_step`-
+                 `masks.chunk_mask`). The feed-forward of every `interleave_moe_layer_step`-
                  th layer is experts beside a shared expert, top-1 by sigmoid scores that
                  scale the expert's input (`models/moe.py`'s "sigmoid_input" router).
     llama4_text  (mlx-lm's `llama4_text`, MobileLLM-R1): dense, every layer global; the
@@ -29,9 +29,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..model import Attention
 from ..model_args import ModelArgs
 from ..parallel.splits import CacheSpec
+from .attention import Attention
 
 
 class ChunkedAttention(Attention):

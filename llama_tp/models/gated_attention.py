@@ -21,9 +21,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..model_args import ModelArgs
-from ..parallel.llama_plan import table_styles
-from ..parallel.parallelize import parallelize
-from ..parallel.partition import RankPart
 from ..parallel.splits import ROWS, SplitTable, TensorSplit
 from .qk_norm import QKNormAttention
 
@@ -43,7 +40,6 @@ class GatedAttention(QKNormAttention):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        object.__setattr__(self, "args", args)
         self.wq = nn.Linear(args.dim, 2 * args.n_heads * args.head_dim, bias=args.qkv_bias)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -64,9 +60,3 @@ class GatedAttention(QKNormAttention):
             v = mx.take(v, self._kv_index, axis=1)
         out = self._attend(q, k, v, mask, cache).transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.wo(out * mx.sigmoid(gate))
-
-    def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
-        """Split the heads over `group` (N equal blocks, or `part`'s ranges): wq's queries
-        and gate of each head together, wk/wv by KV heads, wo by the heads' columns."""
-        parts = None if part is None else {group.rank(): part}
-        parallelize(self, table_styles(self.split_table(self.args), parts), group)

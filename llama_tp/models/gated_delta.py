@@ -36,6 +36,7 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextRMSNormGated
 
 from ..model_args import ModelArgs
+from ..parallel.kind_shard import ShardedByTable
 from ..parallel.splits import (
     CHANNELS,
     COLUMNS,
@@ -51,7 +52,7 @@ from ..parallel.splits import (
 LAYOUTS = ("qkv", "qkvz", "qkv_ba")
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(ShardedByTable, nn.Module):
     """x (B, L, dim) -> (B, L, dim), over an ArraysCache [conv state (B, K - 1, conv_dim),
     delta-rule state (B, nv, dv, dk) float32] (see the module docstring)."""
 
@@ -127,6 +128,7 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        object.__setattr__(self, "args", args)  # (not a parameter) its split table's
         self.hidden_size = dim = args.dim
         self.num_k_heads = nk = args.linear_num_key_heads
         self.num_v_heads = nv = args.linear_num_value_heads

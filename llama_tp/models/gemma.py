@@ -35,9 +35,10 @@ from mlx_lm.models.gemma4_text import GeGLU, Router, logit_softcap
 from mlx_lm.models.gemma4_text import ModelArgs as Gemma4Args
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..model import FeedForward, Transformer
+from ..model import Transformer
 from ..model_args import ModelArgs, layer_values
 from ..parallel.splits import LayerSpec, SplitTable
+from .feed_forward import FeedForward
 from .gemma_attention import GemmaAttention, GemmaGlobalAttention, link_kv_sources
 from .moe import MoEFeedForward
 

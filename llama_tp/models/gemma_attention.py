@@ -31,9 +31,9 @@ from mlx_lm.models.gemma3_text import RMSNorm as OnePlusRMSNorm
 from mlx_lm.models.gemma4_text import RMSNormNoScale
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..model import Attention
 from ..model_args import ModelArgs
 from ..parallel.splits import COLUMNS, ROWS, CacheSpec, SplitTable, TensorSplit, Unit
+from .attention import Attention
 
 
 def _table(args: ModelArgs, head_dim: int, kv_unit: str, values: bool) -> SplitTable:
@@ -82,6 +82,7 @@ class GemmaAttention(Attention):
 
     def __init__(self, args: ModelArgs, layer: int):
         nn.Module.__init__(self)
+        object.__setattr__(self, "args", args)  # (not a parameter) its split table's
         n_kv, hd = self.dims(args)
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, n_kv, hd
         kind = args.layer_types[layer]

@@ -5,8 +5,8 @@ Every query head has a learned logit `sinks[h]` that joins the softmax's denomin
 1); mlx-lm's `scaled_dot_product_attention` takes it as `sinks`. Layers whose
 `layer_types` entry is "sliding_attention" attend to the last `sliding_window`
 positions only: their cache spec (`SinkAttention.cache_spec`) makes the model build
-them a windowed mask (`model.layer_masks`) and a RotatingKVCache of the window
-(`model.layer_caches`), as mlx-lm's gpt_oss does; the others attend to everything
+them a windowed mask (`masks.layer_masks`) and a RotatingKVCache of the window
+(`caches.layer_caches`), as mlx-lm's gpt_oss does; the others attend to everything
 through a KVCache.
 
 The rest of gpt-oss is the Llama core with biases on q/k/v/o (`qkv_bias`, `o_bias`), YaRN
@@ -26,9 +26,9 @@ from typing import Any
 import mlx.core as mx
 
 from ..kernels import scaled_dot_product_attention
-from ..model import Attention
 from ..model_args import ModelArgs
 from ..parallel.splits import VECTOR, CacheSpec, SplitTable, TensorSplit
+from .attention import Attention
 
 
 class SinkAttention(Attention):

@@ -31,9 +31,10 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.models.step3p5 import clamped_swiglu
 
-from ..model import Attention, FeedForward
 from ..model_args import ModelArgs, layer_values
 from ..parallel.splits import COLUMNS, ROWS, CacheSpec, SplitTable, TensorSplit, Unit
+from .attention import Attention
+from .feed_forward import FeedForward
 
 
 def _own_heads(args: ModelArgs) -> bool:
@@ -87,6 +88,7 @@ class GatedHeadsAttention(Attention):
 
     def __init__(self, args: ModelArgs, layer: int):
         nn.Module.__init__(self)
+        object.__setattr__(self, "args", args)  # (not a parameter) its split table's
         sliding = args.window(layer) is not None
         nh, nkv = args.swa_heads if sliding else (args.n_heads, args.n_kv_heads)
         hd = args.head_dim

@@ -35,6 +35,7 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.kimi_linear import ShortConv1d
 
 from ..model_args import ModelArgs
+from ..parallel.kind_shard import ShardedByTable
 from ..parallel.splits import (
     CHANNELS,
     COLUMNS,
@@ -50,7 +51,7 @@ from .latent_attention import LatentAttention
 _CONVS = ("q_conv", "k_conv", "v_conv")
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(ShardedByTable, nn.Module):
     """x (B, L, dim) -> (B, L, dim), over an ArraysCache [q, k, v conv states (B, K - 1,
     H d) each, delta-rule state (B, H, d, d) float32] (see the module docstring)."""
 
@@ -113,6 +114,7 @@ class KimiDeltaAttention(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        object.__setattr__(self, "args", args)  # (not a parameter) its split table's
         dim = args.dim
         self.num_heads, self.head_dim = h, d = args.kda_heads, args.kda_head_dim
         self.projection_dim = p = h * d

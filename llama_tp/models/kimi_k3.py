@@ -39,8 +39,9 @@ from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.kimi_k3 import ResidualBlocks, _attn_res_mix
 from mlx_lm.models.kimi_linear import ShortConv1d
 
-from ..model import Transformer, TransformerBlock
+from ..model import Transformer
 from ..model_args import ModelArgs
+from ..parallel.kind_shard import ShardedByTable
 from ..parallel.splits import (
     CHANNELS,
     COLUMNS,
@@ -52,12 +53,13 @@ from ..parallel.splits import (
     TensorSplit,
     Unit,
 )
+from .blocks import TransformerBlock
 from .kimi_delta import _CONVS, _NoRope, kimi_linear_fields, kimi_linear_gguf_fields
 from .latent_attention import LatentAttention
 from .latent_experts import LatentExperts, SituFeedForward
 
 
-class FusedKimiDeltaAttention(nn.Module):
+class FusedKimiDeltaAttention(ShardedByTable, nn.Module):
     """x (B, L, dim) -> (B, L, dim), over an ArraysCache [q | k | v conv state (B, K - 1,
     3 H d), delta-rule state (B, H, d, d) float32]: mlx-lm's `KimiK3DeltaAttention`."""
 
@@ -117,6 +119,7 @@ class FusedKimiDeltaAttention(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        object.__setattr__(self, "args", args)  # (not a parameter) its split table's
         dim = args.dim
         self.num_heads, self.head_dim = h, d = args.kda_heads, args.kda_head_dim
         self.projection_dim = p = h * d

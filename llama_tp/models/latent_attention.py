@@ -26,9 +26,7 @@ from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
 from mlx_lm.models.deepseek_v3 import ModelArgs as DeepseekV3Args
 
 from ..model_args import ModelArgs
-from ..parallel.llama_plan import table_styles
-from ..parallel.parallelize import parallelize
-from ..parallel.partition import RankPart
+from ..parallel.kind_shard import ShardedByTable
 from ..parallel.splits import COLUMNS, HEADS, ROWS, CacheSpec, SplitTable, TensorSplit
 
 
@@ -55,7 +53,7 @@ def deepseek_v3_args(args: ModelArgs) -> DeepseekV3Args:
     )
 
 
-class LatentAttention(DeepseekV3Attention):
+class LatentAttention(ShardedByTable, DeepseekV3Attention):
     """x (B, L, dim) -> (B, L, dim): mlx-lm's multi-head latent attention, its output
     projection named `wo` (and a direct query projection `wq`), with `n_heads` local."""
 
@@ -157,11 +155,6 @@ class LatentAttention(DeepseekV3Attention):
             out = self.unembed_out(out)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.wo(out if gate is None else out * gate)
-
-    def shard(self, group: mx.distributed.Group, part: RankPart) -> None:
-        """Keep the heads `part.q_heads` (any count per rank), the latent replicated."""
-        styles = table_styles(self.split_table(self.args), {group.rank(): part})
-        parallelize(self, styles, group)
 
 
 def deepseek_v3_fields(config: dict) -> dict:

@@ -23,9 +23,9 @@ from mlx_lm.models.kimi_k3 import SiTU, _situ
 from mlx_lm.models.kimi_k3 import _group_expert_select as k3_select
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..model import FeedForward
 from ..model_args import ModelArgs
 from ..parallel.fused import GATE_UP, fused
+from .feed_forward import FeedForward
 from .moe import MoEFeedForward
 
 

@@ -34,6 +34,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.nemotron_h import MambaRMSNormGated, NemotronHMamba2Mixer
 
 from ..model_args import ModelArgs
+from ..parallel.kind_shard import ShardedByTable
 from ..parallel.splits import (
     CHANNELS,
     COLUMNS,
@@ -64,7 +65,7 @@ class GroupNorm(MambaRMSNormGated):
         return self.weight * normed
 
 
-class Mamba2Mixer(NemotronHMamba2Mixer):
+class Mamba2Mixer(ShardedByTable, NemotronHMamba2Mixer):
     """x (B, L, dim) -> (B, L, dim), over an ArraysCache [conv state (B, K - 1, conv_dim),
     scan state (B, nh, hd, ds) float32] (see the module docstring); mlx-lm's forward."""
 
@@ -133,6 +134,7 @@ class Mamba2Mixer(NemotronHMamba2Mixer):
 
     def __init__(self, args: ModelArgs):
         super().__init__(mlx_lm_args(args))
+        object.__setattr__(self, "args", args)  # (not a parameter) its split table's
         self.norm = GroupNorm(self.intermediate_size, args.norm_eps, self.norm.group_size)
         object.__setattr__(self, "total_heads", args.mamba_num_heads)
         object.__setattr__(self, "total_groups", args.n_groups)

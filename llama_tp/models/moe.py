@@ -40,16 +40,14 @@ from mlx_lm.models.kimi_linear import _group_expert_select as kimi_select
 from mlx_lm.models.step3p5 import ClampedSwiGLU
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
-from ..model import FeedForward
 from ..model_args import ModelArgs
-from ..parallel.llama_plan import table_styles
-from ..parallel.parallelize import parallelize
-from ..parallel.partition import RankPart
+from ..parallel.kind_shard import ShardedByTable
 from ..parallel.splits import COLUMNS, ROWS, CacheSpec, SplitTable, TensorSplit
+from .feed_forward import FeedForward
 from .latent_attention import check_routing, deepseek_v3_args
 
 
-class MoEFeedForward(nn.Module):
+class MoEFeedForward(ShardedByTable, nn.Module):
     """x (B, L, dim) -> (B, L, dim): `router` (dim -> E, replicated when sharded),
     `switch_mlp` (the E experts), and with `shared_expert_dim` a `shared_expert`
     FeedForward and, if `shared_expert_gated`, its `shared_expert_gate` (dim -> 1)."""
@@ -192,14 +190,6 @@ class MoEFeedForward(nn.Module):
         elif "shared_expert" in self:
             y = y + self.shared_expert(x)
         return y
-
-    def shard(self, group: mx.distributed.Group, part: RankPart, split: str = "tensor") -> None:
-        """Split the experts over `group` as `part` of the partition says ("tensor": every
-        expert's columns `part.expert_ffn`; "expert": the experts `part.experts`), the
-        shared expert by its columns `part.shared_ffn`, the router replicated; the
-        partial outputs are summed once (the styles its split table gives)."""
-        styles = table_styles(self.split_table(self.args), {group.rank(): part}, moe_split=split)
-        parallelize(self, styles, group)
 
 
 def record_expert_load(model: nn.Module, on: bool = True) -> None:

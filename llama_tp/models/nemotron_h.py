@@ -25,9 +25,10 @@ import mlx.nn as nn
 from mlx_lm.models.nemotron_h import ModelArgs as MlxArgs
 from mlx_lm.models.nemotron_h import NemotronHMLP, NemotronHMoE
 
-from ..model import Attention
 from ..model_args import ModelArgs
+from ..parallel.kind_shard import ShardedByTable
 from ..parallel.splits import COLUMNS, ROWS, CacheSpec, SplitTable, TensorSplit
+from .attention import Attention
 from .mamba import Mamba2Mixer, mlx_lm_args
 
 
@@ -57,7 +58,7 @@ class NoRopeAttention(Attention):
         self.rope = _Identity()
 
 
-class Relu2FeedForward(NemotronHMLP):
+class Relu2FeedForward(ShardedByTable, NemotronHMLP):
     """x (B, L, dim) -> (B, L, dim): down_proj(relu(up_proj(x))^2), split by its columns."""
 
     gguf_names = (("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj"))
@@ -73,9 +74,10 @@ class Relu2FeedForward(NemotronHMLP):
 
     def __init__(self, args: ModelArgs):
         super().__init__(mlx_lm_args(args))
+        object.__setattr__(self, "args", args)  # (not a parameter) its split table's
 
 
-class Relu2Experts(NemotronHMoE):
+class Relu2Experts(ShardedByTable, NemotronHMoE):
     """x (B, L, dim) -> (B, L, dim): mlx-lm's `NemotronHMoE` (its gate replicated), the
     experts' and shared expert's partial outputs summed once when split."""
 
@@ -113,6 +115,7 @@ class Relu2Experts(NemotronHMoE):
 
     def __init__(self, args: ModelArgs):
         super().__init__(mlx_lm_args(args))
+        object.__setattr__(self, "args", args)  # (not a parameter) its split table's
         self.n_experts = args.n_experts
         object.__setattr__(self, "expert_load", None)
 

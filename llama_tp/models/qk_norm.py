@@ -10,8 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..model import Attention
 from ..model_args import ModelArgs
+from .attention import Attention
 
 
 class QKNormAttention(Attention):

@@ -1,7 +1,7 @@
 """The model families llama_tp runs, and building one from its `ModelArgs`.
 
-Every family is the Llama core (`llama_tp/model.py`) with a different attention or
-feed-forward in some layers, chosen by the args, not by name:
+Every family is the Llama core (`llama_tp/model.py`, of `blocks.py`'s layers) with a
+different attention or feed-forward in some layers, chosen by the args, not by name:
 
     family      model_type         GGUF architecture        attention     feed-forward
     Llama       llama, mistral     llama                    core          core
@@ -78,10 +78,12 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..model import Attention, FeedForward, MixerBlock, Transformer, TransformerBlock
+from ..model import Transformer
 from ..model_args import ModelArgs
 from ..parallel.splits import LayerSpec
 from . import gemma, headwise_gate, kimi_k3, nemotron_h
+from .attention import Attention
+from .blocks import MixerBlock, TransformerBlock
 from .chunked_attention import (
     ChunkedAttention,
     Llama4Layer,
@@ -89,6 +91,7 @@ from .chunked_attention import (
     llama4_gguf_fields,
     llama4_text_fields,
 )
+from .feed_forward import FeedForward
 from .gated_attention import GatedAttention
 from .gated_delta import GatedDeltaNet, qwen3_5_config, qwen3_5_fields, qwen3_5_gguf_fields
 from .gemma import (

@@ -25,11 +25,12 @@ from dataclasses import replace
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..model import Attention
 from ..model_args import ModelArgs
+from ..parallel.kind_shard import PlanPart
 from ..parallel.partition import RankPart
 from ..parallel.splits import VECTOR, SplitTable, TensorSplit
 from ..parallel.styles import PlanError
+from .attention import Attention
 
 
 class WideQKNormAttention(Attention):
@@ -71,12 +72,12 @@ class WideQKNormAttention(Attention):
         object.__setattr__(self, "group", group)
         object.__setattr__(self, "k_counted", counted * hd)
 
-    def shard(self, group: mx.distributed.Group, part: RankPart | None = None) -> None:
-        """As `Attention.shard` in equal blocks; a rank's own part alone cannot say which
-        of its KV heads a lower rank counts: the model's plan (every part) splits it."""
-        if part is not None:
+    def shard(self, group: mx.distributed.Group, part: RankPart | PlanPart | None = None) -> None:
+        """As `Attention.shard`, in equal blocks or by the placement's plan; a rank's own
+        part alone cannot say which of its KV heads a lower rank counts: refused."""
+        if isinstance(part, RankPart):
             raise PlanError("full-width q/k norms are split by the model's plan, not one part")
-        super().shard(group)
+        super().shard(group, part)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         B, L, _ = x.shape

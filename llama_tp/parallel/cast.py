@@ -27,6 +27,7 @@ from .layers import (
     RangeAllToShardedLinear,
     RangeShardedToAllLinear,
 )
+from .module_swap import swap_modules
 from .vocab import VocabParallelEmbedding
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -97,25 +98,18 @@ def cast_model(model: nn.Module, dtype: str | mx.Dtype) -> None:
     Evaluates layer by layer, so only one layer's float copy is ever extra.
     """
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    for _, parent in model.named_modules():
-        for name in parent.children():
-            child = parent[name]  # children() copies lists; replace in the module's own
-            children = child if isinstance(child, list) else [child]
-            for i, c in enumerate(children):
-                if not isinstance(c, nn.Module):
-                    continue
-                if isinstance(c, VocabParallelEmbedding):
-                    _cast_vocab(c, dtype)
-                    mx.eval(c.parameters())
-                    continue
-                twin = _float_twin(c, dtype)
-                if twin is None:
-                    continue
-                if isinstance(child, list):
-                    child[i] = twin
-                else:
-                    setattr(parent, name, twin)
-                mx.eval(twin.parameters())  # frees the quantized arrays of this layer
+
+    def to_float(path: str, m: nn.Module) -> nn.Module | None:
+        if isinstance(m, VocabParallelEmbedding):  # cast in place
+            _cast_vocab(m, dtype)
+            mx.eval(m.parameters())
+            return None
+        twin = _float_twin(m, dtype)
+        if twin is not None:
+            mx.eval(twin.parameters())  # in its place next: the quantized arrays go
+        return twin
+
+    swap_modules(model, to_float)
     floats = [
         (k, v.astype(dtype))
         for k, v in tree_flatten(model.parameters())

@@ -2,7 +2,7 @@
 
 A mixture-of-experts module (`models/moe.py`: a `router`, the experts stacked in
 mlx-lm's `SwitchGLU` as `switch_mlp`, maybe a `shared_expert` FeedForward) is split
-with three styles (which `llama_plan.table_styles` derives from the kind's split table,
+with three styles (which `kind_shard.table_styles` derives from the kind's split table,
 `models/moe.py`):
 
 - `ShardInPlace` keeps a range of a layer's weight in place (mlx's `shard_inplace`,

@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cluster.distributed import world
+from .module_swap import module_at, replace_at
 from .sequence import SequenceContext
 from .styles import PlanError, Split, Style
 
@@ -84,52 +85,41 @@ def resolve(model: nn.Module, plan: Plan) -> dict[str, tuple[str, Style]]:
     return out
 
 
-def _module(model: nn.Module, path: str) -> nn.Module:
-    m = model
-    for part in path.split(".") if path else []:
-        m = m[int(part)] if isinstance(m, list) else m[part]
-    return m
-
-
-def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = _module(model, parent_path)
-    if isinstance(parent, list):
-        parent[int(name)] = new
-    else:
-        setattr(parent, name, new)
-
-
 def plan_splits(model: nn.Module, plan: Plan, n: int) -> dict[str, tuple[str, Style, Split | None]]:
     """Validate `plan` against `model` for `n` ranks without changing anything:
     module path -> (plan path, style, what each rank keeps)."""
     return {
-        path: (pattern, style, style.split(_module(model, path), path, n))
+        path: (pattern, style, style.split(module_at(model, path), path, n))
         for path, (pattern, style) in resolve(model, plan).items()
     }
 
 
 def parallelize(
-    model: nn.Module, plan: Plan, group: mx.distributed.Group | None = None
+    model: nn.Module,
+    plan: Plan,
+    group: mx.distributed.Group | None = None,
+    sequence: SequenceContext | None = None,
 ) -> Parallelized:
     """Apply `plan` to `model` in place over `group` (default: the world).
 
     Deeper modules go first, so a style on a module (e.g. `PrepareModuleInput` on
-    `attention`) sees its already sharded children. Returns what was done, which the
-    loader uses to read each rank's slices.
+    `attention`) sees its already sharded children. `sequence`: the sequence-parallel
+    context the model's styles share (default: a new one; parts of one model sharded
+    one by one pass the same). Returns what was done, which the loader uses to read
+    each rank's slices.
     """
     group = group or world()
     n, rank = group.size(), group.rank()
     checked = plan_splits(model, plan, n)
-    done = Parallelized(n, rank, sequence=SequenceContext(group))
+    done = Parallelized(n, rank, sequence=sequence or SequenceContext(group))
     for path in sorted(checked, key=lambda p: -len(p.split(".")) if p else 0):
         _, style, split = checked[path]
-        module = _module(model, path)
+        module = module_at(model, path)
         new = style.apply(module, group, done.sequence, split)
         if new is not module:
             if not path:
                 raise PlanError(f"{type(style).__name__} cannot replace the root module")
-            _replace(model, path, new)
+            replace_at(model, path, new)
         done.styles[path], done.splits[path] = style, split
     return done
 

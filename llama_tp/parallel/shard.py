@@ -1,8 +1,13 @@
-"""Shard a built native model: by a placement (`shard_placed`, the loader's), by a
-user's style plan (`parallelize_model`), or by the built-in plan alone (`shard_model`).
+"""Shard a built model: by a placement (`shard_placed`, the loader's), by the built-in
+partition alone (`shard_layers`, `shard_vocab`: the doctor's), or by a user's style plan
+(`parallelize_model`).
 
-Works on the model by its attribute names (`layers[i].attention`, `.feed_forward`,
-`args`), so this package never imports `llama_tp.model` (the model imports its layers).
+The built-in way is the kinds' own: every layer's kinds split themselves by
+`shard(group, part)` (their split tables, `kind_shard.py`), then the embedding and head
+by vocabulary rows (`llama_plan.vocab_table`); the norms stay whole. `builtin_plan` is
+the same split as one style table, for `plan` to print. Works on the model by its
+attribute names (`layers[i].mixers()`, `tok_embeddings`, `args`), so this package never
+imports `llama_tp.model` (the model's kinds import these layers).
 """
 
 from __future__ import annotations
@@ -10,47 +15,72 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .llama_plan import llama_plan, model_shape_of, plan_for
+from .kind_shard import PlanPart
+from .llama_plan import layers_table, model_shape_of, plan_for, vocab_table
 from .parallelize import Parallelized, parallelize, plan_splits
 from .parallelize import Plan as StylePlan
 from .partition import Plan, held_bytes
 from .placement import ModelShape, Placement, RankPlacement
-from .styles import PlanError, Replicate, VocabParallel
+from .sequence import SequenceContext
+from .styles import LossParallel, PlanError, Replicate, VocabParallel
 
 __all__ = [
     "builtin_plan",
     "model_shape_of",
     "parallelize_model",
     "plan_for",
+    "shard_layers",
     "shard_model",
     "shard_placed",
+    "shard_vocab",
     "styles_placement",
 ]
+
+
+def _placed_vocab(model: nn.Module, placement: Placement, sequence_parallel: bool) -> StylePlan:
+    """`vocab_table` for what `model` holds: a whole model, or a pipeline stage (the
+    embedding on the first stage, vocabulary-parallel; the head on the last,
+    loss-parallel). Explicit rows only for a weighted split (the balanced ones are the
+    default)."""
+    vocab = [placement.at(0, t).vocab for t in range(placement.tp)]
+    weighted = placement.vocab_parallel and placement.plan.weights
+    table = vocab_table(
+        model,
+        vocab_parallel=placement.vocab_parallel,
+        sequence_parallel=sequence_parallel,
+        vocab=vocab if weighted else None,
+    )
+    table = {k: v for k, v in table.items() if k in model}
+    if "tok_embeddings" in table and "norm" not in model:  # a first stage: not the head
+        rows = tuple((r.start, r.stop) for r in vocab) if weighted else None
+        table["tok_embeddings"] = VocabParallel(rows) if placement.vocab_parallel else Replicate()
+    return table
 
 
 def builtin_plan(
     model: nn.Module, placement: Placement, *, sequence_parallel: bool = False
 ) -> StylePlan:
-    """The built-in style table (`llama_plan`) of `placement`'s partition, for what `model`
-    holds: a whole model, or a pipeline stage (its layers; the embedding on the first
-    stage, vocabulary-parallel; the norm and head on the last, loss-parallel)."""
-    vocab = [placement.at(0, t).vocab for t in range(placement.tp)]
-    table = llama_plan(
-        model,
-        placement.tp,
-        vocab_parallel=placement.vocab_parallel,
-        sequence_parallel=sequence_parallel,
-        plan=placement.plan,
-        # explicit rows only for a weighted split (the balanced ones are the default)
-        vocab=vocab if placement.vocab_parallel and placement.plan.weights else None,
-    )
+    """The built-in split of `placement`'s partition as one style table (`llama_plan`'s),
+    for what `model` holds: a whole model or a pipeline stage. What `shard_placed` does,
+    as `plan` prints it."""
+    table = layers_table(model, placement.plan, sequence_parallel)
     table = {k: v for k, v in table.items() if k.split(".")[0] in model}
-    if "tok_embeddings" in table and "norm" not in model:  # a first stage: not the head
-        rows = None
-        if placement.plan.weights:
-            rows = tuple((r.start, r.stop) for r in vocab)
-        table["tok_embeddings"] = VocabParallel(rows) if placement.vocab_parallel else Replicate()
-    return table
+    return table | _placed_vocab(model, placement, sequence_parallel)
+
+
+def shard_layers(
+    model: nn.Module,
+    plan: Plan,
+    group: mx.distributed.Group,
+    sequence: SequenceContext | None = None,
+) -> None:
+    """Split every layer's kinds over `group` by their own `shard(group, part)`, this
+    rank's part of the partition `plan` (`sequence`: the model's sequence-parallel
+    context, None without)."""
+    part = PlanPart(plan, sequence)
+    for layer in model.layers:
+        for mixer in layer.mixers().values():
+            mixer.shard(group, part)
 
 
 def shard_placed(
@@ -59,11 +89,23 @@ def shard_placed(
     group: mx.distributed.Group,
     *,
     sequence_parallel: bool = False,
-) -> Parallelized:
-    """Shard `model` (whole, or a stage) over its tensor group `group` as `placement` says."""
-    return parallelize(
-        model, builtin_plan(model, placement, sequence_parallel=sequence_parallel), group
-    )
+) -> None:
+    """Shard `model` (whole, or a stage) over its tensor group `group` as `placement`
+    says: its kinds by their `shard`, then the embedding and head by vocabulary rows."""
+    sequence = SequenceContext(group) if sequence_parallel else None
+    shard_layers(model, placement.plan, group, sequence)
+    parallelize(model, _placed_vocab(model, placement, sequence_parallel), group, sequence)
+
+
+def shard_vocab(model: nn.Module, group: mx.distributed.Group, start: int, stop: int) -> None:
+    """Keep vocabulary rows [start, stop) of `model`'s embedding and output head: the
+    embedding then completes its vectors with one all-reduce, and the model returns this
+    rank's logits only, (B, L, stop - start)."""
+    rows = {group.rank(): (start, stop)}
+    plan: StylePlan = {"tok_embeddings": VocabParallel(rows)}
+    if not model.args.tie_word_embeddings:
+        plan["output"] = LossParallel(rows)
+    parallelize(model, plan, group)
 
 
 def _check_vocab(model: nn.Module, plan: StylePlan, n: int) -> None:
@@ -98,27 +140,18 @@ def _check_vocab(model: nn.Module, plan: StylePlan, n: int) -> None:
 def parallelize_model(
     model: nn.Module,
     group: mx.distributed.Group,
-    plan: StylePlan | None = None,
+    plan: StylePlan,
     *,
-    vocab_parallel: bool = True,
     sequence_parallel: bool = False,
 ) -> Parallelized:
-    """Apply `plan` (default: the built-in `llama_plan`) to `model` over `group`."""
-    n = group.size()
-    if plan is None:
-        plan = llama_plan(
-            model,
-            n,
-            vocab_parallel=vocab_parallel,
-            sequence_parallel=sequence_parallel,
-            plan=plan_for(model, n),
-        )
-    elif sequence_parallel:
+    """Apply a user's style `plan` to `model` over `group` (the embedding and head as it
+    states them, checked: `_check_vocab`)."""
+    if sequence_parallel:
         raise PlanError(
             "sequence_parallel=True builds on the built-in plan; with your own plan, "
             "state SequenceParallel and the 'sequence' layouts in it"
         )
-    _check_vocab(model, plan, n)
+    _check_vocab(model, plan, group.size())
     return parallelize(model, plan, group)
 
 
@@ -132,9 +165,8 @@ def styles_placement(done: Parallelized, shape: ModelShape) -> RankPlacement:
 
 
 def shard_model(model: nn.Module, group: mx.distributed.Group, moe_split: str = "tensor") -> Plan:
-    """Split attention and feed-forward (experts: by `moe_split`) by the built-in plan (the
-    embedding and head stay whole: see `Transformer.shard_vocab`); returns the partition."""
+    """Split every layer's kinds (experts: by `moe_split`) by the built-in partition (the
+    embedding and head stay whole: see `shard_vocab`); returns the partition."""
     partition_ = plan_for(model, group.size(), moe_split)
-    table = llama_plan(model, group.size(), plan=partition_)
-    parallelize(model, {k: v for k, v in table.items() if k.startswith("layers.")}, group)
+    shard_layers(model, partition_, group)
     return partition_

@@ -1,20 +1,21 @@
 """Split tables: how a mixer kind's tensors split over the ranks, as plain data.
 
-Every mixer kind (attention, latent attention, feed-forward, experts; the core ones in
-`model.py`, the others in `llama_tp/models/`) declares one `SplitTable`: for each of its
-tensors, by path under the mixer, the unit it splits by (a range of every rank's part:
-query heads, KV heads, feed-forward columns, experts, or a unit of the kind's own), the
-dimension, the values per unit along it, and for a fused tensor its segments (q | k | v
-sections of one projection, each split by its own units: a rank keeps its slice of
-every section). Tensors the table does not name (norms, routers, latent projections)
-are whole on every rank. A kind also declares its cache (`CacheSpec`: KV, rotating,
-fixed-size arrays; what one token or one sequence holds per unit).
+Every mixer kind (attention, latent attention, feed-forward, experts: the core ones in
+`models/attention.py` and `models/feed_forward.py`, the others beside them) declares
+one `SplitTable`: for each of its tensors, by path under the mixer, the unit it splits
+by (a range of every rank's part: query heads, KV heads, feed-forward columns, experts,
+or a unit of the kind's own), the dimension, the values per unit along it, and for a
+fused tensor its segments (q | k | v sections of one projection, each split by its own
+units: a rank keeps its slice of every section). Tensors the table does not name
+(norms, routers, latent projections) are whole on every rank. A kind also declares its
+cache (`CacheSpec`: KV, rotating, fixed-size arrays; what one token or one sequence
+holds per unit).
 
 From these declarations this package derives everything that depends on how a layer
 splits, so that it is written once:
 
     the read slices of every stored tensor   `slices_of` (partition.tensor_slice)
-    the parallel styles of every module      llama_plan.table_styles
+    the parallel styles of every module      kind_shard.table_styles (the kinds' `shard`)
     the bytes of each rank's cache           `cache_values` (placement.kv_cache_bytes)
     the units each rank holds                partition.make_plan (core units) and
                                              `split_extra_units` (a kind's own units)
@@ -26,7 +27,7 @@ splits, so that it is written once:
 
 Pure Python (no mlx import), as the partition it feeds. The core Llama layer's tables
 (`llama_attention`, `llama_feed_forward`) live here because `partition.make_plan`
-partitions exactly that layer; `model.Attention` and `model.FeedForward` declare them.
+partitions exactly that layer; `Attention` and `FeedForward` (`models/`) declare them.
 """
 
 from __future__ import annotations
@@ -118,11 +119,12 @@ class CacheSpec:
 
     `kind`: "kv" (mlx-lm's KVCache: grows with the tokens), "rotating" (a
     RotatingKVCache of `window` tokens at most), "chunked" (chunked attention, Llama 4:
-    the current chunk of `window` positions, `model.ChunkedCache`), "arrays" (an
+    the current chunk of `window` positions, `models/caches.ChunkedCache`), "arrays" (an
     ArraysCache of `size` fixed-size arrays: a recurrent state), "list" (a CacheList of
     several), "shared" (none of its own: the layer attends over layer `source`'s keys
     and values, Gemma's KV-shared layers; the model makes no cache for it and a pipeline
-    stage keeps it with its source). `per_token`:
+    stage keeps it with its source; whether and how each steps back is the cache's to
+    say: `models/caches.py`). `per_token`:
     (unit, values per unit) per cached token (unit "": whole on every rank, e.g. a
     latent); `fixed`: the same per sequence, whatever its length (a recurrent state).
     `mask`: the mask the layer takes: "causal", "window" (the last `window`
@@ -142,13 +144,6 @@ class CacheSpec:
     parts: tuple[CacheSpec, ...] = ()  # "list": each of its caches
     what: str = ""  # the layer kind, as refusals name it ("Gated DeltaNet linear attention")
     source: int | None = None  # "shared": the layer whose keys and values it reads
-
-    def rewinds(self) -> bool:
-        """Whether the cache can step back over tokens it holds (a KV cache can; a
-        rotating one only until it wraps; a recurrent state cannot)."""
-        if self.kind == "list":
-            return all(p.rewinds() for p in self.parts)
-        return self.kind in ("kv", "rotating", "chunked", "shared")
 
 
 @dataclass(frozen=True)
