@@ -4,14 +4,16 @@ against one process with `mp_moe.py`: logits, greedy tokens, the KV cache per to
 (`plan`'s), bytes read = held = placement, each rank's share of the experts; between
 them the launches cover both expert splits, `--split 3:1` (2 ranks) and 2 stages of 2
 tensor ranks (4 ranks), each check once.
-`serve` on 2 ranks answers concurrent requests as it answers each alone. The families'
-one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
-`test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
-keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2), `test_kimi.py`
-(Kimi-Linear), `test_kimi_k3.py` (Kimi K3), `test_llama4.py` (Llama 4: chunks of 4, so
-the 10-token prompt and 8 steps span five), `test_step3p5.py` (Step-3.5) and
-`test_nemotron_h.py` (Nemotron-H); the next family adds its fixture to
-`flagship_fixtures.CONFIGS` and these launches).
+`serve` on 2 ranks answers concurrent requests as it answers each alone. These launches
+are the family test kit's "every split and mesh" (tests/family_kit.py: its folders,
+written once per run for every file that uses them); the kit's one-process checks
+against mlx-lm are tests/test_families.py's, what is a family's alone its own file's
+(`test_gemma.py`, `test_sparse_attention.py`: each query over the indexer's top 4 keys
+of the 10-token prompt, `test_minimax.py`, `test_kimi.py`, `test_kimi_k3.py`,
+`test_llama4.py`: chunks of 4, so the 10-token prompt and 8 steps span five,
+`test_step3p5.py`, `test_nemotron_h.py`); the next family adds its fixture to
+`flagship_fixtures.CONFIGS`, its row to `family_kit.FAMILIES` and its specs to these
+launches.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from pathlib import Path
 
 import pytest
 from conftest import launch
-from flagship_fixtures import flagship_models, packed_k3
+from family_kit import folders
+from flagship_fixtures import packed_k3
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    return flagship_models(tmp_path_factory.mktemp("flagships"))
+    return folders(tmp_path_factory)
 
 
 GEMMA = ("gemma4_text", "gemma3_text")
