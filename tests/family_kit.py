@@ -29,7 +29,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from flagship_fixtures import CONFIGS, QUANTIZED, flagship_models
+from flagship_fixtures import CONFIGS, QUANTIZED
+from flagship_writers import flagship_models
 
 __all__ = ["CONFIGS", "FAMILIES", "Family", "folders", "greedy", "greedy_mlx_lm"]
 __all__ += ["held_bytes", "optional_fields", "variants"]
@@ -320,7 +321,7 @@ def _reference(config: dict, size: int):
     """mlx-lm's random model for `config` and its logits of the prompt, or None where its
     class refuses the config, its forward fails, or it is over twice `size` parameters (a
     default of a full-size model's width)."""
-    from flagship_fixtures import random_mlx_lm
+    from flagship_writers import random_mlx_lm
     from mlx.utils import tree_flatten
 
     try:
@@ -340,7 +341,7 @@ def variants(family: Family) -> list[tuple[str, dict, Any, mx.array]]:
     a value, left out together as far as the class takes them (each added while its model
     still builds and runs); then each field whose default is None, alone (the part of the
     model it describes left out)."""
-    from flagship_fixtures import random_mlx_lm
+    from flagship_writers import random_mlx_lm
     from mlx.utils import tree_flatten
 
     config = CONFIGS[family.name]

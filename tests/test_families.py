@@ -149,7 +149,7 @@ def test_optional_fields_read_as_mlx_lm_reads_them(tmp_path, family):
     classes take none of their fixture's fields left out: `varies` False, checked). A
     Kimi K3 folder without rms_norm_eps read the common 1e-6, not mlx-lm's kimi_k3 1e-5:
     another first token; Step-3.5's the same; Nemotron-H's norm_topk_prob on, not off."""
-    from flagship_fixtures import save_mlx_lm
+    from flagship_writers import save_mlx_lm
 
     from llama_tp.checkpoints import CheckpointError, open_checkpoint
     from llama_tp.checkpoints.build import build_model
@@ -165,3 +165,15 @@ def test_optional_fields_read_as_mlx_lm_reads_them(tmp_path, family):
             continue
         ours = build_model(open_checkpoint(path))
         assert mx.abs(ours(TOKENS[:, :12]) - logits).max().item() <= ATOL, label
+
+
+def test_every_fixture_has_its_folders(models):
+    """The folders the kit's rows and the launches read: each fixture's float32 folder,
+    the 4-bit copies, the float32 GGUF files and Kimi K3's release layout."""
+    q4 = {"gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_linear"}
+    q4 |= {"nemotron_h", "kimi_k3"}
+    gguf = {"gemma4", "glm5", "minimax", "llama4", "step3p5", "kimi_linear", "nemotron_h"}
+    gguf |= {"nemotron_g1", "kimi_k3"}
+    assert set(models) == (
+        set(FAMILIES) | {f"{n}-q4" for n in q4} | {f"{n}-gguf" for n in gguf} | {"kimi_k3-release"}
+    )

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import launch
 from family_kit import folders
-from flagship_fixtures import packed_k3
+from flagship_release import packed_k3
 
 
 @pytest.fixture(scope="module")

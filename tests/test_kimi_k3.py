@@ -68,7 +68,7 @@ def test_release_packed_experts_are_mxfp4(models, tmp_path):
     experts' values in float32; a slice of the packed columns reads those bytes, and
     E8M0-typed scales as uint8; `plan` from its config.json alone holds the same bytes;
     packed tensors of another kind are refused in one line."""
-    from flagship_fixtures import packed_k3
+    from flagship_release import packed_k3
     from mlx_lm.utils import load_model
 
     from llama_tp.checkpoints import open_checkpoint
