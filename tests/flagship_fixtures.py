@@ -3,8 +3,9 @@
 Each family's config below is mlx-lm's model class (`mlx_lm.models.<model_type>`) at a
 tiny size, every parameter random (norms about 1), saved as mlx-lm saves it, with a
 sentencepiece tokenizer (flagship_writers.py; `QUANTIZED`'s also as mlx-lm's own convert
-at 4 bits in groups of 32; Kimi K3's in its release layout too, flagship_release.py). Head and expert counts do not divide by 3 (nor, for most, by 2 or 4): 10 query
-heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
+at 4 bits in groups of 32; Kimi K3's in its release layout too, flagship_release.py).
+Head and expert counts do not divide by 3 (nor, for most, by 2 or 4): 10 query heads
+over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
 
     gemma4   gemma4_text: sliding (window 4) and global layers (heads of 32, keys =
              values over 2 KV heads: a rank's query heads may need both), the last two

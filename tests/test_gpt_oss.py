@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import launch, run_python
+from family_kit import greedy, greedy_mlx_lm
 from gpt_oss_fixtures import gguf_release, gpt_oss_models
 
 ATOL = 1e-4
@@ -33,20 +34,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def gguf_file(models, tmp_path_factory) -> Path:
     return gguf_release(models["gpt_oss-hf"], tmp_path_factory.mktemp("gguf") / "gpt_oss.gguf")
-
-
-def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda lp: lp.argmax(-1))
-    return [int(t) for t, _ in steps]
-
-
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.sampling import make_sampler
-
-    return [int(t) for t, _ in generate_step(model, prompt, make_sampler(0.0), n)]
 
 
 def test_one_process_equals_mlx_lm(models):
@@ -73,7 +60,7 @@ def test_one_process_equals_mlx_lm(models):
         diff = mx.abs(ours(x) - theirs(x)).max().item()
         assert diff <= ATOL, (name, diff)
         prompt = x[0].tolist()
-        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        assert greedy(ours, prompt, 32) == greedy_mlx_lm(theirs, prompt, 32), name
         experts = ours.layers[0].feed_forward.switch_mlp
         if name != "gpt_oss":
             assert experts.down_proj.mode == "mxfp4" and experts.down_proj.weight.dtype == mx.uint32
@@ -285,7 +272,7 @@ def test_gguf_file_equals_float64_and_the_release(models, gguf_file, tmp_path):
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
     assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL
     prompt = x[0].tolist()
-    assert _greedy(ours, prompt, 32) == _greedy(theirs, prompt, 32)
+    assert greedy(ours, prompt, 32) == greedy(theirs, prompt, 32)
     a, b = dataclasses.asdict(ckpt.args), dataclasses.asdict(release.args)
     assert {k for k in a if a[k] != b[k]} == {"rope_scaling", "norm_eps"}  # eps: float32
     assert a["norm_eps"] == pytest.approx(b["norm_eps"])
