@@ -317,41 +317,73 @@ def _without(config: dict, keys) -> dict:
     return {k: v for k, v in config.items() if k not in keys}
 
 
-def _reference(config: dict, size: int):
-    """mlx-lm's random model for `config` and its logits of the prompt, or None where its
-    class refuses the config, its forward fails, or it is over twice `size` parameters (a
-    default of a full-size model's width)."""
-    from flagship_writers import random_mlx_lm
+def _builds(config: dict, size: int) -> bool:
+    """mlx-lm's class builds a model of `config` of at most twice `size` parameters (not a
+    default of a full-size model's width); nothing evaluated."""
     from mlx.utils import tree_flatten
 
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    try:
+        model = module.Model(module.ModelArgs.from_dict(config))
+    except Exception:  # noqa: BLE001 - a config mlx-lm's class does not take
+        return False
+    return sum(v.size for _, v in tree_flatten(model.parameters())) <= 2 * size
+
+
+def _reference(config: dict, size: int):
+    """mlx-lm's random model for `config` and its logits of the prompt, or None where its
+    class refuses the config or its forward fails (`_builds` first)."""
+    from flagship_writers import random_mlx_lm
+
+    if not _builds(config, size):
+        return None
     try:
         model = random_mlx_lm(config)
-        if sum(v.size for _, v in tree_flatten(model.parameters())) > 2 * size:
-            return None
         logits = model(TOKENS[:, :12])
         mx.eval(logits)
-    except Exception:  # noqa: BLE001 - a config mlx-lm's class does not take
+    except Exception:  # noqa: BLE001 - a config mlx-lm's forward does not take
         return None
     return model, logits
+
+
+def _running(config: dict, keys: list[str], size: int) -> tuple[list[str], Any]:
+    """The most of `keys` (in order) left out together that mlx-lm's model still runs, and
+    its `_reference`: all of them, or less each key whose addition makes the forward fail
+    (found by bisecting the prefixes: a few forwards, not one per key)."""
+    keys = list(keys)
+    while keys:
+        ref = _reference(_without(config, keys), size)
+        if ref is not None:
+            return keys, ref
+        runs, fails = 0, len(keys)  # keys[:runs] runs (none: the fixture), keys[:fails] not
+        while fails - runs > 1:
+            mid = (runs + fails) // 2
+            if _reference(_without(config, keys[:mid]), size) is None:
+                fails = mid
+            else:
+                runs = mid
+        del keys[fails - 1]
+    return [], None
 
 
 def variants(family: Family) -> list[tuple[str, dict, Any, mx.array]]:
     """The fixture's config with fields left out as mlx-lm's class accepts it: (label,
     config, mlx-lm's random model for it, its logits). First every field whose default is
-    a value, left out together as far as the class takes them (each added while its model
-    still builds and runs); then each field whose default is None, alone (the part of the
-    model it describes left out)."""
+    a value, left out together as far as the class builds and runs them (`_builds`,
+    `_running`); then each field whose default is None, alone (the part of the model it
+    describes left out)."""
     from flagship_writers import random_mlx_lm
     from mlx.utils import tree_flatten
 
     config = CONFIGS[family.name]
     size = sum(v.size for _, v in tree_flatten(random_mlx_lm(config).parameters()))
     values, nones = optional_fields(config)
-    out, dropped, last = [], [], None
+    built = []
     for key in values:
-        ref = _reference(_without(config, [*dropped, key]), size)
-        if ref is not None:
-            dropped, last = [*dropped, key], ref
+        if _builds(_without(config, [*built, key]), size):
+            built.append(key)
+    dropped, last = _running(config, built, size)
+    out = []
     if last is not None:
         out.append(("defaults of " + ",".join(dropped), _without(config, dropped), *last))
     for key in nones:
