@@ -6,7 +6,7 @@ oracle (as mlx-lm's tests/test_models.py runs one `model_test_runner` per family
     models = folders(tmp_path_factory)    # every fixture's folders, written once per run
     greedy(ours, prompt, 32) == greedy_mlx_lm(theirs, prompt, 32)
     held_bytes(cache)                     # what a list of caches holds, of any kind
-    for label, config, theirs in variants(FAMILIES["kimi_k3"]): ...
+    for label, config, theirs, logits in variants(FAMILIES["kimi_k3"]): ...
 
 tests/test_families.py runs the kit's checks on every row (one process: logits, cached
 steps, greedy tokens, the caches `plan` counts; a chat's second turn; `bench --synthetic`;
@@ -32,8 +32,8 @@ import numpy as np
 from flagship_fixtures import CONFIGS, QUANTIZED
 from flagship_writers import flagship_models
 
-__all__ = ["CONFIGS", "FAMILIES", "Family", "folders", "greedy", "greedy_mlx_lm"]
-__all__ += ["held_bytes", "optional_fields", "variants"]
+__all__ = ["ATOL", "CONFIGS", "FAMILIES", "TOKENS", "Family", "folders", "greedy"]
+__all__ += ["greedy_mlx_lm", "held_bytes", "optional_fields", "variants"]
 
 ATOL = 1e-4
 # 18 tokens: the kit's prompt is the first 12 (past every fixture's window, chunk and
