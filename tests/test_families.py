@@ -8,7 +8,9 @@ test_step3p5.py, test_kimi.py, test_kimi_k3.py, test_nemotron_h.py)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -32,6 +34,19 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return folders(tmp_path_factory)
 
 
+@functools.cache
+def _ours(path: Path) -> tuple[Any, Any, mx.array, list[int]]:
+    """llama_tp's checkpoint and model of the folder at `path`, its logits of the prompt and
+    its 32 greedy tokens after it: computed once for every test of the module."""
+    from llama_tp.checkpoints import open_checkpoint
+    from llama_tp.checkpoints.build import build_model
+
+    ckpt = open_checkpoint(path)
+    model = build_model(ckpt)
+    logits = model(TOKENS[:, :12])
+    return ckpt, model, logits, greedy(model, TOKENS[0, :12].tolist(), 32)
+
+
 @pytest.mark.parametrize("family", ROWS, ids=IDS)
 def test_one_process_equals_mlx_lm(models, family):
     """Logits within 1e-4 of mlx-lm's model on the same folder (float32, and 4-bit where
@@ -42,18 +57,16 @@ def test_one_process_equals_mlx_lm(models, family):
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
     from mlx_lm.utils import load_model
 
-    from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
     from llama_tp.checkpoints.slices import model_shape
     from llama_tp.parallel.placement import kv_cache_bytes, place, state_bytes
 
     x = TOKENS[:, :12]
     for name in family.folders:
-        ckpt = open_checkpoint(models[name])
-        ours, theirs = build_model(ckpt), load_model(models[name])[0]
+        ckpt, ours, logits, tokens = _ours(models[name])
+        theirs = load_model(models[name])[0]
         assert type(theirs).__module__.split(".")[-1] == ckpt.args.model_type, name
         assert family.args_check(ckpt.args) and family.model_check(ours), name
-        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, name
+        assert mx.abs(logits - theirs(x)).max().item() <= ATOL, name
         mine, ref = make_prompt_cache(ours), make_prompt_cache(theirs)
         if family.same_cache_classes:
             assert [type(c).__name__ for c in mine] == [type(c).__name__ for c in ref], name
@@ -62,8 +75,7 @@ def test_one_process_equals_mlx_lm(models, family):
         for a, b in family.steps:
             got = ours(TOKENS[:, a:b], cache=mine) - theirs(TOKENS[:, a:b], cache=ref)
             assert mx.abs(got).max().item() <= ATOL, (name, a)
-        prompt = x[0].tolist()
-        assert greedy(ours, prompt, 32) == greedy_mlx_lm(theirs, prompt, 32), name
+        assert tokens == greedy_mlx_lm(theirs, x[0].tolist(), 32), name
         held, state = held_bytes(mine)
         shape = model_shape(ckpt)
         rank = place(shape).ranks[0]
@@ -78,14 +90,12 @@ def test_chat_second_turn_reuses_the_cache(models, family):
     the first turn's end)."""
     from mlx_lm.models.cache import CacheList
 
-    from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
     from llama_tp.checkpoints.tokenizer import load_tokenizer
     from llama_tp.conversation.chat import Chat
 
     max_tokens, first, second = family.chat
-    ckpt = open_checkpoint(models[family.name])
-    chat = Chat(build_model(ckpt), load_tokenizer(ckpt), max_tokens=max_tokens)
+    ckpt, model, _, _ = _ours(models[family.name])
+    chat = Chat(model, load_tokenizer(ckpt), max_tokens=max_tokens)
     chat.send(first)
     chat.send(second)
     assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
@@ -123,13 +133,12 @@ def test_gguf_equals_the_folder(models, tmp_path, family):
     from llama_tp.checkpoints.build import build_model
 
     name, x = family.name, TOKENS[:, :12]
-    want = open_checkpoint(models[name])
-    folder = build_model(want)
+    want, _, logits, tokens = _ours(models[name])
     ckpt = open_checkpoint(models[f"{name}-gguf"])
     assert family.gguf_check(ckpt, want)
     f32 = build_model(ckpt)
-    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
-    assert greedy(f32, x[0].tolist(), 32) == greedy(folder, x[0].tolist(), 32)
+    assert mx.abs(f32(x) - logits).max().item() <= ATOL
+    assert greedy(f32, x[0].tolist(), 32) == tokens
     q8 = open_checkpoint(family.gguf(models[name], tmp_path / "q8.gguf", 8), **family.q8_open)
     assert family.gguf_check(q8, want)
     values = family.gguf(models[name], tmp_path / "q8-values.gguf", 8, stored=False)
