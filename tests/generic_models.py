@@ -212,9 +212,10 @@ STYLE_TABLE: tuple[str, ...] = (
 
 # A folder of an architecture's own keys only ("<name>+own": its ModelArgs' fields, as a
 # release's config.json holds them) beside CONFIG's, for the architectures that name the
-# hidden width otherwise (d_model, n_embd, model_dim): CONFIG's hidden_size hid that a
-# later stage read the width from the embedding it had dropped ("tuple index out of
-# range" on rank 1). They run on one process and on 2 pipeline ranks.
+# hidden width otherwise (d_model, n_embd, model_dim) and have an output head of their own:
+# CONFIG's hidden_size hid that a later stage read the width from the embedding it had
+# dropped ("tuple index out of range" on rank 1). They run on one process and on 2
+# pipeline ranks (dbrx, gpt_bigcode, gptj, phixtral).
 OWN_KEYS = "+own"
 
 PROMPT = [1, 5, 9, 33, 70, 12, 100, 7, 250, 3]
@@ -246,13 +247,19 @@ def runnable() -> list[str]:
 
 def own_keys() -> list[str]:
     """The "<name>+own" folders (`OWN_KEYS`): every architecture on mlx-lm's classes that
-    splits into stages and whose ModelArgs has no hidden_size (nor a text_config)."""
+    splits into stages, whose ModelArgs has no hidden_size (nor a text_config) and whose
+    output head is not the embedding (tied, the last of 2 stages holds it)."""
+    from llama_tp.generic.structure import find_structure
+
     out = []
     for a in runnable():
         if native(a) or a in NO_PIPELINE:
             continue
-        fields = {f.name for f in dataclasses.fields(_module(a).ModelArgs)}
-        if not fields & {"hidden_size", "text_config"}:
+        module = _module(a)
+        if {f.name for f in dataclasses.fields(module.ModelArgs)} & {"hidden_size", "text_config"}:
+            continue
+        model = module.Model(module.ModelArgs.from_dict(config_for(a + OWN_KEYS)))
+        if find_structure(model, CONFIG["vocab_size"]).head is not None:
             out.append(a + OWN_KEYS)
     return out
 

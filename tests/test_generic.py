@@ -109,7 +109,8 @@ def test_pipeline_stages_give_mlx_lms_greedy_tokens(written, launched, n):
     each rank reading only its stage's tensors; the ones that cannot be cut refused in one
     line on every rank; on 2 ranks also the folders of only their own config keys of the
     architectures that name the hidden width otherwise (`generic_models.own_keys`: dbrx,
-    gptj, phixtral, ...; their later stage read it from the embedding it had dropped)."""
+    gpt_bigcode, gptj, phixtral; their later stage read it from the embedding it had
+    dropped)."""
     _, ref = written
     rows = launched[("--pp", n)]
     assert set(rows) == set(runnable()) | set(own_keys() if n == 2 else ())
