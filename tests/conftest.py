@@ -239,11 +239,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 LONGEST_FIRST = [
-    "test_generic", "test_hybrid", "test_compiled_step", "test_sharded", "test_readme",
-    "test_generic_drivers", "test_vocab_parallel", "test_moe", "test_mesh",
-    "test_default_model", "test_speculative", "test_mesh_split", "test_gpt_oss",
-    "test_one_copy", "test_dtype", "test_styles", "test_doctor", "test_determinism",
-    "test_launch", "test_weighted_split", "test_split", "test_chat_tty", "test_convert",
+    "test_generic", "test_hybrid", "test_flagships", "test_compiled_step", "test_sharded",
+    "test_readme", "test_generic_drivers", "test_vocab_parallel", "test_moe", "test_mesh",
+    "test_default_model", "test_speculative", "test_mesh_split", "test_one_copy",
+    "test_dtype", "test_styles", "test_doctor", "test_determinism", "test_launch",
+    "test_weighted_split", "test_split", "test_chat_tty", "test_convert",
     "test_family_tools", "test_serve_tools", "test_moe_refusals", "test_errors",
     "test_gguf_quants",
 ]  # fmt: skip

@@ -2,9 +2,10 @@
 
 Each family's config below is mlx-lm's model class (`mlx_lm.models.<model_type>`) at a
 tiny size, every parameter random (norms about 1), saved as mlx-lm saves it, with a
-sentencepiece tokenizer; `quantized` is mlx-lm's own convert of one at 4 bits in groups
-of 32. Head and expert counts do not divide by 3 (nor, for most, by 2 or 4): 10 query
-heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
+sentencepiece tokenizer (flagship_writers.py; `QUANTIZED`'s also as mlx-lm's own convert
+at 4 bits in groups of 32; Kimi K3's in its release layout too, flagship_release.py).
+Head and expert counts do not divide by 3 (nor, for most, by 2 or 4): 10 query heads
+over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
 
     gemma4   gemma4_text: sliding (window 4) and global layers (heads of 32, keys =
              values over 2 KV heads: a rank's query heads may need both), the last two
@@ -43,14 +44,6 @@ heads over 5 KV groups (3/2 on 2 ranks, 2/2/1 on 3, 2/1/1/1 on 4), 5 experts.
 """
 
 from __future__ import annotations
-
-import importlib
-import json
-from pathlib import Path
-
-import mlx.core as mx
-from fixtures import train_sentencepiece
-from flagship_gguf import GGUF
 
 COMMON = dict(vocab_size=389, eos_token_id=2, bos_token_id=1, max_position_embeddings=4096)
 GEMMA4 = dict(
@@ -350,148 +343,3 @@ CONFIGS = {
 # the families whose 4-bit copy every launch checks too
 QUANTIZED = ("gemma4", "deepseek_v32", "minimax", "llama4", "step3p5", "kimi_linear")
 QUANTIZED += ("nemotron_h", "kimi_k3")
-# the families with a float32 copy in their release's own layout too
-RELEASE = {"kimi_k3": lambda src, out: release_k3(src, out)}
-
-
-def write_mlx_lm(path: Path, config: dict, seed: int = 0) -> Path:
-    """A float32 folder of mlx-lm's model for `config`, every parameter random."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.random.seed(seed)
-    params = []
-    for name, v in tree_flatten(model.parameters()):
-        w = mx.random.normal(v.shape) * v.shape[-1] ** -0.5
-        if "norm" in name or name.endswith(("scale", "layer_scalar")):
-            w = 1.0 + 0.1 * mx.random.normal(v.shape)
-        params.append((name, w.astype(mx.float32)))
-    model.update(tree_unflatten(params))
-    path.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    train_sentencepiece(path, config["vocab_size"])
-    return path
-
-
-def quantized(src: Path, out: Path, bits: int = 4) -> Path:
-    """mlx-lm's convert of `src`: `bits` bits in groups of 32."""
-    from mlx_lm import convert
-
-    convert(str(src), str(out), quantize=True, q_bits=bits, q_group_size=32)
-    return out
-
-
-def flagship_models(root: Path, names=tuple(CONFIGS)) -> dict[str, Path]:
-    """{family: float32 folder, "<family>-q4": its 4-bit copy (`QUANTIZED`), "<family>-gguf":
-    its float32 GGUF (`GGUF`)}."""
-    out = {}
-    for i, name in enumerate(names):
-        out[name] = write_mlx_lm(root / name, CONFIGS[name], seed=i)
-        if name in QUANTIZED:
-            out[f"{name}-q4"] = quantized(out[name], root / f"{name}-q4")
-        if name in GGUF:
-            out[f"{name}-gguf"] = GGUF[name](out[name], root / f"{name}.gguf")
-        if name in RELEASE:
-            out[f"{name}-release"] = RELEASE[name](out[name], root / f"{name}-release")
-    return out
-
-
-def release_k3(src: Path, out: Path) -> Path:
-    """Kimi K3's release layout of mlx-lm's float32 folder `src` (what mlx-lm's sanitize
-    undoes): the names at the top (not under `language_model.`), per-expert w1/w2/w3 under
-    `block_sparse_moe` with the routing bias in its gate, q/k/v projections and convs
-    (C, 1, K) apart, A_log 3 values longer than the heads, the latent's `kv_b_proj`, the
-    residual queries as `*_res.proj_weight` / `*_res.norm_weight`."""
-    import shutil
-
-    config = json.loads((src / "config.json").read_text())
-    first = config["first_k_dense_replace"]
-    names = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
-    rel = {}
-    for k, v in mx.load(str(src / "model.safetensors")).items():
-        k = k.removeprefix("language_model.")
-        layer = int(k.split(".")[2]) if k.startswith("model.layers.") else -1
-        if layer >= first:
-            k = k.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-            k = k.replace(".mlp.", ".block_sparse_moe.")
-        if ".switch_mlp." in k:
-            proj = k.split(".")[-2]
-            for e in range(v.shape[0]):
-                expert = k.replace("switch_mlp", f"experts.{e}").replace(proj, names[proj])
-                rel[expert] = v[e]
-            continue
-        if ".qkv_proj." in k or ".qkv_conv." in k:
-            for c, part in zip("qkv", mx.split(v, 3), strict=True):
-                if ".qkv_proj." in k:
-                    rel[k.replace("qkv_proj", f"{c}_proj")] = part
-                else:  # (C, K, 1) -> the release's (C, 1, K)
-                    rel[k.replace("qkv_conv.conv", f"{c}_conv1d")] = part.swapaxes(1, 2)
-            continue
-        if k.endswith("A_log"):
-            v = mx.concatenate([v, mx.zeros((3,), v.dtype)])
-        if k.endswith("embed_q.weight") and "unembed" not in k:  # (H, rank, nope)
-            up = mx.load(str(src / "model.safetensors"))[
-                "language_model." + k.replace("embed_q", "unembed_out")
-            ]  # (H, v, rank)
-            k, v = (
-                k.replace("embed_q", "kv_b_proj"),
-                mx.concatenate([v.swapaxes(1, 2), up], axis=1).reshape(-1, v.shape[1]),
-            )
-        elif k.endswith("unembed_out.weight"):
-            continue
-        for r in ("self_attention_res", "mlp_res", "output_attn_res"):
-            for x in ("proj", "norm"):
-                k = k.replace(f"{r}_{x}.weight", f"{r}.{x}_weight")
-        rel[k] = v
-    shutil.copytree(src, out)
-    mx.save_safetensors(str(out / "model.safetensors"), rel)
-    return out
-
-
-def packed_k3(release: Path, out: Path, stored: bool = True, e8m0: bool = False) -> Path:
-    """`release_k3`'s folder with its routed experts as the K3 release ships them
-    (compressed-tensors' `mxfp4-pack-quantized`): each expert's w1/w2/w3 quantized by
-    `mx.quantize(mode="mxfp4")`, its bytes as `weight_packed` (rows, cols / 2) uint8 and
-    its E8M0 exponents as `weight_scale` (rows, cols / 32) uint8, the config's
-    `quantization_config` saying so; `stored=False`: those values dequantized, float32
-    under the float names (the reference); `e8m0`: the scales typed F8_E8M0 in the
-    header (torch's float8_e8m0fnu) rather than U8."""
-    import shutil
-
-    rel = {}
-    for k, v in mx.load(str(release / "model.safetensors")).items():
-        if ".block_sparse_moe.experts." not in k:
-            rel[k] = v
-            continue
-        w, scales = mx.quantize(v, 32, 4, mode="mxfp4")
-        if not stored:
-            rel[k] = mx.dequantize(w, scales, None, 32, 4, mode="mxfp4")
-            continue
-        base = k.removesuffix(".weight")
-        rel[f"{base}.weight_packed"] = w.view(mx.uint8).reshape(v.shape[0], v.shape[1] // 2)
-        rel[f"{base}.weight_scale"] = scales
-    shutil.copytree(release, out)
-    mx.save_safetensors(str(out / "model.safetensors"), rel)
-    if stored and e8m0:  # the scales' dtype F8_E8M0 in the header (the same bytes)
-        import struct
-
-        data = (out / "model.safetensors").read_bytes()
-        n = struct.unpack("<Q", data[:8])[0]
-        header = json.loads(data[8 : 8 + n])
-        for k, t in header.items():
-            if k.endswith(".weight_scale"):
-                t["dtype"] = "F8_E8M0"
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        (out / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
-    if stored:
-        config = json.loads((out / "config.json").read_text())
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors",
-            "format": "mxfp4-pack-quantized",
-        }
-        (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out

@@ -210,6 +210,14 @@ STYLE_TABLE: tuple[str, ...] = (
     "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "seed_oss", "smollm3", "stablelm", "telechat3",
 )  # fmt: skip
 
+# A folder of an architecture's own keys only ("<name>+own": its ModelArgs' fields, as a
+# release's config.json holds them) beside CONFIG's, for the architectures that name the
+# hidden width otherwise (d_model, n_embd, model_dim) and have an output head of their own:
+# CONFIG's hidden_size hid that a later stage read the width from the embedding it had
+# dropped ("tuple index out of range" on rank 1). They run on one process and on 2
+# pipeline ranks (dbrx, gpt_bigcode, gptj, phixtral).
+OWN_KEYS = "+own"
+
 PROMPT = [1, 5, 9, 33, 70, 12, 100, 7, 250, 3]
 NEW_TOKENS = 8
 
@@ -235,6 +243,29 @@ def architectures() -> list[str]:
 def runnable() -> list[str]:
     """The architectures this machine runs (mlx-lm can): on mlx-lm's classes, or natively."""
     return [a for a in architectures() if a not in NOT_RUN]
+
+
+def own_keys() -> list[str]:
+    """The "<name>+own" folders (`OWN_KEYS`): every architecture on mlx-lm's classes that
+    splits into stages, whose ModelArgs has no hidden_size (nor a text_config) and whose
+    output head is not the embedding (tied, the last of 2 stages holds it)."""
+    from llama_tp.generic.structure import find_structure
+
+    out = []
+    for a in runnable():
+        if native(a) or a in NO_PIPELINE:
+            continue
+        module = _module(a)
+        if {f.name for f in dataclasses.fields(module.ModelArgs)} & {"hidden_size", "text_config"}:
+            continue
+        model = module.Model(module.ModelArgs.from_dict(config_for(a + OWN_KEYS)))
+        if find_structure(model, CONFIG["vocab_size"]).head is not None:
+            out.append(a + OWN_KEYS)
+    return out
+
+
+def _module(name: str):
+    return importlib.import_module(f"mlx_lm.models.{name.removesuffix(OWN_KEYS)}")
 
 
 def native(name: str) -> bool:
@@ -285,14 +316,20 @@ def render_models_md() -> str:
 
 
 def config_for(name: str) -> dict:
-    module = importlib.import_module(f"mlx_lm.models.{name}")
-    config = dict(CONFIG, model_type=name)
-    if "text_config" in {f.name for f in dataclasses.fields(module.ModelArgs)}:
-        config["text_config"] = dict(CONFIG, model_type=name)
-    extra = dict(OVERRIDES.get(name, {}))
+    """The tiny config of `name` (CONFIG and its OVERRIDES; a "+own" name: only the keys its
+    ModelArgs takes)."""
+    base, module = name.removesuffix(OWN_KEYS), _module(name)
+    fields = {f.name for f in dataclasses.fields(module.ModelArgs)}
+    config = dict(CONFIG, model_type=base)
+    if "text_config" in fields:
+        config["text_config"] = dict(CONFIG, model_type=base)
+    extra = dict(OVERRIDES.get(base, {}))
     if "text_config" in extra:
         config["text_config"] = dict(config["text_config"], **extra.pop("text_config"))
-    return config | extra
+    config |= extra
+    if name.endswith(OWN_KEYS):
+        config = {k: v for k, v in config.items() if k in fields or k == "model_type"}
+    return config
 
 
 def write_model(name: str, out: Path, tokenizer: Path | None = None, seed: int = 0) -> Path:
@@ -302,7 +339,7 @@ def write_model(name: str, out: Path, tokenizer: Path | None = None, seed: int =
     (norms off one, projections scaled up)."""
     from mlx.utils import tree_flatten
 
-    module = importlib.import_module(f"mlx_lm.models.{name}")
+    module = _module(name)
     config = config_for(name)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))

@@ -30,6 +30,7 @@ from generic_models import (  # noqa: E402
     NEW_TOKENS,
     PROMPT,
     mlx_lm_greedy,
+    own_keys,
     runnable,
     write_model,
 )
@@ -86,7 +87,7 @@ def _failed(row: dict, e: Exception) -> None:
 def write(root: Path, tokenizer: Path, part: str) -> None:
     i, k = map(int, part.split("/"))
     group = world()
-    for name in runnable()[i::k]:
+    for name in (runnable() + own_keys())[i::k]:
         row: dict = {"name": name}
         try:
             path = write_model(name, root / name, tokenizer)

@@ -6,7 +6,8 @@ one process.
 
 MODEL may be SPLIT=SRC (a folder pre-split by `convert --shards`, against SRC),
 PATH@T,P (loaded as a tp x pp mesh) or PATH%W:W (a weighted split, `--split W:W`), any
-of them followed by #SPLIT (that expert split only). A dense model is checked once with
+of them followed by #SPLIT (that expert split only) and ~N (N greedy tokens, not
+`--steps`: one launch checks families of other lengths). A dense model is checked once with
 `--dense-once` (its expert split means nothing).
 
 For every model and expert split, every rank loads the model sharded over the world
@@ -257,12 +258,13 @@ def main() -> int:
     world = mx.distributed.init()
     failed = False
     for spec in args.models:
+        spec, _, steps = spec.partition("~")
         path, _, only = spec.partition("#")
         source = path.partition("=")[2] or path.split("@")[0].split("%")[0]
         once = args.dense_once and not open_checkpoint(source).args.n_experts
         splits = [only] if only else args.splits.split(",")[: 1 if once else None]
         for split in splits:
-            line = check(path, split, world, args.steps)
+            line = check(path, split, world, int(steps or args.steps))
             ok = line["diff"] <= line["atol"] and line["same_tokens"] and line["cache_is_planned"]
             ok = ok and line["held_is_placement"] and line["experts_are_shares"]
             ok = ok and line["read_is_held"]

@@ -4,14 +4,19 @@ against one process with `mp_moe.py`: logits, greedy tokens, the KV cache per to
 (`plan`'s), bytes read = held = placement, each rank's share of the experts; between
 them the launches cover both expert splits, `--split 3:1` (2 ranks) and 2 stages of 2
 tensor ranks (4 ranks), each check once.
-`serve` on 2 ranks answers concurrent requests as it answers each alone. The families'
-one-process checks against mlx-lm: `test_gemma.py` (Gemma 3 and 4) and
-`test_sparse_attention.py` (DeepSeek-V3.2 and GLM-5: each query over the indexer's top 4
-keys of the 10-token prompt), `test_minimax.py` (MiniMax-M2), `test_kimi.py`
-(Kimi-Linear), `test_kimi_k3.py` (Kimi K3), `test_llama4.py` (Llama 4: chunks of 4, so
-the 10-token prompt and 8 steps span five), `test_step3p5.py` (Step-3.5) and
-`test_nemotron_h.py` (Nemotron-H); the next family adds its fixture to
-`flagship_fixtures.CONFIGS` and these launches).
+The same launches check gpt-oss's fixtures (float32, MXFP4 experts, the release layout,
+its GGUF file; `gpt_oss_fixtures.py`) under both splits, with their own count of greedy
+tokens (`mp_moe.py`'s PATH~N). `serve` on 2 ranks answers concurrent requests as it
+answers each alone. These launches
+are the family test kit's "every split and mesh" (tests/family_kit.py: its folders,
+written once per run for every file that uses them); the kit's one-process checks
+against mlx-lm are tests/test_families.py's, what is a family's alone its own file's
+(`test_gemma.py`, `test_sparse_attention.py`: each query over the indexer's top 4 keys
+of the 10-token prompt, `test_minimax.py`, `test_kimi.py`, `test_kimi_k3.py`,
+`test_llama4.py`: chunks of 4, so the 10-token prompt and 8 steps span five,
+`test_step3p5.py`, `test_nemotron_h.py`); the next family adds its fixture to
+`flagship_fixtures.CONFIGS`, its row to `family_kit.FAMILIES` and its specs to these
+launches.
 """
 
 from __future__ import annotations
@@ -22,12 +27,32 @@ from pathlib import Path
 
 import pytest
 from conftest import launch
-from flagship_fixtures import flagship_models, packed_k3
+from family_kit import folders
+from flagship_release import packed_k3
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    return flagship_models(tmp_path_factory.mktemp("flagships"))
+    return folders(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> list[str]:
+    """gpt-oss's fixtures (gpt_oss_fixtures.py: float32, MXFP4 experts, the release layout)
+    and its GGUF file, checked in these launches beside the flagships (test_gpt_oss.py
+    holds its one-process checks)."""
+    from gpt_oss_fixtures import gguf_release, gpt_oss_models
+
+    root = tmp_path_factory.mktemp("gpt_oss")
+    out = gpt_oss_models(root)
+    return [*map(str, out.values()), str(gguf_release(out["gpt_oss-hf"], root / "gpt_oss.gguf"))]
+
+
+def _split_off_gpt_oss(lines: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the flagships' lines, gpt-oss's)."""
+    return [x for x in lines if x["model_type"] != "gpt_oss"], [
+        x for x in lines if x["model_type"] == "gpt_oss"
+    ]
 
 
 GEMMA = ("gemma4_text", "gemma3_text")
@@ -57,7 +82,7 @@ def _check(n: int, specs: list[str]) -> list[dict]:
     return _lines(launch(n, args, timeout=900))
 
 
-def test_two_ranks_and_a_weighted_split(models):
+def test_two_ranks_and_a_weighted_split(models, gpt_oss):
     """2 ranks: Gemma 4 by tensor and by expert (3/2 KV groups, 3/2 experts), its 4-bit
     copy, Gemma 3, and Gemma 4 with `--split 3:1` (4/1 of its 5 KV groups, the global KV
     heads those need); DeepSeek-V3.2 both ways (5/5 heads, 3/2 experts), its 4-bit copy,
@@ -86,9 +111,19 @@ def test_two_ranks_and_a_weighted_split(models):
     specs += [f"{st}#expert", f"{sq}#tensor", f"{st}%3:1#tensor"]
     nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
     specs += [f"{nh}#expert", f"{nq}#tensor", f"{nh}%3:1#tensor"]
-    lines = _check(2, [*specs, f"{models['kimi_k3']}%3:1#tensor"])
+    oss = [f"{x}~32" for x in gpt_oss]  # gpt-oss: 32 greedy tokens, both splits
+    lines = _check(2, [*specs, f"{models['kimi_k3']}%3:1#tensor", *oss])
+    lines, oss = _split_off_gpt_oss(lines)
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}
     assert _families(lines) == families and len(lines) == 25
+    # gpt-oss: its three folders and the GGUF file by tensor and by expert (3/2 KV heads,
+    # 3/2 experts, 96/64 expert columns: 3/2 MXFP4 blocks); the release's interleaved gate
+    # and up rows read once for both, the GGUF's MXFP4 blocks held as stored
+    assert len(oss) == 8
+    by = {(Path(x["path"]).name, x["split"]): x for x in oss}
+    for name in ("gpt_oss-mxfp4", "gpt_oss.gguf"):
+        a, b = by[(name, "tensor")]["experts_per_rank"]
+        assert a * 2 == b * 3, name  # 3 and 2 blocks of 32 columns of every expert
     weighted = {x["model_type"]: x["cache_per_token"] for x in lines if x["weights"]}
     a, b = weighted["gemma4_text"]
     assert a > 2 * b
@@ -105,7 +140,7 @@ def test_two_ranks_and_a_weighted_split(models):
     assert weighted["kimi_k3"] == [320 + 8 * 5248, 320 + 2 * 5248]
 
 
-def test_three_ranks(models, tmp_path):
+def test_three_ranks(models, gpt_oss, tmp_path):
     """10 query heads in 5 KV groups as 4/4/2, Gemma 4's 2 global KV heads as 1/2/1 (the
     middle rank's query heads straddle both; float32 by tensor from its `gemma4` GGUF:
     llama.cpp's layout, the experts' fused gate and up rows read in slices); the 4-bit
@@ -144,9 +179,14 @@ def test_three_ranks(models, tmp_path):
     specs += [f"{st}#tensor", f"{sq}#expert"]
     nh, g1 = str(models["nemotron_h-gguf"]), str(models["nemotron_g1"])
     k3 = packed_k3(models["kimi_k3-release"], tmp_path / "kimi_k3-packed")
-    lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{k3}#expert"])
+    oss = [f"{x}~16" for x in gpt_oss]  # gpt-oss: 16 greedy tokens, both splits
+    lines = _check(3, [*specs, f"{nh}#tensor", g1, f"{k3}#expert", *oss])
+    lines, oss = _split_off_gpt_oss(lines)
     families = {*GEMMA, *SPARSE, *MINIMAX, *KIMI, *LLAMA4, *STEP, *NEMOTRON}
     assert _families(lines) == families and len(lines) == 17
+    # gpt-oss: 10 query / 5 KV heads as 4/4/2 and 2/2/1 (as gpt-oss-120b's 64 / 8 over 3
+    # are 24/24/16 and 3/3/2), 5 experts as 2/2/1, 160 columns as 64/64/32 (the GGUF's too)
+    assert len(oss) == 8 and all(x["cache_per_token"] == [1024, 1024, 512] for x in oss)
     assert [x["cache_per_token"] for x in lines if x["model_type"] == "step3p5"] == [
         [1024, 1536, 768]
     ] * 2
@@ -167,7 +207,7 @@ def test_three_ranks(models, tmp_path):
     assert k3 == [[320 + 4 * 5248, 320 + 4 * 5248, 320 + 2 * 5248]]  # 2/2/1 heads, 2 layers
 
 
-def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
+def test_four_ranks_and_a_tp2_x_pp2_mesh(models, gpt_oss):
     """4 ranks (the 4-bit Gemma 4's KV groups 2/1/1/1), and both families as 2 stages of
     2 tensor ranks (Gemma 4: its KV-shared layers on their sources' stage, the per-layer
     inputs handed on beside h; Gemma 3: none of those); DeepSeek-V3.2's 4-bit copy on 4
@@ -195,9 +235,16 @@ def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
     specs += [f"{sq}#tensor", f"{st}@2,2#expert"]
     nh, nq = str(models["nemotron_h"]), str(models["nemotron_h-q4"])
     k3, k3q = str(models["kimi_k3-gguf"]), str(models["kimi_k3-q4"])
+    mxfp4, release = (x for x in gpt_oss if x.endswith(("gpt_oss-mxfp4", "gpt_oss-hf")))
+    oss = [f"{mxfp4}~16", f"{release}@2,2~16"]  # both splits each
     lines = _check(
-        4, [*specs, f"{nq}#tensor", f"{nh}@2,2#expert", f"{k3q}#tensor", f"{k3}@2,2#expert"]
+        4,
+        [*specs, f"{nq}#tensor", f"{nh}@2,2#expert", f"{k3q}#tensor", f"{k3}@2,2#expert", *oss],
     )
+    lines, oss = _split_off_gpt_oss(lines)
+    # gpt-oss: 4 ranks (2/1/1/1 KV heads, 2/1/1/1 experts or MXFP4 blocks) both splits,
+    # and the release layout as 2 stages of 2 (each stage a sliding and a full layer)
+    assert len(oss) == 4 and sum(x["mesh"] == [2, 2] for x in oss) == 2
     meshes = [None, [2, 2], [2, 2], None, [2, 2], None, [2, 2], None, [2, 2]]
     assert [x["mesh"] for x in lines] == meshes + [None, [2, 2]] * 4
     assert _families(lines) == {*GEMMA, *SPARSE, *MINIMAX, *KIMI, "llama4", *STEP, *NEMOTRON}

@@ -1,7 +1,10 @@
-"""Gemma 3 and Gemma 4 in one process (issue 43): mlx-lm's own gemma3_text and gemma4_text
-on the same folders are the oracle (`flagship_fixtures.py`: float32 and mlx-lm's 4-bit
-convert). The ranks (2, 3, 4, --split 3:1, tp2 x pp2, serve) are `test_flagships.py`'s
-launches, which check every family at once."""
+"""Gemma 3 and Gemma 4's own checks (issue 43): what the family test kit does not check
+of every family (tests/test_families.py: one process against mlx-lm's own gemma3_text
+and gemma4_text past the window, their caches, a chat's second turn, `bench
+--synthetic`, llama.cpp's `gemma4` GGUF, the optional fields; tests/test_flagships.py:
+the ranks): the scaled embedding on the folded path, the KV-shared layers' caches, the
+refusals, `plan` of Gemma 4 31B, a release's multimodal folder, the fused expert rows of
+the GGUF, Gemma 3's GGUF and Gemma 4's GGUF tokenizer."""
 
 from __future__ import annotations
 
@@ -11,85 +14,33 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from conftest import ROOT, run_python
-from flagship_fixtures import flagship_models
+from family_kit import ATOL, TOKENS, folders, greedy
 
-ATOL = 1e-4
+NAMES = ("gemma4", "gemma3")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    return flagship_models(tmp_path_factory.mktemp("gemma"), ("gemma4", "gemma3"))
+    return folders(tmp_path_factory, NAMES)
 
 
-def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda lp: lp.argmax(-1))
-    return [int(t) for t, _ in steps]
-
-
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.sampling import make_sampler
-
-    return [int(t) for t, _ in generate_step(model, prompt, make_sampler(0.0), n)]
-
-
-def test_one_process_equals_mlx_lm(models):
-    """Logits within 1e-4 of mlx-lm's model on the same folder (float32 and 4-bit) and
-    the same 32 greedy tokens (past the window of 4: the rotating caches wrap); the
-    caches mlx-lm's model makes (Gemma 4: none for its two KV-shared layers), holding
-    what `plan` says; the scaled embedding also on the folded path (the embedding rows
-    handed in, as the sampler's exchange hands them)."""
+def test_folded_embeddings_and_kv_shared_caches(models):
+    """The scaled embedding also on the folded path (the embedding rows handed in, as the
+    sampler's exchange hands them: the same logits, float32 and 4-bit, both families);
+    Gemma 4's two KV-shared layers make no cache (4 caches for 6 layers)."""
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
 
     from llama_tp.checkpoints import open_checkpoint
     from llama_tp.checkpoints.build import build_model
-    from llama_tp.checkpoints.slices import model_shape
-    from llama_tp.parallel.placement import kv_cache_bytes, place
 
-    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"gemma4", "gemma4-q4", "gemma4-gguf", "gemma3"}
+    x = TOKENS[:, :12]
     for name in ("gemma4", "gemma4-q4", "gemma3"):
-        path = models[name]
-        ckpt = open_checkpoint(path)
-        ours, theirs = build_model(ckpt), load_model(path)[0]
-        assert type(theirs).__module__.endswith(ckpt.args.model_type)
-        logits = ours(x)
-        assert mx.abs(logits - theirs(x)).max().item() <= ATOL, name
+        ours = build_model(open_checkpoint(models[name]))
         folded = ours(x, input_embeddings=ours.tok_embeddings(x))
-        assert mx.abs(folded - logits).max().item() == 0.0, name
-        prompt = x[0].tolist()
-        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
-        cache = make_prompt_cache(ours)
-        kinds = [type(c).__name__ for c in cache]
-        assert kinds == [type(c).__name__ for c in theirs.make_cache()], name
-        mx.eval(ours(x, cache=cache))
-        for t in range(6):
-            mx.eval(ours(mx.array([[t]]), cache=cache))
-        held = sum(c.keys[..., : c.offset, :].nbytes * 2 for c in cache)
-        shape = model_shape(ckpt)
-        assert held == kv_cache_bytes(shape, place(shape).ranks[0], tokens=18), name
+        assert mx.abs(folded - ours(x)).max().item() == 0.0, name
     assert len(make_prompt_cache(build_model(open_checkpoint(models["gemma4"])))) == 4
-
-
-def test_chat_second_turn_reuses_the_cache(models):
-    """A chat's second turn prefills only what the first did not leave in the caches
-    (sliding windows wrapped, KV-shared layers holding none)."""
-    from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
-    from llama_tp.checkpoints.tokenizer import load_tokenizer
-    from llama_tp.conversation.chat import Chat
-
-    ckpt = open_checkpoint(models["gemma4"])
-    chat = Chat(build_model(ckpt), load_tokenizer(ckpt), max_tokens=6)
-    chat.send("hi there")
-    chat.send("again")
-    assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
 
 
 def _one_error(r, expected: str) -> None:
@@ -143,23 +94,6 @@ def test_plan_of_gemma_4_31b_config():
     assert "50 of 60 layers slide over a window of 1024 tokens" in out.stdout
 
 
-def test_synthetic_gemma_4_is_mlx_lms(tmp_path):
-    """`bench --synthetic gemma4-*`: the tensors mlx-lm's own class holds, so that mlx-lm
-    loads the same folder (float32 and 4-bit) and gives the same logits."""
-    from mlx_lm.utils import load_model
-
-    from llama_tp.benchmarks.synthetic import write_synthetic
-    from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
-
-    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
-    for spec in ("gemma4-tiny-fp32", "gemma4-tiny-q4"):
-        path = write_synthetic(spec, tmp_path / spec)
-        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
-        assert ours.args.n_experts == 8 and "full_attention" in ours.args.layer_types
-        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
-
-
 def test_multimodal_folder_reads_its_language_model(models, tmp_path):
     """A `gemma4` folder as Google publishes it: the `text_config`, the language model's
     tensors under `model.language_model.`, a vision tower left unread, and keys of the
@@ -186,25 +120,13 @@ def test_multimodal_folder_reads_its_language_model(models, tmp_path):
     assert mx.abs(ours - build_model(open_checkpoint(src))(x)).max().item() == 0.0
 
 
-def test_gguf_equals_the_folder(models, tmp_path):
-    """llama.cpp's `gemma4` GGUF layout (`flagship_gguf.gguf_gemma4`: the experts' gate
-    and up stacked in ffn_gate_up_exps, the router's scales, per-layer KV heads and
-    feed-forward widths, the sliding-window flags, rope_freqs for the global layers'
-    partial RoPE, no attn_v where keys = values): float32 gives the folder's logits and
-    32 greedy tokens; Q8_0 the next tokens of its own values dequantized, its logits
-    within 0.05 (0.021, measured)."""
-    from flagship_gguf import gguf_gemma4
-
+def test_gguf_reads_the_fused_expert_rows_in_slices(models):
+    """llama.cpp's `gemma4` layout stacks the experts' gate and up rows in
+    ffn_gate_up_exps: each half read whole and sliced along any axis is that slice of the
+    whole (the kit's GGUF check gives its logits)."""
     from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
 
-    src = models["gemma4"]
-    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    folder = build_model(open_checkpoint(src))
     ckpt = open_checkpoint(models["gemma4-gguf"])
-    a = ckpt.args
-    assert a.k_eq_v and a.global_kv_heads == 2 and a.kv_sources == [None] * 4 + [3, 2]
-    assert a.rope["full_attention"][1]["partial_rotary_factor"] == 0.25
     for proj in ("gate_proj", "up_proj"):  # the fused rows' halves, sliced any way
         src_, stored = ckpt.sources[f"layers.1.experts.switch_mlp.{proj}.weight"]
         whole = src_.read(stored)
@@ -215,14 +137,6 @@ def test_gguf_equals_the_folder(models, tmp_path):
             (2, (..., slice(1, 3))),
         ):
             assert mx.array_equal(src_.read(stored, axis, 1, 3), whole[cut]), (proj, axis)
-    f32 = build_model(ckpt)
-    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
-    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
-    q8 = open_checkpoint(gguf_gemma4(src, tmp_path / "q8.gguf", 8))
-    values = gguf_gemma4(src, tmp_path / "q8-values.gguf", 8, stored=False)
-    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
-    assert mx.abs(got - want).max().item() <= 0.05
-    assert (got.argmax(-1) == want.argmax(-1)).all().item()
 
 
 def test_gemma3_gguf_equals_the_folder(models, tmp_path):
@@ -240,13 +154,13 @@ def test_gemma3_gguf_equals_the_folder(models, tmp_path):
     shutil.copytree(models["gemma3"], src)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": 32}))
-    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    x = TOKENS[:, :12]
     folder = build_model(open_checkpoint(src))
     ckpt = open_checkpoint(gguf_gemma3(src, tmp_path / "gemma3.gguf"))
     assert ckpt.args.layer_types == open_checkpoint(src).args.layer_types
     f32 = build_model(ckpt)
     assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
-    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
+    assert greedy(f32, x[0].tolist(), 32) == greedy(folder, x[0].tolist(), 32)
     q8 = open_checkpoint(gguf_gemma3(src, tmp_path / "q8.gguf", 8))
     values = gguf_gemma3(src, tmp_path / "q8-values.gguf", 8, stored=False)
     got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
@@ -274,7 +188,7 @@ def test_gguf_with_gemma4_tokenizer_chats(models, tmp_path):
     )
     assert tok.decode(prompt) == f"<bos><|turn>user\n{text}<turn|>\n<|turn>model\n"
     assert prompt[:2] == tok.convert_tokens_to_ids(["<bos>", "<|turn>"])
-    want = _greedy(build_model(open_checkpoint(models["gemma4"])), prompt, 8)
+    want = greedy(build_model(open_checkpoint(models["gemma4"])), prompt, 8)
     chat = Chat(build_model(ckpt), tok, max_tokens=8, temp=0.0)
     reply = chat.send(text)
     assert chat.last_stats.prompt_tokens == len(prompt)

@@ -1,11 +1,12 @@
 """gpt-oss (issue 30): attention sinks, sliding-window layers, biased experts behind the
 clamped SwiGLU, YaRN RoPE, MXFP4 experts. mlx-lm's own gpt_oss model on the same folder
-is the oracle in one process; every multi-rank launch checks both fixtures (float32,
-MXFP4 experts) under both expert splits against one process (`mp_moe.py`), and what
-each rank's loader read and held against its placement (what `plan` prints). The GGUF
-`gpt-oss` file llama.cpp's converter writes from the release layout: against a float64
-forward pass over gguf-py's dequantization (`reference64_gpt_oss.py`) and the release
-folder, and on 2 and 3 ranks.
+is the oracle in one process; the multi-rank checks of both fixtures (float32, MXFP4
+experts), the release layout and the GGUF file under both expert splits against one
+process (`mp_moe.py`: 2, 3 and 4 ranks, and a tp2 x pp2 mesh, with what each rank's
+loader read and held against its placement) are in test_flagships.py's launches, one per
+rank count for every family. The GGUF `gpt-oss` file llama.cpp's converter writes from
+the release layout: against a float64 forward pass over gguf-py's dequantization
+(`reference64_gpt_oss.py`) and the release folder. `serve` on 2 ranks batches requests.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import launch, run_python
+from conftest import run_python
+from family_kit import greedy, greedy_mlx_lm
 from gpt_oss_fixtures import gguf_release, gpt_oss_models
 
 ATOL = 1e-4
@@ -33,20 +35,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def gguf_file(models, tmp_path_factory) -> Path:
     return gguf_release(models["gpt_oss-hf"], tmp_path_factory.mktemp("gguf") / "gpt_oss.gguf")
-
-
-def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda lp: lp.argmax(-1))
-    return [int(t) for t, _ in steps]
-
-
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.sampling import make_sampler
-
-    return [int(t) for t, _ in generate_step(model, prompt, make_sampler(0.0), n)]
 
 
 def test_one_process_equals_mlx_lm(models):
@@ -73,7 +61,7 @@ def test_one_process_equals_mlx_lm(models):
         diff = mx.abs(ours(x) - theirs(x)).max().item()
         assert diff <= ATOL, (name, diff)
         prompt = x[0].tolist()
-        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        assert greedy(ours, prompt, 32) == greedy_mlx_lm(theirs, prompt, 32), name
         experts = ours.layers[0].feed_forward.switch_mlp
         if name != "gpt_oss":
             assert experts.down_proj.mode == "mxfp4" and experts.down_proj.weight.dtype == mx.uint32
@@ -92,48 +80,6 @@ def test_one_process_equals_mlx_lm(models):
             quantized = ours(x)
             cast_model(ours, "float32")
             assert mx.abs(ours(x) - quantized).max().item() <= ATOL
-
-
-def _lines(r) -> list[dict]:
-    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    assert lines and all(x["ok"] for x in lines), f"{r.stdout}\n{r.stderr[-3000:]}"
-    assert r.returncode == 0, r.stderr[-3000:]
-    return lines
-
-
-def test_two_ranks_both_splits(models, gguf_file):
-    """The three fixtures and the GGUF file by tensor and by expert on 2 ranks (3/2 KV
-    heads, 3/2 experts, 96/64 expert columns: 3/2 MXFP4 blocks): logits, 32 greedy tokens,
-    KV cache per token, bytes read == held == placement (the release's interleaved gate and
-    up rows read once for both; the GGUF's MXFP4 blocks held as stored, 17 bytes per 32
-    values), each rank's share of the experts."""
-    specs = [*map(str, models.values()), str(gguf_file)]
-    lines = _lines(launch(2, ["tests/mp_moe.py", *specs], timeout=900))
-    assert len(lines) == 8
-    by = {(Path(x["path"]).name, x["split"]): x for x in lines}
-    for name in ("gpt_oss-mxfp4", "gpt_oss.gguf"):
-        a, b = by[(name, "tensor")]["experts_per_rank"]
-        assert a * 2 == b * 3, name  # 3 and 2 blocks of 32 columns of every expert
-
-
-def test_three_ranks_both_splits(models, gguf_file):
-    """10 query / 5 KV heads over 3 ranks (4/4/2 and 2/2/1, as gpt-oss-120b's 64 / 8 over
-    3 are 24/24/16 and 3/3/2), 5 experts as 2/2/1, 160 columns as 64/64/32 (the GGUF
-    file's too)."""
-    specs = [*map(str, models.values()), str(gguf_file)]
-    r = launch(3, ["tests/mp_moe.py", *specs, "--steps", "16"], timeout=900)
-    lines = _lines(r)
-    assert len(lines) == 8
-    assert all(x["cache_per_token"] == [1024, 1024, 512] for x in lines)
-
-
-def test_four_ranks_and_a_tp2_x_pp2_mesh(models):
-    """4 ranks (2/1/1/1 KV heads, 2/1/1/1 experts or MXFP4 blocks) both splits, and the
-    release layout as 2 stages of 2 tensor ranks (each stage a sliding and a full layer)."""
-    specs = [str(models["gpt_oss-mxfp4"]), f"{models['gpt_oss-hf']}@2,2"]
-    lines = _lines(launch(4, ["tests/mp_moe.py", *specs, "--steps", "16"], timeout=900))
-    assert len(lines) == 4
-    assert sum(x["mesh"] == [2, 2] for x in lines) == 2
 
 
 def test_serve_concurrent_requests_on_two_ranks(models, tmp_path):
@@ -285,7 +231,7 @@ def test_gguf_file_equals_float64_and_the_release(models, gguf_file, tmp_path):
     x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
     assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL
     prompt = x[0].tolist()
-    assert _greedy(ours, prompt, 32) == _greedy(theirs, prompt, 32)
+    assert greedy(ours, prompt, 32) == greedy(theirs, prompt, 32)
     a, b = dataclasses.asdict(ckpt.args), dataclasses.asdict(release.args)
     assert {k for k in a if a[k] != b[k]} == {"rope_scaling", "norm_eps"}  # eps: float32
     assert a["norm_eps"] == pytest.approx(b["norm_eps"])

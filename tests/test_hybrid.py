@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import launch, run_python
+from family_kit import greedy, greedy_mlx_lm
 from hybrid_fixtures import gguf_hybrid, hybrids, random_tokens, release
 
 ATOL = 1e-4
@@ -60,20 +61,6 @@ def mlx_products(monkeypatch):
         yield
 
 
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.sampling import make_sampler
-
-    return [int(t) for t, _ in generate_step(model, prompt, make_sampler(0.0), n)]
-
-
-def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda lp: lp.argmax(-1))
-    return [int(t) for t, _ in steps]
-
-
 def test_one_process_equals_mlx_lm(models, monkeypatch, capsys):
     """Every folder (the release layout against mlx-lm on the MLX one): logits within 1e-4
     of mlx-lm's qwen3_5 / qwen3_5_moe / qwen3_next and the same 32 greedy tokens; each
@@ -98,7 +85,7 @@ def test_one_process_equals_mlx_lm(models, monkeypatch, capsys):
         diff = mx.abs(ours(x) - theirs(x)).max().item()
         assert diff <= ATOL, (name, diff)
         prompt = x[0].tolist()
-        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        assert greedy(ours, prompt, 32) == greedy_mlx_lm(theirs, prompt, 32), name
         cache = caches.new(ours)
         kinds = [type(c).__bases__[0].__name__ if caches.recurrent([c]) else type(c).__name__
                  for c in cache]  # fmt: skip
@@ -158,7 +145,7 @@ def test_gguf_equals_float64_and_the_folders(models):
         if folder is not None:
             theirs = build_model(open_checkpoint(models[folder]))
             assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, name
-            assert _greedy(ours, tokens, 32) == _greedy(theirs, tokens, 32), name
+            assert greedy(ours, tokens, 32) == greedy(theirs, tokens, 32), name
 
 
 def _lines(r) -> list[dict]:
@@ -284,7 +271,7 @@ def test_serve_on_two_ranks(models, tmp_path):
     ckpt = open_checkpoint(path)
     renderer = renderer_for(load_tokenizer(ckpt))
     p1, p2 = renderer.encode(first), renderer.encode(turn)
-    gen = _greedy(build_model(ckpt), p1, 10)
+    gen = greedy(build_model(ckpt), p1, 10)
     fed = len(gen) - (finish == "length")
     ends = [len(renderer.encode(first, add_generation_prompt=False)), len(p1), len(p1) + fed]
     seq = p1 + gen

@@ -1,7 +1,8 @@
-"""Kimi-Linear in one process (issue 43): mlx-lm's own kimi_linear on the same folders is
-the oracle (`flagship_fixtures.py`: float32 and mlx-lm's 4-bit convert, its router at 8
-bits as mlx-lm quantizes it). The ranks (2, 3, 4, --split 3:1, tp2 x pp2, serve) are
-`test_flagships.py`'s launches, which check every family at once."""
+"""Kimi-Linear's own checks (issue 43): what the family test kit does not check of every
+family (tests/test_families.py: one process against mlx-lm's own kimi_linear, a chat's
+second turn, `bench --synthetic`, llama.cpp's `kimi-linear` GGUF, the optional fields;
+tests/test_flagships.py: the ranks): `plan` of its release's config, the release's
+layout, and `convert`'s folder as mlx-lm loads it."""
 
 from __future__ import annotations
 
@@ -9,94 +10,14 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from conftest import ROOT, run_python
-from flagship_fixtures import flagship_models
-from mlx_lm.models.cache import ArraysCache
-
-ATOL = 1e-4
+from family_kit import ATOL, TOKENS, folders
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    return flagship_models(tmp_path_factory.mktemp("kimi"), ("kimi_linear",))
-
-
-def _held(cache: list) -> int:
-    """Bytes the caches hold: the latent's tokens, the KDA layers' four state arrays."""
-    total = 0
-    for c in cache:
-        if isinstance(c, ArraysCache):
-            total += sum(a.nbytes for a in c.cache if a is not None)
-        else:
-            total += c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes
-    return total
-
-
-def test_one_process_equals_mlx_lm(models):
-    """Logits within 1e-4 of mlx-lm's model on the same folder (float32 and 4-bit), whole
-    and as a cached prefill then single steps, the same 32 greedy tokens, the caches (the
-    latent per token, the KDA states per sequence) holding what `plan` says."""
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-    from test_sparse_attention import _greedy, _greedy_mlx_lm
-
-    from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
-    from llama_tp.checkpoints.slices import model_shape
-    from llama_tp.parallel.placement import kv_cache_bytes, place
-
-    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    assert set(models) == {"kimi_linear", "kimi_linear-q4", "kimi_linear-gguf"}
-    for name in ("kimi_linear", "kimi_linear-q4"):
-        path = models[name]
-        ckpt = open_checkpoint(path)
-        ours, theirs = build_model(ckpt), load_model(path)[0]
-        assert type(theirs).__module__.endswith("kimi_linear") and ckpt.args.kda_layers == [0]
-        kinds = [type(layer.attention).__name__ for layer in ours.layers]
-        assert kinds == ["KimiDeltaAttention", "NopeLatentAttention"]
-        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, name
-        mine, ref = make_prompt_cache(ours), make_prompt_cache(theirs)
-        for a, b in [(0, 8), (8, 9), (9, 12)]:
-            got = ours(x[:, a:b], cache=mine) - theirs(x[:, a:b], cache=ref)
-            assert mx.abs(got).max().item() <= ATOL, (name, a)
-        prompt = x[0].tolist()
-        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
-        shape = model_shape(ckpt)
-        assert _held(mine) == kv_cache_bytes(shape, place(shape).ranks[0], tokens=12), name
-
-
-def test_chat_second_turn_reuses_the_cache(models):
-    """A chat's second turn prefills only what the first did not leave in the cache (the
-    KDA states checkpointed, not rewound)."""
-    from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
-    from llama_tp.checkpoints.tokenizer import load_tokenizer
-    from llama_tp.conversation.chat import Chat
-
-    ckpt = open_checkpoint(models["kimi_linear"])
-    chat = Chat(build_model(ckpt), load_tokenizer(ckpt), max_tokens=6)
-    chat.send("hi there")
-    chat.send("again")
-    assert chat.last_stats.prompt_tokens > chat.last_stats.prefilled_tokens >= 1
-
-
-def test_synthetic_kimi_is_mlx_lms(tmp_path):
-    """`bench --synthetic kimi-*`: the tensors mlx-lm's own class holds, so that mlx-lm
-    loads the same folder (float32 and 4-bit) and gives the same logits."""
-    from mlx_lm.utils import load_model
-
-    from llama_tp.benchmarks.synthetic import write_synthetic
-    from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
-
-    x = mx.array(np.random.default_rng(0).integers(0, 512, (1, 12)), mx.int32)
-    for spec in ("kimi-tiny-fp32", "kimi-tiny-q4"):
-        path = write_synthetic(spec, tmp_path / spec)
-        ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
-        assert ours.args.model_type == "kimi_linear" and ours.args.kda_layers == [0, 1, 2]
-        assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, spec
+    return folders(tmp_path_factory, ("kimi_linear",))
 
 
 def test_plan_of_kimi_linear_config():
@@ -165,7 +86,7 @@ def test_release_layout_equals_mlx_lm(models, tmp_path):
     from llama_tp.checkpoints.build import build_model
 
     path = _release(models["kimi_linear"], tmp_path / "release")
-    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    x = TOKENS[:, :12]
     ours, theirs = build_model(open_checkpoint(path)), load_model(path)[0]
     assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL
 
@@ -179,7 +100,7 @@ def test_convert_writes_what_mlx_lm_loads(models, tmp_path):
     from llama_tp.checkpoints.build import build_model
     from llama_tp.checkpoints.convert import convert
 
-    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
+    x = TOKENS[:, :12]
     for bits in (None, 4):
         out = convert(
             models["kimi_linear"],
@@ -190,29 +111,3 @@ def test_convert_writes_what_mlx_lm_loads(models, tmp_path):
         )
         ours, theirs = build_model(open_checkpoint(out)), load_model(out)[0]
         assert mx.abs(ours(x) - theirs(x)).max().item() <= ATOL, bits
-
-
-def test_gguf_equals_the_folder(models, tmp_path):
-    """llama.cpp's `kimi-linear` GGUF layout (`flagship_fixtures.gguf_kimi`: the convs
-    (1, C, 1, K), ssm_a = -exp(A_log), k_b / v_b, a KV head count per layer): float32 gives
-    the folder's logits and 32 greedy tokens; Q8_0 the next tokens of its own values
-    dequantized, its logits within 0.05 (held as MLX 8-bit, its weights differ from the
-    dequantized values by up to 2.4e-4, these logits by 0.011: measured)."""
-    from flagship_gguf import gguf_kimi
-    from test_sparse_attention import _greedy
-
-    from llama_tp.checkpoints import open_checkpoint
-    from llama_tp.checkpoints.build import build_model
-
-    src = models["kimi_linear"]
-    x = mx.array(np.random.default_rng(0).integers(0, 389, (1, 12)), mx.int32)
-    folder = build_model(open_checkpoint(src))
-    f32 = build_model(open_checkpoint(models["kimi_linear-gguf"]))
-    assert mx.abs(f32(x) - folder(x)).max().item() <= ATOL
-    assert _greedy(f32, x[0].tolist(), 32) == _greedy(folder, x[0].tolist(), 32)
-    q8 = open_checkpoint(gguf_kimi(src, tmp_path / "q8.gguf", 8))
-    assert q8.args.kda_layers == [0] and q8.args.kda_heads == 5
-    values = gguf_kimi(src, tmp_path / "q8-values.gguf", 8, stored=False)
-    got, want = build_model(q8)(x), build_model(open_checkpoint(values))(x)
-    assert mx.abs(got - want).max().item() <= 0.05
-    assert (got.argmax(-1) == want.argmax(-1)).all().item()

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import ROOT, launch, run_python
+from family_kit import greedy, greedy_mlx_lm
 from moe_fixtures import FAMILIES, config_variant, families, ggufs, quantized
 
 DATA = ROOT / "tests" / "data"
@@ -33,20 +34,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
     out |= quantized(root / "mlx")
     out |= ggufs(root / "gguf")
     return out
-
-
-def _greedy_mlx_lm(model, prompt: list[int], n: int) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda lp: lp.argmax(-1))
-    return [int(t) for t, _ in steps]
-
-
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    from llama_tp.engine.generation import generate_step
-    from llama_tp.engine.sampling import make_sampler
-
-    return [int(t) for t, _ in generate_step(model, prompt, make_sampler(0.0), n)]
 
 
 def test_one_process_equals_mlx_lm(models, tmp_path):
@@ -76,7 +63,7 @@ def test_one_process_equals_mlx_lm(models, tmp_path):
         diff = mx.abs(ours(x) - theirs(x)).max().item()
         assert diff <= ATOL, (name, diff)
         prompt = x[0].tolist()
-        assert _greedy(ours, prompt, 32) == _greedy_mlx_lm(theirs, prompt, 32), name
+        assert greedy(ours, prompt, 32) == greedy_mlx_lm(theirs, prompt, 32), name
 
 
 def test_gguf_files_match_the_float64_reference(models):
@@ -120,7 +107,7 @@ def test_deepseek2_and_glm4moe_ggufs_equal_their_safetensors(models):
         diff = mx.abs(ours(x) - theirs(x)).max().item()
         assert diff <= ATOL, (name, diff)
         prompt = x[0].tolist()
-        assert _greedy(ours, prompt, 32) == _greedy(theirs, prompt, 32), name
+        assert greedy(ours, prompt, 32) == greedy(theirs, prompt, 32), name
 
 
 def _lines(r) -> list[dict]:

@@ -89,6 +89,15 @@ class Opened:
         )
         self.partial = shapes is not None
         self.structure = find_structure(self.model, _text(self.config, "vocab_size"))
+        self.dim = self._width()  # before a stage drops the embedding's weight
+
+    def _width(self) -> int:
+        """The hidden state's width: the config's `hidden_size`, else the token embedding's
+        (an architecture's own name for it, d_model or n_embd, is not read)."""
+        emb = module_at(self.model, self.structure.embedding) if self.structure.embedding else None
+        if isinstance(emb, nn.QuantizedEmbedding):
+            return emb.dims
+        return _text(self.config, "hidden_size") or (emb.weight.shape[1] if emb is not None else 0)
 
     def layer_bytes(self) -> tuple[list[int], int, int]:
         """Stored bytes per layer, of the embedding, and of the head (tied: the embedding)."""
@@ -111,15 +120,11 @@ class Opened:
 
     def args(self) -> GenericArgs:
         """What the engine reads of the config (`ModelArgs`' names)."""
-        emb = module_at(self.model, self.structure.embedding) if self.structure.embedding else None
-        dim = _text(self.config, "hidden_size") or (emb.weight.shape[1] if emb is not None else 0)
-        if isinstance(emb, nn.QuantizedEmbedding):
-            dim = emb.dims
         context = next((v for k in _CONTEXT_KEYS if isinstance(v := _text(self.config, k), int)),
                        1 << 20)  # fmt: skip
         return GenericArgs(
             model_type=self.route.model_type,
-            dim=int(dim),
+            dim=int(self.dim),
             n_layers=self.structure.n_layers,
             vocab_size=self.structure.vocab_size,
             max_position_embeddings=context,

@@ -207,8 +207,16 @@ def step3p5_fields(config: dict) -> dict:
     factors += [1.0] * (n - len(factors))
     enum = config.get("moe_layers_enum")
     sparse = sorted({int(i) for i in enum.split(",")}) if enum else list(range(1, n))
-    return {
+    yarn_only, scaling = list(config.get("yarn_only_types") or []), {}
+    if not config.get("layer_types") and yarn_only:
+        # mlx-lm takes every layer for "full_attention" in this choice when the types are
+        # left out: YaRN in all of them, or in none
+        yarn_only = []
+        if "full_attention" not in config["yarn_only_types"]:
+            scaling = {"rope_scaling": None}
+    return scaling | {
         "n_kv_heads": n_kv,
+        "norm_eps": config.get("rms_norm_eps", 1e-5),  # mlx-lm's step3p5 default
         "rope_theta": thetas[0],
         "layer_types": types,
         "sliding_window": config.get("sliding_window", 512),
@@ -229,7 +237,7 @@ def step3p5_fields(config: dict) -> dict:
             ),
             "rope_thetas": thetas,
             "rope_factors": [float(f) for f in factors],
-            "yarn_only_types": list(config.get("yarn_only_types") or []),
+            "yarn_only_types": yarn_only,
             "headwise_gate": bool(config.get("use_head_wise_attn_gate", True)),
             "swiglu_limits": list(config.get("swiglu_limits") or []),
             "swiglu_limits_shared": list(config.get("swiglu_limits_shared") or []),

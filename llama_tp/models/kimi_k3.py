@@ -350,6 +350,7 @@ def kimi_k3_fields(config: dict) -> dict:
     if block < 0:
         raise ValueError(f"model config: attn_res_block_size {block} (need a positive count)")
     out["q_lora_rank"] = config.get("q_lora_rank") or 0
+    out["norm_eps"] = config.get("rms_norm_eps", 1e-5)  # mlx-lm's kimi_k3 default, not 1e-6
     out["extra"] |= {
         "kda_lower_bound": lin.get("gate_lower_bound"),
         "kda_full_rank_gate": bool(lin.get("use_full_rank_gate", False)),

@@ -154,7 +154,9 @@ def nemotron_h_fields(config: dict) -> dict:
     if "M" in pattern and (min(nh, ng) < 1 or nh % ng):
         raise ValueError(f"model config: {nh} Mamba heads are not a multiple of {ng} groups")
     experts = config.get("n_routed_experts") or 0
-    shared = config.get("moe_shared_expert_intermediate_size") or 0
+    # mlx-lm's: a shared expert whenever n_shared_experts is given (0 included), as wide as
+    # moe_shared_expert_intermediate_size or else intermediate_size
+    shared = config.get("moe_shared_expert_intermediate_size") or config["intermediate_size"]
     out = {
         "n_layers": len(pattern),
         "norm_eps": config.get("layer_norm_epsilon", 1e-5),
@@ -179,9 +181,9 @@ def nemotron_h_fields(config: dict) -> dict:
             "n_experts": experts,
             "n_experts_per_tok": config["num_experts_per_tok"],
             "moe_hidden_dim": config["moe_intermediate_size"],
-            "shared_expert_dim": shared if config.get("n_shared_experts") else 0,
+            "shared_expert_dim": shared if config.get("n_shared_experts") is not None else 0,
             "shared_expert_gated": False,
-            "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+            "norm_topk_prob": bool(config.get("norm_topk_prob")),  # mlx-lm's None: not
             "router": "sigmoid_group",
             "n_group": config.get("n_group") or 1,
             "topk_group": config.get("topk_group") or 1,
